@@ -1,0 +1,50 @@
+"""`eagle3-hf <command>`: one entry point, one module per pipeline stage.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only
+when its command runs, so `eagle3-hf --help` stays fast and a stage's heavy imports stay local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("eagle3_hf.data.prepare", "render conversations with the verifier's chat template + loss masks"),
+    "regenerate": ("eagle3_hf.data.regenerate", "rewrite assistant turns with the verifier (in-process or endpoint)"),
+    "extract": ("eagle3_hf.data.extract", "run the verifier and write hidden states to sharded safetensors"),
+    "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
+    "diff-features": ("eagle3_hf.data.diff", "compare two extractions of the same samples"),
+    "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),
+    "train": ("eagle3_hf.train_cli", "train a drafter (same as examples/train.py)"),
+    "evaluate": ("eagle3_hf.speculative", "speculative decoding with the verifier: acceptance length, lossless check"),
+    "check": ("eagle3_hf.check", "lint a drafter checkpoint for silent serving failures"),
+    "export": ("eagle3_hf.export", "export a drafter to the standard or speculators layout"),
+    "push": ("eagle3_hf.hub", "check a drafter and push it to the Hub with a model card"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3-hf", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv)  # prints usage / error and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"eagle3-hf {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The data side: conversations -> samples -> shards -> packed batches (one module per stage)."""
