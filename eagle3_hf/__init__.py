@@ -1,7 +1,23 @@
 """eagle3_hf: train EAGLE-3 draft models as Hugging Face models, for SGLang and vLLM."""
 
-from .configuration_eagle3 import Eagle3Config
-from .modeling_eagle3 import Eagle3DraftModel
+from typing import TYPE_CHECKING
 
-__all__ = ["Eagle3Config", "Eagle3DraftModel"]
 __version__ = "0.1.0"
+__all__ = ["Eagle3Config", "Eagle3DraftModel"]
+
+if TYPE_CHECKING:
+    from .configuration_eagle3 import Eagle3Config
+    from .modeling_eagle3 import Eagle3DraftModel
+
+
+def __getattr__(name: str):
+    # Lazy: `eagle3-hf --help` and the data stages should not pay for importing torch + transformers.
+    if name == "Eagle3Config":
+        from .configuration_eagle3 import Eagle3Config
+
+        return Eagle3Config
+    if name == "Eagle3DraftModel":
+        from .modeling_eagle3 import Eagle3DraftModel
+
+        return Eagle3DraftModel
+    raise AttributeError(name)

