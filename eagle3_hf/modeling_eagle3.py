@@ -1,0 +1,366 @@
+"""Eagle3DraftModel: the EAGLE-3 drafter as a transformers PreTrainedModel.
+
+Reads top to bottom in the order data flows: features -> fc -> the one decoder layer ("midlayer", whose
+attention sees cat(embedding, hidden)) -> norm -> lm_head over the draft vocabulary. Two entry points:
+
+- `forward`: the training-time-test (TTT) unroll over a *packed* batch (several documents per row), as
+  DESIGN.md §3 defines it: at step i every position reads the token i places later in its document, feeds
+  back its own step i-1 output, attends causally to step-0 keys of its own document plus its own keys of
+  steps 1..i (the diagonal), at RoPE position t + i. Attention runs per document, so no compute is spent
+  on blocks the mask would throw away.
+- `draft_step`: one incremental step with a KV cache, as an engine runs the drafter (speculative.py).
+
+Checkpoints are the standard layout SGLang and vLLM load (see `eagle3_hf/export.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.utils import ModelOutput
+
+from .configuration_eagle3 import Eagle3Config
+
+PAD_DOCUMENT = -1  # document id of padding positions in a packed row
+
+
+def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):
+    """out[:, t] = x[:, t + shift] where that position is in the same document as t, else `fill`.
+
+    Returns (out, valid). The one place where "step i reads i places later, never into the next document"
+    is implemented; the trainer shifts targets with it too.
+    """
+    batch, length = document_ids.shape
+    if shift == 0:
+        return x, document_ids != PAD_DOCUMENT
+    valid = torch.zeros_like(document_ids, dtype=torch.bool)
+    out = torch.full_like(x, fill)
+    if shift < length:
+        same = (document_ids[:, shift:] == document_ids[:, :-shift]) & (document_ids[:, :-shift] != PAD_DOCUMENT)
+        valid[:, :-shift] = same
+        out[:, :-shift] = x[:, shift:]
+        mask = valid.view(batch, length, *([1] * (x.dim() - 2)))
+        out = torch.where(mask, out, torch.full_like(out, fill))
+    return out, valid
+
+
+def document_spans(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) spans of each document (padding excluded). Computed once per batch."""
+    spans = []
+    ids = document_ids.detach().cpu()
+    for row in ids:
+        values, counts = torch.unique_consecutive(row, return_counts=True)
+        row_spans, start = [], 0
+        for value, count in zip(values.tolist(), counts.tolist()):
+            if value != PAD_DOCUMENT:
+                row_spans.append((start, start + count))
+            start += count
+        spans.append(row_spans)
+    return spans
+
+
+@dataclass
+class Eagle3Output(ModelOutput):
+    """Per TTT step: draft-vocabulary logits [B, L, Vd], pre-norm layer outputs [B, L, H] (what the next
+    step feeds back) and which positions exist at that step (their input token lies in the document)."""
+
+    logits: tuple[torch.Tensor, ...] | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    step_valid: tuple[torch.Tensor, ...] | None = None
+
+
+class Eagle3Attention(nn.Module):
+    """Llama GQA attention whose q/k/v read 2 x hidden inputs: cat(embedding, hidden)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.layer_idx = 0
+        in_features = 2 * config.hidden_size
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def project(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, L, 2H] -> q [B, nh, L, hd], k and v [B, nkv, L, hd], RoPE applied."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk]."""
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling)
+        return out  # [B, Lq, nh, hd]
+
+
+def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others."""
+    allowed = torch.zeros(n, blocks * n, dtype=torch.bool, device=device)
+    allowed[:, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    eye = torch.arange(n, device=device)
+    for j in range(1, blocks):
+        allowed[eye, j * n + eye] = True
+    mask = torch.zeros(n, blocks * n, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The drafter's one layer. Input cat(input_layernorm(embed), hidden_norm(h)); residual = h."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """-> (x [B, L, 2H], residual [B, L, H]); embedding first, as SGLang and vLLM concatenate."""
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then the MLP block; returns the pre-norm output fed back at the next step."""
+        hidden = residual + self.self_attn.o_proj(attn_out)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3PreTrainedModel(PreTrainedModel):
+    config_class = Eagle3Config
+    config: Eagle3Config
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["Eagle3DecoderLayer"]
+    _keys_to_ignore_on_load_unexpected = [r"^verifier_", r"rotary_emb\.inv_freq"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear, Embedding, RMSNorm, rotary buffers as in every HF model
+        if isinstance(module, Eagle3DraftModel):  # identity mapping until a real vocabulary is installed
+            module.d2t.zero_()
+            module.t2d.zero_()
+            module.t2d[: module.config.draft_vocab_size] = True
+
+
+class Eagle3DraftModel(Eagle3PreTrainedModel):
+    """EAGLE-3 drafter. Buffers `d2t` (offsets: target id = i + d2t[i]) and `t2d` (mask over the verifier
+    vocabulary) are saved with the weights; `embed_tokens` is the verifier's, frozen, and only saved on
+    request (engines take the verifier's own)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.embed_tokens_loaded = True  # set False by from_pretrained when the checkpoint had none
+        self.post_init()
+
+    # ------------------------------------------------------------------ vocabulary mapping
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary (from eagle3_hf.data.vocab), checking it is self-consistent."""
+        from .export import validate_vocab_mapping
+
+        validate_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t.to(torch.long))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> verifier ids (d2t holds offsets)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def load_verifier_embeddings(self, verifier: nn.Module) -> None:
+        """Copy the verifier's input embedding (the engines do the same at serving time)."""
+        weight = verifier.get_input_embeddings().weight
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "
+                f"{tuple(self.embed_tokens.weight.shape)} (vocab_size x hidden_size)"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+        self.embed_tokens_loaded = True
+
+    def _check_embeddings(self) -> None:
+        if not self.embed_tokens_loaded:
+            raise RuntimeError(
+                "this drafter's checkpoint has no embed_tokens (engines share the verifier's); call "
+                "model.load_verifier_embeddings(verifier) or pass verifier=... to from_pretrained first"
+            )
+
+    # ------------------------------------------------------------------ training: the TTT unroll
+
+    def project_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Verifier features [.., 3 x target_hidden] -> drafter hidden [.., H]; drafter states pass as is."""
+        expected = 3 * self.config.target_hidden_size
+        if aux_hidden_states.shape[-1] == expected:
+            return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        if aux_hidden_states.shape[-1] == self.config.hidden_size:
+            return aux_hidden_states
+        raise ValueError(
+            f"features have size {aux_hidden_states.shape[-1]}; this drafter expects 3 x target_hidden_size = "
+            f"{expected} (verifier aux states) or hidden_size = {self.config.hidden_size}"
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        ttt_steps: int | None = None,
+        **unused,
+    ) -> Eagle3Output:
+        """TTT unroll over packed rows.
+
+        input_ids [B, L], aux_hidden_states [B, L, 3 x target_hidden] aligned per position (feature of token t
+        sits at t); position_ids [B, L] restart at 0 per document; document_ids [B, L] (-1 = padding). Step i's
+        output at t predicts token t + 2 + i; `step_valid[i]` marks where token t + 1 + i is in t's document.
+        """
+        self._check_embeddings()
+        steps = int(ttt_steps or self.config.ttt_steps)
+        batch, length = input_ids.shape
+        if document_ids is None:
+            document_ids = torch.zeros_like(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+        spans = document_spans(document_ids)
+
+        hidden = self.project_features(aux_hidden_states)  # [B, L, H]
+        cached_k, cached_v = [], []  # per step: [B, nkv, L, hd]
+        all_logits, all_hidden, all_valid = [], [], []
+        attn = self.midlayer.self_attn
+        for step in range(steps):
+            tokens, valid = shift_within_documents(input_ids, document_ids, step + 1)  # token t+1+i
+            embeds = self.embed_tokens(tokens)  # [B, L, H]
+            x, residual = self.midlayer.attention_input(embeds, hidden)  # [B, L, 2H], [B, L, H]
+            rope = self.rotary_emb(x, position_ids + step)  # the i-th draft sits i places later
+            q, k, v = attn.project(x, rope)
+            cached_k.append(k)
+            cached_v.append(v)
+            attn_out = self._attend_per_document(q, cached_k, cached_v, spans)  # [B, L, nh * hd]
+            hidden = self.midlayer.finish(attn_out, residual)  # [B, L, H] pre-norm, fed back
+            all_logits.append(self.lm_head(self.norm(hidden)))  # [B, L, Vd]
+            all_hidden.append(hidden)
+            all_valid.append(valid)
+        return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid))
+
+    def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
+        """Step i = len(keys) - 1: per document, keys [k_0 | k_1 .. k_i] with mask [causal | diag ...]."""
+        attn = self.midlayer.self_attn
+        batch, heads, length, head_dim = q.shape
+        blocks = len(keys)
+        rows = []
+        for b in range(batch):
+            pieces, cursor = [], 0
+            for start, end in spans[b]:
+                if start > cursor:  # padding before this document: zeros, never read by a valid position
+                    pieces.append(q.new_zeros(start - cursor, heads * head_dim))
+                n = end - start
+                k = torch.cat([kk[b : b + 1, :, start:end] for kk in keys], dim=2)  # [1, nkv, blocks*n, hd]
+                v = torch.cat([vv[b : b + 1, :, start:end] for vv in values], dim=2)
+                mask = _causal_with_diagonals(n, blocks, q.dtype, q.device)[None, None]
+                out = attn.attend(q[b : b + 1, :, start:end], k, v, mask)  # [1, n, nh, hd]
+                pieces.append(out.reshape(n, heads * head_dim))
+                cursor = end
+            if cursor < length:
+                pieces.append(q.new_zeros(length - cursor, heads * head_dim))
+            rows.append(torch.cat(pieces, dim=0))
+        return torch.stack(rows, dim=0)
+
+    # ------------------------------------------------------------------ inference: one step with a KV cache
+
+    @torch.no_grad()
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """Process q new positions causally after a cache, as an engine does.
+
+        input_ids [1, q] (the token after each feature), hidden_states [1, q, 3 x target_hidden] (verifier aux
+        states) or [1, q, H] (the drafter's own previous output), position_ids [1, q]. Returns
+        (logits [1, q, Vd], hidden [1, q, H] pre-norm, (k, v) cache [1, nkv, S + q, hd]). Crop the cache to
+        drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`.
+        """
+        self._check_embeddings()
+        attn = self.midlayer.self_attn
+        hidden = self.project_features(hidden_states)
+        x, residual = self.midlayer.attention_input(self.embed_tokens(input_ids), hidden)
+        q, k, v = attn.project(x, self.rotary_emb(x, position_ids))
+        if past_key_values is not None:
+            k = torch.cat([past_key_values[0], k], dim=2)
+            v = torch.cat([past_key_values[1], v], dim=2)
+        new, total = q.shape[2], k.shape[2]
+        allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+        mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        out = attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
+        hidden = self.midlayer.finish(out, residual)
+        return self.lm_head(self.norm(hidden)), hidden, (k, v)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_pretrained(self, save_directory, *args, include_embed_tokens: bool = False, **kwargs):
+        """Write the standard EAGLE-3 layout (eagle3_hf/export.py); refuses an unservable checkpoint."""
+        from .export import standard_state_dict
+
+        state_dict = kwargs.pop("state_dict", None)
+        if state_dict is None:
+            state_dict = self.state_dict()
+        state_dict = standard_state_dict(state_dict, self.config, include_embed_tokens=include_embed_tokens)
+        kwargs.setdefault("max_shard_size", "100GB")  # one model.safetensors, the layout engines expect
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, verifier=None, **kwargs):
+        """Load our layout, the standard layout other tools publish, or the speculators layout, from a
+        directory or a Hub repo id. `verifier` (a model) fills embed_tokens when the checkpoint has none."""
+        from .export import load_drafter
+
+        return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
