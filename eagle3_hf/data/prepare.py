@@ -1,0 +1,290 @@
+"""Render conversations with the verifier's own chat template and mark the tokens that carry loss.
+
+Only what the verifier itself would generate carries loss: each assistant message's content (its
+reasoning and tool calls too, when kept) and its end-of-turn token, never the system/user text or the
+assistant header. The span of assistant turn i is found without parsing any template: render
+`messages[:i]` with the generation prompt (ends right after the header) and `messages[:i+1]` (ends after
+the turn); the difference, trailing whitespace removed (ChatML's newline after `<|im_end|>` is never
+generated), is the turn. Token offsets map that character span onto tokens. A template for which the
+prefixes don't line up (e.g. one that drops reasoning from earlier turns) is refused by sample name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import sys
+from array import array
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+META_FILE = "eagle3_prepare.json"
+FORMAT = "eagle3_hf.prepare/1"
+_THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
+_BATCH_ROWS = 1024
+
+
+class NoLossTokens(ValueError):
+    """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
+
+
+def chat_template_source(tokenizer, tools: list | None = None) -> str:
+    try:
+        return tokenizer.get_chat_template(None, tools)
+    except ValueError as e:
+        name = getattr(tokenizer, "name_or_path", "tokenizer")
+        raise ValueError(f"{name}: no chat template ({e})") from None
+
+
+def apply_policies(messages: list[dict], reasoning: str = "keep", tool_calls: str = "keep",
+                   renders_reasoning: bool = False) -> list[dict]:
+    """Keep or drop reasoning and tool calls. Kept reasoning goes to `reasoning_content` when the
+    template renders that field, else inline as `<think>…</think>` (what the model actually emitted)."""
+    if reasoning not in ("keep", "drop") or tool_calls not in ("keep", "drop"):
+        raise ValueError(f"reasoning/tool_calls must be 'keep' or 'drop', got {reasoning!r}/{tool_calls!r}")
+    out = []
+    for msg in messages:
+        msg = dict(msg)
+        if tool_calls == "drop" and msg["role"] == "tool":
+            continue
+        if msg["role"] == "assistant":
+            thought = msg.pop("reasoning_content", None)
+            if reasoning == "drop":
+                msg["content"] = _THINK_RE.sub("", msg["content"])
+            elif thought:
+                if renders_reasoning:
+                    msg["reasoning_content"] = thought
+                else:
+                    msg["content"] = f"<think>\n{thought}\n</think>\n\n{msg['content']}"
+            if tool_calls == "drop":
+                had_calls = msg.pop("tool_calls", None)
+                if had_calls and not msg["content"].strip():
+                    continue  # the turn was only a tool call
+        out.append(msg)
+    return out
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools, template_kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                         tokenize=False, **template_kwargs)
+
+
+def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = None, last_turn_only: bool = False,
+                    template_kwargs: dict | None = None, sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the character spans [start, end) that carry loss."""
+    kw = template_kwargs or {}
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise NoLossTokens("no assistant turn")
+    messages = messages[: turns[-1] + 1]  # trailing user turns carry no loss
+    if last_turn_only:
+        turns = turns[-1:]
+    text = _render(tokenizer, messages, False, tools, kw)
+    spans = []
+    for i in turns:
+        prompt = _render(tokenizer, messages[:i], True, tools, kw)
+        upto = _render(tokenizer, messages[: i + 1], False, tools, kw)
+        if not upto.startswith(prompt):
+            raise ValueError(
+                f"sample {sample_id}: assistant turn {i}: the chat template's generation prompt is not a prefix "
+                f"of the rendered turn ({_diff(prompt, upto)}); try --template-kwargs (e.g. thinking flags)")
+        end = len(upto.rstrip())
+        if not text.startswith(upto[:end]):
+            raise ValueError(
+                f"sample {sample_id}: assistant turn {i} renders differently once later messages follow "
+                f"({_diff(upto[:end], text)}); the template rewrites history (e.g. drops reasoning): "
+                f"use --last-turn-only or --reasoning drop")
+        if end > len(prompt):
+            spans.append((len(prompt), end))
+    return text, spans
+
+
+def _diff(a: str, b: str) -> str:
+    n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"first difference at character {n}: {a[n:n + 30]!r} vs {b[n:n + 30]!r}"
+
+
+def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = None, last_turn_only: bool = False,
+                     reasoning: str = "keep", tool_calls: str = "keep", template_kwargs: dict | None = None,
+                     sample_id: str = "sample") -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would."""
+    renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools)
+    messages = apply_policies(messages, reasoning, tool_calls, renders_reasoning)
+    text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
+                                  template_kwargs=template_kwargs, sample_id=sample_id)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise ValueError("loss masks need a fast tokenizer (return_offsets_mapping)") from None
+    starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=len(enc["input_ids"]))
+    mask = np.zeros(len(starts), dtype=bool)
+    for a, b in spans:  # a token belongs to the turn it starts in; a header-straddling token does not
+        mask |= (starts >= a) & (starts < b)
+    return list(enc["input_ids"]), mask.astype(np.int8).tolist()
+
+
+def new_stats() -> dict:
+    return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": Counter()}
+
+
+def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_len: int | None = None,
+                          overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "keep",
+                          tool_calls: str = "keep", template_kwargs: dict | None = None,
+                          stats: dict | None = None, progress: bool = False):
+    """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
+
+    Samples without loss tokens are skipped and counted in `stats["skipped"]`; over-long ones are
+    truncated, skipped or refused (`overlong`) and counted.
+    """
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+    from tqdm.auto import tqdm
+
+    if overlong not in ("truncate", "skip", "error"):
+        raise ValueError(f"overlong must be truncate|skip|error, got {overlong!r}")
+    stats = stats if stats is not None else new_stats()
+    features = datasets.Features({"id": datasets.Value("string"),
+                                  "input_ids": datasets.List(datasets.Value("int32")),
+                                  "loss_mask": datasets.List(datasets.Value("int8"))})
+    schema = features.arrow_schema
+    batches: list = []
+    ids: list[str] = []
+    offsets, flat_ids, flat_mask = array("i", [0]), array("i"), array("b")
+
+    def flush() -> None:
+        if ids:
+            batches.append(pa.record_batch([
+                pa.array(ids, pa.string()),
+                pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat_ids, pa.int32())),
+                pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat_mask, pa.int8())),
+            ], schema=schema))
+            ids.clear()
+            del offsets[1:], flat_ids[:], flat_mask[:]
+
+    bar = tqdm(conversations, desc="prepare", unit="conv", disable=not progress)
+    for conv in bar:
+        stats["input"] += 1
+        sid = conv["id"]
+        try:
+            input_ids, loss_mask = render_with_mask(
+                conv["messages"], tokenizer, tools=conv.get("tools"), last_turn_only=last_turn_only,
+                reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
+        except NoLossTokens as e:
+            stats["skipped"][str(e)] += 1
+            continue
+        if max_seq_len is not None and len(input_ids) > max_seq_len:
+            if overlong == "error":
+                raise ValueError(f"sample {sid}: {len(input_ids)} tokens > max_seq_len {max_seq_len} "
+                                 f"(use --overlong truncate or skip)")
+            if overlong == "skip":
+                stats["skipped"][f"longer than max_seq_len {max_seq_len}"] += 1
+                continue
+            input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
+            stats["truncated"] += 1
+        n_loss = sum(loss_mask)
+        if n_loss == 0:
+            stats["skipped"]["no loss tokens" + (" within max_seq_len" if max_seq_len else "")] += 1
+            continue
+        ids.append(sid)
+        flat_ids.extend(input_ids)
+        flat_mask.extend(loss_mask)
+        offsets.append(len(flat_ids))
+        stats["samples"] += 1
+        stats["tokens"] += len(input_ids)
+        stats["loss_tokens"] += n_loss
+        if len(ids) >= _BATCH_ROWS:
+            flush()
+        bar.set_postfix(tokens=stats["tokens"], refresh=False)
+    flush()
+    table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+    return datasets.Dataset(InMemoryTable(table), info=datasets.DatasetInfo(features=features))
+
+
+def save_prepared(ds, out_dir: str | Path, meta: dict) -> Path:
+    """`save_to_disk` + meta, replacing an earlier prepare output atomically; refuses to clobber other dirs."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / META_FILE).is_file():
+        raise FileExistsError(f"{out} exists, is not empty and is not a prepare output; choose another --output")
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    ds.save_to_disk(str(tmp))
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    if out.exists():
+        shutil.rmtree(out)  # an older dataset (and any vocab built from it) is stale now
+    tmp.rename(out)
+    return out
+
+
+def load_prepared(path: str | Path) -> tuple[Any, dict]:
+    """The prepared Dataset and its meta; a directory without meta is refused by name."""
+    import datasets
+
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path}: not a prepared dataset (no {META_FILE}); run `eagle3-hf prepare`")
+    return datasets.load_from_disk(str(path)), json.loads(meta_path.read_text())
+
+
+def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> dict:
+    from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+
+    counts = dict(stats, skipped=dict(stats["skipped"]))
+    return {
+        "format": FORMAT,
+        "tokenizer": tokenizer_name,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "tokenizer_vocab_size": len(tokenizer),
+        "chat_template_sha256": hashlib.sha256(chat_template_source(tokenizer).encode()).hexdigest(),
+        "options": options,
+        "counts": counts,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", default="smollm2-135m-instruct", help="verifier name, Hub id or path")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--input", required=True, help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
+    parser.add_argument("--split", default="train", help="split when --input is a dataset")
+    parser.add_argument("--output", required=True, help="output directory (datasets save_to_disk)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
+    parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument("--overlong", choices=("truncate", "skip", "error"), default="truncate")
+    parser.add_argument("--last-turn-only", action="store_true", help="loss on the last assistant turn only")
+    parser.add_argument("--reasoning", choices=("keep", "drop"), default="keep")
+    parser.add_argument("--tool-calls", choices=("keep", "drop"), default="keep")
+    parser.add_argument("--template-kwargs", type=json.loads, default=None,
+                        help='JSON passed to the chat template, e.g. \'{"enable_thinking": true}\'')
+
+
+def run(args: argparse.Namespace) -> int:
+    from eagle3_hf.assets import load_tokenizer
+    from eagle3_hf.data.conversations import load_conversations
+
+    tokenizer = load_tokenizer(args.tokenizer, revision=args.revision)
+    conversations = load_conversations(args.input, limit=args.limit, split=args.split)
+    options = {"input": args.input, "limit": args.limit, "max_seq_len": args.max_seq_len, "overlong": args.overlong,
+               "last_turn_only": args.last_turn_only, "reasoning": args.reasoning, "tool_calls": args.tool_calls,
+               "template_kwargs": args.template_kwargs}
+    stats = new_stats()
+    ds = prepare_conversations(conversations, tokenizer, max_seq_len=args.max_seq_len, overlong=args.overlong,
+                               last_turn_only=args.last_turn_only, reasoning=args.reasoning,
+                               tool_calls=args.tool_calls, template_kwargs=args.template_kwargs,
+                               stats=stats, progress=True)
+    meta = build_meta(tokenizer, args.tokenizer, stats, options)
+    out = save_prepared(ds, args.output, meta)
+    c = meta["counts"]
+    print(f"prepare: {c['samples']}/{c['input']} samples, {c['tokens']} tokens, {c['loss_tokens']} loss tokens "
+          f"-> {out}", file=sys.stderr)
+    if c["truncated"]:
+        print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
+    for reason, n in c["skipped"].items():
+        print(f"prepare: skipped {n} samples: {reason}", file=sys.stderr)
+    return 0

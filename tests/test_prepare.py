@@ -1,0 +1,288 @@
+"""Conversation reading and loss masks: the masked tokens, decoded, must be exactly the assistant's text
+plus its end-of-turn token, for ChatML (the real SmolLM2 template), Llama-3 and DeepSeek-V3/Kimi-style
+templates written out below as the models ship them."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from eagle3_hf import cli
+from eagle3_hf.data.conversations import load_conversations, read_jsonl_conversations, write_jsonl
+from eagle3_hf.data.prepare import META_FILE, load_prepared, new_stats, prepare_conversations, render_with_mask
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# DeepSeek-V3's shipped template (system prompts hoisted, tool calls and tool outputs in its own tokens).
+DEEPSEEK_V3_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}"
+    "{%- else %}{% set ns.system_prompt = ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}"
+    "{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message['content'] is none %}"
+    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' "
+    "+ tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' "
+    "+ '<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + message['content'] + "
+    "'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] "
+    "+ '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{%- endif %}{%- set ns.is_first = true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] "
+    "+ '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] "
+    "+ '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}"
+    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' not in message %}{%- if ns.is_tool %}"
+    "{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}"
+    "{%- else %}{% set content = message['content'] %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}"
+    "{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] "
+    "+ '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}"
+    "{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}"
+    "{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
+)
+# Kimi-K2-Thinking style: reasoning rendered only for turns after the last user message; history gets <think></think>.
+KIMI_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}{%- if loop.first and message['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user and message.reasoning_content is defined and message.reasoning_content -%}"
+    "<think>{{ message['reasoning_content'] }}</think>{%- else -%}<think></think>{%- endif -%}"
+    "{{ message['content'] }}<|im_end|>"
+    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+def _variant(path, template: str, bos: str, eos: str, extra: list[str]):
+    """The SmolLM2 tokenizer with another template and that model family's special tokens added."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"bos_token": bos, "eos_token": eos, "additional_special_tokens": extra})
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def llama3(default_verifier_dir):
+    return _variant(default_verifier_dir, LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                    ["<|start_header_id|>", "<|end_header_id|>"])
+
+
+@pytest.fixture(scope="module")
+def deepseek(default_verifier_dir):
+    extra = ["<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+             "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+             "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+    return _variant(default_verifier_dir, DEEPSEEK_V3_TEMPLATE, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", extra)
+
+
+@pytest.fixture(scope="module")
+def kimi(default_verifier_dir):
+    extra = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]
+    return _variant(default_verifier_dir, KIMI_THINKING_TEMPLATE, "[BOS]", "<|im_end|>", extra)
+
+
+def segments(tok, ids: list[int], mask: list[int]) -> list[str]:
+    """Decoded runs of consecutive loss tokens."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+CHAT = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6."},
+]
+
+
+def test_chatml_multi_turn(tokenizer):
+    ids, mask = render_with_mask(CHAT, tokenizer)
+    assert ids == tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
+    assert segments(tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    # the newline after <|im_end|> and the header are not trained on
+    text = tokenizer.convert_ids_to_tokens(ids)
+    last_end = max(i for i, t in enumerate(text) if t == "<|im_end|>")
+    assert mask[last_end] == 1 and mask[last_end + 1] == 0 and len(ids) == last_end + 2
+
+
+def test_chatml_last_turn_only_and_trailing_user(tokenizer):
+    convo = CHAT + [{"role": "user", "content": "unanswered"}]
+    ids, mask = render_with_mask(convo, tokenizer, last_turn_only=True)
+    assert segments(tokenizer, ids, mask) == ["It is 6.<|im_end|>"]
+    assert "unanswered" not in tokenizer.decode(ids)  # nothing after the last assistant turn is kept
+
+
+def test_llama3(llama3):
+    convo = [{"role": "system", "content": "Be brief."}] + CHAT
+    ids, mask = render_with_mask(convo, llama3)
+    assert segments(llama3, ids, mask) == ["2+2 is 4.<|eot_id|>", "It is 6.<|eot_id|>"]
+    assert ids[0] == llama3.bos_token_id and ids.count(llama3.bos_token_id) == 1 and mask[0] == 0
+
+
+def test_deepseek_multi_turn_and_tool_calls(deepseek):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    convo = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"sky": "sunny"}'},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+    ]
+    ids, mask = render_with_mask(convo, deepseek)
+    assert segments(deepseek, ids, mask) == [
+        "Hello!<｜end▁of▁sentence｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+        "It is sunny in Paris.<｜end▁of▁sentence｜>",
+    ]
+    assert "sunny\"}" in deepseek.decode(ids)  # the tool output is context, not loss
+    ids, mask = render_with_mask(convo, deepseek, tool_calls="drop")
+    assert segments(deepseek, ids, mask) == ["Hello!<｜end▁of▁sentence｜>", "It is sunny in Paris.<｜end▁of▁sentence｜>"]
+    assert "get_weather" not in deepseek.decode(ids) and "sky" not in deepseek.decode(ids)
+
+
+def test_reasoning_inline_for_chatml(tokenizer):
+    convo = [{"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4.", "reasoning_content": "add two and two"}]
+    ids, mask = render_with_mask(convo, tokenizer, reasoning="keep")
+    assert segments(tokenizer, ids, mask) == ["<think>\nadd two and two\n</think>\n\n4.<|im_end|>"]
+    ids, mask = render_with_mask(convo, tokenizer, reasoning="drop")
+    assert segments(tokenizer, ids, mask) == ["4.<|im_end|>"]
+    inline = [convo[0], {"role": "assistant", "content": "<think>hmm</think>\n\n4."}]
+    ids, mask = render_with_mask(inline, tokenizer, reasoning="drop")
+    assert segments(tokenizer, ids, mask) == ["4.<|im_end|>"]
+
+
+def test_reasoning_rendered_by_template(kimi):
+    convo = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+             {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4.", "reasoning_content": "add"}]
+    ids, mask = render_with_mask(convo, kimi, last_turn_only=True)
+    assert segments(kimi, ids, mask) == ["<think>add</think>4.<|im_end|>"]
+    with pytest.raises(ValueError, match=r"sample conv-7: assistant turn 1 renders differently.*--last-turn-only"):
+        render_with_mask(convo, kimi, sample_id="conv-7")  # history reasoning is dropped by the template
+    ids, mask = render_with_mask(convo, kimi, reasoning="drop")
+    assert segments(kimi, ids, mask) == ["<think></think>Hello.<|im_end|>", "<think></think>4.<|im_end|>"]
+
+
+def test_template_breaking_prefix_is_refused(tokenizer, deepseek):
+    r1 = DEEPSEEK_V3_TEMPLATE.replace("{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    assert r1 != DEEPSEEK_V3_TEMPLATE
+    with pytest.raises(ValueError, match="sample s1: assistant turn 1: .*generation prompt is not a prefix"):
+        render_with_mask(CHAT[:2], deepseek, template_kwargs={"chat_template": r1}, sample_id="s1")
+
+
+def test_prepare_counts_overlong_and_skips(tokenizer):
+    convs = [{"id": "a", "messages": CHAT}, {"id": "b", "messages": [{"role": "user", "content": "no answer"}]},
+             {"id": "c", "messages": CHAT[:2]}]
+    full = len(render_with_mask(CHAT, tokenizer)[0])
+    short = len(render_with_mask(CHAT[:2], tokenizer)[0])
+    stats = new_stats()
+    ds = prepare_conversations(convs, tokenizer, max_seq_len=short, overlong="truncate", stats=stats)
+    assert ds["id"] == ["a", "c"] and [len(x) for x in ds["input_ids"]] == [short, short]
+    assert stats["truncated"] == 1 and dict(stats["skipped"]) == {"no assistant turn": 1}
+    assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "int8"
+    assert stats["tokens"] == 2 * short and stats["loss_tokens"] == sum(map(sum, ds["loss_mask"]))
+    stats = new_stats()
+    ds = prepare_conversations(convs, tokenizer, max_seq_len=short, overlong="skip", stats=stats)
+    assert ds["id"] == ["c"] and stats["skipped"][f"longer than max_seq_len {short}"] == 1
+    with pytest.raises(ValueError, match=f"sample a: {full} tokens > max_seq_len {short}"):
+        prepare_conversations(convs, tokenizer, max_seq_len=short, overlong="error")
+    stats = new_stats()  # truncated before any assistant token: nothing to learn, skipped and counted
+    ds = prepare_conversations(convs[:1], tokenizer, max_seq_len=5, stats=stats)
+    assert len(ds) == 0 and stats["skipped"]["no loss tokens within max_seq_len"] == 1
+
+
+def test_reading_formats_and_errors(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [
+        {"id": "sg", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                                       {"from": "gpt", "value": "A"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q2"}]},
+                      {"role": "assistant", "content": None, "reasoning_content": "r",
+                       "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]}]},
+    ]
+    write_jsonl(path, rows)
+    convs = read_jsonl_conversations(path)
+    assert convs[0] == {"id": "sg", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                                                 {"role": "assistant", "content": "A"}]}
+    assert convs[1]["id"] == "row-1" and convs[1]["messages"][0]["content"] == "Q2"
+    assert convs[1]["messages"][1] == {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+
+    bad = tmp_path / "bad.jsonl"
+    cases = [
+        ('{"messages": [{"role": "user", "content": "x"}]}\n\n{oops\n', r"bad\.jsonl:3: invalid JSON"),
+        ('{"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]}\n',
+         r"bad\.jsonl:1: message 1: unknown from 'robot'"),
+        ('{"text": "hello"}\n', r"bad\.jsonl:1: no 'messages' \(OpenAI\) or 'conversations'"),
+        ('{"messages": [{"role": "user", "content": 5}]}\n', r"bad\.jsonl:1: message 0: content must be a string"),
+        ('{"id": 1, "messages": [{"role": "user", "content": "a"}]}\n' * 2, r"duplicate id '1'"),
+    ]
+    for text, pattern in cases:
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=pattern):
+            read_jsonl_conversations(bad)
+
+    # a datasets dataset saved to disk, OpenAI columns (absent fields arrive as None and stay absent)
+    ds = datasets.Dataset.from_list([{"id": "d0", "messages": [{"role": "user", "content": "Q", "name": None},
+                                                               {"role": "assistant", "content": "A", "name": None}]}])
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert load_conversations(str(tmp_path / "ds")) == [
+        {"id": "d0", "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}]
+
+
+def test_cli_prepare(tmp_path, tokenizer, capsys):
+    from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": f"c{i}", "messages": CHAT} for i in range(3)]
+                + [{"id": "lonely", "messages": [{"role": "user", "content": "hi"}]}])
+    out = tmp_path / "prepared"
+    argv = ["prepare", "--tokenizer", "smollm2-135m-instruct", "--input", str(src), "--output", str(out),
+            "--max-seq-len", "40", "--limit", "4"]
+    assert cli.main(argv) == 0
+    ds, meta = load_prepared(out)
+    assert ds["id"] == ["c0", "c1", "c2"] and all(len(x) == 40 for x in ds["input_ids"])
+    c = meta["counts"]
+    assert (c["input"], c["samples"], c["truncated"], c["skipped"]) == (4, 3, 3, {"no assistant turn": 1})
+    assert c["loss_tokens"] == sum(map(sum, ds["loss_mask"])) > 0
+    assert meta["tokenizer"] == "smollm2-135m-instruct"
+    assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    assert len(meta["chat_template_sha256"]) == 64
+    err = capsys.readouterr().err
+    assert "truncated 3 samples" in err and "skipped 1 samples: no assistant turn" in err
+    assert cli.main(argv) == 0  # re-running replaces the earlier output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not a prepare output"):
+        cli.main(argv[:-5] + [str(tmp_path / "other")])
+    assert json.loads((out / META_FILE).read_text())["counts"]["samples"] == 3
