@@ -1,0 +1,139 @@
+"""Capture a verifier's EAGLE-3 features in one forward pass: three aux states, the final state, its greedy token.
+
+Aux indices are transformers `output_hidden_states` indices (DESIGN.md §3): 0 = embeddings, k = output of
+decoder layer k-1. They are read with forward hooks on exactly those layers, so a 61-layer verifier keeps
+3 extra [T, H] tensors alive instead of 62. The final state is the decoder's `last_hidden_state` (after
+the final norm) and the greedy token is the full-vocabulary argmax of the verifier's own logits, computed
+through its output embedding a chunk of positions at a time so [T, V] fp32 logits never exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
+_LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
+
+
+def default_aux_indices(num_layers: int) -> tuple[int, int, int]:
+    """(2, N//2, N-3): low, middle and high layers, as in the EAGLE-3 paper and both engines' defaults.
+
+    Below 7 layers (tiny test models) that triple collides, so (1, N//2, N-1) is used instead.
+    """
+    if num_layers < 4:
+        raise ValueError(f"a verifier needs at least 4 layers for three distinct aux indices, got {num_layers}")
+    if num_layers >= 7:
+        return (2, num_layers // 2, num_layers - 3)
+    return (1, num_layers // 2, num_layers - 1)
+
+
+def text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_aux_indices(aux_indices, num_layers: int) -> tuple[int, int, int]:
+    """Three increasing-or-not, distinct indices in 1..N-1 (index N is post-norm; no engine can capture it)."""
+    indices = tuple(int(i) for i in aux_indices)
+    if len(indices) != 3:
+        raise ValueError(f"expected 3 aux layer indices, got {list(indices)}")
+    if len(set(indices)) != 3:
+        raise ValueError(f"aux layer indices must be distinct, got {list(indices)}")
+    bad = [i for i in indices if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"aux layer indices {bad} out of range: they are output_hidden_states indices and must lie in "
+            f"1..{num_layers - 1} for a {num_layers}-layer verifier (0 is the embedding, {num_layers} is post-norm)"
+        )
+    return indices
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The verifier's list of decoder layers (`model.model.layers` for Llama-like models)."""
+    num_layers = text_config(model).num_hidden_layers
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for _name, module in model.named_modules():  # other layouts: the first ModuleList of the right length
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The verifier's final norm (applied to the last layer's output before the LM head)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
+        module = getattr(decoder, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise ValueError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f)")
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    """Where input ids must go: the embedding's device (device_map-sharded models put it on the first one)."""
+    weight = model.get_input_embeddings().weight
+    return torch.device("cpu") if weight.device.type == "meta" else weight.device
+
+
+@torch.no_grad()
+def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """Full-vocabulary argmax of lm_head(h) per position, chunked over positions: [T, H] -> int64 [T].
+
+    `model_or_head` is a causal LM (its output embedding and `final_logit_softcapping` are used) or a bare
+    head module (then pass `softcap`). Soft-capping is monotonic, so it is applied only to stay faithful.
+    """
+    head = model_or_head
+    if hasattr(model_or_head, "get_output_embeddings"):
+        head = model_or_head.get_output_embeddings()
+        softcap = getattr(text_config(model_or_head), "final_logit_softcapping", None)
+    vocab = head.weight.shape[0]
+    chunk = max(1, _LOGIT_ELEMENTS_PER_CHUNK // vocab)
+    out = []
+    for start in range(0, last_hidden_state.shape[0], chunk):
+        logits = head(last_hidden_state[start : start + chunk])  # [c, V]
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        out.append(logits.argmax(dim=-1).to(last_hidden_state.device))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
+
+
+@torch.no_grad()
+def capture_features(
+    model: nn.Module, input_ids: torch.Tensor, aux_indices, out_device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """Run the verifier once on one sequence and return its EAGLE-3 features, in the verifier's dtype.
+
+    input_ids: LongTensor [T] or [1, T]. Returns aux_hidden_states [T, 3H] (concatenated in index order),
+    last_hidden_state [T, H] (post-norm) and verifier_greedy int64 [T], all on `out_device` (default: the
+    device of the final hidden state).
+    """
+    num_layers = text_config(model).num_hidden_layers
+    indices = check_aux_indices(aux_indices, num_layers)
+    ids = input_ids.reshape(1, -1).to(_input_device(model), dtype=torch.long)  # [1, T]
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(index: int):
+        def hook(_module, _args, output):
+            captured[index] = (output[0] if isinstance(output, tuple) else output)[0]  # [T, H]
+
+        return hook
+
+    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in indices]
+    try:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        out = decoder(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    last = out.last_hidden_state[0]  # [T, H], after the final norm
+    missing = [i for i in indices if i not in captured]
+    if missing:
+        raise RuntimeError(f"hooks on decoder layers for aux indices {missing} did not fire")
+    device = torch.device(out_device) if out_device is not None else last.device
+    greedy = greedy_tokens(model, last)
+    aux = torch.cat([captured[i].to(device) for i in indices], dim=-1)  # [T, 3H]
+    return {"aux_hidden_states": aux, "last_hidden_state": last.to(device), "verifier_greedy": greedy.to(device)}
