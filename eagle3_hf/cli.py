@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
+    if hasattr(module, "main_argv"):  # commands that parse their own arguments (HfArgumentParser)
+        return int(module.main_argv(rest) or 0)
     parser = argparse.ArgumentParser(prog=f"eagle3-hf {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(rest)

@@ -79,6 +79,7 @@ class Eagle3Output(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     step_valid: tuple[torch.Tensor, ...] | None = None
+    teacher_logits: torch.Tensor | None = None  # [B, L, Vd] verifier logits on the draft vocabulary
 
 
 class Eagle3Attention(nn.Module):
@@ -194,6 +195,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed_tokens_loaded = True  # set False by from_pretrained when the checkpoint had none
+        self.verifier_lm_head: nn.Linear | None = None  # frozen teacher rows, attached for training only
+        self.teacher_logit_softcap: float | None = None
         self.post_init()
 
     # ------------------------------------------------------------------ vocabulary mapping
@@ -210,9 +213,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         """Draft-vocabulary ids -> verifier ids (d2t holds offsets)."""
         return draft_ids + self.d2t[draft_ids]
 
-    def load_verifier_embeddings(self, verifier: nn.Module) -> None:
-        """Copy the verifier's input embedding (the engines do the same at serving time)."""
-        weight = verifier.get_input_embeddings().weight
+    def load_verifier_embeddings(self, verifier: nn.Module | torch.Tensor) -> None:
+        """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving."""
+        weight = verifier if torch.is_tensor(verifier) else verifier.get_input_embeddings().weight
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
                 f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "
@@ -221,6 +224,28 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
         self.embed_tokens_loaded = True
+
+    def attach_teacher(self, verifier: nn.Module | torch.Tensor, logit_softcap: float | None = None) -> None:
+        """Keep the verifier's lm_head rows for the draft vocabulary (frozen): the teacher distribution is
+        lm_head(h_last) restricted to the draft vocabulary — never full-vocabulary logits. Attach after the
+        vocabulary mapping is final. Never saved (not part of the checkpoint contract)."""
+        if torch.is_tensor(verifier):
+            weight = verifier  # [V, H]
+        else:
+            weight = verifier.get_output_embeddings().weight
+            logit_softcap = logit_softcap or getattr(verifier.config, "final_logit_softcapping", None)
+        if weight.shape[0] < self.config.vocab_size or weight.shape[1] != self.config.target_hidden_size:
+            raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
+                             f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")
+        targets = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        rows = weight.detach()[targets.to(weight.device)]  # [Vd, H]
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.lm_head.weight.device,
+                         dtype=self.lm_head.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(rows)
+        head.requires_grad_(False)
+        self.verifier_lm_head = head
+        self.teacher_logit_softcap = logit_softcap
 
     def _check_embeddings(self) -> None:
         if not self.embed_tokens_loaded:
@@ -250,6 +275,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         ttt_steps: int | None = None,
+        last_hidden_state: torch.Tensor | None = None,
         **unused,
     ) -> Eagle3Output:
         """TTT unroll over packed rows.
@@ -257,6 +283,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         input_ids [B, L], aux_hidden_states [B, L, 3 x target_hidden] aligned per position (feature of token t
         sits at t); position_ids [B, L] restart at 0 per document; document_ids [B, L] (-1 = padding). Step i's
         output at t predicts token t + 2 + i; `step_valid[i]` marks where token t + 1 + i is in t's document.
+        With `last_hidden_state` [B, L, H] (the verifier's, post-norm) and a teacher attached, also returns the
+        teacher logits — computed here so that ZeRO-3 gathers the frozen head like any other weight.
         """
         self._check_embeddings()
         steps = int(ttt_steps or self.config.ttt_steps)
@@ -284,7 +312,14 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             all_logits.append(self.lm_head(self.norm(hidden)))  # [B, L, Vd]
             all_hidden.append(hidden)
             all_valid.append(valid)
-        return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid))
+        teacher = None
+        if last_hidden_state is not None and self.verifier_lm_head is not None:
+            with torch.no_grad():
+                teacher = self.verifier_lm_head(last_hidden_state.to(self.verifier_lm_head.weight.dtype))
+                if self.teacher_logit_softcap:
+                    teacher = torch.tanh(teacher / self.teacher_logit_softcap) * self.teacher_logit_softcap
+        return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
+                            teacher_logits=teacher)
 
     def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
         """Step i = len(keys) - 1: per document, keys [k_0 | k_1 .. k_i] with mask [causal | diag ...]."""

@@ -1,0 +1,128 @@
+"""TTT targets, the loss and per-step metrics — one definition shared by the trainer, evaluation and diff.
+
+For step i the drafter's output at position t predicts token t + 2 + i (DESIGN.md §3). Its teacher is the
+verifier's distribution at position t + 1 + i (restricted to the draft vocabulary, renormalised), its
+greedy reference is `verifier_greedy[t + 1 + i]`, and it counts only where token t + 2 + i is an
+assistant token of the same document. Positions whose greedy token lies outside the draft vocabulary
+carry no loss but count as misses in accuracy (such a token can never be accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .modeling_eagle3 import shift_within_documents
+
+
+@dataclass
+class StepTargets:
+    teacher_position_valid: torch.Tensor  # [B, L] bool: scored at this step (assistant, same document)
+    greedy: torch.Tensor  # [B, L] long: the verifier's greedy token being predicted
+    in_vocab: torch.Tensor  # [B, L] bool: greedy token is in the draft vocabulary
+    shift: int  # teacher / greedy position = t + shift
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.teacher_position_valid & self.in_vocab
+
+
+def step_targets(batch: dict[str, torch.Tensor], step: int, t2d: torch.Tensor) -> StepTargets:
+    """Where step `step` is scored and against what (see the module docstring)."""
+    doc = batch["document_ids"]
+    greedy, _ = shift_within_documents(batch["verifier_greedy"], doc, step + 1)
+    assistant, valid = shift_within_documents(batch["loss_mask"].bool(), doc, step + 2)
+    scored = assistant & valid
+    return StepTargets(scored, greedy, t2d[greedy] & scored, step + 1)
+
+
+def count_loss_tokens(batch: dict[str, torch.Tensor], t2d: torch.Tensor) -> torch.Tensor:
+    """Step-0 loss positions: the Trainer's `num_items_in_batch`, so the loss doesn't depend on packing."""
+    return step_targets(batch, 0, t2d.to(batch["verifier_greedy"].device)).loss_mask.sum()
+
+
+def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+                          shift: int) -> torch.Tensor:
+    """Σ over masked positions t of CE(softmax(teacher[t + shift]), student[t]).
+
+    student/teacher [B, L, Vd], mask [B, L] (already guarantees t + shift is in t's document). Only the
+    masked rows are gathered, so no shifted copy of the [B, L, Vd] teacher is ever made.
+    """
+    rows, cols = mask.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return student_logits.sum() * 0.0
+    student = student_logits[rows, cols].float()  # [N, Vd]
+    teacher = teacher_logits[rows, cols + shift].float()  # [N, Vd]
+    return -(F.softmax(teacher, dim=-1) * F.log_softmax(student, dim=-1)).sum()
+
+
+@dataclass
+class StepStats:
+    """Counts accumulated over batches (and reduced over processes) -> accuracy, conditional accuracy, τ."""
+
+    steps: int
+    scored: list = field(default_factory=list)
+    correct: list = field(default_factory=list)
+    cond_scored: list = field(default_factory=list)
+    cond_correct: list = field(default_factory=list)
+    loss_sum: list = field(default_factory=list)
+    loss_tokens: list = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens"):
+            setattr(self, name, [0.0] * self.steps)
+
+    def as_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor([self.scored, self.correct, self.cond_scored, self.cond_correct, self.loss_sum,
+                             self.loss_tokens], dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "StepStats":
+        stats = cls(t.shape[1])
+        rows = t.double().cpu().tolist()
+        stats.scored, stats.correct, stats.cond_scored, stats.cond_correct, stats.loss_sum, stats.loss_tokens = rows
+        return stats
+
+    @torch.no_grad()
+    def update(self, logits: tuple, batch: dict, d2t: torch.Tensor, t2d: torch.Tensor, step_losses=None) -> None:
+        """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,
+        equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor."""
+        all_right = None
+        for i in range(self.steps):
+            targets = step_targets(batch, i, t2d)
+            draft = logits[i].argmax(dim=-1)
+            right = (draft + d2t[draft] == targets.greedy) & targets.teacher_position_valid
+            scored = targets.teacher_position_valid
+            self.scored[i] += float(scored.sum())
+            self.correct[i] += float(right.sum())
+            cond = scored if all_right is None else scored & all_right
+            self.cond_scored[i] += float(cond.sum())
+            self.cond_correct[i] += float((right & cond).sum())
+            all_right = right if all_right is None else all_right & right
+            if step_losses is not None:
+                self.loss_sum[i] += float(step_losses[i][0])
+                self.loss_tokens[i] += float(step_losses[i][1])
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        caccs = []
+        for i in range(self.steps):
+            out[f"acc_{i}"] = self.correct[i] / max(self.scored[i], 1.0)
+            cacc = self.cond_correct[i] / max(self.cond_scored[i], 1.0)
+            out[f"cond_acc_{i}"] = cacc
+            caccs.append(cacc)
+            if self.loss_tokens[i]:
+                out[f"loss_{i}"] = self.loss_sum[i] / self.loss_tokens[i]
+        out["simulated_acceptance_length"] = simulated_acceptance_length(caccs)
+        return out
+
+
+def simulated_acceptance_length(conditional_accuracies: list[float]) -> float:
+    """1 + Σ_k Π_{j≤k} cacc_j: the verifier's bonus token plus the expected accepted drafts (≤ K + 1)."""
+    total, running = 1.0, 1.0
+    for cacc in conditional_accuracies:
+        running *= cacc
+        total += running
+    return total

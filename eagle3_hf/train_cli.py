@@ -1,0 +1,283 @@
+"""Training entry point behind `examples/train.py` and `eagle3-hf train`.
+
+Builds the drafter (from scratch, or `--finetune-from` a directory / Hub repo in any supported layout),
+the packed datasets (offline shards, or `--online` with the verifier producing features in-process), and
+runs `Eagle3Trainer`. Arguments are HfArgumentParser dataclasses; `--config FILE.yaml|json` supplies
+defaults that the command line overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, HfArgumentParser
+
+from .assets import resolve_verifier
+from .configuration_eagle3 import Eagle3Config
+from .modeling_eagle3 import Eagle3DraftModel
+from .trainer import Eagle3Trainer, Eagle3TrainingArguments, training_summary, write_json
+
+logger = logging.getLogger("eagle3_hf.train")
+
+
+@dataclass
+class ModelArguments:
+    verifier: str = field(default="smollm2-135m-instruct", metadata={"help": "verifier name, path or repo id"})
+    verifier_revision: str | None = field(default=None)
+    finetune_from: str | None = field(
+        default=None, metadata={"help": "initialise from this drafter (directory or Hub repo id, any layout)"}
+    )
+    finetune_vocab: str = field(
+        default="source",
+        metadata={"help": "source: keep the source's d2t/t2d (dataset targets follow it); dataset: use the "
+                          "dataset's vocabulary and remap lm_head rows explicitly", "choices": ["source", "dataset"]},
+    )
+    attn_implementation: str = field(default="sdpa", metadata={"choices": ["sdpa", "eager", "flex_attention"]})
+
+
+@dataclass
+class DataArguments:
+    data_dir: str | None = field(default=None, metadata={"help": "features directory from `eagle3-hf extract`"})
+    prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for --online"})
+    online: bool = field(default=False, metadata={"help": "verifier in the training process, nothing on disk"})
+    vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the data dir)"})
+    max_seq_len: int = field(default=2048)
+    packing: bool = field(default=True)
+    overlong: str = field(default="truncate", metadata={"choices": ["truncate", "split", "error"]})
+    validation_fraction: float = field(default=0.05)
+    config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, Eagle3TrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
+                "save_total_limit": 2, "dataloader_num_workers": 0}
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        with open(path, encoding="utf-8") as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                loaded = yaml.safe_load(f) or {}
+            else:
+                loaded = json.load(f)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(loaded) - known)
+        if unknown:
+            raise SystemExit(f"{path}: unknown keys {unknown}")
+        defaults.update(loaded)
+    parser.set_defaults(**defaults)
+    if "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
+        raise SystemExit("--output-dir is required")
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+# ---------------------------------------------------------------- verifier pieces without the verifier
+
+def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
+    1 T-parameter verifier never has to be instantiated to train its drafter offline."""
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+
+    path = Path(resolve_verifier(name_or_path))
+    if not path.is_dir():
+        path = Path(snapshot_download(name_or_path, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
+    files = sorted(path.glob("*.safetensors"))
+    index_file = path / "model.safetensors.index.json"
+    where: dict[str, Path] = {}
+    if index_file.is_file():
+        with open(index_file, encoding="utf-8") as f:
+            where = {k: path / v for k, v in json.load(f)["weight_map"].items()}
+    else:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                where.update({k: file for k in f.keys()})
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise ValueError(f"{path}: no *embed_tokens.weight tensor found")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(where[key]), framework="pt") as f:
+            return f.get_tensor(key).float()
+
+    return read(embed_key), read(head_key)
+
+
+# ---------------------------------------------------------------- the drafter
+
+def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_indices, fingerprint,
+                  ttt_steps: int) -> tuple[Eagle3DraftModel, dict]:
+    """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info)."""
+    info: dict = {"init": "scratch"}
+    config = Eagle3Config.from_verifier(
+        verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
+        verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
+        tokenizer_fingerprint=fingerprint, ttt_steps=ttt_steps,
+    )
+    config._attn_implementation = model_args.attn_implementation
+    if not model_args.finetune_from:
+        model = Eagle3DraftModel(config)
+        model.set_vocab_mapping(d2t, t2d)
+        return model, info
+
+    source = Eagle3DraftModel.from_pretrained(model_args.finetune_from, attn_implementation=model_args.attn_implementation)
+    src = source.config
+    info = {"init": f"finetune:{model_args.finetune_from}", "warnings": []}
+    for name in ("hidden_size", "target_hidden_size", "vocab_size"):
+        if getattr(src, name) != getattr(config, name):
+            raise ValueError(f"--finetune-from {model_args.finetune_from}: {name} {getattr(src, name)} cannot fit "
+                             f"this verifier's {getattr(config, name)}")
+    if list(src.aux_hidden_state_indices or []) != list(aux_indices):
+        info["warnings"].append(f"source drafter read aux layers {src.aux_hidden_state_indices}, the data has "
+                                f"{list(aux_indices)}: its fc weights expect other features")
+    if src.verifier_name_or_path and src.verifier_name_or_path != model_args.verifier:
+        info["warnings"].append(f"source drafter was trained for verifier {src.verifier_name_or_path!r}, "
+                                f"not {model_args.verifier!r}")
+    if src.tokenizer_fingerprint and fingerprint and src.tokenizer_fingerprint != fingerprint:
+        info["warnings"].append("source drafter was built for another tokenizer (fingerprint differs)")
+    for message in info["warnings"]:
+        logger.warning("FINETUNE SOURCE MISMATCH: %s", message)
+    source.config.aux_hidden_state_indices = list(aux_indices)
+    source.config.verifier_name_or_path = model_args.verifier
+    source.config.verifier_revision = model_args.verifier_revision
+    source.config.tokenizer_fingerprint = fingerprint
+    source.config.ttt_steps = ttt_steps
+    if model_args.finetune_vocab == "dataset":
+        info["remapped_rows"] = remap_lm_head(source, d2t, t2d)
+    return source, info
+
+
+def remap_lm_head(model: Eagle3DraftModel, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
+    """Switch a drafter to another draft vocabulary, moving each lm_head row to its token's new index.
+    Tokens the source never drafted get a fresh row. Returns how many rows carried over."""
+    old_targets = model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist()
+    old_row = {t: i for i, t in enumerate(old_targets)}
+    new_targets = (torch.arange(d2t.numel()) + d2t).tolist()
+    old_weight = model.lm_head.weight.detach().clone()
+    new_head = torch.nn.Linear(old_weight.shape[1], len(new_targets), bias=False, dtype=old_weight.dtype)
+    torch.nn.init.normal_(new_head.weight, std=model.config.initializer_range)
+    carried = 0
+    with torch.no_grad():
+        for j, target in enumerate(new_targets):
+            if target in old_row:
+                new_head.weight[j] = old_weight[old_row[target]]
+                carried += 1
+    model.lm_head = new_head
+    model.config.draft_vocab_size = len(new_targets)
+    model.register_buffer("d2t", torch.zeros(len(new_targets), dtype=torch.long))
+    model.set_vocab_mapping(d2t, t2d)
+    return carried
+
+
+# ---------------------------------------------------------------- data
+
+def build_datasets(data_args: DataArguments, model_args: ModelArguments):
+    """(train, eval, collator, manifest-like info). Offline reads shards; online runs the verifier."""
+    from .data.dataset import FeatureDataset, PackedCollator, PackedDataset
+
+    vf = data_args.validation_fraction
+    pack = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing, overlong=data_args.overlong)
+    if data_args.online:
+        from .assets import load_verifier
+        from .data.online import OnlineFeatureCollator, PreparedDataset
+
+        if not data_args.prepared_dir:
+            raise SystemExit("--online needs --prepared-dir")
+        with open(Path(data_args.prepared_dir) / "eagle3_prepare.json", encoding="utf-8") as f:
+            fingerprint = json.load(f)["tokenizer_fingerprint"]
+        verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
+        collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
+        train = PackedDataset(PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint), **pack)
+        evals = PackedDataset(PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint), **pack)
+        info = {"aux_layer_indices": list(collator.aux_indices), "tokenizer_fingerprint": fingerprint,
+                "source_dir": data_args.prepared_dir}
+        return train, evals, collator, info
+    if not data_args.data_dir:
+        raise SystemExit("pass --data-dir (features from `eagle3-hf extract`) or --online --prepared-dir")
+    train_features = FeatureDataset(data_args.data_dir, "train", vf)
+    eval_features = FeatureDataset(data_args.data_dir, "validation", vf, verify="none")
+    manifest = train_features.manifest
+    info = {"aux_layer_indices": list(manifest["aux_layer_indices"]),
+            "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"), "source_dir": data_args.data_dir,
+            "verifier": manifest.get("verifier", {})}
+    train = PackedDataset(train_features, **pack)
+    evals = PackedDataset(eval_features, **pack)
+    return train, evals, PackedCollator(max_seq_len=data_args.max_seq_len), info
+
+
+def default_vocab_path(data_args: DataArguments) -> str:
+    if data_args.vocab:
+        return data_args.vocab
+    for base in (data_args.data_dir, data_args.prepared_dir):
+        if base and (Path(base) / "vocab.safetensors").is_file():
+            return str(Path(base) / "vocab.safetensors")
+    raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> dict:
+    from .data.vocab import load_vocab
+
+    model_args, data_args, args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
+                                                 revision=model_args.verifier_revision)
+    train, evals, collator, info = build_datasets(data_args, model_args)
+    recorded = info.get("verifier", {})
+    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(getattr(
+            getattr(verifier_config, "text_config", verifier_config), "hidden_size")):
+        raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
+                         f"{model_args.verifier} has {verifier_config.hidden_size}")
+    vocab_size = int(getattr(getattr(verifier_config, "text_config", verifier_config), "vocab_size"))
+    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
+
+    model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
+                                info["tokenizer_fingerprint"], args.ttt_steps)
+    embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
+    model.load_verifier_embeddings(embed)
+    model.attach_teacher(head, getattr(verifier_config, "final_logit_softcapping", None))
+    logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
+                model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
+
+    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
+    if model_args.finetune_from and len(evals):
+        before = trainer.evaluate(metric_key_prefix="source")
+        init["source_metrics"] = before
+        logger.warning("finetune source before training: step-0 acc %.3f, simulated τ %.2f",
+                       before.get("source_acc_0", float("nan")),
+                       before.get("source_simulated_acceptance_length", float("nan")))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    final = trainer.evaluate() if len(evals) else {}
+    trainer.save_model(args.output_dir)
+    summary = training_summary(
+        trainer, final, verifier=model_args.verifier, init=init,
+        data={"name": info["source_dir"], "num_train_rows": len(train), "num_train_tokens": train.stats["tokens"],
+              "packing": train.stats},
+        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online},
+    )
+    summary["log_history"] = trainer.state.log_history
+    if trainer.is_world_process_zero():
+        write_json(os.path.join(args.output_dir, "eagle3_training.json"), summary)
+    return summary
+
+
+def main_argv(argv: list[str]) -> int:
+    """`eagle3-hf train ...`: the same arguments as examples/train.py."""
+    main(argv)
+    return 0
