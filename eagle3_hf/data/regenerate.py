@@ -1,0 +1,387 @@
+"""Let the verifier rewrite the assistant turns, so the drafter learns the verifier's own distribution.
+
+Each assistant turn is regenerated from the conversation up to it, earlier turns already regenerated
+(turn by turn, as the verifier would have answered); a conversation ending on a user or tool message
+gets a final answer. Assistant turns that call tools are kept verbatim (the tool results that follow
+depend on them). Two backends: in-process transformers (batched, left padding) or an OpenAI-compatible
+`/v1/chat/completions` endpoint (SGLang, vLLM) with concurrent requests and retries.
+
+Output is JSONL, one finished conversation per line, flushed and fsync'd; a restart skips the ids
+already there, so a killed run resumes with nothing lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable, Iterable
+
+# (content, reasoning or None, tool_calls or None, finish_reason, generated tokens)
+Completion = tuple[str, "str | None", "list | None", str, int]
+_RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class EndpointError(RuntimeError):
+    pass
+
+
+class _Conversation:
+    """Walks one conversation: hands out the prompt of each turn to (re)generate, takes the answers."""
+
+    def __init__(self, conv: dict):
+        self.conv, self.src, self.pos, self.out = conv, conv["messages"], 0, []
+        self.finish: list[str] = []
+        self.answered_tail = False
+
+    def next_prompt(self) -> list[dict] | None:
+        while self.pos < len(self.src):
+            msg = self.src[self.pos]
+            asks = any(m["role"] in ("user", "tool") for m in self.out)
+            if msg["role"] == "assistant" and not msg.get("tool_calls") and asks:
+                return list(self.out)
+            self.out.append(msg)
+            self.pos += 1
+        if self.out and self.out[-1]["role"] in ("user", "tool") and not self.answered_tail:
+            return list(self.out)
+        return None
+
+    def accept(self, completion: Completion) -> None:
+        content, reasoning, tool_calls, finish, _ = completion
+        msg = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        self.out.append(msg)
+        self.finish.append(finish)
+        if self.pos < len(self.src):
+            self.pos += 1  # replaces the source turn
+        else:
+            self.answered_tail = True
+
+    def row(self, model: str) -> dict:
+        row = {"id": self.conv["id"], "messages": self.out}
+        if self.conv.get("tools") is not None:
+            row["tools"] = self.conv["tools"]
+        row["regenerated"] = {"model": model, "finish_reasons": self.finish}
+        return row
+
+
+# ---------------------------------------------------------------- backends
+
+class TransformersBackend:
+    """The verifier in this process; prompts are batched with left padding."""
+
+    def __init__(self, verifier: str, revision: str | None = None, device: str | None = None, dtype: str = "auto",
+                 max_new_tokens: int = 1024, temperature: float = 0.0, top_p: float = 1.0):
+        import torch
+
+        from eagle3_hf.assets import load_tokenizer, load_verifier
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        self.name = verifier
+        self.tokenizer = load_tokenizer(verifier, revision=revision)
+        self.tokenizer.padding_side = "left"
+        self.model = load_verifier(verifier, revision=revision, dtype=getattr(torch, dtype)).to(self.device)
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        if not eos:
+            raise ValueError(f"{verifier}: no eos token id in its generation config or tokenizer")
+        self.eos = sorted(eos)
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+
+    def generate(self, prompts: list[tuple[list[dict], list | None]]) -> list[Completion]:
+        import torch
+
+        texts = [self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False)
+                 for m, t in prompts]
+        enc = self.tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(self.device)
+        sampling = {"do_sample": False}
+        if self.temperature > 0:
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+        with torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
+                                      pad_token_id=self.pad, **sampling)
+        results = []
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            stop = next((k for k, tok in enumerate(row) if tok in self.eos), None)
+            tokens = row if stop is None else row[:stop]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            results.append((text, None, None, "length" if stop is None else "stop", len(tokens) + (stop is not None)))
+        return results
+
+
+def chat_completions_url(endpoint: str) -> str:
+    """Accept `http://host:port`, `…/v1` or the full `…/v1/chat/completions`."""
+    url = endpoint.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+class EndpointBackend:
+    """An OpenAI-compatible server. The API key is sent as a bearer token and never printed."""
+
+    def __init__(self, endpoint: str, model: str, api_key: str | None = None, max_new_tokens: int = 1024,
+                 temperature: float = 0.0, top_p: float = 1.0, timeout: float = 600.0, max_retries: int = 5,
+                 retry_backoff: float = 1.0):
+        self.url, self.name = chat_completions_url(endpoint), model
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        host = urllib.parse.urlparse(self.url).hostname or ""
+        # loopback servers are reached directly, whatever proxy the environment names
+        handlers = [urllib.request.ProxyHandler({})] if host in ("127.0.0.1", "localhost", "::1") else []
+        self._opener = urllib.request.build_opener(*handlers)
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.timeout, self.max_retries, self.retry_backoff = timeout, max_retries, retry_backoff
+
+    def _post(self, payload: dict) -> dict:
+        data = json.dumps(payload).encode()
+        problem = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(30.0, self.retry_backoff * 2 ** (attempt - 1)) * (0.5 + random.random() / 2))
+            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
+            try:
+                with self._opener.open(request, timeout=self.timeout) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode("utf-8", "replace").strip()
+                problem = f"HTTP {e.code}: {detail}"
+                if e.code in _RETRY_HTTP:
+                    continue
+                raise EndpointError(f"{self.url}: {problem}") from None
+            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+                problem = str(getattr(e, "reason", e))
+                continue
+            try:
+                return json.loads(body)
+            except json.JSONDecodeError:
+                raise EndpointError(f"{self.url}: response is not JSON: {body[:200]!r}") from None
+        raise EndpointError(f"{self.url}: gave up after {self.max_retries + 1} attempts; last error: {problem}")
+
+    def complete(self, messages: list[dict], tools: list | None = None) -> Completion:
+        keep = ("role", "content", "tool_calls", "tool_call_id", "name")
+        payload = {"model": self.name, "messages": [{k: m[k] for k in keep if k in m} for m in messages],
+                   "max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        if tools:
+            payload["tools"] = tools
+        reply = self._post(payload)
+        try:
+            choice = reply["choices"][0]
+            msg = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise EndpointError(f"{self.url}: unexpected response without choices[0].message: "
+                                f"{json.dumps(reply)[:200]}") from None
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        tokens = (reply.get("usage") or {}).get("completion_tokens") or 0
+        return (msg.get("content") or "", reasoning, msg.get("tool_calls"), choice.get("finish_reason") or "?", tokens)
+
+
+# ---------------------------------------------------------------- resumable output
+
+def completed_ids(path: str | Path) -> set[str]:
+    """Ids already in the output. A torn last line (killed mid-write) is cut off; other damage is refused."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    raw = path.read_bytes()
+    end = raw.rfind(b"\n") + 1  # a line is written with its newline last: anything after it is torn
+    ids: set[str] = set()
+    for line_no, line in enumerate(raw[:end].split(b"\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg}); fix or remove the file") from None
+        if not isinstance(row, dict) or "id" not in row:
+            raise ValueError(f"{path}:{line_no}: not a regenerated conversation (no id)")
+        if str(row["id"]) in ids:
+            raise ValueError(f"{path}:{line_no}: duplicate id {row['id']!r}")
+        ids.add(str(row["id"]))
+    if end < len(raw):
+        print(f"regenerate: {path}: dropping an unfinished last line ({len(raw) - end} bytes)", file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return ids
+
+
+class _Writer:
+    def __init__(self, path: str | Path):
+        self.f = open(path, "a", encoding="utf-8")
+
+    def __call__(self, row: dict) -> None:
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ---------------------------------------------------------------- drivers
+
+def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable) -> None:
+    def one(conv: dict) -> tuple[dict, int]:
+        state, tokens = _Conversation(conv), 0
+        while (prompt := state.next_prompt()) is not None:
+            completion = backend.complete(prompt, conv.get("tools"))
+            tokens += completion[4]
+            state.accept(completion)
+        return state.row(backend.name), tokens
+
+    failed: tuple[str, BaseException] | None = None
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futures = {pool.submit(one, conv): conv["id"] for conv in todo}
+        for fut in as_completed(futures):
+            if fut.cancelled():
+                continue
+            try:
+                row, tokens = fut.result()
+            except Exception as e:  # stop submitting; finished conversations are still written
+                if failed is None:
+                    failed = (futures[fut], e)
+                    for other in futures:
+                        other.cancel()
+                continue
+            write(row)
+            tick(row, tokens)
+    if failed is not None:
+        raise EndpointError(f"conversation {failed[0]}: {failed[1]} (finished ones are saved; rerun to resume)")
+
+
+def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable, batch_size: int,
+                 tick: Callable) -> None:
+    """Keep up to batch_size conversations in flight; each step generates one turn for each of them."""
+    pending, active, exhausted = iter(todo), [], False
+    tokens: Counter = Counter()
+    while True:
+        while True:  # fill the batch; finished conversations leave it and are written at once
+            while len(active) < batch_size and not exhausted:
+                conv = next(pending, None)
+                exhausted = conv is None
+                if conv is not None:
+                    active.append(_Conversation(conv))
+            needing, prompts = [], []
+            for state in active:
+                prompt = state.next_prompt()
+                if prompt is None:
+                    row = state.row(backend.name)
+                    write(row)
+                    tick(row, tokens.pop(state.conv["id"], 0))
+                else:
+                    needing.append(state)
+                    prompts.append((prompt, state.conv.get("tools")))
+            changed, active = len(needing) < len(active), needing
+            if not changed or exhausted:
+                break
+        if not active:
+            return
+        for state, completion in zip(active, backend.generate(prompts)):
+            tokens[state.conv["id"]] += completion[4]
+            state.accept(completion)
+
+
+def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, concurrency: int = 16,
+               batch_size: int = 8, progress: bool = True) -> dict:
+    """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts."""
+    from tqdm.auto import tqdm
+
+    conversations = list(conversations)
+    seen: set[str] = set()
+    for conv in conversations:
+        if conv["id"] in seen:
+            raise ValueError(f"input: duplicate conversation id {conv['id']!r}; ids must be unique to resume")
+        seen.add(conv["id"])
+    done = completed_ids(output)
+    todo = [c for c in conversations if c["id"] not in done]
+    stats = {"input": len(conversations), "already_done": len(conversations) - len(todo), "written": 0,
+             "turns": 0, "tokens": 0, "finish_reasons": Counter()}
+    start = time.monotonic()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
+
+    def tick(row: dict, tokens: int) -> None:
+        stats["written"] += 1
+        stats["turns"] += len(row["regenerated"]["finish_reasons"])
+        stats["tokens"] += tokens
+        stats["finish_reasons"].update(row["regenerated"]["finish_reasons"])
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.1f}", refresh=False)
+
+    write = _Writer(output)
+    try:
+        if isinstance(backend, TransformersBackend):
+            _run_batched(todo, backend, write, batch_size, tick)
+        else:
+            _run_endpoint(todo, backend, write, concurrency, tick)
+    finally:
+        write.close()
+        bar.close()
+    stats["seconds"] = time.monotonic() - start
+    return stats
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--output", required=True, help="output JSONL (appended; existing ids are skipped)")
+    parser.add_argument("--limit", type=int, default=None)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--verifier", help="in-process transformers verifier: name, Hub id or path")
+    src.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--model", help="model name for --endpoint")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="env var holding the API key (never printed)")
+    parser.add_argument("--concurrency", type=int, default=16, help="parallel requests (--endpoint)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (--endpoint)")
+    parser.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--batch-size", type=int, default=8, help="conversations per batch (--verifier)")
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from eagle3_hf.data.conversations import load_conversations
+
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    if args.endpoint:
+        if not args.model:
+            print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
+            return 2
+        backend = EndpointBackend(args.endpoint, args.model, api_key=os.environ.get(args.api_key_env),
+                                  timeout=args.timeout, max_retries=args.max_retries, **gen)
+    else:
+        import torch
+
+        torch.manual_seed(args.seed)
+        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype, **gen)
+    conversations = load_conversations(args.input, limit=args.limit, split=args.split)
+    stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size)
+    print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
+          f"{stats['turns']} turns, {stats['tokens']} tokens in {stats['seconds']:.1f}s "
+          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)
+    cut = stats["finish_reasons"].get("length", 0)
+    if cut:
+        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short", file=sys.stderr)
+    return 0

@@ -1,0 +1,91 @@
+"""A small OpenAI-compatible `/v1/chat/completions` server for tests, on 127.0.0.1 and a free port.
+
+Replies are a deterministic function of the request (`reply_for`), so a test can recompute what a
+correct regeneration must contain. Knobs: a delay per request (to observe concurrency), a number of
+initial 503s (to exercise retries), a predicate that rejects requests with 400, and a required API key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+
+def reply_for(messages: list[dict]) -> str:
+    last = messages[-1]["content"]
+    return f"[{len(messages)}] re: {last[:24]}"
+
+
+class OpenAIStub:
+    def __init__(self, delay: float = 0.0, fail_first: int = 0, reject: Callable[[list[dict]], bool] | None = None,
+                 api_key: str | None = None, model: str = "stub-model"):
+        self.delay, self.fail_first, self.reject, self.api_key, self.model = delay, fail_first, reject, api_key, model
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def _send(self, code: int, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.rstrip("/") == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                if self.path != "/v1/chat/completions":
+                    return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if stub.api_key is not None and self.headers.get("Authorization") != f"Bearer {stub.api_key}":
+                    return self._send(401, {"error": {"message": "bad api key"}})
+                with stub.lock:
+                    stub.requests.append(payload)
+                    n = len(stub.requests)
+                    stub.in_flight += 1
+                    stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                try:
+                    time.sleep(stub.delay)
+                    if n <= stub.fail_first:
+                        return self._send(503, {"error": {"message": "overloaded"}})
+                    messages = payload["messages"]
+                    if stub.reject is not None and stub.reject(messages):
+                        return self._send(400, {"error": {"message": "rejected by test"}})
+                    content = reply_for(messages)
+                    self._send(200, {
+                        "id": f"chatcmpl-{n}", "object": "chat.completion", "model": payload["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": content}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": len(content.split()),
+                                  "total_tokens": 1 + len(content.split())},
+                    })
+                finally:
+                    with stub.lock:
+                        stub.in_flight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "OpenAIStub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
