@@ -1,0 +1,203 @@
+"""`eagle3-hf extract`: run the verifier over a prepared dataset and write its features to shards.
+
+Offline mode of DESIGN.md §1 step 3. One verifier forward per sample (no padding, so a sample's features
+do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one). Under
+`torchrun` / `accelerate launch` each rank takes samples i with i % world_size == rank, writes its own
+shards and journal, and rank 0 merges all journals into manifest.json once every sample is accounted for.
+Killed at any point, the same command resumes (see shards.py for why nothing is lost or duplicated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import capture_features, check_aux_indices, default_aux_indices, text_config
+from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+
+PREPARE_META = "eagle3_prepare.json"
+
+
+def load_prepared(prepared_dataset, tokenizer_fingerprint: str | None = None):
+    """A prepared `datasets.Dataset` (or its save_to_disk directory), checked for columns and tokenizer."""
+    from datasets import Dataset, load_from_disk
+
+    where = "the prepared dataset"
+    if not isinstance(prepared_dataset, Dataset):
+        path = Path(prepared_dataset)
+        where = str(path)
+        meta_path = path / PREPARE_META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{path}: not a prepared dataset ({PREPARE_META} missing; run `eagle3-hf prepare`)")
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        found = meta.get("tokenizer_fingerprint")
+        if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
+            raise ValueError(
+                f"{meta_path}: prepared with tokenizer {found}, but the verifier's tokenizer is "
+                f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
+            )
+        prepared_dataset = load_from_disk(str(path))
+    missing = [c for c in ("id", "input_ids", "loss_mask") if c not in prepared_dataset.column_names]
+    if missing:
+        raise ValueError(f"{where}: missing column(s) {missing} (has {prepared_dataset.column_names})")
+    ids = prepared_dataset["id"]
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise ValueError(f"{where}: sample id {dup!r} appears more than once")
+    return prepared_dataset
+
+
+def prepared_lengths(ds) -> list[int]:
+    """Token count of every row, read from the Arrow list offsets (no row is decoded)."""
+    import pyarrow.compute as pc
+
+    if getattr(ds, "_indices", None) is not None:
+        ds = ds.flatten_indices()
+    return pc.list_value_length(ds.data.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
+
+
+def verifier_info(verifier, name: str | None = None, revision: str | None = None) -> dict:
+    config = text_config(verifier)
+    name = name or getattr(verifier.config, "_name_or_path", None) or type(verifier).__name__
+    return {"name": str(name), "revision": revision, "num_hidden_layers": int(config.num_hidden_layers),
+            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size)}
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world_size) as torchrun and accelerate launch set them."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> dict:
+    """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    want = set(all_ids)
+    while True:
+        manifest = merge_manifests(out_dir, write=False)
+        done = {s["id"] for s in manifest["samples"]}
+        for ids in manifest.get("skipped_ids", {}).values():
+            done.update(ids)
+        if want <= done or (deadline is not None and time.monotonic() > deadline):
+            if not want <= done:
+                print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
+                      f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
+            return merge_manifests(out_dir, write=True)
+        time.sleep(poll_s)
+
+
+def extract_features(
+    verifier,
+    tokenizer_fingerprint: str,
+    prepared_dataset,
+    out_dir: str | Path,
+    aux_indices=None,
+    dtype: str = "bfloat16",
+    samples_per_shard: int = 64,
+    max_shard_bytes: int = 1 << 30,
+    verifier_name: str | None = None,
+    verifier_revision: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    progress: bool = True,
+    merge_timeout_s: float | None = 48 * 3600,
+) -> dict[str, Any]:
+    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary dict.
+
+    Appending to a directory built with another verifier, tokenizer, aux layers or dtype is refused.
+    """
+    from tqdm.auto import tqdm
+
+    env_rank, env_world = dist_env()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    out_dir = Path(out_dir)
+    info = verifier_info(verifier, verifier_name, verifier_revision)
+    indices = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]),
+                                info["num_hidden_layers"])
+    ds = load_prepared(prepared_dataset, tokenizer_fingerprint)
+    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype))
+    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=samples_per_shard,
+                         max_shard_bytes=max_shard_bytes)
+    all_ids = list(ds["id"])
+    todo = [i for i in range(rank, len(ds), world_size) if all_ids[i] not in writer.done_ids]
+    lengths = prepared_lengths(ds)
+    resumed = sum(1 for i in range(rank, len(ds), world_size)) - len(todo)
+    bar = tqdm(total=int(sum(lengths[i] for i in todo)), unit="tok", unit_scale=True, desc=f"extract r{rank}",
+               disable=not progress,
+               dynamic_ncols=True)
+    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+    start = time.perf_counter()
+    try:
+        for i in todo:
+            row = rows[i]
+            sample_id = all_ids[i]
+            input_ids = row["input_ids"].long()  # [T]
+            if input_ids.numel() == 0:
+                writer.skip(sample_id, "empty")
+                continue
+            feats = capture_features(verifier, input_ids, indices)
+            writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"],
+                       feats["last_hidden_state"], feats["verifier_greedy"])
+            bar.update(input_ids.numel())
+            bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
+    finally:
+        writer.close()
+        bar.close()
+    elapsed = time.perf_counter() - start
+    summary = {"rank": rank, "world_size": world_size, "written_samples": writer.written_samples,
+               "written_tokens": writer.written_tokens, "resumed_past": resumed,
+               "skipped": dict(writer.skipped_counts), "seconds": round(elapsed, 3),
+               "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None}
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if rank == 0:
+        manifest = _wait_and_merge(out_dir, all_ids, merge_timeout_s)
+        summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
+    return summary
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
+    parser.add_argument("--revision", default=None, help="verifier revision (Hub)")
+    parser.add_argument("--data", required=True, help="prepared dataset directory (from `eagle3-hf prepare`)")
+    parser.add_argument("--output", required=True, help="feature directory (created, or resumed/appended)")
+    parser.add_argument("--aux-layers", default=None,
+                        help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
+    parser.add_argument("--device-map", default=None, help="e.g. auto: shard a big verifier over the visible GPUs")
+    parser.add_argument("--device", default=None, help="device for the verifier (default cuda:LOCAL_RANK or cpu)")
+    parser.add_argument("--torch-dtype", default="auto", help="verifier compute dtype (auto = checkpoint's)")
+    parser.add_argument("--samples-per-shard", type=int, default=64)
+    parser.add_argument("--max-shard-mb", type=int, default=1024, help="a shard is closed at this size too")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from ..assets import load_tokenizer, load_verifier
+    from .fingerprint import tokenizer_fingerprint
+
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    kwargs: dict[str, Any] = {"dtype": args.torch_dtype}
+    if args.device_map:
+        kwargs["device_map"] = args.device_map
+    verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
+    if not args.device_map:
+        device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+        verifier.to(device)
+    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
+    summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux, dtype=args.dtype,
+                               samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_mb << 20,
+                               verifier_name=args.verifier, verifier_revision=args.revision,
+                               progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,363 @@
+"""The on-disk feature format: sharded safetensors, per-rank journals, one merged manifest.
+
+A feature directory holds
+  shard-r{rank:03d}-{idx:05d}.safetensors   many samples concatenated along tokens:
+      input_ids int32 [N], loss_mask uint8 [N], verifier_greedy int32 [N],
+      aux_hidden_states [N, 3H], last_hidden_state [N, H]   (bfloat16, float32, or float8_e4m3fn with
+      aux_hidden_states_scale f32 [N, 3] and last_hidden_state_scale f32 [N, 1], one scale per H-row)
+  manifest.r{rank:03d}.jsonl   the rank's journal: a header line, then one line per durable shard
+  manifest.json                all journals merged (what readers open)
+
+Why a journal: a shard file is written to a temporary name, fsynced and renamed, and only then is its line
+appended (and fsynced) to the journal. A kill at any point leaves every journaled shard complete and
+nothing else counted, so a restart resumes after the last journaled sample — no sample lost or duplicated,
+and appending a line costs O(1) where rewriting a manifest per shard would cost O(samples).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+FORMAT, VERSION = "eagle3_hf.features", 1
+MANIFEST = "manifest.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+                  "fp32": "float32", "f32": "float32"}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Header fields that must match to append to a directory (the verifier dict is compared whole).
+HEADER_KEYS = ("format", "version", "verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype")
+# Per-sample tensors in checksum order; scales only exist for fp8.
+SAMPLE_KEYS = ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "aux_hidden_states_scale",
+               "last_hidden_state", "last_hidden_state_scale")
+_SHARD_RE = re.compile(r"^shard-r(\d{3})-(\d{5})\.safetensors$")
+
+
+def canonical_dtype(name: str) -> str:
+    name = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if name not in DTYPES:
+        raise ValueError(f"unknown feature dtype {name!r}: choose bf16, fp8 (float8_e4m3fn) or float32")
+    return name
+
+
+def shard_name(rank: int, idx: int) -> str:
+    return f"shard-r{rank:03d}-{idx:05d}.safetensors"
+
+
+def journal_name(rank: int) -> str:
+    return f"manifest.r{rank:03d}.jsonl"
+
+
+def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices, dtype: str, **extra: Any) -> dict:
+    header = {"format": FORMAT, "version": VERSION, "verifier": dict(verifier),
+              "tokenizer_fingerprint": tokenizer_fingerprint,
+              "aux_layer_indices": [int(i) for i in aux_layer_indices], "dtype": canonical_dtype(dtype)}
+    header.update(extra)
+    return header
+
+
+# ---------------------------------------------------------------- quantisation
+
+def quantize(x: torch.Tensor, rows: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, rows*H] float -> stored tensor, plus f32 scales [N, rows] for fp8 (amax of each H-row / 448)."""
+    dtype = canonical_dtype(dtype)
+    if dtype != "float8_e4m3fn":
+        return x.to(DTYPES[dtype]).contiguous(), None
+    n = x.shape[0]
+    xr = x.float().reshape(n, rows, -1)  # [N, rows, H]
+    scale = xr.abs().amax(dim=-1) / FP8_MAX  # [N, rows]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xr / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, -1).contiguous(), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored tensor [N, rows*H] (+ scales [N, rows]) -> float32 [N, rows*H]."""
+    if scale is None:
+        return q.float()
+    n, rows = scale.shape
+    return (q.float().reshape(n, rows, -1) * scale.float()[..., None]).reshape(n, -1)
+
+
+# ---------------------------------------------------------------- durable writes
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over one sample's stored bytes, in SAMPLE_KEYS order (readers recompute it from the shard)."""
+    h = hashlib.sha256()
+    for key in SAMPLE_KEYS:
+        if key in tensors:
+            h.update(tensors[key].contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- header checks and journals
+
+def check_header(existing: dict, new: dict, where: str) -> None:
+    """Refuse to mix features from another verifier, tokenizer, layer set or dtype in one directory."""
+    for key in HEADER_KEYS:
+        if existing.get(key) != new.get(key):
+            raise ValueError(
+                f"{where} holds features with {key}={existing.get(key)!r}, but this run has {key}={new.get(key)!r}; "
+                f"refusing to mix them in one directory (use a new --output)"
+            )
+
+
+def read_journal(path: Path, repair: bool = False) -> tuple[dict | None, list[dict]]:
+    """(header, records) of one journal. A torn last line (killed mid-append) is ignored, or cut if repair."""
+    header, records, good_bytes = None, [], 0
+    with open(path, "rb") as f:
+        raw = f.read()
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        good_bytes += len(line)
+        if "header" in entry:
+            header = entry["header"]
+        else:
+            records.append(entry)
+    if repair and good_bytes < len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+    return header, records
+
+
+def _journals(out_dir: Path) -> dict[int, Path]:
+    found = {}
+    for path in glob.glob(str(Path(out_dir) / "manifest.r*.jsonl")):
+        m = re.search(r"manifest\.r(\d{3})\.jsonl$", path)
+        if m:
+            found[int(m.group(1))] = Path(path)
+    return dict(sorted(found.items()))
+
+
+def merge_manifests(out_dir: str | Path, write: bool = True) -> dict:
+    """Merge every rank's journal into one manifest (shards in file-name order), written atomically."""
+    out_dir = Path(out_dir)
+    header, shards, samples, skipped = None, [], [], {}
+    for rank, path in _journals(out_dir).items():
+        rank_header, records = read_journal(path)
+        if rank_header is None:
+            continue
+        if header is None:
+            header = rank_header
+        else:
+            check_header(header, rank_header, str(path))
+        for rec in records:
+            if rec.get("shard"):
+                shards.append(rec["shard"])
+                samples.extend(rec["samples"])
+            for reason, ids in rec.get("skipped", {}).items():
+                skipped.setdefault(reason, []).extend(ids)
+    if header is None:
+        raise FileNotFoundError(f"{out_dir}: no features here (no manifest.json and no manifest.r*.jsonl journal)")
+    order = {s["file"]: i for i, s in enumerate(sorted(shards, key=lambda s: s["file"]))}
+    shards.sort(key=lambda s: s["file"])
+    samples.sort(key=lambda s: (order[s["shard"]], s["offset"]))
+    ids = [s["id"] for s in samples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{out_dir}: sample id {dup!r} appears in more than one shard")
+    manifest = dict(header)
+    manifest.update({"shards": shards, "samples": samples,
+                     "skipped": {k: len(v) for k, v in sorted(skipped.items())},
+                     "skipped_ids": {k: v for k, v in sorted(skipped.items())}})
+    if write:
+        atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def load_manifest(features_dir: str | Path) -> dict:
+    """manifest.json, or the journals merged in memory when an extraction has not finished."""
+    path = Path(features_dir) / MANIFEST
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: not an eagle3_hf feature manifest (format={manifest.get('format')!r})")
+        if manifest.get("version") != VERSION:
+            raise ValueError(f"{path}: feature format version {manifest.get('version')} is not supported ({VERSION})")
+        return manifest
+    return merge_manifests(features_dir, write=False)
+
+
+# ---------------------------------------------------------------- the writer
+
+class ShardWriter:
+    """Accumulates samples into shards and commits each one durably (file, then journal line).
+
+    One writer per rank. Opening a directory that already holds features checks that the header matches
+    and exposes `done_ids` (samples written or skipped by any rank) so a restart continues where it stopped.
+    Shards are serialised in a background thread so the verifier keeps running while one is written.
+    """
+
+    def __init__(self, out_dir: str | Path, header: dict, rank: int = 0, samples_per_shard: int = 64,
+                 max_shard_bytes: int = 1 << 30):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.header, self.rank = header, rank
+        self.samples_per_shard, self.max_shard_bytes = max(1, samples_per_shard), max_shard_bytes
+        self.dtype = canonical_dtype(header["dtype"])
+        manifest_path = self.out_dir / MANIFEST
+        if manifest_path.is_file():
+            check_header(load_manifest(self.out_dir), header, str(manifest_path))
+        self.done_ids: set[str] = set()
+        self.next_idx = 0
+        for r, path in _journals(self.out_dir).items():
+            rank_header, records = read_journal(path, repair=(r == rank))
+            if rank_header is not None:
+                check_header(rank_header, header, str(path))
+            for rec in records:
+                self.done_ids.update(s["id"] for s in rec.get("samples", []))
+                for ids in rec.get("skipped", {}).values():
+                    self.done_ids.update(ids)
+                if r == rank and rec.get("shard"):
+                    self.next_idx += 1
+        self.journal = self.out_dir / journal_name(rank)
+        if not self.journal.is_file() or read_journal(self.journal)[0] is None:
+            atomic_write_bytes(self.journal, (json.dumps({"header": header}) + "\n").encode())
+        self._remove_uncommitted()
+        self._pending: list[dict[str, torch.Tensor]] = []
+        self._pending_ids: list[str] = []
+        self._pending_bytes = 0
+        self._skipped: dict[str, list[str]] = {}
+        self.skipped_counts: dict[str, int] = {}
+        self.written_samples = self.written_tokens = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-writer")
+        self._future: Future | None = None
+
+    def _remove_uncommitted(self) -> None:
+        """Temp files and shards this rank wrote but never journaled (they will be rewritten identically)."""
+        for path in self.out_dir.glob(f"shard-r{self.rank:03d}-*"):
+            m = _SHARD_RE.match(path.name)
+            if path.name.endswith(".tmp") or (m and int(m.group(2)) >= self.next_idx):
+                path.unlink()
+
+    def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+            last_hidden_state: torch.Tensor, verifier_greedy: torch.Tensor) -> bool:
+        """Queue one sample ([T], [T], [T, 3H], [T, H], [T]); False (and counted) if it holds NaN/Inf."""
+        if sample_id in self.done_ids:
+            raise ValueError(f"sample {sample_id!r} is already in {self.out_dir}")
+        if not (torch.isfinite(aux_hidden_states).all() and torch.isfinite(last_hidden_state).all()):
+            self.skip(sample_id, "nan_or_inf")
+            return False
+        rows = aux_hidden_states.shape[-1] // last_hidden_state.shape[-1]
+        aux, aux_scale = quantize(aux_hidden_states, rows, self.dtype)
+        last, last_scale = quantize(last_hidden_state, 1, self.dtype)
+        tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
+                   "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
+                   "last_hidden_state": last}
+        if aux_scale is not None:
+            tensors["aux_hidden_states_scale"] = aux_scale
+            tensors["last_hidden_state_scale"] = last_scale
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        n = tensors["input_ids"].shape[0]
+        for k, v in tensors.items():
+            if v.shape[0] != n:
+                raise ValueError(f"sample {sample_id!r}: {k} has {v.shape[0]} rows, input_ids has {n}")
+        self._pending.append(tensors)
+        self._pending_ids.append(sample_id)
+        self._pending_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
+        self.done_ids.add(sample_id)
+        if len(self._pending) >= self.samples_per_shard or self._pending_bytes >= self.max_shard_bytes:
+            self.flush()
+        return True
+
+    def skip(self, sample_id: str, reason: str) -> None:
+        """Record a sample that will not be written; it is journaled with the next shard and counted."""
+        self._skipped.setdefault(reason, []).append(sample_id)
+        self.skipped_counts[reason] = self.skipped_counts.get(reason, 0) + 1
+        self.done_ids.add(sample_id)
+
+    def flush(self) -> None:
+        """Hand the pending samples to the writer thread as one shard (waits for the previous shard first)."""
+        if not self._pending and not self._skipped:
+            return
+        job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped)
+        if self._pending:
+            self.next_idx += 1
+        self._pending, self._pending_ids, self._pending_bytes, self._skipped = [], [], 0, {}
+        self.wait()
+        self._future = self._pool.submit(self._commit, *job)
+
+    def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()  # re-raises a failed write here
+            self._future = None
+
+    def _commit(self, idx: int | None, samples: list[dict], ids: list[str], skipped: dict[str, list[str]]) -> None:
+        record: dict[str, Any] = {"shard": None, "samples": [], "skipped": skipped}
+        if idx is not None:
+            name = shard_name(self.rank, idx)
+            tensors = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
+            data = safetensors_save(tensors, metadata={"format": FORMAT})
+            atomic_write_bytes(self.out_dir / name, data)
+            offset = 0
+            for sample_id, s in zip(ids, samples):
+                length = s["input_ids"].shape[0]
+                record["samples"].append({"id": sample_id, "shard": name, "offset": offset, "length": length,
+                                          "sha256": sample_sha256(s)})
+                offset += length
+            record["shard"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                               "num_samples": len(samples), "num_tokens": offset}
+            self.written_samples += len(samples)
+            self.written_tokens += offset
+        with open(self.journal, "ab") as f:
+            f.write((json.dumps(record) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Commit everything pending and stop the writer thread."""
+        try:
+            self.flush()
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
