@@ -1,0 +1,101 @@
+"""The shard format: fp8 round-trip bounded and half the bytes, journals survive torn writes, headers guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_hf.data.dataset import FeatureDataset
+from eagle3_hf.data.shards import (
+    ShardWriter, canonical_dtype, check_header, dequantize, make_header, merge_manifests, quantize, read_journal,
+)
+
+H = 48
+
+
+def _header(dtype="bfloat16", **kw):
+    verifier = {"name": "tiny", "revision": None, "num_hidden_layers": 6, "hidden_size": H, "vocab_size": 100}
+    verifier.update(kw)
+    return make_header(verifier, "fp", (1, 3, 5), dtype)
+
+
+def _sample(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-2, 2, t)[:, None]  # rows with very different magnitudes
+    return (torch.randint(0, 100, (t,), generator=g), torch.ones(t, dtype=torch.bool),
+            torch.randn(t, 3 * H, generator=g) * scale, torch.randn(t, H, generator=g) * scale,
+            torch.randint(0, 100, (t,), generator=g))
+
+
+def _write(out, dtype, n=6, t=20, per_shard=3):
+    w = ShardWriter(out, _header(dtype), samples_per_shard=per_shard)
+    for i in range(n):
+        w.add(f"x{i}", *_sample(t, i))
+    w.close()
+    merge_manifests(out)
+    return out
+
+
+def test_dtype_names():
+    assert canonical_dtype("bf16") == "bfloat16" and canonical_dtype("fp8") == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="unknown feature dtype"):
+        canonical_dtype("int4")
+
+
+def test_fp8_roundtrip_bounded():
+    x = torch.randn(50, 3 * H) * torch.logspace(-3, 3, 50)[:, None]
+    q, scale = quantize(x, 3, "fp8")
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (50, 3)
+    y = dequantize(q, scale)
+    # e4m3 keeps 3 mantissa bits: error <= 2^-4 of the value, and at most 2^-4 * amax of its row near zero
+    rowmax = x.reshape(50, 3, H).abs().amax(-1, keepdim=True).expand(50, 3, H).reshape(50, -1)
+    assert ((y - x).abs() <= torch.maximum(x.abs(), rowmax / 64) / 16 + 1e-12).all()
+    cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+    assert cos.min() > 0.998
+
+
+def test_fp8_halves_bytes_and_reads_back(tmp_path):
+    bf, f8 = _write(tmp_path / "bf16", "bf16"), _write(tmp_path / "fp8", "fp8")
+    size = lambda d: sum(s["bytes"] for s in json.loads((d / "manifest.json").read_text())["shards"])  # noqa: E731
+    ratio = size(f8) / size(bf)
+    assert 0.45 < ratio < 0.6, ratio
+    a, b = FeatureDataset(bf, split="all"), FeatureDataset(f8, split="all")
+    for i in range(6):
+        _, _, aux, last, greedy = _sample(20, i)
+        assert torch.equal(b[i]["verifier_greedy"], greedy)
+        rel = (b[i]["aux_hidden_states"] - aux).norm(dim=-1) / aux.norm(dim=-1)
+        assert rel.max() < 0.05
+        assert torch.allclose(a[i]["last_hidden_state"], last, rtol=1e-2)
+
+
+def test_nan_counted_not_written(tmp_path):
+    w = ShardWriter(tmp_path, _header())
+    ids, mask, aux, last, greedy = _sample(5, 0)
+    aux[2, 7] = float("inf")
+    assert w.add("bad", ids, mask, aux, last, greedy) is False
+    assert w.add("good", *_sample(5, 1)) is True
+    w.close()
+    m = merge_manifests(tmp_path)
+    assert [s["id"] for s in m["samples"]] == ["good"] and m["skipped"] == {"nan_or_inf": 1}
+
+
+def test_torn_journal_line_is_ignored_and_repaired(tmp_path):
+    out = _write(tmp_path / "f", "bf16", n=6, per_shard=2)
+    journal = out / "manifest.r000.jsonl"
+    text = journal.read_text()
+    journal.write_text(text + '{"shard": {"file": "shard-r000-0')  # killed mid-append
+    header, records = read_journal(journal)
+    assert header["dtype"] == "bfloat16" and len(records) == 3
+    w = ShardWriter(out, _header(), samples_per_shard=2)  # opening for rank 0 cuts the torn tail
+    assert journal.read_text() == text and w.next_idx == 3 and w.done_ids == {f"x{i}" for i in range(6)}
+    w.close()
+
+
+def test_header_mismatch_names_field(tmp_path):
+    _write(tmp_path, "bf16", n=2)
+    with pytest.raises(ValueError, match="verifier=.*hidden_size"):
+        ShardWriter(tmp_path, _header(hidden_size=64))
+    with pytest.raises(ValueError, match="dtype"):
+        check_header(_header(), _header("fp8"), "here")
