@@ -1,0 +1,319 @@
+"""Reading features back: a memory-mapped dataset, a deterministic packing plan, and the batch collator.
+
+FeatureDataset maps each shard once (numpy memmap) and builds every tensor as a view at the sample's byte
+offset, so opening a 900 GB directory reads only the manifest and a sample costs only its own bytes. Shards
+are checked on open (size, truncation, sha256 by default) so a corrupt file fails loudly with its name.
+PackedDataset plans rows from lengths alone (first-fit-decreasing) and PackedCollator turns rows into the
+[B, L] batch the trainer consumes: per-document position ids, document ids, nothing mixed, nothing lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .shards import SAMPLE_KEYS, dequantize, load_manifest, sha256_file
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
+              "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
+_MAX_OPEN_SHARDS = 64  # each memmap holds a file descriptor
+
+
+def in_validation(sample_id: str, validation_fraction: float) -> bool:
+    """Stable split: the first 8 bytes of sha256(id) as a fraction of 2^64, independent of order and machine."""
+    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
+    return h < validation_fraction * 2.0**64
+
+
+def select_split(ids: list[str], split: str, validation_fraction: float) -> list[int]:
+    if split not in ("train", "validation", "all"):
+        raise ValueError(f"split must be 'train', 'validation' or 'all', got {split!r}")
+    if split == "all":
+        return list(range(len(ids)))
+    want_val = split == "validation"
+    return [i for i, sid in enumerate(ids) if in_validation(sid, validation_fraction) == want_val]
+
+
+def read_safetensors_header(path: Path, expected_bytes: int | None = None) -> tuple[int, dict]:
+    """(data_start, {name: info}) of a safetensors file, checking it is whole (not truncated)."""
+    size = path.stat().st_size
+    if expected_bytes is not None and size != expected_bytes:
+        raise ValueError(f"shard {path} is {size} bytes, the manifest says {expected_bytes}: truncated or corrupt")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"shard {path} is truncated ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ValueError(f"shard {path} is truncated or corrupt (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"shard {path} has a corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"shard {path} is truncated: tensors need {8 + n + end} bytes, file has {size}")
+    return 8 + n, header
+
+
+class FeatureDataset(Dataset):
+    """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
+
+    verify: "shard" (sizes + sha256 of every shard on open, the default), "sample" (sizes on open, each sample's
+    sha256 when read) or "none" (sizes only).
+    """
+
+    def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
+                 verify: str = "shard"):
+        if verify not in ("shard", "sample", "none"):
+            raise ValueError(f"verify must be 'shard', 'sample' or 'none', got {verify!r}")
+        self.features_dir = Path(features_dir)
+        self.manifest = load_manifest(self.features_dir)
+        self.verify, self.split = verify, split
+        verifier = self.manifest["verifier"]
+        self.hidden_size = int(verifier["hidden_size"])
+        self.aux_layer_indices = tuple(self.manifest["aux_layer_indices"])
+        self._layout: dict[str, tuple[int, dict]] = {}
+        for shard in self.manifest["shards"]:
+            path = self.features_dir / shard["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path} listed in the manifest is missing")
+            self._layout[shard["file"]] = self._check_layout(path, shard)
+            if verify == "shard":
+                digest = sha256_file(path)
+                if digest != shard["sha256"]:
+                    raise ValueError(f"shard {path} is corrupt: sha256 {digest[:16]}… != manifest {shard['sha256'][:16]}…")
+        samples = self.manifest["samples"]
+        keep = select_split([s["id"] for s in samples], split, validation_fraction)
+        self._samples = [samples[i] for i in keep]
+        self.lengths: list[int] = [int(s["length"]) for s in self._samples]
+        self.sample_ids: list[str] = [s["id"] for s in self._samples]
+        self._open: OrderedDict[str, np.memmap] = OrderedDict()
+
+    def _check_layout(self, path: Path, shard: dict) -> tuple[int, dict]:
+        data_start, header = read_safetensors_header(path, shard.get("bytes"))
+        for key in ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "last_hidden_state"):
+            if key not in header:
+                raise ValueError(f"shard {path} has no tensor {key!r}")
+            if header[key]["shape"][0] != shard["num_tokens"]:
+                raise ValueError(f"shard {path}: {key} has {header[key]['shape'][0]} rows, manifest says "
+                                 f"{shard['num_tokens']} tokens")
+        return data_start, header
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __getstate__(self):  # DataLoader workers re-open their own maps
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+    def _map(self, name: str) -> np.memmap:
+        mm = self._open.get(name)
+        if mm is None:
+            # copy-on-write mapping: writable for torch.frombuffer, never written back
+            mm = np.memmap(self.features_dir / name, dtype=np.uint8, mode="c")
+            self._open[name] = mm
+            if len(self._open) > _MAX_OPEN_SHARDS:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(name)
+        return mm
+
+    def raw(self, index: int, start: int = 0, end: int | None = None) -> dict[str, torch.Tensor]:
+        """Stored tensors of tokens [start, end) of one sample, as views into the mapped shard (no copy)."""
+        s = self._samples[index]
+        length = s["length"]
+        end = length if end is None else min(end, length)
+        if not 0 <= start <= end:
+            raise IndexError(f"sample {s['id']!r}: bad token range [{start}, {end}) of {length}")
+        mm = self._map(s["shard"])
+        data_start, header = self._layout[s["shard"]]
+        out = {}
+        for key in SAMPLE_KEYS:
+            info = header.get(key)
+            if info is None:
+                continue
+            dtype = _ST_DTYPES[info["dtype"]]
+            row = int(np.prod(info["shape"][1:], dtype=np.int64))
+            row_bytes = row * torch.empty((), dtype=dtype).element_size()
+            offset = data_start + info["data_offsets"][0] + (s["offset"] + start) * row_bytes
+            t = torch.frombuffer(mm, dtype=dtype, count=(end - start) * row, offset=offset) if end > start else \
+                torch.empty(0, dtype=dtype)
+            out[key] = t.view(end - start, *info["shape"][1:])
+        return out
+
+    def get(self, index: int, start: int = 0, end: int | None = None) -> dict:
+        """Tokens [start, end) of sample `index`, decoded (features dequantised to float32)."""
+        raw = self.raw(index, start, end)
+        sample = self._samples[index]
+        if self.verify == "sample" and (start, end) in ((0, None), (0, sample["length"])):
+            from .shards import sample_sha256
+
+            if sample_sha256(raw) != sample["sha256"]:
+                raise ValueError(f"sample {sample['id']!r} in shard {self.features_dir / sample['shard']} is corrupt "
+                                 f"(sha256 mismatch)")
+        return {
+            "input_ids": raw["input_ids"].long(),  # [T]
+            "loss_mask": raw["loss_mask"].bool(),  # [T]
+            "verifier_greedy": raw["verifier_greedy"].long(),  # [T]
+            "aux_hidden_states": dequantize(raw["aux_hidden_states"], raw.get("aux_hidden_states_scale")),  # [T, 3H]
+            "last_hidden_state": dequantize(raw["last_hidden_state"], raw.get("last_hidden_state_scale")),  # [T, H]
+            "sample_id": sample["id"],
+        }
+
+    def __getitem__(self, index: int) -> dict:
+        return self.get(index)
+
+
+# ---------------------------------------------------------------- packing
+
+def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices; items placed largest first into the lowest-numbered bin with room.
+
+    A max segment tree over remaining capacity finds that bin in O(log n); unopened bins start full, so the
+    leftmost bin with room is either an open one or the next new one.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    n = max(1, len(sizes))
+    size = 1
+    while size < n:
+        size *= 2
+    tree = [0] * (2 * size)
+    for leaf in range(n):
+        tree[size + leaf] = capacity
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    bins: list[list[int]] = []
+    for item in order:
+        need, node = sizes[item], 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= need else 2 * node + 1
+        leaf = node - size
+        if leaf == len(bins):
+            bins.append([])
+        bins[leaf].append(item)
+        tree[node] -= need
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins
+
+
+class PackedDataset(Dataset):
+    """Rows of at most `max_seq_len` tokens, each a list of (sample index, start, end) pieces.
+
+    The plan depends only on `dataset.lengths`, `max_seq_len`, `packing`, `overlong` and `seed`, so every
+    rank and every run builds the same rows. overlong: "truncate" keeps the first max_seq_len tokens, "split"
+    cuts a sample into max_seq_len pieces (each its own document), "error" refuses; counts go to `.stats`.
+    `seed` shuffles the order of rows (None keeps first-fit order).
+    """
+
+    def __init__(self, dataset, max_seq_len: int, packing: bool = True, overlong: str = "truncate",
+                 seed: int | None = 0):
+        if overlong not in ("truncate", "split", "error"):
+            raise ValueError(f"overlong must be 'truncate', 'split' or 'error', got {overlong!r}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        self.dataset, self.max_seq_len = dataset, max_seq_len
+        lengths = list(dataset.lengths)
+        ids = getattr(dataset, "sample_ids", None)
+        stats = {"samples": len(lengths), "empty": 0, "truncated": 0, "truncated_tokens": 0, "split": 0}
+        pieces: list[tuple[int, int, int]] = []
+        for i, n in enumerate(lengths):
+            if n == 0:
+                stats["empty"] += 1
+            elif n <= max_seq_len:
+                pieces.append((i, 0, n))
+            elif overlong == "error":
+                name = ids[i] if ids is not None else f"#{i}"
+                raise ValueError(f"sample {name!r} has {n} tokens > max_seq_len {max_seq_len} "
+                                 f"(choose overlong='truncate' or 'split')")
+            elif overlong == "truncate":
+                pieces.append((i, 0, max_seq_len))
+                stats["truncated"] += 1
+                stats["truncated_tokens"] += n - max_seq_len
+            else:
+                pieces.extend((i, s, min(s + max_seq_len, n)) for s in range(0, n, max_seq_len))
+                stats["split"] += 1
+        if packing:
+            bins = _first_fit_decreasing([e - s for _, s, e in pieces], max_seq_len)
+            # inside a row keep dataset order, so a row reads its shards front to back
+            self.rows = [sorted(pieces[j] for j in b) for b in bins]
+        else:
+            self.rows = [[p] for p in pieces]
+        if seed is not None:
+            random.Random(seed).shuffle(self.rows)
+        tokens = sum(e - s for _, s, e in pieces)
+        stats.update(rows=len(self.rows), tokens=tokens,
+                     fill=round(tokens / (len(self.rows) * max_seq_len), 4) if self.rows else 0.0)
+        self.stats = stats
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _piece(self, i: int, start: int, end: int) -> dict:
+        if hasattr(self.dataset, "get"):
+            return self.dataset.get(i, start, end)
+        item = self.dataset[i]
+        n = len(item["input_ids"])
+        return {k: (v[start:end] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
+                for k, v in item.items()}
+
+    def __getitem__(self, r: int) -> dict:
+        """One row, unpadded: per-token tensors concatenated over its documents, plus document bookkeeping."""
+        parts, position_ids, document_ids, pieces, prefixes = [], [], [], [], []
+        for d, (i, s, e) in enumerate(self.rows[r]):
+            item = self._piece(i, s, e)
+            parts.append(item)
+            position_ids.append(torch.arange(e - s))
+            document_ids.append(torch.full((e - s,), d, dtype=torch.long))
+            pieces.append((item.get("sample_id", str(i)), s, e))
+            if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
+                prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
+        keys = [k for k, v in parts[0].items() if torch.is_tensor(v)]
+        row = {k: torch.cat([p[k] for p in parts]) for k in keys}
+        row.update(position_ids=torch.cat(position_ids), document_ids=torch.cat(document_ids), pieces=pieces,
+                   max_seq_len=self.max_seq_len)
+        if prefixes:
+            row["prefix_input_ids"] = prefixes
+        return row
+
+
+class PackedCollator:
+    """Rows -> one batch of [B, L] tensors, L = max_seq_len, padded (document_ids -1, loss_mask False)."""
+
+    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None):
+        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        L = self.max_seq_len or rows[0]["max_seq_len"]
+        B = len(rows)
+        aux_dim = rows[0]["aux_hidden_states"].shape[-1]
+        hidden = rows[0]["last_hidden_state"].shape[-1]
+        batch = {
+            "input_ids": torch.full((B, L), self.pad_token_id, dtype=torch.long),
+            "aux_hidden_states": torch.zeros(B, L, aux_dim, dtype=torch.float32),
+            "last_hidden_state": torch.zeros(B, L, hidden, dtype=torch.float32),
+            "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
+            "loss_mask": torch.zeros(B, L, dtype=torch.bool),
+            "position_ids": torch.zeros(B, L, dtype=torch.long),
+            "document_ids": torch.full((B, L), -1, dtype=torch.long),
+        }
+        for b, row in enumerate(rows):
+            n = row["input_ids"].shape[0]
+            if n > L:
+                raise ValueError(f"row {b} has {n} tokens > max_seq_len {L}")
+            for key, out in batch.items():
+                out[b, :n] = row[key]
+        return batch
