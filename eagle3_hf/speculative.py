@@ -1,0 +1,538 @@
+"""Speculative decoding with an EAGLE-3 drafter and a transformers verifier: the real acceptance length.
+
+A drafter's worth is measured here the way an engine uses it (DESIGN.md §1 step 6, §3 "Metrics"):
+
+- greedy chain drafting of k tokens, verified by one verifier forward over [last token, d_1 .. d_k];
+  both models keep KV caches, cropped on rejection; after verification the drafter's cache is extended
+  with the verifier's aux states of the newly accepted tokens (step 0 at those positions), as SGLang does;
+- τ (acceptance length) = accepted drafts + the verifier's own token, per verifier forward (≤ k + 1),
+  per-position acceptance, and wall-clock speedup over plain decoding timed on the same machine;
+- lossless check: token-identical to plain greedy decoding, except where the verifier's top-2 fp32 logits
+  differ by < 1e-4 (a numerical tie), counted separately;
+- temperature > 0: speculative sampling (accept x with prob min(1, p(x)/q(x)), else resample from
+  norm(max(0, p - q))), exact in distribution; q is the drafter's draft-vocabulary distribution placed on
+  the verifier vocabulary through d2t (zero elsewhere).
+
+`eagle3-hf evaluate` (this module's `add_arguments` / `run`) writes acceptance.csv + eagle3_evaluation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+TIE_MARGIN = 1e-4  # DESIGN.md §3: top-2 fp32 logits closer than this are a numerical tie
+SUMMARY_FILE = "eagle3_evaluation.json"
+
+
+def acceptance_metric_path() -> str:
+    """Directory of the `evaluate` metric module, for `evaluate.load(acceptance_metric_path())`."""
+    return str(Path(__file__).resolve().parent / "metrics" / "acceptance")
+
+
+# ---------------------------------------------------------------- verifier plumbing
+
+
+def _new_cache(verifier):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=verifier.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions (a negative crop removes tokens in every transformers 5.x)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None):
+    """ids [1, q] after `cache` -> (fp32 logits [q, V], aux features [1, q, 3 x H] or None)."""
+    cache_kw = "cache" if "cache" in inspect.signature(verifier.forward).parameters else "past_key_values"
+    out = verifier(input_ids=ids, use_cache=True, output_hidden_states=aux_indices is not None, **{cache_kw: cache})
+    aux = torch.cat([out.hidden_states[i] for i in aux_indices], dim=-1) if aux_indices is not None else None
+    return out.logits[0].float(), aux
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit per row [q, V] -> q floats (the tie test of the lossless check)."""
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def _eos_ids(verifier, eos_token_id) -> set[int]:
+    """None: the verifier's generation config (else config); an int or list overrides; [] disables."""
+    if eos_token_id is None:
+        gen = getattr(verifier, "generation_config", None)
+        eos_token_id = getattr(gen, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(verifier.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(i) for i in eos_token_id}
+
+
+def _as_ids(input_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    return ids.view(1, -1)  # [1, P]
+
+
+def _sample(probs: torch.Tensor, generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sampling happens on CPU in fp64 so that a CPU generator seeds it identically on every device."""
+    return torch.softmax(logits.detach().to("cpu", torch.float64) / temperature, dim=-1)
+
+
+def _draft_distribution(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                        temperature: float) -> torch.Tensor:
+    """Drafter logits [Vd] -> q over the verifier vocabulary [V] (zero outside the draft vocabulary).
+    targets [Vd]: the verifier id of each draft id (d2t mapping, injective)."""
+    q = torch.zeros(vocab_size, dtype=torch.float64)
+    q[targets] = _probs(logits, temperature)
+    return q
+
+
+def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], generator=None) -> tuple[int, int]:
+    """Speculative sampling over one chain. p [m+1, V] verifier probs, q [m, V] draft probs, m drafts.
+
+    Returns (accepted, next_token): drafts[:accepted] are kept, then next_token is either the resample
+    from norm(max(0, p - q)) at the first rejection or the bonus token from p[m]. Exact in distribution.
+    """
+    for i, x in enumerate(drafts):
+        ratio = float(p[i, x] / q[i, x]) if q[i, x] > 0 else float("inf")
+        if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, ratio):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        total = residual.sum()
+        return i, _sample(residual / total if total > 0 else p[i], generator)
+    return len(drafts), _sample(p[len(drafts)], generator)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@torch.inference_mode()
+def greedy_generate(verifier, input_ids, max_new_tokens: int, eos_token_id=None, temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Plain autoregressive decoding with a KV cache: the baseline for the lossless check and the speedup.
+
+    Returns {"tokens", "margins" (top-2 logit gap per token), "num_verifier_forwards", "seconds"}.
+    """
+    start = time.perf_counter()
+    eos = _eos_ids(verifier, eos_token_id)
+    cache = _new_cache(verifier)
+    ids = _as_ids(input_ids, verifier.device)
+    tokens: list[int] = []
+    margins: list[float] = []
+    forwards = 0
+    while len(tokens) < max_new_tokens:
+        logits, _ = _verifier_forward(verifier, ids, cache, None)
+        forwards += 1
+        last = logits[-1:]  # [1, V]
+        margins += _margins(last)
+        token = int(last.argmax()) if temperature <= 0 else _sample(_probs(last[0], temperature), generator)
+        tokens.append(token)
+        if token in eos:
+            break
+        ids = torch.tensor([[token]], device=verifier.device)
+    return {"tokens": tokens, "margins": margins, "num_verifier_forwards": forwards,
+            "seconds": time.perf_counter() - start}
+
+
+@torch.inference_mode()
+def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_tokens: int = 64,
+                         temperature: float = 0.0, generator: torch.Generator | None = None,
+                         eos_token_id=None) -> dict[str, Any]:
+    """Chain speculative decoding (greedy at temperature 0, speculative sampling above).
+
+    The prefill produces the first token as in plain decoding; every later verifier forward checks up to k
+    drafts (fewer near max_new_tokens, so no draft is wasted on tokens that would be cut). Returns
+    {"tokens", "num_verifier_forwards" (verify forwards, prefill excluded), "accepted_per_step",
+    "drafted_per_step", "draft_tokens" (the proposals per step), "margins", "acceptance_length", "seconds"}.
+    """
+    start = time.perf_counter()
+    device = verifier.device
+    eos = _eos_ids(verifier, eos_token_id)
+    aux_indices = list(drafter.config.aux_hidden_state_indices)
+    greedy = temperature <= 0
+    if not greedy:  # verifier id of every draft id, for q on the full vocabulary
+        targets = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=drafter.d2t.device))
+        targets, vocab_size = targets.cpu(), int(drafter.config.vocab_size)
+    prompt = _as_ids(input_ids, device)  # [1, P]
+    n = prompt.shape[1]  # index of the newest token, which neither model has read yet
+
+    # prefill: the verifier reads the prompt; the drafter reads (feature of t, token t+1) for t < P
+    cache = _new_cache(verifier)
+    logits, aux = _verifier_forward(verifier, prompt, cache, aux_indices)  # [P, V], [1, P, 3H]
+    margins = _margins(logits[-1:])
+    last = int(logits[-1].argmax()) if greedy else _sample(_probs(logits[-1], temperature), generator)
+    tokens = [last]
+    next_ids = torch.cat([prompt[:, 1:], prompt.new_tensor([[last]])], dim=1)  # [1, P]
+    d_logits, d_hidden, d_cache = drafter.draft_step(next_ids, aux, torch.arange(n, device=device)[None])
+    d_logits, d_hidden = d_logits[0, -1], d_hidden[:, -1:]  # [Vd] predicts token n+1; [1, 1, H]
+
+    accepted_steps: list[int] = []
+    drafted_steps: list[int] = []
+    draft_tokens: list[list[int]] = []
+    while len(tokens) < max_new_tokens and last not in eos:
+        chain = min(k, max_new_tokens - len(tokens) - 1)
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        logits_i, hidden_i, cache_i = d_logits, d_hidden, d_cache
+        for i in range(chain):  # the i-th draft (0-based) sits at token index n + 1 + i
+            if greedy:
+                drafts.append(int(drafter.draft_to_target(logits_i.argmax())))
+            else:
+                q = _draft_distribution(logits_i, targets, vocab_size, temperature)
+                qs.append(q)
+                drafts.append(_sample(q, generator))
+            if i + 1 < chain:  # feed the draft back with the drafter's own hidden state, RoPE position n + i
+                step = drafter.draft_step(torch.tensor([[drafts[-1]]], device=device), hidden_i,
+                                          torch.tensor([[n + i]], device=device), cache_i)
+                logits_i, hidden_i, cache_i = step[0][0, -1], step[1], step[2]
+
+        # verify: one forward over [last, d_1 .. d_m] at positions n .. n + m
+        ids = torch.tensor([[last] + drafts], device=device)
+        v_logits, v_aux = _verifier_forward(verifier, ids, cache, aux_indices)  # [m+1, V], [1, m+1, 3H]
+        if greedy:
+            choice = v_logits.argmax(-1).tolist()
+            accepted = 0
+            while accepted < chain and drafts[accepted] == choice[accepted]:
+                accepted += 1
+            bonus = choice[accepted]
+        else:
+            p = _probs(v_logits, temperature)
+            accepted, bonus = verify_sampled(p, torch.stack(qs) if qs else p[:0], drafts, generator)
+        new = drafts[:accepted] + [bonus]
+        step_margins = _margins(v_logits[: accepted + 1])
+        stop = next((j for j, t in enumerate(new) if t in eos), None)
+        if stop is not None:  # eos: nothing after it is emitted
+            new, step_margins = new[: stop + 1], step_margins[: stop + 1]
+            accepted = min(accepted, stop + 1)
+        accepted_steps.append(accepted)
+        drafted_steps.append(chain)
+        draft_tokens.append(drafts)
+        tokens += new
+        margins += step_margins
+        last = new[-1]
+        if stop is not None or len(tokens) >= max_new_tokens:
+            break
+        _crop(cache, n + 1 + accepted)  # the verifier keeps [.., last, d_1 .. d_a]; the bonus is unread
+        # the drafter drops its draft-time entries and reads the verifier's features of the accepted tokens
+        d_out = drafter.draft_step(torch.tensor([new], device=device), v_aux[:, : accepted + 1],
+                                   torch.arange(n, n + accepted + 1, device=device)[None], d_cache)
+        d_logits, d_hidden, d_cache = d_out[0][0, -1], d_out[1][:, -1:], d_out[2]
+        n += accepted + 1
+
+    steps = len(accepted_steps)
+    return {
+        "tokens": tokens,
+        "margins": margins,
+        "num_verifier_forwards": steps,
+        "accepted_per_step": accepted_steps,
+        "drafted_per_step": drafted_steps,
+        "draft_tokens": draft_tokens,
+        "acceptance_length": (sum(accepted_steps) + steps) / steps if steps else None,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# ---------------------------------------------------------------- statistics and the lossless check
+
+
+def acceptance_stats(accepted: Sequence[int], drafted: Sequence[int], k: int | None = None) -> dict[str, Any]:
+    """τ, per-position acceptance and histogram from per-verify-step records (same as the metric module).
+
+    τ = mean(accepted + 1). Position j's acceptance is unconditional: the share of steps that drafted at
+    least j tokens in which the first j were all accepted.
+    """
+    k = int(k if k is not None else max(drafted, default=0))
+    steps = len(accepted)
+    per_position = []
+    for j in range(1, k + 1):
+        offered = sum(1 for d in drafted if d >= j)
+        hits = sum(1 for a, d in zip(accepted, drafted) if d >= j and a >= j)
+        per_position.append(hits / offered if offered else None)
+    histogram = [sum(1 for a in accepted if a == j) for j in range(k + 1)]
+    return {
+        "acceptance_length": (sum(accepted) + steps) / steps if steps else None,
+        "per_position_acceptance": per_position,
+        "accepted_histogram": histogram,
+        "num_steps": steps,
+    }
+
+
+def compare_to_greedy(tokens: Sequence[int], margins: Sequence[float], ref_tokens: Sequence[int],
+                      ref_margins: Sequence[float], tie_margin: float = TIE_MARGIN) -> tuple[str, int | None]:
+    """-> ("match" | "tie" | "mismatch", first differing index). A divergence where either run saw the
+    verifier's top-2 logits within `tie_margin` is a numerical tie; the rest of that sample is not compared."""
+    for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
+        if a != b:
+            return ("tie" if min(margins[i], ref_margins[i]) < tie_margin else "mismatch"), i
+    if len(tokens) != len(ref_tokens):
+        return "mismatch", min(len(tokens), len(ref_tokens))
+    return "match", None
+
+
+# ---------------------------------------------------------------- evaluation over prompts
+
+
+def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
+    """Refuse a drafter whose shapes cannot fit this verifier; return warnings for softer mismatches."""
+    vcfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
+    dcfg = drafter.config
+    layers = int(vcfg.num_hidden_layers)
+    problems = []
+    if int(dcfg.target_hidden_size) != int(vcfg.hidden_size):
+        problems.append(f"drafter target_hidden_size {dcfg.target_hidden_size} != verifier hidden_size {vcfg.hidden_size}")
+    if int(dcfg.vocab_size) != int(vcfg.vocab_size):
+        problems.append(f"drafter vocab_size {dcfg.vocab_size} != verifier vocab_size {vcfg.vocab_size}")
+    bad = [i for i in dcfg.aux_hidden_state_indices or [] if not 1 <= int(i) <= layers - 1]
+    if bad or len(dcfg.aux_hidden_state_indices or []) != 3:
+        problems.append(f"drafter aux_hidden_state_indices {dcfg.aux_hidden_state_indices} do not fit a "
+                        f"{layers}-layer verifier (three indices in 1..{layers - 1})")
+    if problems:
+        raise ValueError("drafter and verifier do not fit: " + "; ".join(problems))
+    warnings = []
+    if dcfg.verifier_num_hidden_layers and int(dcfg.verifier_num_hidden_layers) != layers:
+        warnings.append(f"drafter was trained for a {dcfg.verifier_num_hidden_layers}-layer verifier, this one has {layers}")
+    if tokenizer is not None and getattr(dcfg, "tokenizer_fingerprint", None):
+        from .data.fingerprint import tokenizer_fingerprint
+
+        if tokenizer_fingerprint(tokenizer) != dcfg.tokenizer_fingerprint:
+            warnings.append("drafter was trained with a different tokenizer (fingerprint mismatch)")
+    return warnings
+
+
+def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str]:
+    """`mt-bench` (the embedded 80 questions) or a JSONL file whose rows carry `turns` (list of user
+    messages), `messages` (OpenAI form; the user turns are used) or `prompt`. -> ([{"id", "turns"}], name)."""
+    if source in ("mt-bench", "mtbench"):
+        from .assets import mtbench_questions
+
+        rows, name = mtbench_questions(), "mt-bench"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")
+        rows, name = [], str(path)
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if limit and len(rows) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+                if isinstance(row.get("turns"), list):
+                    turns = [str(t) for t in row["turns"]]
+                elif isinstance(row.get("messages"), list):
+                    turns = [m["content"] for m in row["messages"] if m.get("role") == "user"]
+                elif isinstance(row.get("prompt"), str):
+                    turns = [row["prompt"]]
+                else:
+                    raise ValueError(f"{path}:{line_no}: expected a `turns`, `messages` or `prompt` field")
+                if not turns:
+                    raise ValueError(f"{path}:{line_no}: no user turn")
+                rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
+    return (rows[:limit] if limit else rows), name
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The verifier's chat template with the generation prompt, as a server renders it."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str], k: int = 3,
+                     max_new_tokens: int = 64, temperature: float = 0.0, turns: int = 1, seed: int = 0,
+                     prompts_name: str = "custom", progress: bool = True) -> dict[str, Any]:
+    """Run plain and speculative decoding on each prompt (turns > 1 feeds the answer back) and summarise.
+
+    Both runs of a prompt are timed back to back, in alternating order, after an untimed warm-up, so the
+    speedup is a ratio measured in one run. The summary's "per_prompt" holds one row per (prompt, turn).
+    """
+    from tqdm.auto import tqdm
+
+    check_pair(verifier, drafter)
+    greedy = temperature <= 0
+    items = [{"id": str(i), "turns": [p]} if isinstance(p, str) else p for i, p in enumerate(prompts)]
+    if not items:
+        raise ValueError("no prompts to evaluate")
+    if "messages" in items[0] and "turns" not in items[0]:
+        items = [{"id": it.get("id", str(i)), "turns": [m["content"] for m in it["messages"] if m["role"] == "user"]}
+                 for i, it in enumerate(items)]
+    warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
+    greedy_generate(verifier, warm, 2, temperature=temperature, generator=_generator(seed))
+    speculative_generate(verifier, drafter, warm, k=k, max_new_tokens=k + 2, temperature=temperature,
+                         generator=_generator(seed))
+
+    rows: list[dict] = []
+    accepted, drafted = [], []
+    base_time = spec_time = 0.0
+    base_tokens = spec_tokens = 0
+    bar = tqdm(total=sum(min(turns, len(it["turns"])) for it in items), desc="evaluate", unit="turn",
+               disable=not progress)
+    for index, item in enumerate(items):
+        messages: list[dict] = []
+        for turn, text in enumerate(item["turns"][:turns]):
+            messages.append({"role": "user", "content": text})
+            ids = render_prompt(tokenizer, messages)
+            runs = {}
+            order = ("base", "spec") if (index + turn) % 2 == 0 else ("spec", "base")
+            for which in order:
+                gen = _generator(seed + 7919 * index + turn)
+                if which == "base":
+                    runs[which] = greedy_generate(verifier, ids, max_new_tokens, temperature=temperature, generator=gen)
+                else:
+                    runs[which] = speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=max_new_tokens,
+                                                       temperature=temperature, generator=gen)
+            base, spec = runs["base"], runs["spec"]
+            status, where = (compare_to_greedy(spec["tokens"], spec["margins"], base["tokens"], base["margins"])
+                             if greedy else (None, None))
+            stats = acceptance_stats(spec["accepted_per_step"], spec["drafted_per_step"], k)
+            rows.append({
+                "id": item["id"], "turn": turn + 1, "prompt_tokens": len(ids), "new_tokens": len(spec["tokens"]),
+                "verifier_forwards": spec["num_verifier_forwards"], "tau": stats["acceptance_length"],
+                "per_position_acceptance": stats["per_position_acceptance"], "lossless": status,
+                "first_divergence": where, "accepted_per_step": spec["accepted_per_step"],
+                "drafted_per_step": spec["drafted_per_step"], "baseline_seconds": base["seconds"],
+                "speculative_seconds": spec["seconds"],
+            })
+            accepted += spec["accepted_per_step"]
+            drafted += spec["drafted_per_step"]
+            base_time, spec_time = base_time + base["seconds"], spec_time + spec["seconds"]
+            base_tokens, spec_tokens = base_tokens + len(base["tokens"]), spec_tokens + len(spec["tokens"])
+            answer = [t for t in spec["tokens"] if t not in _eos_ids(verifier, None)]
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+            bar.update(1)
+            bar.set_postfix(tau=f"{(sum(accepted) + len(accepted)) / max(len(accepted), 1):.2f}")
+    bar.close()
+
+    stats = acceptance_stats(accepted, drafted, k)
+    base_tps = base_tokens / base_time if base_time else None
+    spec_tps = spec_tokens / spec_time if spec_time else None
+    statuses = [r["lossless"] for r in rows]
+    return {
+        "engine": "transformers",
+        "k": k,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "prompts": prompts_name,
+        "num_prompts": len(items),
+        "turns": turns,
+        "num_samples": len(rows),
+        "acceptance_length": stats["acceptance_length"],
+        "per_position_acceptance": stats["per_position_acceptance"],
+        "accepted_histogram": stats["accepted_histogram"],
+        "verifier_forwards": stats["num_steps"],
+        "new_tokens": spec_tokens,
+        "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
+        # sampling is exact in distribution, not token-identical: tested statistically, not here
+        "lossless": (statuses.count("mismatch") == 0) if greedy else None,
+        "numerical_ties": statuses.count("tie") if greedy else None,
+        "mismatches": statuses.count("mismatch") if greedy else None,
+        "tokens_per_second": {"baseline": base_tps, "speculative": spec_tps},
+        "seconds": {"baseline": base_time, "speculative": spec_time},
+        "device": str(verifier.device),
+        "per_prompt": rows,
+    }
+
+
+def write_outputs(out_dir: str | Path, summary: dict[str, Any]) -> tuple[Path, Path]:
+    """acceptance.csv (one row per prompt and turn) and eagle3_evaluation.json (the summary, rows left out)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    k = int(summary["k"])
+    csv_path = out / "acceptance.csv"
+    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "turn", "prompt_tokens", "new_tokens", "verifier_forwards", "tau"]
+                        + [f"accept_pos{j}" for j in range(1, k + 1)] + ["lossless"])
+        for r in summary["per_prompt"]:
+            rates = ["" if a is None else f"{a:.4f}" for a in r["per_position_acceptance"]]
+            tau = "" if r["tau"] is None else f"{r['tau']:.4f}"
+            lossless = "" if r["lossless"] is None else r["lossless"]
+            writer.writerow([r["id"], r["turn"], r["prompt_tokens"], r["new_tokens"], r["verifier_forwards"], tau]
+                            + rates + [lossless])
+    json_path = out / SUMMARY_FILE
+    body = {key: value for key, value in summary.items() if key != "per_prompt"}
+    json_path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+    return csv_path, json_path
+
+
+# ---------------------------------------------------------------- eagle3-hf evaluate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .assets import DEFAULT_VERIFIER
+
+    parser.add_argument("--drafter", required=True, help="drafter directory or Hub repo id")
+    parser.add_argument("--revision", default=None, help="drafter revision (Hub)")
+    parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="verifier name or path (default: %(default)s)")
+    parser.add_argument("--verifier-revision", default=None)
+    parser.add_argument("--prompts", default="mt-bench", help="mt-bench or a JSONL file (turns / messages / prompt)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: all)")
+    parser.add_argument("--turns", type=int, default=1, help="1, or 2 to feed the answer back for MT-bench turn 2")
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per verifier forward")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="float32", help="verifier and drafter dtype (default: %(default)s)")
+    parser.add_argument("--output", required=True, help="directory for acceptance.csv and eagle3_evaluation.json")
+    parser.add_argument("--write-to-drafter", action="store_true",
+                        help="also copy eagle3_evaluation.json into the drafter directory (the model card reads it)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .assets import load_tokenizer, load_verifier
+    from .modeling_eagle3 import Eagle3DraftModel
+
+    if args.k < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--k and --max-new-tokens must be >= 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype).to(device)
+    tokenizer = load_tokenizer(args.verifier, revision=args.verifier_revision)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, revision=args.revision,
+                                               dtype=args.dtype, device=device)
+    for warning in check_pair(verifier, drafter, tokenizer):
+        print(f"WARNING: {warning}", file=sys.stderr)
+    prompts, name = load_prompts(args.prompts, args.num_prompts)
+    summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, turns=args.turns, seed=args.seed, prompts_name=name,
+                               progress=not args.no_progress)
+    summary.update(verifier=args.verifier, drafter=args.drafter)
+    csv_path, json_path = write_outputs(args.output, summary)
+    if args.write_to_drafter:
+        if Path(args.drafter).is_dir():
+            shutil.copyfile(json_path, Path(args.drafter) / SUMMARY_FILE)
+        else:
+            print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
+    per_pos = ", ".join("-" if a is None else f"{a:.3f}" for a in summary["per_position_acceptance"])
+    print(f"tau {summary['acceptance_length']:.3f} (k={args.k}, T={args.temperature}) | per-position [{per_pos}] | "
+          f"speedup {summary['speedup']:.2f}x | lossless {summary['lossless']} "
+          f"(ties {summary['numerical_ties']}, mismatches {summary['mismatches']}) | {csv_path} {json_path}")
+    return 1 if summary["lossless"] is False else 0

@@ -1,0 +1,376 @@
+"""Speculative decoding: lossless against plain greedy, tau for trained and random drafters, exactness of
+speculative sampling, the `evaluate` metric, and `eagle3-hf evaluate`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_tiny_verifier
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf import Eagle3Config, Eagle3DraftModel
+from eagle3_hf.speculative import (
+    acceptance_metric_path,
+    acceptance_stats,
+    compare_to_greedy,
+    evaluate_drafter,
+    greedy_generate,
+    load_prompts,
+    speculative_generate,
+    verify_sampled,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models decode token by token: one thread is faster than two fighting over a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- models built for the tests
+
+
+def lively_verifier(seed: int = 1, **kwargs) -> LlamaForCausalLM:
+    """A tiny random Llama (SmolLM2 vocabulary) scaled up so its greedy output varies with the context
+    (at the default init every token is the same one, which would hide cache bugs)."""
+    verifier = make_tiny_verifier(seed=seed, **kwargs)
+    with torch.no_grad():
+        for name, p in verifier.named_parameters():
+            if "norm" not in name:
+                p.mul_(8.0)
+    return verifier
+
+
+def random_drafter(verifier, draft_vocab_size: int = 500, seed: int = 0, kept: torch.Tensor | None = None,
+                   aux=None, scale: float = 1.0) -> Eagle3DraftModel:
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=draft_vocab_size,
+                                        aux_hidden_state_indices=aux)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    drafter = Eagle3DraftModel(config).eval()
+    drafter.load_verifier_embeddings(verifier)
+    kept = torch.arange(draft_vocab_size) if kept is None else kept  # sorted verifier ids
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    drafter.set_vocab_mapping(kept - torch.arange(draft_vocab_size), t2d)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" not in name and "embed" not in name:
+                p.mul_(scale)
+    return drafter
+
+
+class OracleDrafter:
+    """Proposes the verifier's own greedy continuation, except at a fixed random subset of positions where it
+    proposes another token: accepted chains of every length 0..k, so every cache crop gets exercised."""
+
+    def __init__(self, reference: list[int], vocab_size: int, hit_rate: float = 0.7, seed: int = 0):
+        self.reference, self.vocab_size = reference, vocab_size
+        self.config = SimpleNamespace(aux_hidden_state_indices=[1, 2, 3], draft_vocab_size=vocab_size,
+                                      vocab_size=vocab_size)
+        self.wrong = torch.rand(len(reference) + 64, generator=torch.Generator().manual_seed(seed)) > hit_rate
+
+    def draft_to_target(self, ids):
+        return ids
+
+    def draft_step(self, input_ids, hidden_states, position_ids, past_key_values=None):
+        q = input_ids.shape[1]
+        logits = torch.full((1, q, self.vocab_size), -1e4)
+        for j, t in enumerate((position_ids[0] + 2).tolist()):  # position t predicts token t + 2
+            token = self.reference[t] if t < len(self.reference) else 0
+            logits[0, j, (token + 1) % self.vocab_size if self.wrong[t] else token] = 0.0
+        return logits, torch.zeros(1, q, 8), (past_key_values or 0) + q
+
+
+def plus_one_verifier(vocab: int = 32, hidden: int = 64, layers: int = 5) -> LlamaForCausalLM:
+    """A Llama whose greedy next token is (token + 1) mod vocab: layers silenced (o_proj, down_proj = 0),
+    orthonormal embeddings, lm_head row j = 2 x embedding of j - 1. Trivially predictable by design."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        basis = torch.linalg.qr(torch.randn(hidden, hidden))[0][:vocab]  # [V, H] orthonormal rows
+        model.model.embed_tokens.weight.copy_(basis)
+        model.lm_head.weight.copy_(2.0 * basis.roll(1, dims=0))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def train_drafter(verifier, steps: int = 80, ttt_steps: int = 3, seed: int = 0) -> Eagle3DraftModel:
+    """A few Adam steps of the TTT objective on the verifier's own greedy continuations of random prompts."""
+    vocab = verifier.config.vocab_size
+    drafter = random_drafter(verifier, draft_vocab_size=vocab, seed=seed)
+    drafter.train()
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    aux_idx = drafter.config.aux_hidden_state_indices
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (8, 16), generator=g)
+        ids[:, 4:] = (ids[:, 3:4] + torch.arange(1, 13)) % vocab  # random prompt, then the greedy answer
+        with torch.no_grad():
+            out = verifier(ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i] for i in aux_idx], dim=-1)
+        greedy = out.logits.argmax(-1)  # [B, L]: the verifier's token for position t + 1
+        result = drafter(ids, aux, ttt_steps=ttt_steps)
+        loss = 0.0
+        for i, (logits, valid) in enumerate(zip(result.logits, result.step_valid)):
+            target = torch.roll(greedy, -(1 + i), dims=1)  # step i at t predicts token t + 2 + i
+            loss = loss + 0.8**i * torch.nn.functional.cross_entropy(logits[valid], target[valid])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's test of observed counts against exact probabilities; sparse cells pooled into one."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= min_expected
+    obs = torch.cat([counts[big].double(), counts[~big].sum().double().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+# ---------------------------------------------------------------- lossless (greedy)
+
+
+def assert_lossless(verifier, drafter, prompt, k, max_new_tokens):
+    reference = greedy_generate(verifier, prompt, max_new_tokens)
+    spec = speculative_generate(verifier, drafter, prompt, k=k, max_new_tokens=max_new_tokens)
+    assert compare_to_greedy(spec["tokens"], spec["margins"], reference["tokens"], reference["margins"]) == (
+        "match", None)
+    # stronger than tokens: the verifier computed the same distribution at every position (caches right)
+    torch.testing.assert_close(torch.tensor(spec["margins"]), torch.tensor(reference["margins"]), atol=1e-4, rtol=1e-4)
+    assert len(spec["tokens"]) - 1 == sum(spec["accepted_per_step"]) + spec["num_verifier_forwards"]
+    return spec
+
+
+def test_lossless_on_tiny_verifier_with_every_acceptance_length():
+    verifier = lively_verifier()
+    prompt = list(range(1000, 1012))
+    reference = greedy_generate(verifier, prompt, 40)["tokens"]
+    assert len(set(reference)) > 20  # the verifier's output really depends on its context
+    oracle = OracleDrafter(prompt + reference, verifier.config.vocab_size, hit_rate=0.7)
+    spec = assert_lossless(verifier, oracle, prompt, k=3, max_new_tokens=40)
+    assert set(spec["accepted_per_step"]) == {0, 1, 2, 3}
+    assert spec["num_verifier_forwards"] < 30
+    assert_lossless(verifier, random_drafter(verifier), prompt, k=4, max_new_tokens=12)
+
+
+def test_lossless_on_default_verifier(default_verifier_dir, tokenizer):
+    from eagle3_hf.assets import load_verifier, mtbench_questions
+    from eagle3_hf.speculative import render_prompt
+
+    verifier = load_verifier(str(default_verifier_dir))
+    question = mtbench_questions()[0]["turns"][0]
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": question}])
+    reference = greedy_generate(verifier, prompt, 20)["tokens"]
+    oracle = OracleDrafter(prompt + reference, verifier.config.vocab_size, hit_rate=0.6, seed=1)
+    spec = assert_lossless(verifier, oracle, prompt, k=3, max_new_tokens=20)
+    assert max(spec["accepted_per_step"]) >= 2 and min(spec["accepted_per_step"]) < 3
+
+
+def test_mismatch_and_tie_are_told_apart():
+    assert compare_to_greedy([5, 6, 7], [1.0, 1.0, 1.0], [5, 6, 7], [1.0, 1.0, 1.0]) == ("match", None)
+    assert compare_to_greedy([5, 9, 7], [1.0, 1.0, 1.0], [5, 6, 8], [1.0, 0.5, 1.0]) == ("mismatch", 1)
+    assert compare_to_greedy([5, 9, 7], [1.0, 1.0, 1.0], [5, 6, 8], [1.0, 5e-5, 1.0]) == ("tie", 1)
+    assert compare_to_greedy([5, 6], [1.0, 1.0], [5, 6, 7], [1.0, 1.0, 1.0]) == ("mismatch", 2)
+
+
+def test_drafter_reads_the_features_it_was_trained_on():
+    """Each round's first draft equals the argmax of the training-time forward (step 0) at the same anchor:
+    the drafter cache holds the verifier's features of accepted tokens, paired as in training."""
+    verifier = lively_verifier()
+    drafter = random_drafter(verifier, scale=4.0)
+    prompt = list(range(2000, 2010))
+    spec = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=16)
+    sequence = torch.tensor([prompt + spec["tokens"]])
+    with torch.no_grad():
+        out = verifier(sequence, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i] for i in drafter.config.aux_hidden_state_indices], dim=-1)
+        step0 = drafter(sequence, aux, ttt_steps=1).logits[0][0]  # [L, Vd]: position t predicts t + 2
+    expected = drafter.draft_to_target(step0.argmax(-1))
+    anchor = len(prompt) - 1  # the first round drafts from the prefill's last position
+    distinct = set()
+    for accepted, drafts in zip(spec["accepted_per_step"], spec["draft_tokens"]):
+        if drafts:  # the last round near max_new_tokens may draft nothing
+            assert drafts[0] == int(expected[anchor])
+            distinct.add(drafts[0])
+        anchor += accepted + 1
+    assert len(distinct) > 3  # the drafts depend on the features, so a misalignment would show
+
+
+# ---------------------------------------------------------------- acceptance length
+
+
+def test_tau_near_k_plus_one_for_trained_drafter_and_near_one_for_random():
+    verifier = plus_one_verifier()
+    k, max_new = 3, 1 + 4 * 6  # six full rounds after the prefill token
+    prompts = [torch.randint(0, 32, (5,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    trained = train_drafter(verifier)
+    random = random_drafter(verifier, draft_vocab_size=32, seed=3)
+    for drafter, low, high in ((trained, k + 1 - 0.3, k + 1), (random, 1.0, 1.3)):
+        accepted = []
+        for prompt in prompts:
+            spec = assert_lossless(verifier, drafter, prompt, k=k, max_new_tokens=max_new)
+            accepted += spec["accepted_per_step"]
+        tau = acceptance_stats(accepted, [k] * len(accepted), k)["acceptance_length"]
+        assert low <= tau <= high, tau
+
+
+# ---------------------------------------------------------------- speculative sampling is exact
+
+
+def test_accept_reject_core_is_exact():
+    """verify_sampled with drafts from q: first token ~ p[0]; after an accepted draft, second ~ p[1]. A
+    variant resampling from p instead of norm(max(0, p - q)) is rejected by the same test."""
+    import eagle3_hf.speculative as spec_module
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 6
+    p = torch.softmax(2 * torch.randn(3, vocab, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(2 * torch.randn(2, vocab, generator=g, dtype=torch.float64), -1)
+    q[:, 5] = 0  # outside the draft vocabulary
+    q = q / q.sum(-1, keepdim=True)
+
+    def run(n, fn):
+        first, second = torch.zeros(vocab), torch.zeros(vocab)
+        for _ in range(n):
+            drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+            accepted, token = fn(p, q, drafts, g)
+            out = drafts[:accepted] + [token]
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[1]] += 1
+        return chi_square_p_value(first, p[0]), chi_square_p_value(second, p[1])
+
+    assert min(run(6000, verify_sampled)) > 1e-3
+
+    def biased(p, q, drafts, generator):  # the classic bug: on rejection, resample from p
+        for i, x in enumerate(drafts):
+            if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[i, x] / q[i, x])):
+                continue
+            return i, spec_module._sample(p[i], generator)
+        return len(drafts), spec_module._sample(p[len(drafts)], generator)
+
+    assert run(6000, biased)[0] < 1e-6
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_the_verifier_distribution():
+    """The first three generated tokens over many seeds follow the verifier's own sampling distribution,
+    computed exactly; the drafter's vocabulary leaves two tokens out (q = 0 there) and q differs from p."""
+    vocab, temperature = 6, 0.8
+    verifier = make_tiny_verifier(vocab_size=vocab, hidden_size=32, num_layers=2, seed=3)
+    with torch.no_grad():
+        verifier.model.embed_tokens.weight.mul_(60)  # tied: logits with real spread
+    drafter = random_drafter(verifier, draft_vocab_size=4, kept=torch.tensor([0, 2, 3, 5]), aux=[1, 1, 1],
+                             scale=20.0, seed=1)
+    prompt = [1, 4, 0]
+    with torch.no_grad():
+        grid = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [V^3, 3]
+        seqs = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], dim=1)
+        logp = torch.log_softmax(verifier(seqs).logits.double() / temperature, -1)  # [V^3, P+3, V]
+    n = len(prompt)
+    exact = (logp[:, n - 1].gather(1, grid[:, :1]) + logp[:, n].gather(1, grid[:, 1:2])
+             + logp[:, n + 1].gather(1, grid[:, 2:3])).exp().squeeze(1)  # [V^3]
+    counts = torch.zeros(vocab**3)
+    accepted = 0
+    for seed in range(1500):
+        out = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=3, temperature=temperature,
+                                   generator=torch.Generator().manual_seed(seed), eos_token_id=[])
+        a, b, c = out["tokens"]
+        counts[a * vocab * vocab + b * vocab + c] += 1
+        accepted += sum(out["accepted_per_step"])
+    assert accepted > 200  # drafts are often accepted, so the accept path is tested, not only resampling
+    assert chi_square_p_value(counts, exact) > 1e-3
+
+
+# ---------------------------------------------------------------- the metric module and the CLI
+
+
+class ToyTokenizer:
+    """Chat rendering for the 32-token verifier: characters folded into its vocabulary."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [ord(c) % 32 for m in messages for c in m["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_acceptance_metric_loads_offline_and_matches(monkeypatch):
+    import evaluate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    metric = evaluate.load(acceptance_metric_path())
+    hand = metric.compute(accepted=[3, 1, 0, 2], drafted=[3, 3, 3, 2])
+    assert hand["acceptance_length"] == 2.5 and hand["accepted_histogram"] == [1, 1, 1, 1]
+    assert hand["per_position_acceptance"] == [0.75, 0.5, pytest.approx(1 / 3)]
+
+    verifier = plus_one_verifier()
+    drafter = train_drafter(verifier, steps=25)  # half-trained: acceptance lengths of every size
+    summary = evaluate_drafter(verifier, drafter, ToyTokenizer(), ["Hello there", "What is 2 + 2?"], k=3,
+                               max_new_tokens=30, turns=2, progress=False)
+    accepted = [a for r in summary["per_prompt"] for a in r["accepted_per_step"]]
+    drafted = [d for r in summary["per_prompt"] for d in r["drafted_per_step"]]
+    result = metric.compute(accepted=accepted, drafted=drafted, k=3)
+    assert result["acceptance_length"] == pytest.approx(summary["acceptance_length"])
+    assert result["per_position_acceptance"] == pytest.approx(summary["per_position_acceptance"])
+    assert result["accepted_histogram"] == summary["accepted_histogram"]
+    assert summary["lossless"] is True and summary["mismatches"] == 0
+
+
+def test_load_prompts(tmp_path):
+    questions, name = load_prompts("mt-bench")
+    assert name == "mt-bench" and len(questions) == 80 and len(questions[0]["turns"]) == 2
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "turns": ["x", "y"]}\n{"messages": [{"role": "user", "content": "z"}]}\n'
+                    '{"prompt": "w"}\n\n{"text": "v"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:5"):
+        load_prompts(str(path))
+    rows, _ = load_prompts(str(path), limit=3)
+    assert [r["turns"] for r in rows] == [["x", "y"], ["z"], ["w"]]
+
+
+def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir):
+    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.cli import main
+
+    verifier = load_verifier(str(tiny_verifier_dir))
+    drafter_dir = tmp_path / "drafter"
+    random_drafter(verifier, draft_vocab_size=300).save_pretrained(drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q1", "turns": ["Hi!", "And then?"]}\n{"id": "q2", "prompt": "Name a color."}\n')
+    out = tmp_path / "eval"
+    code = main(["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
+                 str(prompts), "--turns", "2", "--k", "2", "--max-new-tokens", "6", "--output", str(out),
+                 "--write-to-drafter", "--no-progress", "--device", "cpu"])
+    assert code == 0
+    with open(out / "acceptance.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["id"], r["turn"]) for r in rows] == [("q1", "1"), ("q1", "2"), ("q2", "1")]
+    assert set(rows[0]) >= {"new_tokens", "verifier_forwards", "tau", "accept_pos1", "accept_pos2", "lossless"}
+    assert all(r["lossless"] in ("match", "tie") for r in rows)
+    summary = json.loads((out / "eagle3_evaluation.json").read_text())
+    assert summary["engine"] == "transformers" and summary["k"] == 2 and summary["temperature"] == 0.0
+    assert summary["lossless"] is True and summary["num_prompts"] == 2 and summary["num_samples"] == 3
+    assert 1.0 <= summary["acceptance_length"] <= 3.0 and len(summary["per_position_acceptance"]) == 2
+    assert summary["speedup"] > 0 and not math.isnan(summary["speedup"])
+    assert json.loads((drafter_dir / "eagle3_evaluation.json").read_text()) == summary
