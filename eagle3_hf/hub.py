@@ -61,7 +61,9 @@ def _is_network_error(exc: BaseException) -> bool:
 def hub_errors(action: str, repo_id: str, token: str | None = None) -> Iterator[None]:
     """Translate huggingface_hub / transport exceptions raised inside into a token-free `HubError`."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
+    )
 
     endpoint = constants.ENDPOINT
     try:
@@ -127,7 +129,7 @@ def push_drafter(
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
-    Returns the commit URL. `revision` names a branch, created from main when missing. Raises
+    Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when missing. Raises
     `DrafterCheckError` when the checkpoint would not serve, `HubError` for auth / network / conflicts.
     """
     from huggingface_hub import HfApi, get_token
@@ -163,7 +165,7 @@ def push_drafter(
                 allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
             )
     logger.info("pushed %s: %s", repo_id, info.commit_url)
-    return info.commit_url
+    return info  # a CommitInfo: the commit URL as a str, with .oid, like PreTrainedModel.push_to_hub
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

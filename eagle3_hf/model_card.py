@@ -71,7 +71,9 @@ def _num(x: Any, digits: int = 2) -> str:
 
 
 def _pct(x: Any) -> str:
-    return NOT_MEASURED if x is None else (f"{100 * x:.1f} %" if isinstance(x, (int, float)) and 0 <= x <= 1 else str(x))
+    if x is None:
+        return NOT_MEASURED
+    return f"{100 * x:.1f} %" if isinstance(x, (int, float)) and 0 <= x <= 1 else str(x)
 
 
 def _metrics_section(metrics: dict[str, Any]) -> str:
@@ -87,10 +89,13 @@ def _metrics_section(metrics: dict[str, Any]) -> str:
                   "earlier step was right (the paper's n-α), which is what acceptance depends on.", "",
                   "| step | accuracy | conditional accuracy |", "|---|---|---|"]
         for i in range(max(len(acc), len(cacc))):
-            lines.append(f"| {i} | {_pct(acc[i] if i < len(acc) else None)} | {_pct(cacc[i] if i < len(cacc) else None)} |")
+            a, c = (acc[i] if i < len(acc) else None), (cacc[i] if i < len(cacc) else None)
+            lines.append(f"| {i} | {_pct(a)} | {_pct(c)} |")
     sim = metrics.get("simulated_acceptance_length")
     k = len(cacc)
-    detail = f" (1 + Σ_k Π_j≤k conditional accuracy over {k} steps; at most {k + 1})" if sim is not None and k else ""
+    detail = ""
+    if sim is not None and k:
+        detail = f" (1 + Σ_k Π_j≤k conditional accuracy over {k} steps; at most {k + 1})"
     note = " It is computed from the accuracies above, not measured by speculative decoding." if sim is not None else ""
     lines += ["", f"Simulated acceptance length: {_num(sim)}{detail}.{note}"]
     return "\n".join(lines)
@@ -108,8 +113,8 @@ def _evaluation_section(ev: dict[str, Any]) -> str:
     prompts = ev.get("prompts") or NOT_RECORDED
     if ev.get("num_prompts") is not None:
         prompts = f"{prompts} ({ev['num_prompts']} prompts)"
-    lines += [f"Mean acceptance length τ = **{_num(tau)}** tokens per verifier forward ({setting}; prompts: {prompts}).",
-              ""]
+    lines += [f"Mean acceptance length τ = **{_num(tau)}** tokens per verifier forward "
+              f"({setting}; prompts: {prompts}).", ""]
     ppa = ev.get("per_position_acceptance")
     lines.append("Per-position acceptance (unconditional): "
                  + (" / ".join(_num(p) for p in ppa) if ppa else NOT_MEASURED) + ".")
@@ -127,8 +132,9 @@ def _evaluation_section(ev: dict[str, Any]) -> str:
 
 def _training_section(training: dict[str, Any]) -> str:
     data, recipe = training.get("data") or {}, training.get("recipe") or {}
-    rows = [("data", data.get("name") or NOT_RECORDED), ("samples", _num(data.get("num_samples")) if "num_samples" in data else NOT_RECORDED),
-            ("tokens", _num(data.get("num_tokens")) if "num_tokens" in data else NOT_RECORDED)]
+    rows = [("data", data.get("name") or NOT_RECORDED)]
+    rows += [(label, _num(data[key]) if key in data else NOT_RECORDED)
+             for key, label in (("num_samples", "samples"), ("num_tokens", "tokens"))]
     names = {"epochs": "epochs", "learning_rate": "learning rate", "max_seq_len": "max sequence length",
              "ttt_steps": "TTT steps", "step_weight": "step weight γ (step i weighted γ^i)", "init": "initialisation"}
     rows += [(label, str(recipe[key]) if key in recipe else NOT_RECORDED) for key, label in names.items()]
@@ -159,7 +165,8 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
     facts = [
         f"- verifier: `{verifier}`" if verifier else f"- verifier: {NOT_RECORDED}",
         f"- hidden size {config.get('hidden_size', '?')}, one decoder layer, draft vocabulary "
-        f"{config.get('draft_vocab_size', '?')} of the verifier's {config.get('vocab_size', '?')} tokens (`d2t` offsets)",
+        f"{config.get('draft_vocab_size', '?')} of the verifier's {config.get('vocab_size', '?')} tokens "
+        "(`d2t` offsets)",
         f"- reads the verifier's hidden states at `output_hidden_states` indices {top if top else NOT_RECORDED} "
         f"(top-level `eagle_aux_hidden_state_layer_ids`, read by vLLM; `eagle_config` holds "
         f"{nested if nested else NOT_RECORDED} for SGLang, which adds 1)",

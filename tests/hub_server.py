@@ -67,6 +67,27 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
 
 
+def _front_matter(text: str) -> dict | None:
+    """README YAML metadata; ValueError if it does not parse to a mapping."""
+    match = re.match(r"^---\s*\n(.*?)\n---\s*\n", text, re.S)
+    if not match:
+        return None
+    import yaml  # the venv's python runs this server; pyyaml is a project dependency
+
+    try:
+        meta = yaml.safe_load(match.group(1))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"Invalid YAML: {exc}") from None
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError("metadata must be a mapping")
+    return meta
+
+
+def _lfs_info(entry: dict, sha_key: str = "oid") -> dict:
+    pointer = _lfs_pointer(entry["sha256"], entry["size"])
+    return {sha_key: entry["sha256"], "size": entry["size"], "pointerSize": len(pointer)}
+
+
 class Store:
     """Repos, branches and commits in memory; file contents as blobs (by sha256) under `root`."""
 
@@ -105,11 +126,8 @@ class Store:
         repo["branches"]["main"] = sha
         self.repos[(rtype, repo_id)] = repo
 
-    def _entry(self, data: bytes, lfs: bool = False) -> dict:
-        sha = self.put_bytes(data)
-        if lfs:
-            return {"sha256": sha, "size": len(data), "blob_id": _git_blob_id(_lfs_pointer(sha, len(data))), "lfs": True}
-        return {"sha256": sha, "size": len(data), "blob_id": _git_blob_id(data), "lfs": False}
+    def _entry(self, data: bytes) -> dict:
+        return {"sha256": self.put_bytes(data), "size": len(data), "blob_id": _git_blob_id(data), "lfs": False}
 
     def _commit(self, repo: dict, parent: str | None, files: dict, title: str, message: str) -> str:
         sha = hashlib.sha1(f"{parent}{title}{time.time_ns()}{secrets.token_hex(8)}".encode()).hexdigest()
@@ -135,14 +153,16 @@ class Store:
         for line in lines:
             key, value = line.get("key"), line.get("value", {})
             if key == "file":
-                data = base64.b64decode(value["content"]) if value.get("encoding") == "base64" else value["content"].encode()
+                raw = value["content"]
+                data = base64.b64decode(raw) if value.get("encoding") == "base64" else raw.encode()
                 files[value["path"]] = self._entry(data)
             elif key == "lfsFile":
                 oid = value["oid"]
                 if not self.blob_path(oid).exists():
                     raise HubError(422, f"LFS object {oid} for {value['path']} was never uploaded")
                 size = self.blob_path(oid).stat().st_size
-                files[value["path"]] = {"sha256": oid, "size": size, "blob_id": _git_blob_id(_lfs_pointer(oid, size)), "lfs": True}
+                blob_id = _git_blob_id(_lfs_pointer(oid, size))  # git stores the pointer, LFS the content
+                files[value["path"]] = {"sha256": oid, "size": size, "blob_id": blob_id, "lfs": True}
             elif key == "deletedFile":
                 if files.pop(value["path"], None) is None:
                     raise HubError(404, f"File {value['path']} does not exist", "EntryNotFound")
@@ -170,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
     def base(self) -> str:
         return f"http://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
 
-    def _body(self) -> bytes:
+    def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             chunks = []
             while True:
@@ -183,18 +203,18 @@ class Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _json_body(self) -> dict:
-        body = self._body()
-        return json.loads(body) if body else {}
+    def _json(self) -> dict:
+        return json.loads(self.body) if self.body else {}
 
-    def _send(self, status: int, payload=None, headers: dict | None = None, raw: bytes | None = None) -> None:
+    def _send(self, status: int, payload=None, headers: dict | None = None, raw: bytes | None = None,
+              length: int | None = None) -> None:
         data = raw if raw is not None else (b"" if payload is None else json.dumps(payload).encode())
         self.send_response(status)
         if raw is None:
             self.send_header("Content-Type", "application/json")
         for key, value in (headers or {}).items():
             self.send_header(key, str(value))
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(len(data) if length is None else length))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -209,35 +229,28 @@ class Handler(BaseHTTPRequestHandler):
         return self.store.tokens[token]
 
     def _dispatch(self) -> None:
-        body_read = False
         try:
+            self.body = self._read_body()  # always drain it: the connection is kept alive
             url = urlsplit(self.path)
             parts = [p for p in url.path.split("/") if p]
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             if parts[:2] == ["__lfs", "upload"] and len(parts) == 3:  # "storage": a ticket, like a signed URL
-                body_read = True
                 return self._lfs_upload(parts[2], query.get("ticket", ""))
             if parts == ["__lfs", "verify"]:
-                body_read = True
-                return self._lfs_verify(self._json_body())
+                return self._lfs_verify(self._json())
             user, role = self._user()
             if parts and parts[0] == "api":
-                body_read = True
                 return self._api(parts[1:], query, user, role)
             rtype = "dataset" if parts[:1] == ["datasets"] else "model"
             parts = parts[1:] if rtype == "dataset" else parts
             if len(parts) >= 5 and parts[1].endswith(".git") and parts[2:] == ["info", "lfs", "objects", "batch"]:
-                body_read = True
-                return self._lfs_batch(rtype, f"{parts[0]}/{parts[1][:-4]}", self._json_body(), user, role)
+                return self._lfs_batch(rtype, f"{parts[0]}/{parts[1][:-4]}", self._json(), user, role)
             if len(parts) >= 5 and parts[2] == "resolve":
-                return self._resolve(rtype, f"{parts[0]}/{parts[1]}", unquote(parts[3]), unquote("/".join(parts[4:])), user)
+                path = unquote("/".join(parts[4:]))
+                return self._resolve(rtype, f"{parts[0]}/{parts[1]}", unquote(parts[3]), path, user)
             raise HubError(404, f"Not found: {url.path}")
         except HubError as err:
-            if not body_read and self.command in ("POST", "PUT", "DELETE"):
-                self._body()
-            headers = {"X-Error-Message": err.message}
-            if err.code:
-                headers["X-Error-Code"] = err.code
+            headers = {"X-Error-Message": err.message, **({"X-Error-Code": err.code} if err.code else {})}
             self._send(err.status, {"error": err.message}, headers)
 
     do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = _dispatch
@@ -249,23 +262,16 @@ class Handler(BaseHTTPRequestHandler):
             if user is None:
                 raise HubError(401, "Invalid credentials in Authorization header")
             orgs = [{"name": o, "type": "org"} for o, members in store.orgs.items() if user in members]
-            return self._send(200, {"type": "user", "name": user, "fullname": user, "orgs": orgs,
-                                    "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": role}}})
+            auth = {"type": "access_token", "accessToken": {"displayName": "test", "role": role}}
+            return self._send(200, {"type": "user", "name": user, "fullname": user, "orgs": orgs, "auth": auth})
         if parts == ["validate-yaml"]:
-            content = self._json_body().get("content", "")
-            match = re.match(r"^---\s*\n(.*?)\n---\s*\n", content, re.S)
-            if match:
-                try:
-                    import yaml
-
-                    meta = yaml.safe_load(match.group(1))
-                    if meta is not None and not isinstance(meta, dict):
-                        raise ValueError("metadata must be a mapping")
-                except Exception as exc:  # noqa: BLE001 - any YAML error is the client's
-                    return self._send(400, {"errors": [{"message": f"Invalid YAML: {exc}"}], "warnings": []})
+            try:
+                _front_matter(self._json().get("content", ""))
+            except ValueError as exc:
+                return self._send(400, {"errors": [{"message": str(exc)}], "warnings": []})
             return self._send(200, {"errors": [], "warnings": []})
         if parts[:1] == ["repos"] and parts[1:] in (["create"], ["delete"]):
-            body = self._json_body()
+            body = self._json()
             rtype = body.get("type") or "model"
             namespace = body.get("organization") or user
             repo_id = f"{namespace}/{body.get('name')}"
@@ -298,7 +304,8 @@ class Handler(BaseHTTPRequestHandler):
             if rest[0] == "tree":
                 return self._tree(repo, store.resolve(repo, rest[1]), "/".join(rest[2:]), query)
             if rest[0] == "refs":
-                branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": s} for b, s in repo["branches"].items()]
+                branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": s}
+                            for b, s in repo["branches"].items()]
                 return self._send(200, {"branches": branches, "converts": [], "tags": [], "pullRequests": []})
             if rest[0] == "commits":
                 sha, out = store.resolve(repo, rest[1]), []
@@ -309,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
                     sha = c["parent"]
                 return self._send(200, out)
             if rest[0] == "branch" and len(rest) == 2:
-                body = self._json_body()
+                body = self._json()
                 if method == "DELETE":
                     if rest[1] not in repo["branches"] or rest[1] == "main":
                         raise HubError(404 if rest[1] != "main" else 400, f"Cannot delete branch {rest[1]}")
@@ -320,30 +327,25 @@ class Handler(BaseHTTPRequestHandler):
                 repo["branches"][rest[1]] = store.resolve(repo, body.get("startingPoint") or "main")
                 return self._send(200, {})
             if rest[0] == "preupload" and method == "POST":
-                return self._preupload(repo, store.resolve(repo, rest[1]), self._json_body())
+                return self._preupload(repo, store.resolve(repo, rest[1]), self._json())
             if rest[0] == "commit" and method == "POST":
                 if query.get("create_pr"):
                     raise HubError(400, "pull requests are not supported by the test hub")
-                lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
+                lines = [json.loads(line) for line in self.body.splitlines() if line.strip()]
                 sha = store.commit(repo, rest[1], lines, user)
                 prefix = "" if rtype == "model" else f"{rtype}s/"
                 return self._send(200, {"success": True, "commitOid": sha, "pullRequestUrl": None,
                                         "commitUrl": f"{self.base}/{prefix}{repo_id}/commit/{sha}", "hookOutput": ""})
         raise HubError(404, f"Not found: /api/{'/'.join(parts)}")
 
-    def _card_data(self, repo: dict, sha: str) -> dict | None:
+    def _card_data(self, repo: dict, sha: str) -> dict:
         entry = repo["commits"][sha]["files"].get("README.md")
         if entry is None:
-            return None
-        text = self.store.blob_path(entry["sha256"]).read_text(encoding="utf-8", errors="replace")
-        match = re.match(r"^---\s*\n(.*?)\n---\s*\n", text, re.S)
+            return {}
         try:
-            import yaml
-
-            meta = yaml.safe_load(match.group(1)) if match else None
-        except Exception:  # noqa: BLE001
-            return None
-        return meta if isinstance(meta, dict) else None
+            return _front_matter(self.store.blob_path(entry["sha256"]).read_text(errors="replace")) or {}
+        except ValueError:
+            return {}
 
     def _info(self, rtype: str, repo_id: str, repo: dict, sha: str, query: dict) -> None:
         commit, blobs = repo["commits"][sha], bool(query.get("blobs"))
@@ -353,9 +355,9 @@ class Handler(BaseHTTPRequestHandler):
             if blobs:
                 sibling.update(size=e["size"], blobId=e["blob_id"])
                 if e["lfs"]:
-                    sibling["lfs"] = {"size": e["size"], "sha256": e["sha256"], "pointerSize": len(_lfs_pointer(e["sha256"], e["size"]))}
+                    sibling["lfs"] = _lfs_info(e, "sha256")
             siblings.append(sibling)
-        card = self._card_data(repo, sha) or {}
+        card = self._card_data(repo, sha)
         info = {"_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "id": repo_id, "author": repo_id.split("/")[0],
                 "sha": sha, "lastModified": commit["date"], "createdAt": repo["created"], "private": repo["private"],
                 "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": list(card.get("tags") or []),
@@ -379,11 +381,11 @@ class Handler(BaseHTTPRequestHandler):
             if recursive or len(tail) == 1:
                 entry = {"type": "file", "oid": e["blob_id"], "size": e["size"], "path": p}
                 if e["lfs"]:
-                    entry["lfs"] = {"oid": e["sha256"], "size": e["size"], "pointerSize": len(_lfs_pointer(e["sha256"], e["size"]))}
+                    entry["lfs"] = _lfs_info(e)
                 entries.append(entry)
         if prefix and not entries and not dirs:
             raise HubError(404, f"{path} does not exist on this revision", "EntryNotFound")
-        folders = [{"type": "directory", "oid": hashlib.sha1(d.encode() + sha.encode()).hexdigest(), "size": 0, "path": d}
+        folders = [{"type": "directory", "oid": hashlib.sha1((d + sha).encode()).hexdigest(), "size": 0, "path": d}
                    for d in sorted(dirs)]
         self._send(200, folders + entries)
 
@@ -395,7 +397,8 @@ class Handler(BaseHTTPRequestHandler):
             lfs = f["path"].endswith(LFS_SUFFIXES) or f.get("size", 0) >= LFS_MIN_SIZE or b"\0" in sample
             existing = files.get(f["path"])
             oid = None if existing is None else (existing["sha256"] if existing["lfs"] else existing["blob_id"])
-            out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+            out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                        "oid": oid})
         self._send(200, {"files": out, "commitOid": sha})
 
     # -- LFS ------------------------------------------------------------------------------------------
@@ -409,13 +412,14 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.store.blob_path(oid).exists():
                     ticket = secrets.token_urlsafe(16)
                     self.store.tickets[ticket] = (oid, size)
-                    item["actions"] = {"upload": {"href": f"{self.base}/__lfs/upload/{oid}?ticket={ticket}", "header": {}},
+                    upload = f"{self.base}/__lfs/upload/{oid}?ticket={ticket}"
+                    item["actions"] = {"upload": {"href": upload, "header": {}},
                                        "verify": {"href": f"{self.base}/__lfs/verify", "header": {}}}
                 objects.append(item)
         self._send(200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"})
 
     def _lfs_upload(self, oid: str, ticket: str) -> None:
-        data = self._body()
+        data = self.body
         expected = self.store.tickets.pop(ticket, None)
         if self.command != "PUT" or expected is None or expected[0] != oid:
             raise HubError(403, "invalid or expired upload ticket")
@@ -437,8 +441,8 @@ class Handler(BaseHTTPRequestHandler):
             sha = self.store.resolve(repo, rev)
             entry = repo["commits"][sha]["files"].get(path)
         if entry is None:
-            return self._send(404, {"error": f"Entry not found: {path}"},
-                              {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found", "X-Repo-Commit": sha})
+            headers = {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found", "X-Repo-Commit": sha}
+            return self._send(404, {"error": f"Entry not found: {path}"}, headers)
         headers = {"X-Repo-Commit": sha, "ETag": f'"{entry["sha256"] if entry["lfs"] else entry["blob_id"]}"',
                    "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         if entry["lfs"]:
@@ -449,13 +453,7 @@ class Handler(BaseHTTPRequestHandler):
             first = int(start.group(1))
             headers["Content-Range"] = f"bytes {first}-{entry['size'] - 1}/{entry['size']}"
             return self._send(206, raw=data[first:], headers=headers)
-        if self.command == "HEAD":  # headers as for GET, no body
-            self.send_response(200)
-            for key, value in headers.items():
-                self.send_header(key, str(value))
-            self.send_header("Content-Length", str(entry["size"]))
-            return self.end_headers()
-        self._send(200, raw=data, headers=headers)
+        self._send(200, raw=data, headers=headers, length=entry["size"])  # HEAD: the size, no body
 
 
 def serve(root: Path, port: int, tokens: dict, orgs: dict) -> None:
@@ -471,7 +469,8 @@ def serve(root: Path, port: int, tokens: dict, orgs: dict) -> None:
 class HubServer:
     """Start the server as a subprocess on a free loopback port; `stop()` ends it by pid."""
 
-    def __init__(self, root: str | os.PathLike, tokens: dict[str, str] | None = None, orgs: dict[str, list[str]] | None = None):
+    def __init__(self, root: str | os.PathLike, tokens: dict[str, str] | None = None,
+                 orgs: dict[str, list[str]] | None = None):
         self.root = Path(root)
         self.tokens = tokens if tokens is not None else {"hf_test_write_token": "tester:write"}
         self.orgs = orgs or {}

@@ -44,7 +44,8 @@ def test_good_checkpoint_passes_for_each_engine(good, engine):
 # -- weight names --------------------------------------------------------------------------------------
 
 def test_speculators_names_are_dropped_by_sglang_only(tmp_path):
-    path = write_drafter(tmp_path / "d", rename={"midlayer.self_attn.q_proj.weight": "layers.0.self_attn.q_proj.weight"})
+    q = "self_attn.q_proj.weight"
+    path = write_drafter(tmp_path / "d", rename={f"midlayer.{q}": f"layers.0.{q}"})
     assert "speculators-names" in errors(check_drafter(path, engine="sglang"))
     assert errors(check_drafter(path, engine="vllm")) == set()
 
@@ -83,7 +84,10 @@ def test_identical_rows_lm_head_is_an_error(tmp_path):
 @pytest.mark.parametrize("init", ["hf_normal", "torch_linear"])
 def test_init_like_lm_head_is_a_warning(tmp_path, init):
     torch.manual_seed(0)
-    head = torch.randn(DRAFT_VOCAB, HIDDEN) * 0.02 if init == "hf_normal" else torch.nn.Linear(HIDDEN, DRAFT_VOCAB).weight.data
+    if init == "hf_normal":
+        head = torch.randn(DRAFT_VOCAB, HIDDEN) * 0.02
+    else:
+        head = torch.nn.Linear(HIDDEN, DRAFT_VOCAB).weight.data
     found = check_drafter(write_drafter(tmp_path / "d", replace={"lm_head.weight": head}))
     assert codes(found, "warning") == {"untrained-lm_head"} and not errors(found)
 
@@ -92,7 +96,8 @@ def test_trained_looking_heads_do_not_warn(tmp_path):
     # several seeds of the "trained" fixture, and a larger head: no false positives
     for seed in range(5):
         assert check_drafter(write_drafter(tmp_path / f"d{seed}", seed=seed)) == []
-    big = standard_config(hidden_size=256, head_dim=64, intermediate_size=256, target_hidden_size=256, draft_vocab_size=400)
+    big = standard_config(hidden_size=256, head_dim=64, intermediate_size=256, target_hidden_size=256,
+                          draft_vocab_size=400)
     assert check_drafter(write_drafter(tmp_path / "big", config=big)) == []
 
 
@@ -146,8 +151,8 @@ def test_same_ids_in_both_places_is_off_by_one(tmp_path):
 
 
 def test_ids_only_for_one_engine(tmp_path):
-    nested_only = write_drafter(tmp_path / "a", eagle_aux_hidden_state_layer_ids=...,
-                                eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 5], "use_aux_hidden_state": True})
+    nested = {"eagle_aux_hidden_state_layer_ids": [0, 2, 5], "use_aux_hidden_state": True}
+    nested_only = write_drafter(tmp_path / "a", eagle_aux_hidden_state_layer_ids=..., eagle_config=nested)
     assert "aux-ids-vllm" in errors(check_drafter(nested_only))  # vLLM's default (2, 4, 5) != trained (1, 3, 6)
     assert "aux-ids-vllm" not in codes(check_drafter(nested_only, engine="sglang"))
     top_only = write_drafter(tmp_path / "b", eagle_config=..., eagle_aux_hidden_state_layer_ids=[1, 3, 6])

@@ -62,7 +62,7 @@ def test_push_download_round_trip_with_card_and_revision(client, tmp_path):
     url = push_drafter(src, "tester/kimi-eagle3")
     api = HfApi()
     first = api.model_info("tester/kimi-eagle3").sha
-    assert url.endswith(first)
+    assert url.endswith(first) and url.oid == first
     files = set(api.list_repo_files("tester/kimi-eagle3"))
     assert {"config.json", "model.safetensors", "README.md", "eagle3_training.json"} <= files
     assert next(f for f in api.list_repo_tree("tester/kimi-eagle3") if f.path == "model.safetensors").lfs is not None

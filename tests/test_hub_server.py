@@ -49,7 +49,8 @@ def test_create_upload_list_download(api, tmp_path):
     folder = make_folder(tmp_path / "src")
     commit = api.upload_folder(repo_id="tester/round-trip", folder_path=str(folder), commit_message="first")
     assert commit.commit_url.endswith(commit.oid)
-    assert set(api.list_repo_files("tester/round-trip")) == {".gitattributes", "README.md", "config.json", "model.safetensors"}
+    files = {".gitattributes", "README.md", "config.json", "model.safetensors"}
+    assert set(api.list_repo_files("tester/round-trip")) == files
     tree = {f.path: f for f in api.list_repo_tree("tester/round-trip")}
     import hashlib
 
@@ -100,7 +101,8 @@ def test_branches_and_revisions(api, tmp_path):
     assert json.load(open(hf_hub_download("tester/revs", "config.json", revision=first.oid)))["hidden_size"] == 64
     refs = {b.name: b.target_commit for b in api.list_repo_refs("tester/revs").branches}
     assert refs == {"main": first.oid, "v2": second.oid}
-    assert [c.title for c in api.list_repo_commits("tester/revs", revision="v2")][:2] == ["v2", "Upload folder using huggingface_hub"]
+    titles = [c.title for c in api.list_repo_commits("tester/revs", revision="v2")]
+    assert titles[:2] == ["v2", "Upload folder using huggingface_hub"]
     with pytest.raises(RevisionNotFoundError):
         hf_hub_download("tester/revs", "config.json", revision="nope")
 
@@ -108,17 +110,19 @@ def test_branches_and_revisions(api, tmp_path):
 def test_lfs_content_is_verified(api, hub):
     api.create_repo("tester/lfs")
     oid, size = "0" * 64, 10
+    batch = {"operation": "upload", "objects": [{"oid": oid, "size": size}]}
+    auth = {"Authorization": f"Bearer {WRITE}"}
     request = urllib.request.Request(f"{hub.url}/tester/lfs.git/info/lfs/objects/batch", method="POST",
-                                     data=json.dumps({"operation": "upload", "objects": [{"oid": oid, "size": size}]}).encode(),
-                                     headers={"Authorization": f"Bearer {WRITE}", "Content-Type": "application/json"})
+                                     data=json.dumps(batch).encode(), headers=auth)
     obj = json.load(urllib.request.urlopen(request))["objects"][0]
     put = urllib.request.Request(obj["actions"]["upload"]["href"], data=b"x" * size, method="PUT")
     with pytest.raises(urllib.error.HTTPError) as err:  # sha256 of the bytes is not the announced oid
         urllib.request.urlopen(put)
     assert err.value.code == 400
-    commit = urllib.request.Request(f"{hub.url}/api/models/tester/lfs/commit/main", method="POST",
-                                    data=b'{"key":"header","value":{"summary":"x"}}\n{"key":"lfsFile","value":{"path":"a.bin","algo":"sha256","oid":"%s","size":10}}\n' % oid.encode(),
-                                    headers={"Authorization": f"Bearer {WRITE}", "Content-Type": "application/x-ndjson"})
+    lines = [{"key": "header", "value": {"summary": "x"}},
+             {"key": "lfsFile", "value": {"path": "a.bin", "algo": "sha256", "oid": oid, "size": size}}]
+    commit = urllib.request.Request(f"{hub.url}/api/models/tester/lfs/commit/main", method="POST", headers=auth,
+                                    data="".join(json.dumps(line) + "\n" for line in lines).encode())
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(commit)
     assert err.value.code == 422
@@ -157,7 +161,8 @@ def test_subprocess_client_reads_hf_endpoint(hub, tmp_path):
         "import sys, json; from huggingface_hub import HfApi, hf_hub_download\n"
         "api = HfApi(); repo = api.create_repo('tester/from-subprocess').repo_id\n"
         "api.upload_file(path_or_fileobj=b'{\"a\": 1}', path_in_repo='config.json', repo_id=repo)\n"
-        "print(json.dumps({'who': api.whoami()['name'], 'cfg': json.load(open(hf_hub_download(repo, 'config.json')))}))\n"
+        "cfg = json.load(open(hf_hub_download(repo, 'config.json')))\n"
+        "print(json.dumps({'who': api.whoami()['name'], 'cfg': cfg}))\n"
     )
     env = hub.client_env(token=WRITE) | {"HF_HOME": str(tmp_path / "hf_home")}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
