@@ -104,7 +104,7 @@ class _Weights:
         for start in range(0, shape[0], step):
             yield self.tensor(name, slice(start, min(start + step, shape[0]))).float()
 
-    def sample_rows(self, name: str, blocks: int = 16, block: int = 256):
+    def sample_rows(self, name: str, blocks: int = 8, block: int = 128):
         import torch
 
         n = self.shape(name)[0]
@@ -441,7 +441,9 @@ def check_drafter(
     try:
         root = _resolve(path_or_repo, revision, ["*.json", "*.safetensors"])
     except Exception as exc:  # noqa: BLE001 - a missing path or failed download is a finding, not a crash
-        return [Finding("error", "not-found", f"{path_or_repo}: {exc}")]
+        detail = str(exc) if isinstance(exc, FileNotFoundError) else (
+            f"not a directory here, and fetching it as a Hub repo id failed: {type(exc).__name__}: {exc}")
+        return [Finding("error", "not-found", f"{path_or_repo}: {detail}")]
     try:
         cfg = json.loads((root / "config.json").read_text())
     except FileNotFoundError:

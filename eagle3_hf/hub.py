@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # what a drafter repo holds; Trainer leftovers (optimizer.pt, rng_state_*.pth, trainer_state.json) stay local
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "README.md"]
 IGNORE_PATTERNS = ["trainer_state.json", "training_args*", "checkpoint-*/**", ".*"]
-_TOKEN_LIKE = re.compile(r"\b(hf_[A-Za-z0-9]{8,}|api_[A-Za-z0-9]{8,})\b")
+_TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")  # a user access token, whoever's it is
 
 
 class HubError(RuntimeError):

@@ -462,6 +462,14 @@ def serve(root: Path, port: int, tokens: dict, orgs: dict) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    parent = os.getppid()
+
+    def orphan_watch() -> None:  # a killed test run must not leave a server behind
+        while os.getppid() == parent:
+            time.sleep(1)
+        server.shutdown()
+
+    threading.Thread(target=orphan_watch, daemon=True).start()
     print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)
     server.serve_forever()
 
