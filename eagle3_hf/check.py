@@ -212,6 +212,9 @@ def _check_config(cfg: dict, rep: _Report, num_layers: int | None) -> None:
         where = f" (rope_parameters has {rope.get('rope_theta')})" if "rope_theta" in rope else ""
         rep.add("warning", "legacy-rope-theta", f"no top-level rope_theta{where}: SGLang, the speculators "
                 "converter and older loaders read only the legacy key and fall back to 10000")
+    elif "rope_theta" in rope and float(rope["rope_theta"]) != float(cfg["rope_theta"]):
+        rep.add("warning", "legacy-rope-theta", f"top-level rope_theta {cfg['rope_theta']} != rope_parameters' "
+                f"{rope['rope_theta']}: loaders reading different keys apply different RoPE")
     if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
         rep.add("warning", "legacy-rope-scaling", f"rope_parameters uses {rope.get('rope_type')!r} scaling but "
                 "there is no legacy rope_scaling: older loaders apply plain RoPE")
@@ -299,6 +302,10 @@ def _check_names_and_shapes(cfg: dict, w: _Weights, rep: _Report) -> None:
                 "verifier id i, so every proposal is the wrong token")
     if "t2d" not in have:
         rep.add("info", "missing-t2d", "no t2d (the engines don't read it; eagle3_hf uses it to check d2t)")
+    t_hidden = cfg.get("target_hidden_size")
+    if t_hidden is not None and t_hidden != cfg.get("hidden_size") and "embed_tokens.weight" not in have:
+        rep.add("error", "missing-embed-tokens", "target_hidden_size != hidden_size but no embed_tokens.weight: "
+                "SGLang then keeps the drafter's randomly initialised embedding", ("sglang",))
     try:
         h, t = int(cfg["hidden_size"]), int(cfg.get("target_hidden_size") or cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -342,8 +349,8 @@ def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
         if not finite:
             rep.add("error", "non-finite", f"{name} contains NaN or Inf")
         elif peak > 6e4:
-            rep.add("warning", "fp16-overflow", f"{name} has |w| up to {peak:.3g}, beyond float16's {FP16_MAX:g}: "
-                    "serving with --dtype float16 overflows")
+            rep.add("warning", "fp16-overflow", f"{name} has |w| up to {peak:.3g}, at or beyond float16's "
+                    f"{FP16_MAX:g}: serving with --dtype float16 overflows")
         elif name.endswith("norm.weight") and peak * math.sqrt(int(cfg.get("hidden_size", 1))) > FP16_MAX / 4:
             rep.add("warning", "fp16-overflow", f"{name} has gains up to {peak:.3g}: normed activations can "
                     "exceed float16's range; serve in bfloat16")
@@ -357,6 +364,9 @@ def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
         elif rows.shape[0] == 1 and w.shape(name)[0] > 1:
             rep.add("error", "untrained-" + name.split(".")[0], f"every sampled row of {name} is identical: all "
                     "tokens would get the same logit")
+        elif float(rows.std(dim=1).max()) == 0:
+            rep.add("error", "untrained-" + name.split(".")[0], f"every sampled row of {name} is constant: the "
+                    "logits only see the sum of the hidden state")
         elif (why := _init_like(rows, init_range)) is not None:
             what = "the head the engines serve" if name == "lm_head.weight" else "vLLM would use this embedding"
             rep.add("warning", "untrained-" + name.split(".")[0], f"{name} looks untrained: {why}; {what}")

@@ -289,3 +289,13 @@ def test_cli_exit_codes_and_output(good, tmp_path, capsys):
 
     assert main(["check", str(broken), "--json"]) == 1
     assert any(f["code"] == "missing-lm-head" for f in json.loads(capsys.readouterr().out))
+
+
+def test_constant_rows_rope_mismatch_and_own_embedding_size(tmp_path):
+    rows = torch.arange(DRAFT_VOCAB, dtype=torch.float32)[:, None].repeat(1, HIDDEN) * 0.01
+    assert "untrained-lm_head" in errors(check_drafter(write_drafter(tmp_path / "a", replace={"lm_head.weight": rows})))
+    found = check_drafter(write_drafter(tmp_path / "b", rope_theta=500000.0))
+    assert "legacy-rope-theta" in codes(found, "warning")
+    cfg = standard_config(target_hidden_size=2 * HIDDEN)
+    found = check_drafter(write_checkpoint(tmp_path / "c", cfg, standard_tensors(cfg)))
+    assert "missing-embed-tokens" in errors(found) and "target-hidden-size" in codes(found, "warning")
