@@ -54,7 +54,7 @@ def test_capture_equals_output_hidden_states(tiny):
 def test_last_state_is_post_norm(tiny):
     ids = torch.randint(0, 1000, (11,))
     captured = {}
-    h = tiny.model.layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("pre", o))
+    h = tiny.model.layers[-1].register_forward_hook(lambda m, a, o: captured.update(pre=o))
     f = capture_features(tiny, ids, (2, 4, 5))
     h.remove()
     assert torch.allclose(f["last_hidden_state"], tiny.model.norm(captured["pre"])[0])

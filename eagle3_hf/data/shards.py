@@ -35,7 +35,9 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_
                   "fp32": "float32", "f32": "float32"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Header fields that must match to append to a directory (the verifier dict is compared whole).
-HEADER_KEYS = ("format", "version", "verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype")
+# "source" names the capture path (transformers here, or an engine's tool via importers.py): features from
+# different paths differ numerically and must not be mixed silently either.
+HEADER_KEYS = ("format", "version", "source", "verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype")
 # Per-sample tensors in checksum order; scales only exist for fp8.
 SAMPLE_KEYS = ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "aux_hidden_states_scale",
                "last_hidden_state", "last_hidden_state_scale")
@@ -57,8 +59,9 @@ def journal_name(rank: int) -> str:
     return f"manifest.r{rank:03d}.jsonl"
 
 
-def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices, dtype: str, **extra: Any) -> dict:
-    header = {"format": FORMAT, "version": VERSION, "verifier": dict(verifier),
+def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices, dtype: str,
+                source: str = "transformers", **extra: Any) -> dict:
+    header = {"format": FORMAT, "version": VERSION, "source": source, "verifier": dict(verifier),
               "tokenizer_fingerprint": tokenizer_fingerprint,
               "aux_layer_indices": [int(i) for i in aux_layer_indices], "dtype": canonical_dtype(dtype)}
     header.update(extra)

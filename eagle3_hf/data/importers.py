@@ -1,0 +1,287 @@
+"""`eagle3-hf import-features`: bring hidden states captured by a serving engine's tools into our shards.
+
+At scale the verifier is best run by the engine that will serve it. Two public tools write such files; what
+they store was checked in their source (speculators c05b95b, vLLM's extract_hidden_states path, SpecForge
+a6b6b02, SGLang's set_eagle3_layers_to_capture):
+
+- speculators (vLLM): a prepared Arrow dataset (input_ids, loss_mask, seq_len; `datasets.save_to_disk`) and
+  `hidden_states/hs_{row}.safetensors` = {token_ids [T], hidden_states [T, 4, H]}. vLLM's layer id k is the
+  residual stream entering layer k = our output_hidden_states index k; the 4th slot is id N, captured
+  *before* the final norm (speculators applies `verifier_norm` itself when training). We apply the
+  verifier's final norm and compute the greedy token with its lm_head.
+- SpecForge (SGLang): `rows_{g}-{g+2000}/data_{i}.ckpt[.gz]`, a torch-pickled dict {input_ids [T], loss_mask
+  [T], aux_hidden_state [1, T, 3H], hidden_state [1, T, H]}. SGLang's layer id k names the *output* of layer
+  k, i.e. our index k+1; hidden_state is what SGLang hands its logits processor, i.e. *after* the final
+  norm (SpecForge's target head is a bare lm_head). Loaded only with torch.load(weights_only=True).
+
+Neither format records its layer ids: pass them (`--aux-layers` in our indices, or `--engine-layer-ids` as
+the engine was given them). The manifest records where the features came from and what we applied.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .capture import check_aux_indices, default_aux_indices, final_norm, greedy_tokens, text_config
+from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+
+SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
+
+
+# ---------------------------------------------------------------- the verifier's head, without its body
+
+def load_verifier_head(verifier, revision: str | None = None) -> tuple[nn.Module, nn.Module, Any]:
+    """(final norm, lm_head, text config) of a verifier, in float32 on the CPU.
+
+    A loaded model is used as is. For a checkpoint directory of safetensors only those tensors are read
+    (the model is built on the meta device), so importing for a 1 T-parameter verifier needs megabytes.
+    """
+    if isinstance(verifier, nn.Module):
+        return final_norm(verifier), verifier.get_output_embeddings(), text_config(verifier)
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..assets import load_verifier, resolve_verifier
+
+    path = Path(resolve_verifier(str(verifier)))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:  # a Hub id or another format: load it whole
+        model = load_verifier(str(verifier), revision=revision)
+        return final_norm(model), model.get_output_embeddings(), text_config(model)
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    norm, head, embed = final_norm(model), model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            where.update({k: f for k in st.keys()})
+    for module in (norm, head):
+        state = {}
+        for pname, _ in module.named_parameters(recurse=False):
+            key = f"{names[id(module)]}.{pname}"
+            if key not in where and module is head and pname == "weight":
+                key = f"{names[id(embed)]}.weight"  # tied embeddings: the head is the embedding matrix
+            if key not in where:
+                raise KeyError(f"{path}: tensor {key!r} not found in {[f.name for f in files]}")
+            with safe_open(where[key], framework="pt") as st:
+                state[pname] = st.get_tensor(key).float()
+        module.load_state_dict(state, assign=True)
+        module.float().requires_grad_(False)
+    return norm, head, text_config(model)
+
+
+# ---------------------------------------------------------------- readers
+
+def _token_key(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _ids_from_prepared(prepared) -> dict[str, list[str]]:
+    """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
+    from .extract import load_prepared
+
+    ds = load_prepared(prepared)
+    rows = ds.with_format("torch", columns=["input_ids"])
+    out: dict[str, list[str]] = {}
+    for i, sid in enumerate(ds["id"]):
+        out.setdefault(_token_key(rows[i]["input_ids"]), []).append(sid)
+    return out
+
+
+def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = None) -> Iterator[dict]:
+    """Samples of a speculators offline dataset; the last state is pre-norm (`needs_norm`)."""
+    from datasets import load_from_disk
+    from safetensors import safe_open
+
+    src = Path(src)
+    hs_dir = Path(hidden_states_dir) if hidden_states_dir else src / "hidden_states"
+    rows = load_from_disk(str(src)).with_format("torch", columns=["input_ids", "loss_mask"])
+    for i in range(len(rows)):
+        path = hs_dir / f"hs_{i}.safetensors"
+        row = rows[i]
+        base = {"index": i, "file": str(path), "input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"]}
+        if not path.is_file():
+            yield {**base, "missing": True}
+            continue
+
+        def load(path=path):
+            with safe_open(path, framework="pt") as st:
+                keys = set(st.keys())
+                if not {"hidden_states", "token_ids"} <= keys:
+                    raise KeyError(f"{path}: expected tensors 'hidden_states' and 'token_ids', found {sorted(keys)}")
+                hs, tok = st.get_tensor("hidden_states"), st.get_tensor("token_ids")  # [T, K, H], [T]
+            if hs.dim() != 3 or hs.shape[1] != 4:
+                raise ValueError(f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [T, 4, H] (3 aux "
+                                 f"layers + the last layer; launch vLLM with --include-last-layer)")
+            return {"token_ids": tok.long(), "aux": hs[:, :3].reshape(hs.shape[0], -1), "last": hs[:, 3],
+                    "needs_norm": True}
+
+        yield {**base, "load": load}
+
+
+def _torch_load_safe(path: Path) -> dict:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - name the file, keep the reason
+        raise ValueError(f"{path}: cannot be loaded with torch.load(weights_only=True) ({e.__class__.__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); refusing to unpickle arbitrary objects") from None
+
+
+def read_specforge(src: str | Path) -> Iterator[dict]:
+    """Samples of a SpecForge offline directory (rows_*/data_{i}.ckpt[.gz]); the last state is post-norm."""
+    files = []
+    for path in Path(src).rglob("data_*.ckpt*"):
+        m = re.fullmatch(r"data_(\d+)\.ckpt(\.gz)?", path.name)
+        if m:
+            files.append((int(m.group(1)), path))
+    if not files:
+        raise FileNotFoundError(f"{src}: no SpecForge files (rows_*/data_<i>.ckpt or .ckpt.gz)")
+    for i, path in sorted(files):
+        def load(path=path):
+            d = _torch_load_safe(path)
+            missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
+            if missing:
+                raise KeyError(f"{path}: missing key(s) {missing} (has {sorted(d)})")
+            aux, last = d["aux_hidden_state"], d["hidden_state"]
+            return {"token_ids": d["input_ids"].reshape(-1).long(), "loss_mask": d["loss_mask"].reshape(-1),
+                    "aux": aux.reshape(-1, aux.shape[-1]), "last": last.reshape(-1, last.shape[-1]),
+                    "needs_norm": False}
+
+        yield {"index": i, "file": str(path), "load": load}
+
+
+# ---------------------------------------------------------------- import
+
+def import_features(
+    fmt: str,
+    src: str | Path,
+    out_dir: str | Path,
+    verifier,
+    tokenizer_fingerprint: str,
+    aux_indices=None,
+    dtype: str = "bfloat16",
+    prepared=None,
+    hidden_states_dir: str | Path | None = None,
+    verifier_name: str | None = None,
+    verifier_revision: str | None = None,
+    samples_per_shard: int = 64,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Import a speculators or SpecForge capture into `out_dir` (resumable like extraction); returns a summary.
+
+    `aux_indices` are our output_hidden_states indices of the captured layers (default (2, N//2, N-3), the
+    default of both tools). `prepared` (our prepared dataset) gives imported samples our ids, matched by tokens.
+    """
+    from tqdm.auto import tqdm
+
+    if fmt not in SOURCES:
+        raise ValueError(f"unknown format {fmt!r}: choose from {sorted(SOURCES)}")
+    norm, head, config = load_verifier_head(verifier, verifier_revision)
+    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
+    name = verifier_name or (str(verifier) if not isinstance(verifier, nn.Module) else
+                             getattr(verifier.config, "_name_or_path", type(verifier).__name__))
+    info = {"name": name, "revision": verifier_revision, "num_hidden_layers": n_layers, "hidden_size": hidden,
+            "vocab_size": int(config.vocab_size)}
+    provenance = {"format": fmt, "last_hidden_state": "final norm applied at import (stored pre-norm)"
+                  if fmt == "speculators" else "stored post-norm by the engine",
+                  "verifier_greedy": "argmax of the verifier's lm_head, computed at import"}
+    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype), source=SOURCES[fmt],
+                         provenance=provenance)
+    writer = ShardWriter(out_dir, header, samples_per_shard=samples_per_shard)
+    id_map = _ids_from_prepared(prepared) if prepared is not None else None
+    reader = read_speculators(src, hidden_states_dir) if fmt == "speculators" else read_specforge(src)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    bar = tqdm(unit="sample", desc=f"import {fmt}", disable=not progress)
+    try:
+        for item in reader:
+            tokens = item.get("input_ids")
+            loaded = None
+            if tokens is None:  # SpecForge: the tokens live in the file
+                loaded = item["load"]()
+                tokens = loaded["token_ids"]
+            if id_map is not None:
+                candidates = id_map.get(_token_key(tokens), [])
+                if not candidates:
+                    raise ValueError(f"{item['file']}: its tokens match no sample of the prepared dataset {prepared}")
+                sample_id = candidates.pop(0)
+            else:
+                sample_id = f"{fmt}-{item['index']}"
+            if sample_id in writer.done_ids:
+                continue
+            if item.get("missing"):
+                writer.skip(sample_id, "missing_file")
+                continue
+            loaded = loaded or item["load"]()
+            if "input_ids" in item and not torch.equal(loaded["token_ids"], item["input_ids"]):
+                raise ValueError(f"{item['file']}: token_ids differ from row {item['index']} of the dataset")
+            aux, last = loaded["aux"], loaded["last"]
+            t = tokens.shape[0]
+            if aux.shape != (t, 3 * hidden) or last.shape != (t, hidden):
+                raise ValueError(f"{item['file']}: aux {tuple(aux.shape)} / last {tuple(last.shape)} do not match "
+                                 f"{t} tokens x hidden {hidden} of the verifier (3 aux layers expected)")
+            with torch.no_grad():
+                last = last.float()
+                if loaded["needs_norm"]:
+                    last = norm(last)  # [T, H] now post-norm, like ours
+                greedy = greedy_tokens(head, last, softcap)
+            mask = item.get("loss_mask", loaded.get("loss_mask"))
+            writer.add(sample_id, tokens, mask, aux, last, greedy)
+            bar.update(1)
+    finally:
+        writer.close()
+        bar.close()
+    manifest = merge_manifests(out_dir)
+    return {"format": fmt, "written_samples": writer.written_samples, "written_tokens": writer.written_tokens,
+            "skipped": dict(writer.skipped_counts), "total_samples": len(manifest["samples"]),
+            "total_skipped": manifest["skipped"]}
+
+
+# ---------------------------------------------------------------- CLI
+
+def add_arguments(parser) -> None:
+    parser.add_argument("format", choices=sorted(SOURCES), help="which tool wrote the files")
+    parser.add_argument("source", help="speculators: its prepared dataset dir; specforge: its output dir")
+    parser.add_argument("--verifier", required=True, help="the verifier the features came from (final norm, lm_head)")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--output", required=True, help="feature directory to write")
+    parser.add_argument("--hidden-states", default=None, help="speculators: hs_*.safetensors dir (default SOURCE/hidden_states)")
+    parser.add_argument("--data", default=None, help="our prepared dataset: give imported samples its ids (by tokens)")
+    parser.add_argument("--aux-layers", default=None, help="captured layers as our output_hidden_states indices a,b,c")
+    parser.add_argument("--engine-layer-ids", default=None,
+                        help="captured layers as given to the engine (vLLM: same as ours; SGLang/SpecForge: ours - 1)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp8 or fp32")
+    parser.add_argument("--samples-per-shard", type=int, default=64)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from ..assets import load_tokenizer
+    from .fingerprint import tokenizer_fingerprint
+
+    if args.aux_layers and args.engine_layer_ids:
+        raise SystemExit("give --aux-layers or --engine-layer-ids, not both")
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    if args.engine_layer_ids:
+        shift = 1 if args.format == "specforge" else 0  # SGLang ids name a layer's output
+        aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
+    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
+    summary = import_features(args.format, args.source, args.output, args.verifier, fingerprint, aux_indices=aux,
+                              dtype=args.dtype, prepared=args.data, hidden_states_dir=args.hidden_states,
+                              verifier_name=args.verifier, verifier_revision=args.revision,
+                              samples_per_shard=args.samples_per_shard, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
