@@ -19,7 +19,8 @@ it never builds a model. The engine behaviour each check guards against, as read
   `output_hidden_states` index); without it, the target's default (2, N//2, N-3).
   `vllm/model_executor/models/llama_eagle3.py` renames `midlayer.` -> `layers.0.`, prefixes other names
   with `model.` (an already-prefixed name then fails to load), skips `t2d`, adds `arange` to `d2t`,
-  honours `norm_before_residual`; `vllm/v1/spec_decode/llm_base_proposer.py` keeps a drafter's own
+  honours `norm_before_residual` (`vllm/transformers_utils/configs/speculators/algos.py` defaults it to true
+  for the speculators layout); `vllm/v1/spec_decode/llm_base_proposer.py` keeps a drafter's own
   `embed_tokens` unless it is absent or equal to the verifier's.
 """
 
