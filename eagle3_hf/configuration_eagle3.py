@@ -6,11 +6,14 @@ The aux-layer convention lives in exactly one place, `engine_aux_layer_ids`, bec
 
 - eagle3_hf trains on transformers `output_hidden_states` indices (0 = embeddings, k = output of decoder
   layer k-1); the drafter reads three of them, `aux_hidden_state_indices`.
-- vLLM (`vllm/model_executor/models/llama_eagle3.py`, `vllm/transformers_utils/configs/eagle.py`) reads the
-  top-level `eagle_aux_hidden_state_layer_ids` first and captures the residual stream *entering* layer id,
-  which is the same number as the `output_hidden_states` index.
-- SGLang (`python/sglang/srt/models/llama_eagle3.py` + the target model's `set_eagle3_layers_to_capture`)
-  reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (its id names a layer *output*).
+- vLLM (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`) reads only the top-level
+  `eagle_aux_hidden_state_layer_ids` and captures the residual stream *entering* layer id, which is the same
+  number as the `output_hidden_states` index.
+- SGLang (`model_runner.py` reads `eagle_config.eagle_aux_hidden_state_layer_ids`; the target model's
+  `set_eagle3_layers_to_capture`, e.g. `python/sglang/srt/models/llama.py`, adds 1: its id names a layer
+  *output*). Without ids both engines default to indices (2, N//2, N-3).
+- `norm_before_residual`: SGLang's `llama_eagle3.py` hard-codes the un-normed residual (false); vLLM honours
+  the key and defaults it to true for the speculators layout, so it is always written explicitly.
 """
 
 from __future__ import annotations

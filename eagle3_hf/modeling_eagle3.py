@@ -397,5 +397,14 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
 
+    def push_to_hub(self, repo_id: str, *, token=None, private: bool | None = None, revision: str | None = None,
+                    commit_message: str | None = None, run_check: bool = True, **unused):
+        """Check the drafter (eagle3_hf.check), write our model card and upload the standard layout.
+        transformers' own push would replace the card with a generic one and skip the check."""
+        from .hub import push_drafter
+
+        return push_drafter(self, repo_id, token=token, private=bool(private), revision=revision,
+                            commit_message=commit_message, run_check=run_check)
+
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

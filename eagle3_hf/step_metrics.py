@@ -126,3 +126,40 @@ def simulated_acceptance_length(conditional_accuracies: list[float]) -> float:
         running *= cacc
         total += running
     return total
+
+
+def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float):
+    """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch."""
+    total = outputs.logits[0].new_zeros(())
+    step_losses = []
+    for i, logits in enumerate(outputs.logits):
+        mask = step_targets(batch, i, t2d).loss_mask
+        step_loss = soft_cross_entropy_at(logits, outputs.teacher_logits, mask, shift=i + 1)
+        total = total + (step_weight**i) * step_loss
+        step_losses.append((step_loss.detach(), mask.sum()))
+    return total, step_losses
+
+
+@torch.no_grad()
+def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size: int = 4,
+                            ttt_steps: int | None = None) -> dict[str, float]:
+    """Per-step accuracy, conditional accuracy and simulated τ of a drafter on a feature dataset (and the
+    per-step loss when a teacher is attached) — the numbers the trainer logs, outside any Trainer."""
+    from .data.dataset import PackedCollator, PackedDataset
+
+    steps = int(ttt_steps or model.config.ttt_steps)
+    packed = PackedDataset(dataset, max_seq_len, seed=None)
+    collate = PackedCollator(max_seq_len=max_seq_len)
+    device = next(model.parameters()).device
+    stats = StepStats(steps)
+    for start in range(0, len(packed), batch_size):
+        batch = collate([packed[r] for r in range(start, min(start + batch_size, len(packed)))])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = model(input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
+                    position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                    last_hidden_state=batch["last_hidden_state"], ttt_steps=steps)
+        step_losses = None
+        if out.teacher_logits is not None:
+            _, step_losses = ttt_loss(out, batch, model.t2d, model.config.ttt_step_weight)
+        stats.update(out.logits, batch, model.d2t, model.t2d, step_losses)
+    return stats.metrics()

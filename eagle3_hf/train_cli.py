@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None):
     parser = HfArgumentParser((ModelArguments, DataArguments, Eagle3TrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
-                "save_total_limit": 2, "dataloader_num_workers": 0}
+                "save_total_limit": 2, "dataloader_num_workers": 0,
+                # no GPU: train on the CPU, over gloo when launched with several processes
+                "use_cpu": not torch.cuda.is_available()}
     if "--config" in argv:
         path = argv[argv.index("--config") + 1]
         with open(path, encoding="utf-8") as f:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
-from .step_metrics import StepStats, count_loss_tokens, soft_cross_entropy_at, step_targets
+from .step_metrics import StepStats, count_loss_tokens, ttt_loss
 
 
 @dataclass
@@ -80,13 +80,7 @@ class Eagle3Trainer(Trainer):
             last_hidden_state=inputs["last_hidden_state"],
             ttt_steps=self.args.ttt_steps,
         )
-        total = outputs.logits[0].new_zeros(())
-        step_losses = []
-        for i, logits in enumerate(outputs.logits):
-            mask = step_targets(inputs, i, t2d).loss_mask
-            step_loss = soft_cross_entropy_at(logits, outputs.teacher_logits, mask, shift=i + 1)
-            total = total + (self.args.ttt_step_weight**i) * step_loss
-            step_losses.append((step_loss.detach(), mask.sum()))
+        total, step_losses = ttt_loss(outputs, inputs, t2d, self.args.ttt_step_weight)
         stats = self._train_stats if model.training else self._eval_stats
         stats.update(outputs.logits, inputs, d2t, t2d, step_losses)
         if num_items_in_batch is None:
