@@ -191,6 +191,12 @@ def test_reasoning_rendered_by_template(kimi):
         render_with_mask(convo, kimi, sample_id="conv-7")  # history reasoning is dropped by the template
     ids, mask = render_with_mask(convo, kimi, reasoning="drop")
     assert segments(kimi, ids, mask) == ["<think></think>Hello.<|im_end|>", "<think></think>4.<|im_end|>"]
+    # one sample per turn: every turn keeps its reasoning, rendered as the template renders the latest turn
+    ds = prepare_conversations([{"id": "k", "messages": convo + [{"role": "user", "content": "bye"}]}], kimi,
+                               split_turns=True)
+    assert ds["id"] == ["k#turn0", "k#turn1"]
+    assert [segments(kimi, i, m) for i, m in zip(ds["input_ids"], ds["loss_mask"])] == [
+        ["<think>greet</think>Hello.<|im_end|>"], ["<think>add</think>4.<|im_end|>"]]
 
 
 def test_template_breaking_prefix_is_refused(tokenizer, deepseek):

@@ -197,7 +197,8 @@ def test_llama_cpp_server(tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_verifier_gguf()),
-                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2"],
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2",
+                             "--interrupt_requests", "False"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

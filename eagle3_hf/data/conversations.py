@@ -188,9 +188,8 @@ def load_conversations(source: str, limit: int | None = None, split: str = "trai
     path = Path(source)
     if path.is_file():
         return read_jsonl_conversations(path, limit)
-    if path.exists() or source.endswith((".jsonl", ".json")):
-        if not path.is_dir():
-            raise FileNotFoundError(f"{source}: no such file")
+    if source.endswith((".jsonl", ".json")) and not path.exists():
+        raise FileNotFoundError(f"{source}: no such file")
     return read_dataset_conversations(source, split=split, limit=limit)
 
 

@@ -99,7 +99,7 @@ def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = Non
             raise ValueError(
                 f"sample {sample_id}: assistant turn {i} renders differently once later messages follow "
                 f"({_diff(upto[:end], text)}); the template rewrites history (e.g. drops reasoning): "
-                f"use --last-turn-only or --reasoning drop")
+                f"use --split-turns, --last-turn-only or --reasoning drop")
         if end > len(prompt):
             spans.append((len(prompt), end))
     return text, spans
@@ -135,12 +135,13 @@ def new_stats() -> dict:
 
 def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_len: int | None = None,
                           overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "keep",
-                          tool_calls: str = "keep", template_kwargs: dict | None = None,
+                          tool_calls: str = "keep", template_kwargs: dict | None = None, split_turns: bool = False,
                           stats: dict | None = None, progress: bool = False):
     """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
 
     Samples without loss tokens are skipped and counted in `stats["skipped"]`; over-long ones are
-    truncated, skipped or refused (`overlong`) and counted.
+    truncated, skipped or refused (`overlong`) and counted. `split_turns` makes one sample per assistant
+    turn (id `ID#turnK`, history as the template renders it), for templates that rewrite history.
     """
     import datasets
     import pyarrow as pa
@@ -168,30 +169,27 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
             ids.clear()
             del offsets[1:], flat_ids[:], flat_mask[:]
 
-    bar = tqdm(conversations, desc="prepare", unit="conv", disable=not progress)
-    for conv in bar:
-        stats["input"] += 1
-        sid = conv["id"]
+    def add_sample(sid: str, messages: list[dict], tools) -> None:
         try:
             input_ids, loss_mask = render_with_mask(
-                conv["messages"], tokenizer, tools=conv.get("tools"), last_turn_only=last_turn_only,
+                messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
                 reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
             stats["skipped"][str(e)] += 1
-            continue
+            return
         if max_seq_len is not None and len(input_ids) > max_seq_len:
             if overlong == "error":
                 raise ValueError(f"sample {sid}: {len(input_ids)} tokens > max_seq_len {max_seq_len} "
                                  f"(use --overlong truncate or skip)")
             if overlong == "skip":
                 stats["skipped"][f"longer than max_seq_len {max_seq_len}"] += 1
-                continue
+                return
             input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
             stats["truncated"] += 1
         n_loss = sum(loss_mask)
         if n_loss == 0:
             stats["skipped"]["no loss tokens" + (" within max_seq_len" if max_seq_len else "")] += 1
-            continue
+            return
         ids.append(sid)
         flat_ids.extend(input_ids)
         flat_mask.extend(loss_mask)
@@ -201,6 +199,16 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
         stats["loss_tokens"] += n_loss
         if len(ids) >= _BATCH_ROWS:
             flush()
+
+    bar = tqdm(conversations, desc="prepare", unit="conv", disable=not progress)
+    for conv in bar:
+        stats["input"] += 1
+        units = [(conv["id"], conv["messages"])]
+        if split_turns:
+            turns = [i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
+            units = [(f"{conv['id']}#turn{k}", conv["messages"][: i + 1]) for k, i in enumerate(turns)] or units
+        for sid, messages in units:
+            add_sample(sid, messages, conv.get("tools"))
         bar.set_postfix(tokens=stats["tokens"], refresh=False)
     flush()
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
@@ -258,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--overlong", choices=("truncate", "skip", "error"), default="truncate")
     parser.add_argument("--last-turn-only", action="store_true", help="loss on the last assistant turn only")
+    parser.add_argument("--split-turns", action="store_true",
+                        help="one sample per assistant turn (for templates that rewrite earlier turns, e.g. drop "
+                             "their reasoning)")
     parser.add_argument("--reasoning", choices=("keep", "drop"), default="keep")
     parser.add_argument("--tool-calls", choices=("keep", "drop"), default="keep")
     parser.add_argument("--template-kwargs", type=json.loads, default=None,
@@ -270,21 +281,19 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.tokenizer, revision=args.revision)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
-    options = {"input": args.input, "limit": args.limit, "max_seq_len": args.max_seq_len, "overlong": args.overlong,
-               "last_turn_only": args.last_turn_only, "reasoning": args.reasoning, "tool_calls": args.tool_calls,
-               "template_kwargs": args.template_kwargs}
+    knobs = ("max_seq_len", "overlong", "last_turn_only", "split_turns", "reasoning", "tool_calls", "template_kwargs")
+    options = {k: getattr(args, k) for k in knobs}
     stats = new_stats()
-    ds = prepare_conversations(conversations, tokenizer, max_seq_len=args.max_seq_len, overlong=args.overlong,
-                               last_turn_only=args.last_turn_only, reasoning=args.reasoning,
-                               tool_calls=args.tool_calls, template_kwargs=args.template_kwargs,
-                               stats=stats, progress=True)
-    meta = build_meta(tokenizer, args.tokenizer, stats, options)
+    ds = prepare_conversations(conversations, tokenizer, stats=stats, progress=True, **options)
+    meta = build_meta(tokenizer, args.tokenizer, stats, dict(options, input=args.input, limit=args.limit))
     out = save_prepared(ds, args.output, meta)
     c = meta["counts"]
-    print(f"prepare: {c['samples']}/{c['input']} samples, {c['tokens']} tokens, {c['loss_tokens']} loss tokens "
+    print(f"prepare: {c['samples']} samples from {c['input']} conversations, {c['tokens']} tokens, {c['loss_tokens']} loss tokens "
           f"-> {out}", file=sys.stderr)
     if c["truncated"]:
         print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
     for reason, n in c["skipped"].items():
         print(f"prepare: skipped {n} samples: {reason}", file=sys.stderr)
+    if c["skipped"].get("no assistant turn"):
+        print("prepare: prompts without an answer need `eagle3-hf regenerate` first", file=sys.stderr)
     return 0

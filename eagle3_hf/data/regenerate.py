@@ -247,22 +247,32 @@ def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, c
             state.accept(completion)
         return state.row(backend.name), tokens
 
-    failed: tuple[str, BaseException] | None = None
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = {pool.submit(one, conv): conv["id"] for conv in todo}
-        for fut in as_completed(futures):
-            if fut.cancelled():
-                continue
-            try:
-                row, tokens = fut.result()
-            except Exception as e:  # stop submitting; finished conversations are still written
-                if failed is None:
-                    failed = (futures[fut], e)
-                    for other in futures:
-                        other.cancel()
-                continue
-            write(row)
-            tick(row, tokens)
+        try:
+            _collect(futures, write, tick)
+        except BaseException:  # Ctrl-C: don't wait for the queue, only for requests already in flight
+            for fut in futures:
+                fut.cancel()
+            raise
+
+
+def _collect(futures: dict, write: Callable, tick: Callable) -> None:
+    """Write conversations as they finish; on the first failure cancel the queue, keep what finished."""
+    failed: tuple[str, BaseException] | None = None
+    for fut in as_completed(futures):
+        if fut.cancelled():
+            continue
+        try:
+            row, tokens = fut.result()
+        except Exception as e:
+            if failed is None:
+                failed = (futures[fut], e)
+                for other in futures:
+                    other.cancel()
+            continue
+        write(row)
+        tick(row, tokens)
     if failed is not None:
         raise EndpointError(f"conversation {failed[0]}: {failed[1]} (finished ones are saved; rerun to resume)")
 
