@@ -130,6 +130,12 @@ def test_chatml_multi_turn(tokenizer):
     assert mask[last_end] == 1 and mask[last_end + 1] == 0 and len(ids) == last_end + 2
 
 
+def test_greeting_before_any_user_is_context(tokenizer):
+    convo = [{"role": "assistant", "content": "Welcome!"}] + CHAT[:2]
+    ids, mask = render_with_mask(convo, tokenizer)
+    assert segments(tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>"] and "Welcome!" in tokenizer.decode(ids)
+
+
 def test_chatml_last_turn_only_and_trailing_user(tokenizer):
     convo = CHAT + [{"role": "user", "content": "unanswered"}]
     ids, mask = render_with_mask(convo, tokenizer, last_turn_only=True)
@@ -187,7 +193,7 @@ def test_reasoning_rendered_by_template(kimi):
              {"role": "assistant", "content": "4.", "reasoning_content": "add"}]
     ids, mask = render_with_mask(convo, kimi, last_turn_only=True)
     assert segments(kimi, ids, mask) == ["<think>add</think>4.<|im_end|>"]
-    with pytest.raises(ValueError, match=r"sample conv-7: assistant turn 1 renders differently.*--last-turn-only"):
+    with pytest.raises(ValueError, match=r"sample conv-7: assistant message 1 renders differently.*--last-turn-only"):
         render_with_mask(convo, kimi, sample_id="conv-7")  # history reasoning is dropped by the template
     ids, mask = render_with_mask(convo, kimi, reasoning="drop")
     assert segments(kimi, ids, mask) == ["<think></think>Hello.<|im_end|>", "<think></think>4.<|im_end|>"]
@@ -202,7 +208,7 @@ def test_reasoning_rendered_by_template(kimi):
 def test_template_breaking_prefix_is_refused(tokenizer, deepseek):
     r1 = DEEPSEEK_V3_TEMPLATE.replace("{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
     assert r1 != DEEPSEEK_V3_TEMPLATE
-    with pytest.raises(ValueError, match="sample s1: assistant turn 1: .*generation prompt is not a prefix"):
+    with pytest.raises(ValueError, match="sample s1: assistant message 1: .*generation prompt is not a prefix"):
         render_with_mask(CHAT[:2], deepseek, template_kwargs={"chat_template": r1}, sample_id="s1")
 
 

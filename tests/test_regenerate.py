@@ -73,6 +73,13 @@ def test_endpoint_turn_by_turn_concurrent(tmp_path, capsys):
     assert [c["id"] for c in load_conversations(str(out))] == list(got)  # the output is valid prepare input
 
 
+def test_max_turns_cuts_the_rest(tmp_path):
+    with OpenAIStub() as stub:
+        regenerate(CONVS[:1], tmp_path / "m.jsonl", EndpointBackend(stub.url, "m"), max_turns=1, progress=False)
+    assert rows(tmp_path / "m.jsonl")["multi"]["messages"] == [{"role": "system", "content": "Be brief."}, U("u1"),
+                                                                A("[2] re: u1")]
+
+
 def test_retries_and_clear_errors(tmp_path):
     with OpenAIStub(fail_first=2) as stub:
         backend = EndpointBackend(stub.url + "/v1", "m", max_retries=3, retry_backoff=0.01)

@@ -34,9 +34,10 @@ class NoLossTokens(ValueError):
     """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
 
 
-def chat_template_source(tokenizer, tools: list | None = None) -> str:
+def chat_template_source(tokenizer, tools: list | None = None, template_kwargs: dict | None = None) -> str:
+    """The template text actually used (a `chat_template` in template_kwargs overrides the tokenizer's)."""
     try:
-        return tokenizer.get_chat_template(None, tools)
+        return tokenizer.get_chat_template((template_kwargs or {}).get("chat_template"), tools)
     except ValueError as e:
         name = getattr(tokenizer, "name_or_path", "tokenizer")
         raise ValueError(f"{name}: no chat template ({e})") from None
@@ -79,7 +80,9 @@ def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = Non
                     template_kwargs: dict | None = None, sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans [start, end) that carry loss."""
     kw = template_kwargs or {}
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # an assistant message before any user/tool message answers nothing (a canned greeting): context only
+    first_ask = next((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), len(messages))
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_ask]
     if not turns:
         raise NoLossTokens("no assistant turn")
     messages = messages[: turns[-1] + 1]  # trailing user turns carry no loss
@@ -92,12 +95,12 @@ def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = Non
         upto = _render(tokenizer, messages[: i + 1], False, tools, kw)
         if not upto.startswith(prompt):
             raise ValueError(
-                f"sample {sample_id}: assistant turn {i}: the chat template's generation prompt is not a prefix "
+                f"sample {sample_id}: assistant message {i}: the chat template's generation prompt is not a prefix "
                 f"of the rendered turn ({_diff(prompt, upto)}); try --template-kwargs (e.g. thinking flags)")
         end = len(upto.rstrip())
         if not text.startswith(upto[:end]):
             raise ValueError(
-                f"sample {sample_id}: assistant turn {i} renders differently once later messages follow "
+                f"sample {sample_id}: assistant message {i} renders differently once later messages follow "
                 f"({_diff(upto[:end], text)}); the template rewrites history (e.g. drops reasoning): "
                 f"use --split-turns, --last-turn-only or --reasoning drop")
         if end > len(prompt):
@@ -114,7 +117,7 @@ def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = No
                      reasoning: str = "keep", tool_calls: str = "keep", template_kwargs: dict | None = None,
                      sample_id: str = "sample") -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would."""
-    renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools)
+    renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools, template_kwargs)
     messages = apply_policies(messages, reasoning, tool_calls, renders_reasoning)
     text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
                                   template_kwargs=template_kwargs, sample_id=sample_id)
@@ -169,7 +172,12 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
             ids.clear()
             del offsets[1:], flat_ids[:], flat_mask[:]
 
+    seen: set[str] = set()
+
     def add_sample(sid: str, messages: list[dict], tools) -> None:
+        if sid in seen:
+            raise ValueError(f"sample {sid}: id appears more than once; ids must be unique")
+        seen.add(sid)
         try:
             input_ids, loss_mask = render_with_mask(
                 messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
@@ -250,7 +258,8 @@ def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> di
         "tokenizer": tokenizer_name,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "tokenizer_vocab_size": len(tokenizer),
-        "chat_template_sha256": hashlib.sha256(chat_template_source(tokenizer).encode()).hexdigest(),
+        "chat_template_sha256": hashlib.sha256(
+            chat_template_source(tokenizer, None, options.get("template_kwargs")).encode()).hexdigest(),
         "options": options,
         "counts": counts,
     }

@@ -38,12 +38,15 @@ class EndpointError(RuntimeError):
 class _Conversation:
     """Walks one conversation: hands out the prompt of each turn to (re)generate, takes the answers."""
 
-    def __init__(self, conv: dict):
+    def __init__(self, conv: dict, max_turns: int | None = None):
         self.conv, self.src, self.pos, self.out = conv, conv["messages"], 0, []
         self.finish: list[str] = []
         self.answered_tail = False
+        self.max_turns = max_turns
 
     def next_prompt(self) -> list[dict] | None:
+        if self.max_turns is not None and len(self.finish) >= self.max_turns:
+            return None  # the rest of the source answered turns the verifier never wrote: cut here
         while self.pos < len(self.src):
             msg = self.src[self.pos]
             asks = any(m["role"] in ("user", "tool") for m in self.out)
@@ -238,9 +241,10 @@ class _Writer:
 
 # ---------------------------------------------------------------- drivers
 
-def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable) -> None:
+def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable,
+                  max_turns: int | None) -> None:
     def one(conv: dict) -> tuple[dict, int]:
-        state, tokens = _Conversation(conv), 0
+        state, tokens = _Conversation(conv, max_turns), 0
         while (prompt := state.next_prompt()) is not None:
             completion = backend.complete(prompt, conv.get("tools"))
             tokens += completion[4]
@@ -278,7 +282,7 @@ def _collect(futures: dict, write: Callable, tick: Callable) -> None:
 
 
 def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable, batch_size: int,
-                 tick: Callable) -> None:
+                 tick: Callable, max_turns: int | None) -> None:
     """Keep up to batch_size conversations in flight; each step generates one turn for each of them."""
     pending, active, exhausted = iter(todo), [], False
     tokens: Counter = Counter()
@@ -288,7 +292,7 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
                 conv = next(pending, None)
                 exhausted = conv is None
                 if conv is not None:
-                    active.append(_Conversation(conv))
+                    active.append(_Conversation(conv, max_turns))
             needing, prompts = [], []
             for state in active:
                 prompt = state.next_prompt()
@@ -310,8 +314,11 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
 
 
 def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, concurrency: int = 16,
-               batch_size: int = 8, progress: bool = True) -> dict:
-    """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts."""
+               batch_size: int = 8, max_turns: int | None = None, progress: bool = True) -> dict:
+    """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts.
+
+    `max_turns` keeps at most that many assistant turns per conversation (the rest is cut off).
+    """
     from tqdm.auto import tqdm
 
     conversations = list(conversations)
@@ -338,9 +345,9 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, co
     write = _Writer(output)
     try:
         if isinstance(backend, TransformersBackend):
-            _run_batched(todo, backend, write, batch_size, tick)
+            _run_batched(todo, backend, write, batch_size, tick, max_turns)
         else:
-            _run_endpoint(todo, backend, write, concurrency, tick)
+            _run_endpoint(todo, backend, write, concurrency, tick, max_turns)
     finally:
         write.close()
         bar.close()
@@ -353,6 +360,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="train")
     parser.add_argument("--output", required=True, help="output JSONL (appended; existing ids are skipped)")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="regenerate at most N assistant turns per conversation and cut the rest")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--verifier", help="in-process transformers verifier: name, Hub id or path")
     src.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
@@ -387,7 +396,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype, **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
-    stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size)
+    stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
+                       max_turns=args.max_turns)
     print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
           f"{stats['turns']} turns, {stats['tokens']} tokens in {stats['seconds']:.1f}s "
           f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)
