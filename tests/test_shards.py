@@ -99,3 +99,22 @@ def test_header_mismatch_names_field(tmp_path):
         ShardWriter(tmp_path, _header(hidden_size=64))
     with pytest.raises(ValueError, match="dtype"):
         check_header(_header(), _header("fp8"), "here")
+
+
+def test_fp8_table_decode_and_collate(tmp_path):
+    from eagle3_hf.data.dataset import PackedCollator, PackedDataset
+    from eagle3_hf.data.shards import fp8_to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ref, got = codes.float(), fp8_to_float32(codes)
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref[~ref.isnan()], got[~got.isnan()])
+    ds = FeatureDataset(_write(tmp_path / "fp8", "fp8", n=5, t=20), split="all")
+    packed = PackedDataset(ds, 64, seed=None)
+    batch = PackedCollator()([packed[r] for r in range(len(packed))])
+    for b, row in enumerate(packed.rows):  # decoding in the collator == decoding in __getitem__
+        at = 0
+        for i, s, e in row:
+            assert torch.equal(batch["aux_hidden_states"][b, at:at + e - s], ds[i]["aux_hidden_states"][s:e])
+            assert torch.equal(batch["last_hidden_state"][b, at:at + e - s], ds[i]["last_hidden_state"][s:e])
+            at += e - s
+        assert (batch["aux_hidden_states"][b, at:] == 0).all()

@@ -65,6 +65,30 @@ def read_safetensors_header(path: Path, expected_bytes: int | None = None) -> tu
     return 8 + n, header
 
 
+class StoredFeatures:
+    """A row's features still as stored: (values [n, R*H], f32 scales [n, R] or None) pieces, views into the
+    mapped shards. PackedCollator decodes them straight into the batch: one pass, no float32 temporaries."""
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        self.pieces = pieces
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([sum(q.shape[0] for q, _ in self.pieces), self.pieces[0][0].shape[1]])
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        """Write the float32 values into `out` [n, R*H]."""
+        start = 0
+        for q, scale in self.pieces:
+            dequantize(q, scale, out=out[start : start + q.shape[0]])  # bf16: the cast happens in the copy
+            start += q.shape[0]
+
+    def float(self) -> torch.Tensor:
+        out = torch.empty(self.shape)
+        self.decode_into(out)
+        return out
+
+
 class FeatureDataset(Dataset):
     """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
 
@@ -82,7 +106,8 @@ class FeatureDataset(Dataset):
         verifier = self.manifest["verifier"]
         self.hidden_size = int(verifier["hidden_size"])
         self.aux_layer_indices = tuple(self.manifest["aux_layer_indices"])
-        self._layout: dict[str, tuple[int, dict]] = {}
+        # shard -> [(key, dtype, row shape, elements per row, bytes per row, byte offset of row 0)]
+        self._layout: dict[str, list[tuple]] = {}
         for shard in self.manifest["shards"]:
             path = self.features_dir / shard["file"]
             if not path.is_file():
@@ -91,7 +116,8 @@ class FeatureDataset(Dataset):
             if verify == "shard":
                 digest = sha256_file(path)
                 if digest != shard["sha256"]:
-                    raise ValueError(f"shard {path} is corrupt: sha256 {digest[:16]}… != manifest {shard['sha256'][:16]}…")
+                    raise ValueError(f"shard {path} is corrupt: sha256 {digest[:16]}... != manifest "
+                                     f"{shard['sha256'][:16]}...")
         samples = self.manifest["samples"]
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]
@@ -99,7 +125,7 @@ class FeatureDataset(Dataset):
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
         self._open: OrderedDict[str, np.memmap] = OrderedDict()
 
-    def _check_layout(self, path: Path, shard: dict) -> tuple[int, dict]:
+    def _check_layout(self, path: Path, shard: dict) -> list[tuple]:
         data_start, header = read_safetensors_header(path, shard.get("bytes"))
         for key in ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "last_hidden_state"):
             if key not in header:
@@ -107,7 +133,15 @@ class FeatureDataset(Dataset):
             if header[key]["shape"][0] != shard["num_tokens"]:
                 raise ValueError(f"shard {path}: {key} has {header[key]['shape'][0]} rows, manifest says "
                                  f"{shard['num_tokens']} tokens")
-        return data_start, header
+        layout = []
+        for key in SAMPLE_KEYS:
+            if key in header:
+                info = header[key]
+                dtype = _ST_DTYPES[info["dtype"]]
+                row = int(np.prod(info["shape"][1:], dtype=np.int64))
+                layout.append((key, dtype, tuple(info["shape"][1:]), row, row * dtype.itemsize,
+                               data_start + info["data_offsets"][0]))
+        return layout
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -136,24 +170,22 @@ class FeatureDataset(Dataset):
         end = length if end is None else min(end, length)
         if not 0 <= start <= end:
             raise IndexError(f"sample {s['id']!r}: bad token range [{start}, {end}) of {length}")
-        mm = self._map(s["shard"])
-        data_start, header = self._layout[s["shard"]]
+        mm, n, first = self._map(s["shard"]), end - start, s["offset"] + start
         out = {}
-        for key in SAMPLE_KEYS:
-            info = header.get(key)
-            if info is None:
-                continue
-            dtype = _ST_DTYPES[info["dtype"]]
-            row = int(np.prod(info["shape"][1:], dtype=np.int64))
-            row_bytes = row * torch.empty((), dtype=dtype).element_size()
-            offset = data_start + info["data_offsets"][0] + (s["offset"] + start) * row_bytes
-            t = torch.frombuffer(mm, dtype=dtype, count=(end - start) * row, offset=offset) if end > start else \
+        for key, dtype, shape, row, row_bytes, base in self._layout[s["shard"]]:
+            t = torch.frombuffer(mm, dtype=dtype, count=n * row, offset=base + first * row_bytes) if n else \
                 torch.empty(0, dtype=dtype)
-            out[key] = t.view(end - start, *info["shape"][1:])
+            out[key] = t.view(n, *shape)
         return out
 
-    def get(self, index: int, start: int = 0, end: int | None = None) -> dict:
-        """Tokens [start, end) of sample `index`, decoded (features dequantised to float32)."""
+    def byte_ranges(self, index: int) -> list[tuple[Path, int, int]]:
+        """(shard path, byte offset, byte count) of each stored tensor of a sample (for raw readers, benchmarks)."""
+        s = self._samples[index]
+        return [(self.features_dir / s["shard"], base + s["offset"] * row_bytes, s["length"] * row_bytes)
+                for _key, _dtype, _shape, _row, row_bytes, base in self._layout[s["shard"]]]
+
+    def get(self, index: int, start: int = 0, end: int | None = None, decode: bool = True) -> dict:
+        """Tokens [start, end) of sample `index`, features dequantised to float32 (or StoredFeatures views)."""
         raw = self.raw(index, start, end)
         sample = self._samples[index]
         if self.verify == "sample" and (start, end) in ((0, None), (0, sample["length"])):
@@ -162,14 +194,16 @@ class FeatureDataset(Dataset):
             if sample_sha256(raw) != sample["sha256"]:
                 raise ValueError(f"sample {sample['id']!r} in shard {self.features_dir / sample['shard']} is corrupt "
                                  f"(sha256 mismatch)")
-        return {
+        out = {
             "input_ids": raw["input_ids"].long(),  # [T]
             "loss_mask": raw["loss_mask"].bool(),  # [T]
             "verifier_greedy": raw["verifier_greedy"].long(),  # [T]
-            "aux_hidden_states": dequantize(raw["aux_hidden_states"], raw.get("aux_hidden_states_scale")),  # [T, 3H]
-            "last_hidden_state": dequantize(raw["last_hidden_state"], raw.get("last_hidden_state_scale")),  # [T, H]
             "sample_id": sample["id"],
         }
+        for key in ("aux_hidden_states", "last_hidden_state"):  # [T, 3H], [T, H]
+            q, scale = raw[key], raw.get(key + "_scale")
+            out[key] = dequantize(q, scale) if decode else StoredFeatures([(q, scale)])
+        return out
 
     def __getitem__(self, index: int) -> dict:
         return self.get(index)
@@ -263,6 +297,8 @@ class PackedDataset(Dataset):
         return len(self.rows)
 
     def _piece(self, i: int, start: int, end: int) -> dict:
+        if isinstance(self.dataset, FeatureDataset):
+            return self.dataset.get(i, start, end, decode=False)
         if hasattr(self.dataset, "get"):
             return self.dataset.get(i, start, end)
         item = self.dataset[i]
@@ -271,7 +307,10 @@ class PackedDataset(Dataset):
                 for k, v in item.items()}
 
     def __getitem__(self, r: int) -> dict:
-        """One row, unpadded: per-token tensors concatenated over its documents, plus document bookkeeping."""
+        """One row, unpadded: per-token tensors concatenated over its documents, plus document bookkeeping.
+
+        Features of a FeatureDataset stay StoredFeatures (views) until the collator decodes them.
+        """
         parts, position_ids, document_ids, pieces, prefixes = [], [], [], [], []
         for d, (i, s, e) in enumerate(self.rows[r]):
             item = self._piece(i, s, e)
@@ -281,8 +320,12 @@ class PackedDataset(Dataset):
             pieces.append((item.get("sample_id", str(i)), s, e))
             if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
                 prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
-        keys = [k for k, v in parts[0].items() if torch.is_tensor(v)]
-        row = {k: torch.cat([p[k] for p in parts]) for k in keys}
+        row: dict = {}
+        for k, v in parts[0].items():
+            if torch.is_tensor(v):
+                row[k] = torch.cat([p[k] for p in parts])
+            elif isinstance(v, StoredFeatures):
+                row[k] = StoredFeatures([piece for p in parts for piece in p[k].pieces])
         row.update(position_ids=torch.cat(position_ids), document_ids=torch.cat(document_ids), pieces=pieces,
                    max_seq_len=self.max_seq_len)
         if prefixes:
@@ -303,8 +346,8 @@ class PackedCollator:
         hidden = rows[0]["last_hidden_state"].shape[-1]
         batch = {
             "input_ids": torch.full((B, L), self.pad_token_id, dtype=torch.long),
-            "aux_hidden_states": torch.zeros(B, L, aux_dim, dtype=torch.float32),
-            "last_hidden_state": torch.zeros(B, L, hidden, dtype=torch.float32),
+            "aux_hidden_states": torch.empty(B, L, aux_dim, dtype=torch.float32),  # [B, L, 3H]
+            "last_hidden_state": torch.empty(B, L, hidden, dtype=torch.float32),  # [B, L, H]
             "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(B, L, dtype=torch.bool),
             "position_ids": torch.zeros(B, L, dtype=torch.long),
@@ -315,5 +358,11 @@ class PackedCollator:
             if n > L:
                 raise ValueError(f"row {b} has {n} tokens > max_seq_len {L}")
             for key, out in batch.items():
-                out[b, :n] = row[key]
+                value = row[key]
+                if isinstance(value, StoredFeatures):
+                    value.decode_into(out[b, :n])
+                else:
+                    out[b, :n] = value
+                if key in ("aux_hidden_states", "last_hidden_state"):
+                    out[b, n:] = 0  # padding (the buffers are not pre-zeroed: one write pass per byte)
         return batch
