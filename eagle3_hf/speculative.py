@@ -1,19 +1,14 @@
 """Speculative decoding with an EAGLE-3 drafter and a transformers verifier: the real acceptance length.
 
-A drafter's worth is measured here the way an engine uses it (DESIGN.md §1 step 6, §3 "Metrics"):
-
-- greedy chain drafting of k tokens, verified by one verifier forward over [last token, d_1 .. d_k];
-  both models keep KV caches, cropped on rejection; after verification the drafter's cache is extended
-  with the verifier's aux states of the newly accepted tokens (step 0 at those positions), as SGLang does;
-- τ (acceptance length) = accepted drafts + the verifier's own token, per verifier forward (≤ k + 1),
-  per-position acceptance, and wall-clock speedup over plain decoding timed on the same machine;
-- lossless check: token-identical to plain greedy decoding, except where the verifier's top-2 fp32 logits
-  differ by < 1e-4 (a numerical tie), counted separately;
-- temperature > 0: speculative sampling (accept x with prob min(1, p(x)/q(x)), else resample from
-  norm(max(0, p - q))), exact in distribution; q is the drafter's draft-vocabulary distribution placed on
-  the verifier vocabulary through d2t (zero elsewhere).
-
-`eagle3-hf evaluate` (this module's `add_arguments` / `run`) writes acceptance.csv + eagle3_evaluation.json.
+A drafter is measured the way an engine uses it (DESIGN.md §1 step 6, §3 "Metrics"): chain drafting of k
+tokens verified by one verifier forward over [last, d_1 .. d_k], both models with KV caches cropped on
+rejection, the drafter's cache then extended with the verifier's aux states of the accepted tokens (as
+SGLang does). Reports τ (accepted drafts + the verifier's own token per verify forward, ≤ k + 1),
+per-position acceptance, wall-clock speedup over plain decoding on the same machine, and the lossless check
+(token-identical to plain greedy, except at numerical ties: top-2 fp32 logits within 1e-4, counted apart).
+Temperature > 0 uses speculative sampling, exact in distribution; q is the drafter's draft-vocabulary
+distribution placed on the verifier vocabulary through d2t (zero elsewhere).
+`eagle3-hf evaluate` (`add_arguments` / `run`) writes acceptance.csv and eagle3_evaluation.json.
 """
 
 from __future__ import annotations
@@ -45,10 +40,7 @@ def acceptance_metric_path() -> str:
 def _new_cache(verifier):
     from transformers import DynamicCache
 
-    try:
-        return DynamicCache(config=verifier.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
+    return DynamicCache(config=verifier.config)
 
 
 def _crop(cache, length: int) -> None:
@@ -75,18 +67,10 @@ def _margins(logits: torch.Tensor) -> list[float]:
 def _eos_ids(verifier, eos_token_id) -> set[int]:
     """None: the verifier's generation config (else config); an int or list overrides; [] disables."""
     if eos_token_id is None:
-        gen = getattr(verifier, "generation_config", None)
-        eos_token_id = getattr(gen, "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = getattr(verifier.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
+        eos_token_id = getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)
+        eos_token_id = verifier.config.eos_token_id if eos_token_id is None else eos_token_id
+    eos_token_id = [] if eos_token_id is None else eos_token_id
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(i) for i in eos_token_id}
-
-
-def _as_ids(input_ids, device) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-    return ids.view(1, -1)  # [1, P]
 
 
 def _sample(probs: torch.Tensor, generator) -> int:
@@ -136,10 +120,8 @@ def greedy_generate(verifier, input_ids, max_new_tokens: int, eos_token_id=None,
     start = time.perf_counter()
     eos = _eos_ids(verifier, eos_token_id)
     cache = _new_cache(verifier)
-    ids = _as_ids(input_ids, verifier.device)
-    tokens: list[int] = []
-    margins: list[float] = []
-    forwards = 0
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=verifier.device).view(1, -1)  # [1, P]
+    tokens, margins, forwards = [], [], 0
     while len(tokens) < max_new_tokens:
         logits, _ = _verifier_forward(verifier, ids, cache, None)
         forwards += 1
@@ -173,7 +155,7 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
     if not greedy:  # verifier id of every draft id, for q on the full vocabulary
         targets = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=drafter.d2t.device))
         targets, vocab_size = targets.cpu(), int(drafter.config.vocab_size)
-    prompt = _as_ids(input_ids, device)  # [1, P]
+    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)  # [1, P]
     n = prompt.shape[1]  # index of the newest token, which neither model has read yet
 
     # prefill: the verifier reads the prompt; the drafter reads (feature of t, token t+1) for t < P
@@ -186,13 +168,10 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
     d_logits, d_hidden, d_cache = drafter.draft_step(next_ids, aux, torch.arange(n, device=device)[None])
     d_logits, d_hidden = d_logits[0, -1], d_hidden[:, -1:]  # [Vd] predicts token n+1; [1, 1, H]
 
-    accepted_steps: list[int] = []
-    drafted_steps: list[int] = []
-    draft_tokens: list[list[int]] = []
+    accepted_steps, drafted_steps, draft_tokens = [], [], []  # per verify forward
     while len(tokens) < max_new_tokens and last not in eos:
         chain = min(k, max_new_tokens - len(tokens) - 1)
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
+        drafts, qs = [], []  # verifier ids; q over the verifier vocabulary (sampling)
         logits_i, hidden_i, cache_i = d_logits, d_hidden, d_cache
         for i in range(chain):  # the i-th draft (0-based) sits at token index n + 1 + i
             if greedy:
@@ -227,9 +206,7 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
         accepted_steps.append(accepted)
         drafted_steps.append(chain)
         draft_tokens.append(drafts)
-        tokens += new
-        margins += step_margins
-        last = new[-1]
+        tokens, margins, last = tokens + new, margins + step_margins, new[-1]
         if stop is not None or len(tokens) >= max_new_tokens:
             break
         _crop(cache, n + 1 + accepted)  # the verifier keeps [.., last, d_1 .. d_a]; the bonus is unread
@@ -240,16 +217,10 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
         n += accepted + 1
 
     steps = len(accepted_steps)
-    return {
-        "tokens": tokens,
-        "margins": margins,
-        "num_verifier_forwards": steps,
-        "accepted_per_step": accepted_steps,
-        "drafted_per_step": drafted_steps,
-        "draft_tokens": draft_tokens,
-        "acceptance_length": (sum(accepted_steps) + steps) / steps if steps else None,
-        "seconds": time.perf_counter() - start,
-    }
+    return {"tokens": tokens, "margins": margins, "num_verifier_forwards": steps, "accepted_per_step": accepted_steps,
+            "drafted_per_step": drafted_steps, "draft_tokens": draft_tokens,
+            "acceptance_length": (sum(accepted_steps) + steps) / steps if steps else None,
+            "seconds": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------- statistics and the lossless check
@@ -262,13 +233,12 @@ def acceptance_stats(accepted: Sequence[int], drafted: Sequence[int], k: int | N
     least j tokens in which the first j were all accepted.
     """
     k = int(k if k is not None else max(drafted, default=0))
-    steps = len(accepted)
-    per_position = []
+    steps, per_position = len(accepted), []
     for j in range(1, k + 1):
         offered = sum(1 for d in drafted if d >= j)
         hits = sum(1 for a, d in zip(accepted, drafted) if d >= j and a >= j)
         per_position.append(hits / offered if offered else None)
-    histogram = [sum(1 for a in accepted if a == j) for j in range(k + 1)]
+    histogram = [list(accepted).count(j) for j in range(k + 1)]
     return {
         "acceptance_length": (sum(accepted) + steps) / steps if steps else None,
         "per_position_acceptance": per_position,
@@ -294,18 +264,13 @@ def compare_to_greedy(tokens: Sequence[int], margins: Sequence[float], ref_token
 
 def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
     """Refuse a drafter whose shapes cannot fit this verifier; return warnings for softer mismatches."""
-    vcfg = verifier.config.get_text_config() if hasattr(verifier.config, "get_text_config") else verifier.config
-    dcfg = drafter.config
-    layers = int(vcfg.num_hidden_layers)
-    problems = []
-    if int(dcfg.target_hidden_size) != int(vcfg.hidden_size):
-        problems.append(f"drafter target_hidden_size {dcfg.target_hidden_size} != verifier hidden_size {vcfg.hidden_size}")
-    if int(dcfg.vocab_size) != int(vcfg.vocab_size):
-        problems.append(f"drafter vocab_size {dcfg.vocab_size} != verifier vocab_size {vcfg.vocab_size}")
-    bad = [i for i in dcfg.aux_hidden_state_indices or [] if not 1 <= int(i) <= layers - 1]
-    if bad or len(dcfg.aux_hidden_state_indices or []) != 3:
-        problems.append(f"drafter aux_hidden_state_indices {dcfg.aux_hidden_state_indices} do not fit a "
-                        f"{layers}-layer verifier (three indices in 1..{layers - 1})")
+    vcfg, dcfg = verifier.config.get_text_config(), drafter.config
+    layers, aux = int(vcfg.num_hidden_layers), list(dcfg.aux_hidden_state_indices or [])
+    problems = [f"drafter {key} {getattr(dcfg, key)} != verifier {vkey} {getattr(vcfg, vkey)}"
+                for key, vkey in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size"))
+                if int(getattr(dcfg, key)) != int(getattr(vcfg, vkey))]
+    if len(aux) != 3 or any(not 1 <= int(i) <= layers - 1 for i in aux):
+        problems.append(f"aux_hidden_state_indices {aux} need three indices in 1..{layers - 1} for this verifier")
     if problems:
         raise ValueError("drafter and verifier do not fit: " + "; ".join(problems))
     warnings = []
@@ -319,50 +284,49 @@ def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
     return warnings
 
 
+def _turns(row: dict | str) -> list[str] | None:
+    """User turns of a prompt given as a string, {"turns": [...]}, {"messages": [...]} or {"prompt": str}."""
+    if isinstance(row, str):
+        return [row]
+    if isinstance(row.get("turns"), list):
+        return [str(t) for t in row["turns"]]
+    if isinstance(row.get("messages"), list):
+        return [m["content"] for m in row["messages"] if m.get("role") == "user"]
+    return [row["prompt"]] if isinstance(row.get("prompt"), str) else None
+
+
 def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str]:
-    """`mt-bench` (the embedded 80 questions) or a JSONL file whose rows carry `turns` (list of user
-    messages), `messages` (OpenAI form; the user turns are used) or `prompt`. -> ([{"id", "turns"}], name)."""
+    """`mt-bench` (the embedded 80 questions) or a JSONL file whose rows carry `turns` (user messages),
+    `messages` (OpenAI form; its user turns) or `prompt`. -> ([{"id", "turns"}], name for the summary)."""
     if source in ("mt-bench", "mtbench"):
         from .assets import mtbench_questions
 
-        rows, name = mtbench_questions(), "mt-bench"
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")
-        rows, name = [], str(path)
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if limit and len(rows) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-                if isinstance(row.get("turns"), list):
-                    turns = [str(t) for t in row["turns"]]
-                elif isinstance(row.get("messages"), list):
-                    turns = [m["content"] for m in row["messages"] if m.get("role") == "user"]
-                elif isinstance(row.get("prompt"), str):
-                    turns = [row["prompt"]]
-                else:
-                    raise ValueError(f"{path}:{line_no}: expected a `turns`, `messages` or `prompt` field")
-                if not turns:
-                    raise ValueError(f"{path}:{line_no}: no user turn")
-                rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
-    return (rows[:limit] if limit else rows), name
+        return mtbench_questions()[:limit], "mt-bench"
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")
+    rows: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+            turns = _turns(row) if isinstance(row, dict) else None
+            if not turns:
+                raise ValueError(f"{path}:{line_no}: expected a non-empty `turns`, `messages` or `prompt` field")
+            rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
+    return rows, str(path)
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """The verifier's chat template with the generation prompt, as a server renders it."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str], k: int = 3,
@@ -377,21 +341,17 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
 
     check_pair(verifier, drafter)
     greedy = temperature <= 0
-    items = [{"id": str(i), "turns": [p]} if isinstance(p, str) else p for i, p in enumerate(prompts)]
-    if not items:
-        raise ValueError("no prompts to evaluate")
-    if "messages" in items[0] and "turns" not in items[0]:
-        items = [{"id": it.get("id", str(i)), "turns": [m["content"] for m in it["messages"] if m["role"] == "user"]}
-                 for i, it in enumerate(items)]
+    items = [{"id": str(p.get("id", i)) if isinstance(p, dict) else str(i), "turns": _turns(p)}
+             for i, p in enumerate(prompts)]
+    if not items or any(not it["turns"] for it in items):
+        raise ValueError("no prompts, or a prompt without a user turn")
     warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
-    greedy_generate(verifier, warm, 2, temperature=temperature, generator=_generator(seed))
+    greedy_generate(verifier, warm, 2, temperature=temperature, generator=torch.Generator().manual_seed(seed))
     speculative_generate(verifier, drafter, warm, k=k, max_new_tokens=k + 2, temperature=temperature,
-                         generator=_generator(seed))
+                         generator=torch.Generator().manual_seed(seed))
 
     rows: list[dict] = []
-    accepted, drafted = [], []
-    base_time = spec_time = 0.0
-    base_tokens = spec_tokens = 0
+    accepted, drafted, seconds, produced = [], [], {"base": 0.0, "spec": 0.0}, {"base": 0, "spec": 0}
     bar = tqdm(total=sum(min(turns, len(it["turns"])) for it in items), desc="evaluate", unit="turn",
                disable=not progress)
     for index, item in enumerate(items):
@@ -400,14 +360,14 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
             messages.append({"role": "user", "content": text})
             ids = render_prompt(tokenizer, messages)
             runs = {}
-            order = ("base", "spec") if (index + turn) % 2 == 0 else ("spec", "base")
-            for which in order:
-                gen = _generator(seed + 7919 * index + turn)
-                if which == "base":
-                    runs[which] = greedy_generate(verifier, ids, max_new_tokens, temperature=temperature, generator=gen)
-                else:
-                    runs[which] = speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=max_new_tokens,
-                                                       temperature=temperature, generator=gen)
+            for which in ("base", "spec") if (index + turn) % 2 == 0 else ("spec", "base"):
+                gen = torch.Generator().manual_seed(seed + 7919 * index + turn)
+                runs[which] = (greedy_generate(verifier, ids, max_new_tokens, temperature=temperature, generator=gen)
+                               if which == "base" else
+                               speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=max_new_tokens,
+                                                    temperature=temperature, generator=gen))
+                seconds[which] += runs[which]["seconds"]
+                produced[which] += len(runs[which]["tokens"])
             base, spec = runs["base"], runs["spec"]
             status, where = (compare_to_greedy(spec["tokens"], spec["margins"], base["tokens"], base["margins"])
                              if greedy else (None, None))
@@ -422,8 +382,6 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
             })
             accepted += spec["accepted_per_step"]
             drafted += spec["drafted_per_step"]
-            base_time, spec_time = base_time + base["seconds"], spec_time + spec["seconds"]
-            base_tokens, spec_tokens = base_tokens + len(base["tokens"]), spec_tokens + len(spec["tokens"])
             answer = [t for t in spec["tokens"] if t not in _eos_ids(verifier, None)]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
             bar.update(1)
@@ -431,33 +389,36 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
     bar.close()
 
     stats = acceptance_stats(accepted, drafted, k)
-    base_tps = base_tokens / base_time if base_time else None
-    spec_tps = spec_tokens / spec_time if spec_time else None
+    base_tps = produced["base"] / seconds["base"] if seconds["base"] else None
+    spec_tps = produced["spec"] / seconds["spec"] if seconds["spec"] else None
     statuses = [r["lossless"] for r in rows]
     return {
-        "engine": "transformers",
-        "k": k,
-        "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
-        "prompts": prompts_name,
-        "num_prompts": len(items),
-        "turns": turns,
-        "num_samples": len(rows),
-        "acceptance_length": stats["acceptance_length"],
-        "per_position_acceptance": stats["per_position_acceptance"],
-        "accepted_histogram": stats["accepted_histogram"],
-        "verifier_forwards": stats["num_steps"],
-        "new_tokens": spec_tokens,
-        "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
+        "engine": "transformers", "k": k, "temperature": temperature, "max_new_tokens": max_new_tokens,
+        "prompts": prompts_name, "num_prompts": len(items), "turns": turns, "num_samples": len(rows),
+        "acceptance_length": stats["acceptance_length"], "per_position_acceptance": stats["per_position_acceptance"],
+        "accepted_histogram": stats["accepted_histogram"], "verifier_forwards": stats["num_steps"],
+        "new_tokens": produced["spec"], "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
         # sampling is exact in distribution, not token-identical: tested statistically, not here
         "lossless": (statuses.count("mismatch") == 0) if greedy else None,
         "numerical_ties": statuses.count("tie") if greedy else None,
         "mismatches": statuses.count("mismatch") if greedy else None,
         "tokens_per_second": {"baseline": base_tps, "speculative": spec_tps},
-        "seconds": {"baseline": base_time, "speculative": spec_time},
-        "device": str(verifier.device),
-        "per_prompt": rows,
+        "seconds": {"baseline": seconds["base"], "speculative": seconds["spec"]},
+        "device": str(verifier.device), "per_prompt": rows,
     }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One line: τ, per-position acceptance, speedup, lossless."""
+    def num(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    per_pos = ", ".join(num(a) for a in summary["per_position_acceptance"])
+    tps = summary["tokens_per_second"]
+    return (f"tau {num(summary['acceptance_length'])} (k={summary['k']}, T={summary['temperature']}) | per-position "
+            f"acceptance [{per_pos}] | speedup {num(summary['speedup'], '.2f')}x ({num(tps['speculative'], '.1f')} vs "
+            f"{num(tps['baseline'], '.1f')} tok/s) | lossless {summary['lossless']} (ties {summary['numerical_ties']}, "
+            f"mismatches {summary['mismatches']})")
 
 
 def write_outputs(out_dir: str | Path, summary: dict[str, Any]) -> tuple[Path, Path]:
@@ -531,8 +492,5 @@ def run(args: argparse.Namespace) -> int:
             shutil.copyfile(json_path, Path(args.drafter) / SUMMARY_FILE)
         else:
             print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
-    per_pos = ", ".join("-" if a is None else f"{a:.3f}" for a in summary["per_position_acceptance"])
-    print(f"tau {summary['acceptance_length']:.3f} (k={args.k}, T={args.temperature}) | per-position [{per_pos}] | "
-          f"speedup {summary['speedup']:.2f}x | lossless {summary['lossless']} "
-          f"(ties {summary['numerical_ties']}, mismatches {summary['mismatches']}) | {csv_path} {json_path}")
+    print(f"{format_summary(summary)}\nwrote {csv_path} and {json_path}")
     return 1 if summary["lossless"] is False else 0

@@ -193,27 +193,32 @@ def test_mismatch_and_tie_are_told_apart():
     assert compare_to_greedy([5, 6], [1.0, 1.0], [5, 6, 7], [1.0, 1.0, 1.0]) == ("mismatch", 2)
 
 
-def test_drafter_reads_the_features_it_was_trained_on():
-    """Each round's first draft equals the argmax of the training-time forward (step 0) at the same anchor:
-    the drafter cache holds the verifier's features of accepted tokens, paired as in training."""
+def test_drafts_equal_the_training_unroll():
+    """Every draft of every round equals the argmax of the training-time unroll (Eagle3DraftModel.forward) at
+    that round's anchor, run over [accepted sequence, drafts]: the decoding caches hold the verifier's features
+    of accepted tokens, paired and positioned (RoPE t + i) exactly as in training."""
     verifier = lively_verifier()
     drafter = random_drafter(verifier, scale=4.0)
+    with torch.no_grad():  # sharp attention, so a draft's RoPE position and cache contents change its argmax
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(drafter.midlayer.self_attn, name).weight.mul_(10.0 if name[0] in "qk" else 3.0)
     prompt = list(range(2000, 2010))
-    spec = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=16)
-    sequence = torch.tensor([prompt + spec["tokens"]])
-    with torch.no_grad():
-        out = verifier(sequence, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i] for i in drafter.config.aux_hidden_state_indices], dim=-1)
-        step0 = drafter(sequence, aux, ttt_steps=1).logits[0][0]  # [L, Vd]: position t predicts t + 2
-    expected = drafter.draft_to_target(step0.argmax(-1))
-    anchor = len(prompt) - 1  # the first round drafts from the prefill's last position
-    distinct = set()
+    spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=16)
+    sequence = prompt + spec["tokens"]
+    newest = len(prompt)  # index of the newest token at the start of a round; the anchor sits before it
+    seen = set()
     for accepted, drafts in zip(spec["accepted_per_step"], spec["draft_tokens"]):
         if drafts:  # the last round near max_new_tokens may draft nothing
-            assert drafts[0] == int(expected[anchor])
-            distinct.add(drafts[0])
-        anchor += accepted + 1
-    assert len(distinct) > 3  # the drafts depend on the features, so a misalignment would show
+            ids = torch.tensor([sequence[: newest + 1] + drafts[:-1]])
+            with torch.no_grad():
+                hidden = verifier(ids, output_hidden_states=True).hidden_states
+                aux = torch.cat([hidden[i] for i in drafter.config.aux_hidden_state_indices], dim=-1)
+                unroll = drafter(ids, aux, ttt_steps=len(drafts)).logits  # step i at t predicts t + 2 + i
+            expected = [int(drafter.draft_to_target(step[0, newest - 1].argmax())) for step in unroll]
+            assert drafts == expected
+            seen.update(drafts)
+        newest += accepted + 1
+    assert len(seen) > 6  # the drafts depend on their inputs, so a misalignment would show
 
 
 # ---------------------------------------------------------------- acceptance length
@@ -277,9 +282,7 @@ def test_speculative_sampling_matches_the_verifier_distribution():
     """The first three generated tokens over many seeds follow the verifier's own sampling distribution,
     computed exactly; the drafter's vocabulary leaves two tokens out (q = 0 there) and q differs from p."""
     vocab, temperature = 6, 0.8
-    verifier = make_tiny_verifier(vocab_size=vocab, hidden_size=32, num_layers=2, seed=3)
-    with torch.no_grad():
-        verifier.model.embed_tokens.weight.mul_(60)  # tied: logits with real spread
+    verifier = lively_verifier(vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)  # p spread, not peaked
     drafter = random_drafter(verifier, draft_vocab_size=4, kept=torch.tensor([0, 2, 3, 5]), aux=[1, 1, 1],
                              scale=20.0, seed=1)
     prompt = [1, 4, 0]
@@ -292,13 +295,13 @@ def test_speculative_sampling_matches_the_verifier_distribution():
              + logp[:, n + 1].gather(1, grid[:, 2:3])).exp().squeeze(1)  # [V^3]
     counts = torch.zeros(vocab**3)
     accepted = 0
-    for seed in range(1500):
-        out = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=3, temperature=temperature,
+    for seed in range(600):  # max_new_tokens 4: the first round after the prefill drafts a chain of two
+        out = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=4, temperature=temperature,
                                    generator=torch.Generator().manual_seed(seed), eos_token_id=[])
-        a, b, c = out["tokens"]
+        a, b, c = out["tokens"][:3]
         counts[a * vocab * vocab + b * vocab + c] += 1
         accepted += sum(out["accepted_per_step"])
-    assert accepted > 200  # drafts are often accepted, so the accept path is tested, not only resampling
+    assert accepted > 150  # drafts are often accepted, so the accept path is tested, not only resampling
     assert chi_square_p_value(counts, exact) > 1e-3
 
 
@@ -326,8 +329,10 @@ def test_acceptance_metric_loads_offline_and_matches(monkeypatch):
 
     verifier = plus_one_verifier()
     drafter = train_drafter(verifier, steps=25)  # half-trained: acceptance lengths of every size
-    summary = evaluate_drafter(verifier, drafter, ToyTokenizer(), ["Hello there", "What is 2 + 2?"], k=3,
-                               max_new_tokens=30, turns=2, progress=False)
+    prompts = [{"id": "a", "turns": ["Hello there", "And then?"]}, "What is 2 + 2?"]
+    summary = evaluate_drafter(verifier, drafter, ToyTokenizer(), prompts, k=3, max_new_tokens=30, turns=2,
+                               progress=False)
+    assert summary["num_samples"] == 3 and sum(1 for n in summary["accepted_histogram"] if n) >= 3
     accepted = [a for r in summary["per_prompt"] for a in r["accepted_per_step"]]
     drafted = [d for r in summary["per_prompt"] for d in r["drafted_per_step"]]
     result = metric.compute(accepted=accepted, drafted=drafted, k=3)

@@ -1,0 +1,118 @@
+"""Speculative decoding on the default verifier: τ, per-position acceptance and speedup over plain greedy.
+
+    .venv/bin/python bench/speculative.py [--drafter DIR_OR_REPO] [--num-prompts 3] [--k 3] [--max-new-tokens 32]
+    .venv/bin/python bench/speculative.py --oracle 1.0    # the ceiling: drafts are the verifier's own tokens
+
+Runs on the embedded SmolLM2-135M-Instruct and the first N MT-bench questions (first turn). Plain and
+speculative decoding of each prompt are timed back to back in one run, so the speedup is a ratio on the
+same (shared, noisy) machine, never an absolute number. Without --drafter a randomly initialised drafter
+is used: τ ≈ 1 and the speedup is the floor (drafting and verifying with nothing accepted). --oracle P
+replaces the drafter by one that proposes the verifier's greedy continuation (right with probability P,
+computed first by plain decoding) at zero drafting cost: what verification alone costs at a given τ here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from eagle3_hf import Eagle3Config, Eagle3DraftModel
+from eagle3_hf.assets import DEFAULT_VERIFIER, load_tokenizer, load_verifier
+from eagle3_hf.speculative import (acceptance_stats, evaluate_drafter, format_summary, greedy_generate, load_prompts,
+                                   render_prompt, speculative_generate)
+
+
+def random_drafter(verifier, draft_vocab_size: int = 32000, seed: int = 0) -> Eagle3DraftModel:
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=draft_vocab_size)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    drafter = Eagle3DraftModel(config).eval()  # identity mapping onto the first draft_vocab_size ids
+    drafter.load_verifier_embeddings(verifier)
+    return drafter
+
+
+class OracleDrafter:
+    """Drafts the verifier's greedy continuation `reference`, wrong at random positions (rate 1 - hit_rate)."""
+
+    def __init__(self, reference: list[int], verifier, hit_rate: float, seed: int = 0):
+        self.reference, self.vocab_size = reference, verifier.config.vocab_size
+        self.config = type("Config", (), {"aux_hidden_state_indices": [1, 2, 3]})()
+        self.wrong = (torch.rand(len(reference) + 64, generator=torch.Generator().manual_seed(seed)) > hit_rate).tolist()
+
+    def draft_to_target(self, ids):
+        return ids
+
+    def draft_step(self, input_ids, hidden_states, position_ids, past_key_values=None):
+        q = input_ids.shape[1]
+        logits = torch.zeros(1, q, self.vocab_size, device=input_ids.device)
+        for j, t in enumerate((position_ids[0] + 2).tolist()):  # position t predicts token t + 2
+            token = self.reference[t] if t < len(self.reference) else 0
+            logits[0, j, (token + 1) % self.vocab_size if self.wrong[t] else token] = 1.0
+        return logits, logits[..., :1], None  # hidden and cache are never read
+
+
+def oracle_bench(verifier, tokenizer, prompts, k: int, max_new_tokens: int, hit_rate: float) -> None:
+    accepted, drafted, base_s, spec_s, lossless = [], [], 0.0, 0.0, True
+    for i, item in enumerate(prompts):
+        ids = render_prompt(tokenizer, [{"role": "user", "content": item["turns"][0]}])
+        if i == 0:  # untimed warm-up
+            greedy_generate(verifier, ids, 2)
+        base = greedy_generate(verifier, ids, max_new_tokens)
+        spec = speculative_generate(verifier, OracleDrafter(ids + base["tokens"], verifier, hit_rate, seed=i), ids,
+                                    k=k, max_new_tokens=max_new_tokens)
+        accepted += spec["accepted_per_step"]
+        drafted += spec["drafted_per_step"]
+        base_s, spec_s = base_s + base["seconds"], spec_s + spec["seconds"]
+        lossless &= spec["tokens"] == base["tokens"]
+    stats = acceptance_stats(accepted, drafted, k)
+    per_pos = ", ".join("-" if a is None else f"{a:.3f}" for a in stats["per_position_acceptance"])
+    print(f"oracle drafter (hit rate {hit_rate}): tau {stats['acceptance_length']:.3f} | per-position [{per_pos}] | "
+          f"speedup {base_s / spec_s:.2f}x (plain {base_s:.1f} s, speculative {spec_s:.1f} s) | lossless {lossless}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", default=None, help="drafter directory or repo id (default: random drafter)")
+    parser.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--oracle", type=float, default=None, metavar="HIT_RATE",
+                        help="measure an oracle drafter instead (greedy only)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    verifier = load_verifier(args.verifier).to(device)
+    tokenizer = load_tokenizer(args.verifier)
+    prompts, prompts_name = load_prompts("mt-bench", args.num_prompts)
+    print(f"verifier {args.verifier} | device {device}, {torch.get_num_threads()} threads | {len(prompts)} MT-bench "
+          f"prompts x {args.max_new_tokens} new tokens, k={args.k}")
+    if args.oracle is not None:
+        return oracle_bench(verifier, tokenizer, prompts, args.k, args.max_new_tokens, args.oracle)
+    if args.drafter:
+        drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, device=device)
+        name = args.drafter
+    else:
+        drafter, name = random_drafter(verifier).to(device), "random (untrained: expect tau ~ 1)"
+    start = time.perf_counter()
+    summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, prompts_name=prompts_name)
+    wall = time.perf_counter() - start
+    rows = summary.pop("per_prompt")
+    print(f"drafter {name} | T={args.temperature} | wall {wall:.1f} s")
+    for r in rows:
+        print(f"  {r['id']:>14}: tau {r['tau']:.2f}  new {r['new_tokens']:3d}  forwards {r['verifier_forwards']:3d}  "
+              f"speedup {r['baseline_seconds'] / r['speculative_seconds']:.2f}x  {r['lossless']}")
+    print(format_summary(summary))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
