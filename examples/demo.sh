@@ -13,9 +13,9 @@ SIZE="${DEMO_SIZE:-small}"
 OUT="${DEMO_OUT:-demo_out/$SIZE}"
 VERIFIER="smollm2-135m-instruct"
 case "$SIZE" in
-  tiny)  PROMPTS=6;   GEN_TOKENS=24;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1;  LR=1e-3; EVAL_Q=2;  EVAL_TOKENS=16 ;;
-  small) PROMPTS=240; GEN_TOKENS=96;  MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6;  LR=2e-3; EVAL_Q=10; EVAL_TOKENS=64 ;;
-  large) PROMPTS=1200; GEN_TOKENS=160; MAX_LEN=2048; DRAFT_VOCAB=8192; EPOCHS=8; LR=1e-3; EVAL_Q=80; EVAL_TOKENS=64 ;;
+  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1; LR=1e-3; VAL=0.3; EVAL_Q=2;  EVAL_TOKENS=12 ;;
+  small) PROMPTS=240;  GEN_TOKENS=96;  MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6; LR=2e-3; VAL=0.1; EVAL_Q=10; EVAL_TOKENS=64 ;;
+  large) PROMPTS=1200; GEN_TOKENS=160; MAX_LEN=2048; DRAFT_VOCAB=8192; EPOCHS=8; LR=1e-3; VAL=0.05; EVAL_Q=80; EVAL_TOKENS=64 ;;
   *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -45,7 +45,7 @@ stage "train: accelerate launch examples/train.py ($EPOCHS epochs, from scratch)
 timed train accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   examples/train.py --verifier "$VERIFIER" --data-dir "$OUT/features" --output-dir "$OUT/drafter" \
   --num-train-epochs "$EPOCHS" --learning-rate "$LR" --max-seq-len "$MAX_LEN" --per-device-train-batch-size 2 \
-  --warmup-steps 0.05 --lr-scheduler-type cosine --validation-fraction 0.1 --logging-steps 10 \
+  --warmup-steps 0.05 --lr-scheduler-type cosine --validation-fraction "$VAL" --logging-steps 10 \
   --eval-strategy epoch --save-strategy epoch --save-total-limit 1 --load-best-model-at-end true --seed 0
 
 stage "evaluate: speculative decoding on $EVAL_Q held-out MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy)"

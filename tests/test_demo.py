@@ -1,0 +1,45 @@
+"""`make demo` end to end at a tiny size: every stage through the real CLI, then its artifacts checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from test_export import STANDARD_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_pipeline_tiny(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, DEMO_SIZE="tiny", DEMO_OUT=str(out),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("HF_REPO_ID", None)
+    result = subprocess.run(["bash", "examples/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    regenerated = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert len(regenerated) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in regenerated)
+    assert not any(r["id"].startswith("mt-bench") for r in regenerated)  # evaluation prompts stay held out
+    manifest = json.loads((out / "features" / "manifest.json").read_text())
+    assert len(manifest["samples"]) == 12 and manifest["aux_layer_indices"] == [2, 15, 27]
+    with safe_open(str(out / "export" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == STANDARD_KEYS
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    rows = (out / "eval" / "acceptance.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2  # header + 2 MT-bench questions
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lossless"] is True
+    assert 1.0 <= summary["acceptance_length"] <= 4.0 and len(summary["step_accuracy"]) == 3
+    assert summary["bytes_per_token"] > 0 and summary["tokens"] == sum(s["length"] for s in manifest["samples"])
+    assert "| τ (real speculative decoding)" in (out / "summary.md").read_text()
