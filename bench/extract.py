@@ -6,7 +6,7 @@
 - peak memory during extraction: RSS above the loaded model (sampled), Python heap (tracemalloc), and what
   `output_hidden_states=True` would have held for the longest sample.
 
-    python bench/extract.py [--samples 24] [--max-len 160]
+    python bench/extract.py [--samples 24] [--max-len 128] [--threads 1]
 
 Sized for a 2-core CPU (about 2 minutes there): five passes over the samples in all.
 """
@@ -64,9 +64,13 @@ class PeakRSS:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=24)
-    parser.add_argument("--max-len", type=int, default=160)
+    parser.add_argument("--max-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="alternating timed rounds; the best of each is kept")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a busy shared box, 1 avoids threads waiting on each other)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import datasets
 
@@ -123,7 +127,7 @@ def main() -> None:
     longest = max(map(len, ids))
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     result = {
-        "device": device, "verifier_dtype": dtype, "samples": len(ids), "tokens": tokens,
+        "device": device, "verifier_dtype": dtype, "torch_threads": torch.get_num_threads(), "samples": len(ids), "tokens": tokens,
         "layers": N, "hidden": H, "aux_indices": list(default_aux_indices(N)),
         "bare_forward_tok_s": round(tokens / min(t_bare), 1),
         "extract_tok_s": round(tokens / min(t_ext), 1),

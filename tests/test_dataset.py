@@ -21,7 +21,7 @@ from eagle3_hf.data.online import OnlineFeatureCollator, PreparedDataset
 
 @pytest.fixture(scope="module")
 def verifier():
-    return make_tiny_verifier(hidden_size=32, num_layers=6)
+    return make_tiny_verifier(vocab_size=2048, hidden_size=32, num_layers=6)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def fingerprint(tokenizer):
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, verifier, fingerprint):
     root = tmp_path_factory.mktemp("feat")
-    prepared = make_prepared(root / "prep", fingerprint, n=14, lo=3, hi=30)
+    prepared = make_prepared(root / "prep", fingerprint, n=14, lo=3, hi=30, vocab=2048)
     extract_features(verifier, fingerprint, prepared, root / "f32", dtype="float32", samples_per_shard=4,
                      progress=False)
     return root
@@ -111,7 +111,8 @@ class _Toy:
         n = self.lengths[i]
         pos = torch.arange(n)
         return {"input_ids": i * 1000 + pos, "loss_mask": pos % 2 == 0, "verifier_greedy": pos,
-                "aux_hidden_states": torch.full((n, 6), float(i)), "last_hidden_state": pos[:, None].float().expand(n, 2),
+                "aux_hidden_states": torch.full((n, 6), float(i)),
+                "last_hidden_state": pos[:, None].float().expand(n, 2),
                 "sample_id": self.sample_ids[i]}
 
 

@@ -20,14 +20,14 @@ from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 def dirs(tmp_path_factory, tokenizer):
     fp = tokenizer_fingerprint(tokenizer)
     root = tmp_path_factory.mktemp("diff")
-    prep = make_prepared(root / "prep", fp, n=6, hi=30)
+    prep = make_prepared(root / "prep", fp, n=6, hi=30, vocab=2048)
     small = root / "prep_small"  # the first 4 samples: same ids, same tokens
     datasets.load_from_disk(str(prep)).select(range(4)).save_to_disk(str(small))
     shutil.copy(prep / "eagle3_prepare.json", small / "eagle3_prepare.json")
-    model = make_tiny_verifier(hidden_size=32, num_layers=6)
+    model = make_tiny_verifier(vocab_size=2048, hidden_size=32, num_layers=6)
     for name, dtype, data in (("bf16", "bf16", prep), ("bf16_again", "bf16", small), ("fp8", "fp8", prep)):
         extract_features(model, fp, data, root / name, dtype=dtype, progress=False)
-    noisy = make_tiny_verifier(hidden_size=32, num_layers=6)
+    noisy = make_tiny_verifier(vocab_size=2048, hidden_size=32, num_layers=6)
     with torch.no_grad():  # a "different engine": layer 4 (whose output is index 5) perturbed
         noisy.model.layers[4].mlp.down_proj.weight.mul_(1.5)
     extract_features(noisy, fp, prep, root / "noisy", progress=False)

@@ -45,23 +45,26 @@ def fingerprint(tokenizer):
     return tokenizer_fingerprint(tokenizer)
 
 
+V = 2048  # a small vocabulary: the LM head dominates a tiny verifier's compute
+
+
 @pytest.fixture(scope="module")
 def verifier():
-    return make_tiny_verifier(num_layers=6)
+    return make_tiny_verifier(vocab_size=V, num_layers=6)
 
 
 def test_features_equal_capture(tmp_path, verifier, fingerprint):
-    prepared = make_prepared(tmp_path / "prep", fingerprint)
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=10, vocab=V)
     summary = extract_features(verifier, fingerprint, prepared, tmp_path / "f32", dtype="float32",
-                               samples_per_shard=5, progress=False)
-    assert summary["written_samples"] == 12 and summary["total_samples"] == 12
+                               samples_per_shard=4, progress=False)
+    assert summary["written_samples"] == 10 and summary["total_samples"] == 10
     extract_features(verifier, fingerprint, prepared, tmp_path / "bf16", samples_per_shard=5, progress=False)
     rows = datasets.load_from_disk(str(prepared)).with_format("torch")
     f32 = FeatureDataset(tmp_path / "f32", split="all")
     bf16 = FeatureDataset(tmp_path / "bf16", split="all")
     assert f32.manifest["aux_layer_indices"] == [1, 3, 5] and bf16.manifest["dtype"] == "bfloat16"
     assert len(f32.manifest["shards"]) == 3 and f32.lengths == [len(r["input_ids"]) for r in rows]
-    for i in range(12):
+    for i in range(10):
         ref = capture_features(verifier, rows[i]["input_ids"].long(), (1, 3, 5))
         a, b = f32[i], bf16[i]
         assert a["sample_id"] == rows[i]["id"]
@@ -75,10 +78,10 @@ def test_features_equal_capture(tmp_path, verifier, fingerprint):
 
 
 def test_nan_sample_skipped_and_counted(tmp_path, fingerprint):
-    model = make_tiny_verifier(num_layers=6)
+    model = make_tiny_verifier(vocab_size=V, num_layers=6)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    prepared = make_prepared(tmp_path / "prep", fingerprint, n=6)
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=6, vocab=V)
     rows = datasets.load_from_disk(str(prepared))
     bad = rows[2]["input_ids"][1]
     assert all(bad not in rows[i]["input_ids"] for i in range(6) if i != 2)
@@ -95,7 +98,7 @@ def test_nan_sample_skipped_and_counted(tmp_path, fingerprint):
 
 
 def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
-    prepared = make_prepared(tmp_path / "prep", fingerprint, n=4)
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=4, vocab=V)
     out = tmp_path / "out"
     extract_features(verifier, fingerprint, prepared, out, progress=False, verifier_name="tiny")
     with pytest.raises(ValueError, match="aux_layer_indices"):
@@ -104,9 +107,9 @@ def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
     with pytest.raises(ValueError, match="dtype"):
         extract_features(verifier, fingerprint, prepared, out, dtype="fp8", progress=False, verifier_name="tiny")
     with pytest.raises(ValueError, match="verifier"):
-        extract_features(make_tiny_verifier(hidden_size=32, num_layers=6), fingerprint, prepared, out,
-                         progress=False, verifier_name="tiny")
-    other = make_prepared(tmp_path / "prep2", "0123456789abcdef", n=4)
+        extract_features(make_tiny_verifier(vocab_size=V, hidden_size=32, num_layers=6), fingerprint, prepared,
+                         out, progress=False, verifier_name="tiny")
+    other = make_prepared(tmp_path / "prep2", "0123456789abcdef", n=4, vocab=V)
     with pytest.raises(ValueError, match="tokenizer_fingerprint"):
         extract_features(verifier, "0123456789abcdef", other, out, progress=False, verifier_name="tiny")
     with pytest.raises(ValueError, match="re-run `eagle3-hf prepare`"):
@@ -178,7 +181,7 @@ def test_sigkill_resume_bit_identical(tmp_path, tiny_verifier_dir, fingerprint):
 
 
 def test_ranks_take_disjoint_slices_and_merge(tmp_path, verifier, fingerprint):
-    prepared = make_prepared(tmp_path / "prep", fingerprint, n=9)
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=9, vocab=V)
     single, dp = tmp_path / "single", tmp_path / "dp"
     extract_features(verifier, fingerprint, prepared, single, samples_per_shard=2, progress=False)
     r1 = extract_features(verifier, fingerprint, prepared, dp, samples_per_shard=2, progress=False, rank=1,
