@@ -354,7 +354,7 @@ def test_load_prompts(tmp_path):
     assert [r["turns"] for r in rows] == [["x", "y"], ["z"], ["w"]]
 
 
-def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir):
+def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir, monkeypatch):
     from eagle3_hf.assets import load_verifier
     from eagle3_hf.cli import main
 
@@ -379,3 +379,19 @@ def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir):
     assert 1.0 <= summary["acceptance_length"] <= 3.0 and len(summary["per_position_acceptance"]) == 2
     assert summary["speedup"] > 0 and not math.isnan(summary["speedup"])
     assert json.loads((drafter_dir / "eagle3_evaluation.json").read_text()) == summary
+
+    # a decoder that changes one token is caught: non-zero exit, lossless false in the summary
+    import eagle3_hf.speculative as spec_module
+
+    real = spec_module.speculative_generate
+
+    def corrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["tokens"][1] = (out["tokens"][1] + 1) % 49152
+        return out
+
+    monkeypatch.setattr(spec_module, "speculative_generate", corrupted)
+    code = main(["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
+                 str(prompts), "--k", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "bad"), "--no-progress"])
+    bad = json.loads((tmp_path / "bad" / "eagle3_evaluation.json").read_text())
+    assert code == 1 and bad["lossless"] is False and bad["mismatches"] == 2
