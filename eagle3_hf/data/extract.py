@@ -80,6 +80,7 @@ def _wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, 
     """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     want = set(all_ids)
+    told = False
     while True:
         manifest = merge_manifests(out_dir, write=False)
         done = {s["id"] for s in manifest["samples"]}
@@ -90,6 +91,10 @@ def _wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, 
                 print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
                       f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
             return merge_manifests(out_dir, write=True)
+        if not told:
+            print(f"[extract] rank 0 done; waiting for {len(want - done)} samples of the other ranks to merge "
+                  f"{out_dir}/manifest.json", file=sys.stderr)
+            told = True
         time.sleep(poll_s)
 
 
@@ -129,10 +134,9 @@ def extract_features(
     all_ids = list(ds["id"])
     todo = [i for i in range(rank, len(ds), world_size) if all_ids[i] not in writer.done_ids]
     lengths = prepared_lengths(ds)
-    resumed = sum(1 for i in range(rank, len(ds), world_size)) - len(todo)
+    resumed = len(range(rank, len(ds), world_size)) - len(todo)
     bar = tqdm(total=int(sum(lengths[i] for i in todo)), unit="tok", unit_scale=True, desc=f"extract r{rank}",
-               disable=not progress,
-               dynamic_ncols=True)
+               disable=not progress, dynamic_ncols=True)
     rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
     start = time.perf_counter()
     try:
