@@ -79,7 +79,8 @@ def _input_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor:
     """Full-vocabulary argmax of lm_head(h) per position, chunked over positions: [T, H] -> int64 [T].
 
     `model_or_head` is a causal LM (its output embedding and `final_logit_softcapping` are used) or a bare

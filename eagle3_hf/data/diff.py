@@ -81,7 +81,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = []
     for side in ("a", "b"):
         r = report[side]
-        lines.append(f"{side.upper()}: {r['dir']}  (source {r['source']}, dtype {r['dtype']}, aux {r['aux_layer_indices']})")
+        lines.append(f"{side.upper()}: {r['dir']}  (source {r['source']}, dtype {r['dtype']}, "
+                     f"aux {r['aux_layer_indices']})")
     lines.append(f"samples compared {report['samples_compared']}, tokens {report['tokens_compared']}  "
                  f"(only in A {report['only_in_a']}, only in B {report['only_in_b']}, "
                  f"different tokens {report['token_mismatch']})")

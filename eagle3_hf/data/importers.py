@@ -136,8 +136,9 @@ def _torch_load_safe(path: Path) -> dict:
         with opener(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - name the file, keep the reason
+        reason = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(f"{path}: cannot be loaded with torch.load(weights_only=True) ({e.__class__.__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); refusing to unpickle arbitrary objects") from None
+                         f"{reason}); refusing to unpickle arbitrary objects") from None
 
 
 def read_specforge(src: str | Path) -> Iterator[dict]:
@@ -258,7 +259,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verifier", required=True, help="the verifier the features came from (final norm, lm_head)")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--output", required=True, help="feature directory to write")
-    parser.add_argument("--hidden-states", default=None, help="speculators: hs_*.safetensors dir (default SOURCE/hidden_states)")
+    parser.add_argument("--hidden-states", default=None,
+                        help="speculators: the hs_*.safetensors directory (default SOURCE/hidden_states)")
     parser.add_argument("--data", default=None, help="our prepared dataset: give imported samples its ids (by tokens)")
     parser.add_argument("--aux-layers", default=None, help="captured layers as our output_hidden_states indices a,b,c")
     parser.add_argument("--engine-layer-ids", default=None,
