@@ -162,7 +162,9 @@ def _init_like(w, initializer_range: float) -> str | None:
 
 
 def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Path | None]:
-    path = Path(verifier)
+    from .assets import resolve_verifier
+
+    path = Path(resolve_verifier(verifier))  # the embedded default's name -> its cached directory
     if path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
     else:

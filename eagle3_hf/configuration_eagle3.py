@@ -49,10 +49,31 @@ def aux_indices_from_config(config: dict[str, Any]) -> list[int] | None:
 
 
 def default_aux_indices(num_layers: int) -> list[int]:
-    """(2, N//2, N-3): low, middle and high layers, as the EAGLE-3 paper and the engines default to."""
-    if num_layers < 5:
-        raise ValueError(f"a verifier needs at least 5 layers for the default aux indices, got {num_layers}")
-    return [2, num_layers // 2, num_layers - 3]
+    """(2, N//2, N-3): low, middle and high layers, the EAGLE-3 paper's and both engines' default.
+
+    Below 7 layers (tiny test models) that triple collides, so (1, N//2, N-1) is used instead.
+    """
+    if num_layers < 4:
+        raise ValueError(f"a verifier needs at least 4 layers for three distinct aux indices, got {num_layers}")
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    return [1, num_layers // 2, num_layers - 1]
+
+
+def check_aux_indices(aux_indices, num_layers: int) -> list[int]:
+    """Three distinct indices in 1..N-1 (0 is the embedding; N is post-norm and no engine can capture it)."""
+    indices = [int(i) for i in aux_indices]
+    if len(indices) != 3:
+        raise ValueError(f"expected 3 aux layer indices, got {indices}")
+    if len(set(indices)) != 3:
+        raise ValueError(f"aux layer indices must be distinct, got {indices}")
+    bad = [i for i in indices if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"aux indices {bad} are outside 1..{num_layers - 1} for a {num_layers}-layer verifier: they are "
+            f"output_hidden_states indices (0 is the embedding; {num_layers} is post-norm and no engine can capture it)"
+        )
+    return indices
 
 
 def text_config_dict(verifier_config: Any) -> dict[str, Any]:
@@ -207,13 +228,7 @@ class Eagle3Config(LlamaConfig):
             kv_heads = int(verifier_kv)
         else:
             kv_heads = heads
-        aux = list(aux_hidden_state_indices or default_aux_indices(num_layers))
-        bad = [i for i in aux if not 1 <= i <= num_layers - 1]
-        if bad:
-            raise ValueError(
-                f"aux indices {bad} are outside 1..{num_layers - 1} for a {num_layers}-layer verifier "
-                "(index 0 is the embedding; index N is post-norm and no engine can capture it)"
-            )
+        aux = check_aux_indices(aux_hidden_state_indices or default_aux_indices(num_layers), num_layers)
         kwargs: dict[str, Any] = dict(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,

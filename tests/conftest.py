@@ -9,7 +9,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# tiny models: one thread avoids oversubscription when the suite shares the machine (measured 5-100x)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -22,9 +22,9 @@ def _reference(model, ids, indices):
 
 
 def test_default_aux_indices():
-    assert default_aux_indices(30) == (2, 15, 27)
-    assert default_aux_indices(61) == (2, 30, 58)
-    assert default_aux_indices(8) == (2, 4, 5)
+    assert default_aux_indices(30) == [2, 15, 27]
+    assert default_aux_indices(61) == [2, 30, 58]
+    assert default_aux_indices(8) == [2, 4, 5]
     assert len(set(default_aux_indices(6))) == 3  # tiny models: still three distinct layers
     with pytest.raises(ValueError, match="1..29"):
         check_aux_indices((0, 5, 9), 30)

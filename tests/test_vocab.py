@@ -67,7 +67,7 @@ def test_save_load_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.safetensors: d2t and t2d disagree"):
         load_vocab(bad, expect_fingerprint="abc")
     save_file({"d2t": d2t, "t2d": torch.ones(10, dtype=torch.bool)}, str(bad))
-    with pytest.raises(ValueError, match="d2t has 3 entries but t2d marks 10"):
+    with pytest.raises(ValueError, match="t2d marks 10 ids, d2t maps to 3"):
         load_vocab(bad)
 
 

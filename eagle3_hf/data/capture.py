@@ -12,41 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..configuration_eagle3 import check_aux_indices, default_aux_indices  # the contract lives there
+
 # Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
 _LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
-
-
-def default_aux_indices(num_layers: int) -> tuple[int, int, int]:
-    """(2, N//2, N-3): low, middle and high layers, as in the EAGLE-3 paper and both engines' defaults.
-
-    Below 7 layers (tiny test models) that triple collides, so (1, N//2, N-1) is used instead.
-    """
-    if num_layers < 4:
-        raise ValueError(f"a verifier needs at least 4 layers for three distinct aux indices, got {num_layers}")
-    if num_layers >= 7:
-        return (2, num_layers // 2, num_layers - 3)
-    return (1, num_layers // 2, num_layers - 1)
 
 
 def text_config(model_or_config):
     config = getattr(model_or_config, "config", model_or_config)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def check_aux_indices(aux_indices, num_layers: int) -> tuple[int, int, int]:
-    """Three increasing-or-not, distinct indices in 1..N-1 (index N is post-norm; no engine can capture it)."""
-    indices = tuple(int(i) for i in aux_indices)
-    if len(indices) != 3:
-        raise ValueError(f"expected 3 aux layer indices, got {list(indices)}")
-    if len(set(indices)) != 3:
-        raise ValueError(f"aux layer indices must be distinct, got {list(indices)}")
-    bad = [i for i in indices if not 1 <= i <= num_layers - 1]
-    if bad:
-        raise ValueError(
-            f"aux layer indices {bad} out of range: they are output_hidden_states indices and must lie in "
-            f"1..{num_layers - 1} for a {num_layers}-layer verifier (0 is the embedding, {num_layers} is post-norm)"
-        )
-    return indices
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

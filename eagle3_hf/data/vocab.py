@@ -87,18 +87,16 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, fingerpri
 
 
 def check_consistent(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
-    """d2t must name exactly the ids t2d marks, strictly ascending."""
+    """d2t must name exactly the ids t2d marks, strictly ascending (the checkpoint contract's own check)."""
+    from ..export import validate_vocab_mapping
+
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
         raise ValueError(f"{where}: d2t must be int64 [N] and t2d bool [vocab], got {d2t.dtype} {list(d2t.shape)} "
                          f"and {t2d.dtype} {list(t2d.shape)}")
-    target = draft_to_target_ids(d2t)
-    n_marked = int(t2d.sum())
-    if n_marked != d2t.numel():
-        raise ValueError(f"{where}: d2t has {d2t.numel()} entries but t2d marks {n_marked} ids")
-    if d2t.numel() and (target[0] < 0 or target[-1] >= t2d.numel() or bool((target[1:] <= target[:-1]).any())):
-        raise ValueError(f"{where}: d2t offsets do not give ascending target ids within 0..{t2d.numel() - 1}")
-    if not bool(t2d[target.clamp(0, t2d.numel() - 1)].all()):
-        raise ValueError(f"{where}: d2t and t2d disagree (a target id of d2t is not marked in t2d)")
+    try:
+        validate_vocab_mapping(d2t, t2d, d2t.numel(), t2d.numel())
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def load_vocab(path: str | Path, expect_fingerprint: str | None = None,
