@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(args.output_dir)
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
-        data={"name": info["source_dir"], "num_train_rows": len(train), "num_train_tokens": train.stats["tokens"],
-              "packing": train.stats},
+        data={"name": info["source_dir"], "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
+              "num_train_rows": len(train), "packing": train.stats},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online},
     )
     summary["log_history"] = trainer.state.log_history

@@ -282,8 +282,8 @@ def test_speculative_sampling_matches_the_verifier_distribution():
     """The first three generated tokens over many seeds follow the verifier's own sampling distribution,
     computed exactly; the drafter's vocabulary leaves two tokens out (q = 0 there) and q differs from p."""
     vocab, temperature = 6, 0.8
-    verifier = lively_verifier(vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)  # p spread, not peaked
-    drafter = random_drafter(verifier, draft_vocab_size=4, kept=torch.tensor([0, 2, 3, 5]), aux=[1, 1, 1],
+    verifier = lively_verifier(vocab_size=vocab, hidden_size=32, num_layers=4, seed=4)  # p spread, not peaked
+    drafter = random_drafter(verifier, draft_vocab_size=4, kept=torch.tensor([0, 2, 3, 5]), aux=[1, 2, 3],
                              scale=20.0, seed=1)
     prompt = [1, 4, 0]
     with torch.no_grad():
