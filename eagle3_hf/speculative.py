@@ -305,21 +305,16 @@ def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")
+    from .data.conversations import iter_jsonl
+
     rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-            turns = _turns(row) if isinstance(row, dict) else None
-            if not turns:
-                raise ValueError(f"{path}:{line_no}: expected a non-empty `turns`, `messages` or `prompt` field")
-            rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
+    for line_no, row in iter_jsonl(path):
+        if limit and len(rows) >= limit:
+            break
+        turns = _turns(row) if isinstance(row, dict) else None
+        if not turns:
+            raise ValueError(f"{path}:{line_no}: expected a non-empty `turns`, `messages` or `prompt` field")
+        rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
     return rows, str(path)
 
 

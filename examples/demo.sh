@@ -20,6 +20,9 @@ case "$SIZE" in
 esac
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# One thread per process by default: these models are small, and on a shared 2-core machine two threads per
+# process were measured 5-10x slower (oversubscription). Set OMP_NUM_THREADS=2 on an idle machine.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 START=$(date +%s)
 stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
 timed() { local name=$1; shift; local t0; t0=$(date +%s); "$@"; echo "$name $(( $(date +%s) - t0 ))" >> "$OUT/timings.txt"; }
