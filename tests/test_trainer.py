@@ -223,3 +223,18 @@ def test_finetune_from_mismatched_source_warns_and_reports_source_accuracy(synth
         assert torch.equal(f.get_tensor("d2t"), source.d2t)  # the source's mapping was kept
     config = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # now reads the data's layers
+
+
+def test_online_mode_trains_with_nothing_on_disk(synthetic, tmp_path):
+    """--online: the verifier produces each batch's features in the training process; no shards."""
+    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--online", "--prepared-dir",
+                          str(synthetic["root"] / "prepared"), "--vocab",
+                          str(synthetic["features"] / "vocab.safetensors"), "--output-dir", str(tmp_path / "online"),
+                          "--num-train-epochs", "8", "--validation-fraction", "0.2", "--save-strategy", "no",
+                          "--eval-strategy", "no", "--logging-steps", "4", *COMMON])
+    assert summary["recipe"]["online"] is True
+    train_logs = [h for h in summary["log_history"] if "acc_0" in h]
+    assert train_logs[-1]["acc_0"] > train_logs[0]["acc_0"]
+    assert not list((tmp_path / "online").glob("shard-*"))
+    config = json.loads((tmp_path / "online" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # the verifier's defaults, read online
