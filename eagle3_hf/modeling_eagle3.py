@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -113,16 +114,77 @@ class Eagle3Attention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk]."""
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling)
+        """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk].
+
+        `mask=None` means causal (top-left aligned, query r sees keys 0..r): sdpa and the flash kernels take it
+        as their causal fast path (no mask tensor, masked blocks skipped, GQA without copying keys); the other
+        implementations, which read None as "no mask", get the explicit causal mask.
+        """
+        implementation = self.config._attn_implementation
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if mask is None and not (implementation == "sdpa" or implementation.startswith("flash_attention")):
+            mask = _causal_mask(q.shape[2], k.shape[2], q.dtype, q.device)[None, None]
+        out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, is_causal=mask is None)
         return out  # [B, Lq, nh, hd]
+
+    def _attend_with_diagonals(self, q, k0, v0, diag_keys: list, diag_values: list) -> torch.Tensor:
+        """One document at TTT step i = len(diag_keys): query t attends causally to k0[:t+1] and to its own
+        diagonal keys diag_keys[j][t] (steps 1..i). q [1, nh, n, hd], k0/v0 and each diagonal [1, nkv, n, hd].
+        Returns [1, n, nh, hd]. Exact, in one causal call of the attention interface, without the i n x n
+        diagonal blocks of which only the diagonals count:
+
+        each diagonal key becomes a *virtual* key shared by all queries, placed before the document's keys.
+        Keys and values get E extra feature dims (zero for k0 / v0); virtual key j is the unit vector on the
+        dim(s) of slot j, virtual value j the unit vector on dim j. Query t carries its own diagonal score
+        q_t . k_j[t] in slot j, so the kernel scores virtual key j exactly as diagonal j and the softmax
+        normalises over causal and diagonal keys together; output dim hd + j is then the probability p_j(t),
+        and the diagonal values are added back as sum_j p_j(t) v_j[t]. With i leading all-zero dummy queries
+        (outputs dropped), query t sits at row i + t, so plain causal attention shows it exactly keys
+        0..i+t = the i virtual keys and k0[:t+1]. In half precision a score travels as a hi + lo pair (two
+        dims of its slot) that the kernel sums in fp32, so it keeps fp32 precision.
+        """
+        _, heads, n, head_dim = q.shape
+        kv_heads, i = k0.shape[1], len(diag_keys)
+        if i == 0:
+            return self.attend(q, k0, v0, None)
+        groups = heads // kv_heads
+        split = q.dtype not in (torch.float32, torch.float64)
+        acc = torch.float32 if split else q.dtype
+        width = 2 if split else 1  # dims per slot
+        extra = -(-width * i // 8) * 8  # head dims stay a multiple of 8 (flash kernels)
+        qg = q.view(1, kv_heads, groups, n, head_dim).to(acc)
+        scores = torch.stack([(qg * kd.to(acc).unsqueeze(2)).sum(-1) for kd in diag_keys], dim=-1)
+        scores = scores.reshape(1, heads, n, i)  # raw q_t . k_j[t]; the interface applies the scaling
+        if split:
+            hi = scores.to(q.dtype)
+            scores = torch.stack([hi, (scores - hi.to(acc)).to(q.dtype)], dim=-1).reshape(1, heads, n, 2 * i)
+        q_ext = F.pad(torch.cat([q, scores], dim=-1), (0, extra - width * i, i, 0))  # + i dummy query rows
+        slot = torch.arange(i, device=q.device)
+        key_unit = q.new_zeros(i, head_dim + extra)
+        for w in range(width):
+            key_unit[slot, head_dim + width * slot + w] = 1.0
+        value_unit = q.new_zeros(i, head_dim + extra)
+        value_unit[slot, head_dim + slot] = 1.0
+        k_ext = torch.cat([key_unit.expand(1, kv_heads, i, -1), F.pad(k0, (0, extra))], dim=2)
+        v_ext = torch.cat([value_unit.expand(1, kv_heads, i, -1), F.pad(v0, (0, extra))], dim=2)
+        out = self.attend(q_ext, k_ext, v_ext, None)[:, i:]  # [1, n, nh, hd + extra]
+        probs = out[..., head_dim : head_dim + i].unsqueeze(-2)  # [1, n, nh, 1, i]: p_j(t)
+        diag_v = torch.stack(diag_values, dim=-1).transpose(1, 2).unsqueeze(3)  # [1, n, nkv, 1, hd, i]
+        diag_v = diag_v.expand(1, n, kv_heads, groups, head_dim, i).reshape(1, n, heads, head_dim, i)
+        return out[..., :head_dim] + (diag_v * probs).sum(-1)
+
+
+def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive top-left-aligned causal mask [n_q, n_k]: row r sees keys 0..r."""
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+    return torch.zeros(n_q, n_k, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others."""
+    """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others.
+
+    The pattern a document's queries see at step blocks - 1 over keys [k_0 | k_1 .. k_i]; the unroll computes
+    exactly this without building it (`Eagle3Attention._attend_with_diagonals`)."""
     allowed = torch.zeros(n, blocks * n, dtype=torch.bool, device=device)
     allowed[:, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     eye = torch.arange(n, device=device)
@@ -322,25 +384,32 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                             teacher_logits=teacher)
 
     def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
-        """Step i = len(keys) - 1: per document, keys [k_0 | k_1 .. k_i] with mask [causal | diag ...]."""
+        """Step i = len(keys) - 1: per document, causal over its step-0 keys plus its diagonal keys of steps
+        1..i (the mask `_causal_with_diagonals` draws), computed without the diagonal blocks' waste
+        (`Eagle3Attention._attend_with_diagonals`). Padding rows stay zero (never read by a valid position).
+        Each tensor is split once into documents: a backward through per-document slices would fill a
+        full-size zero gradient per slice."""
         attn = self.midlayer.self_attn
         batch, heads, length, head_dim = q.shape
-        blocks = len(keys)
         rows = []
         for b in range(batch):
-            pieces, cursor = [], 0
+            sizes, docs, cursor = [], [], 0
             for start, end in spans[b]:
-                if start > cursor:  # padding before this document: zeros, never read by a valid position
-                    pieces.append(q.new_zeros(start - cursor, heads * head_dim))
-                n = end - start
-                k = torch.cat([kk[b : b + 1, :, start:end] for kk in keys], dim=2)  # [1, nkv, blocks*n, hd]
-                v = torch.cat([vv[b : b + 1, :, start:end] for vv in values], dim=2)
-                mask = _causal_with_diagonals(n, blocks, q.dtype, q.device)[None, None]
-                out = attn.attend(q[b : b + 1, :, start:end], k, v, mask)  # [1, n, nh, hd]
-                pieces.append(out.reshape(n, heads * head_dim))
+                if start > cursor:
+                    sizes.append(start - cursor)
+                docs.append(len(sizes))
+                sizes.append(end - start)
                 cursor = end
             if cursor < length:
-                pieces.append(q.new_zeros(length - cursor, heads * head_dim))
+                sizes.append(length - cursor)
+            q_parts = q[b : b + 1].split(sizes, dim=2)
+            k_parts = [k[b : b + 1].split(sizes, dim=2) for k in keys]
+            v_parts = [v[b : b + 1].split(sizes, dim=2) for v in values]
+            pieces = [q.new_zeros(n, heads * head_dim) for n in sizes]
+            for d in docs:
+                out = attn._attend_with_diagonals(q_parts[d], k_parts[0][d], v_parts[0][d],
+                                                 [k[d] for k in k_parts[1:]], [v[d] for v in v_parts[1:]])
+                pieces[d] = out.reshape(sizes[d], heads * head_dim)  # [n, nh * hd]
             rows.append(torch.cat(pieces, dim=0))
         return torch.stack(rows, dim=0)
 

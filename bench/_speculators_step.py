@@ -1,0 +1,148 @@
+"""One training step of speculators' own EAGLE-3 drafter, for bench/train_step.py (never imported by it).
+
+Runs inside `.bench-venv/speculators` (speculators 0.9.0, its own transformers), in a fresh process per
+measurement. It builds speculators' `Eagle3DraftModel` on the shapes in --spec, fills the weights its
+`load_verifier_weights` would (embedding, frozen `lm_head` / `verifier_lm_head` = the verifier's rows for
+the draft vocabulary, `verifier_norm`), and runs what its trainer runs per batch: forward with the TTT
+unroll and its eager KL loss + metrics, backward, `clip_grad_norm_(1.0)`, AdamW step (its `build_optimizers`
+with `optimizer="adamw"`), zero_grad. Batch-1 rows only (its forward squeezes the batch dimension), so the
+padded layout runs one row per micro-step and steps the optimizer once. Writes one JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import load_file
+
+
+def rss_mib(field: str) -> float:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--batch", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    spec = json.loads(open(args.spec, encoding="utf-8").read())
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+
+    from transformers import LlamaConfig
+
+    import speculators
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.optimizers import build_optimizers
+
+    rss_imports = rss_mib("VmRSS")
+    m = spec["model"]
+    data = load_file(args.batch)
+    layer_config = LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
+        num_hidden_layers=1, num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+        head_dim=m["head_dim"], max_position_embeddings=m["max_position_embeddings"], rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    layer_config._attn_implementation = spec["attn"]
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config,
+        draft_vocab_size=m["draft_vocab_size"],
+        norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=[2, 15, 27],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=spec["ttt_steps"])],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
+    model = Eagle3DraftModel(config)
+    d2t, t2d = data["d2t"], data["t2d"]
+    model.load_vocab_mappings(t2d, d2t)
+    # what load_verifier_weights copies in from the verifier's files (same values as our side's)
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(m["vocab_size"], m["hidden_size"], generator=g) * 0.02
+    model.embed_tokens.load_state_dict({"weight": embed})
+    del embed
+    rows = torch.randn(m["draft_vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(2)) * 0.02
+    model.lm_head.load_state_dict({"weight": rows})
+    model.verifier_lm_head.load_state_dict({"weight": rows})
+    del rows
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight,
+              model.verifier_norm.weight):
+        p.requires_grad_(False)
+    model.train()
+    loss_config = resolve_loss_config("kl_div", "eager")  # the fused loss is Triton, GPU only
+    optimizers = build_optimizers(model, SimpleNamespace(optimizer="adamw", lr=1e-4, weight_decay=0.01))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    prefix = "padded." if spec["layout"] == "padded" else ""  # the packed row has no prefix
+    names = ("input_ids", "aux_hidden_states", "last_hidden_state", "verifier_greedy", "document_ids", "position_ids",
+             "loss_mask")
+    rows_in = {k: data[prefix + k] for k in names}
+    num_rows = rows_in["input_ids"].shape[0]
+    real_tokens = int((rows_in["document_ids"] != -1).sum())
+
+    def micro(b: dict, num: int) -> None:
+        _draft, loss, _metrics = model(
+            hidden_states=b["aux_hidden_states"], input_ids=b["input_ids"], document_ids=b["document_ids"],
+            loss_mask=b["loss_mask"].bool(), position_ids=b["position_ids"],
+            verifier_last_hidden_states=b["last_hidden_state"], ttt_steps=spec["ttt_steps"],
+            ttt_step_loss_decay=spec["step_weight"], loss_config=loss_config,
+        )
+        (loss / num).backward()  # its loss is a per-row mean: average over the accumulated rows
+
+    def step(batches: list[dict]) -> None:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        for b in batches:
+            micro(b, len(batches))
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        for opt in optimizers:
+            opt.step()
+
+    full = [{k: v[r : r + 1] for k, v in rows_in.items()} for r in range(num_rows)]
+    for _ in range(spec["warmup"]):  # the AdamW state and first-call work, on a short slice of one row
+        step([{k: v[:1, : spec["warmup_tokens"]] for k, v in rows_in.items()}])
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here on: the training steps only
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        step(full)
+        times.append(time.perf_counter() - t0)
+    peak_step = rss_mib("VmHWM")
+    profile = None
+    if spec.get("profile"):
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(full)
+        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=spec["profile"])
+    result = {
+        "impl": "speculators", "version": speculators.__version__ if hasattr(speculators, "__version__") else "0.9.0",
+        "times": times, "real_tokens": real_tokens, "rows": num_rows,
+        "peak_step_mib": peak_step, "rss_imports_mib": rss_imports, "profile": profile,
+        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "lm_head_trainable": bool(model.lm_head.weight.requires_grad),
+    }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
