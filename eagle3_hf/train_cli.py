@@ -248,12 +248,12 @@ def main(argv: list[str] | None = None) -> dict:
     verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
                                                  revision=model_args.verifier_revision)
     train, evals, collator, info = build_datasets(data_args, model_args)
+    text_config = getattr(verifier_config, "text_config", None) or verifier_config
     recorded = info.get("verifier", {})
-    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(getattr(
-            getattr(verifier_config, "text_config", verifier_config), "hidden_size")):
+    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(text_config.hidden_size):
         raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
-                         f"{model_args.verifier} has {verifier_config.hidden_size}")
-    vocab_size = int(getattr(getattr(verifier_config, "text_config", verifier_config), "vocab_size"))
+                         f"{model_args.verifier} has {text_config.hidden_size}")
+    vocab_size = int(text_config.vocab_size)
     d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
 
     set_seed(args.seed)  # before building the drafter, so the seed also controls its initialisation
