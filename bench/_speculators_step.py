@@ -14,19 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import time
 from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
 
-
-def rss_mib(field: str) -> float:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from _step_timing import measure_steps, rss_mib  # bench/ is on sys.path: this runs as a script
 
 
 def main() -> None:
@@ -115,23 +108,7 @@ def main() -> None:
         for opt in optimizers:
             opt.step()
 
-    full = [{k: v[r : r + 1] for k, v in rows_in.items()} for r in range(num_rows)]
-    for _ in range(spec["warmup"]):  # the AdamW state and first-call work, on a short slice of one row
-        step([{k: v[:1, : spec["warmup_tokens"]] for k, v in rows_in.items()}])
-    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here on: the training steps only
-    times = []
-    for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
-        step(full)
-        times.append(time.perf_counter() - t0)
-    peak_step = rss_mib("VmHWM")
-    profile = None
-    if spec.get("profile"):
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(full)
-        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=spec["profile"])
+    times, peak_step, profile = measure_steps(step, rows_in, spec)
     result = {
         "impl": "speculators", "version": speculators.__version__ if hasattr(speculators, "__version__") else "0.9.0",
         "times": times, "real_tokens": real_tokens, "rows": num_rows,

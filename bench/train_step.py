@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from _step_timing import measure_steps, rss_mib  # bench/ is on sys.path: this runs as a script
+
 REPO = Path(__file__).resolve().parent.parent
 SPEC_VENV = REPO / ".bench-venv" / "speculators"
 SPEC_PYTHON = SPEC_VENV / "bin" / "python"
@@ -181,14 +183,6 @@ def matmul_flops(n: int = 2048, repeats: int = 6) -> float:
 # ---------------------------------------------------------------------------------------------- our step
 
 
-def rss_mib(field: str) -> float:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def run_ours(spec: dict, batch_path: str) -> dict:
     """Our Eagle3DraftModel step as Eagle3Trainer runs it (compute_loss, metrics, clip, fused AdamW)."""
     from safetensors.torch import load_file
@@ -250,23 +244,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
 
-    full = [{k: v[r : r + 1] for k, v in rows.items()} for r in range(num_rows)]
-    for _ in range(spec["warmup"]):  # the AdamW state and first-call work, on a short slice of one row
-        step([{k: v[:1, : spec["warmup_tokens"]] for k, v in rows.items()}])
-    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here on: the training steps only
-    times = []
-    for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
-        step(full)
-        times.append(time.perf_counter() - t0)
-    peak_step = rss_mib("VmHWM")
-    profile = None
-    if spec.get("profile"):
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(full)
-        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=spec["profile"])
+    times, peak_step, profile = measure_steps(step, rows, spec)
     return {
         "impl": "ours", "times": times, "real_tokens": real_tokens, "rows": num_rows,
         "peak_step_mib": peak_step, "rss_imports_mib": rss_imports, "profile": profile,

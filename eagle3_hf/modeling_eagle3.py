@@ -228,7 +228,6 @@ class Eagle3PreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _no_split_modules = ["Eagle3DecoderLayer"]
-    _keys_to_ignore_on_load_unexpected = [r"^verifier_", r"rotary_emb\.inv_freq"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

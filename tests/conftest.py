@@ -58,3 +58,13 @@ def tiny_verifier_dir(tmp_path_factory, tokenizer):
     make_tiny_verifier().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A loopback Hub-API server (tests/hub_server.py) per test module, stopped by pid afterwards."""
+    from hub_server import TEST_ORGS, TEST_TOKENS, HubServer
+
+    server = HubServer(tmp_path_factory.mktemp("hub"), orgs=TEST_ORGS, tokens=TEST_TOKENS).start()
+    yield server
+    server.stop()

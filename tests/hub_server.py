@@ -42,6 +42,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+# tokens the test server accepts (conftest's `hub` fixture); never real credentials
+WRITE_TOKEN, READ_TOKEN, OTHER_TOKEN = "hf_test_write_0123456789", "hf_test_read_0123456789", "hf_test_other_0123456789"
+TEST_TOKENS = {WRITE_TOKEN: "tester:write", READ_TOKEN: "reader:read", OTHER_TOKEN: "other:write"}
+TEST_ORGS = {"eagle-org": ["tester"]}
+
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".npy", ".npz",
                 ".pkl", ".gguf", ".zip", ".tar", ".gz", ".arrow", ".parquet")
 LFS_MIN_SIZE = 10 * 1024 * 1024

@@ -16,9 +16,10 @@ from eagle3_hf.check import check_drafter
 from eagle3_hf.hub import DrafterCheckError, HubError, hub_errors, push_drafter
 from eagle3_hf.model_card import CARD_MARKER, build_model_card, serve_commands, write_model_card
 from fixtures.drafters import write_drafter
-from hub_server import HubServer, client_pointed_at
+from hub_server import READ_TOKEN as READ
+from hub_server import WRITE_TOKEN as WRITE
+from hub_server import client_pointed_at
 
-WRITE, READ = "hf_test_write_abcdef0123456789", "hf_test_read_abcdef0123456789"
 TRAINING = {
     "verifier": "moonshotai/Kimi-K2.5",
     "data": {"name": "org/kimi-chats", "num_samples": 10000, "num_tokens": 17300000},
@@ -30,13 +31,6 @@ TRAINING = {
 EVALUATION = {"engine": "sglang", "k": 3, "temperature": 0.0, "prompts": "mt-bench", "num_prompts": 80,
               "acceptance_length": 2.69, "per_position_acceptance": [0.74, 0.47, 0.26], "speedup": 1.31,
               "lossless": True}
-
-
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    server = HubServer(tmp_path_factory.mktemp("hub"), tokens={WRITE: "tester:write", READ: "reader:read"}).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -11,17 +11,10 @@ import urllib.request
 
 import pytest
 
+from hub_server import OTHER_TOKEN as OTHER
+from hub_server import READ_TOKEN as READ
+from hub_server import WRITE_TOKEN as WRITE
 from hub_server import HubServer, client_pointed_at
-
-WRITE, READ, OTHER = "hf_test_write_0123456789", "hf_test_read_0123456789", "hf_test_other_0123456789"
-
-
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    server = HubServer(tmp_path_factory.mktemp("hub"), orgs={"eagle-org": ["tester"]},
-                       tokens={WRITE: "tester:write", READ: "reader:read", OTHER: "other:write"}).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
