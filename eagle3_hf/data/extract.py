@@ -28,6 +28,8 @@ def load_prepared(prepared_dataset, tokenizer_fingerprint: str | None = None):
     """A prepared `datasets.Dataset` (or its save_to_disk directory), checked for columns and tokenizer."""
     from datasets import Dataset, load_from_disk
 
+    from .prepare import refuse_empty
+
     where = "the prepared dataset"
     if not isinstance(prepared_dataset, Dataset):
         path = Path(prepared_dataset)
@@ -43,7 +45,10 @@ def load_prepared(prepared_dataset, tokenizer_fingerprint: str | None = None):
                 f"{meta_path}: prepared with tokenizer {found}, but the verifier's tokenizer is "
                 f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
             )
+        refuse_empty(path, meta)
         prepared_dataset = load_from_disk(str(path))
+    if len(prepared_dataset) == 0:
+        raise ValueError(f"prepared dataset {where} has 0 samples")
     missing = [c for c in ("id", "input_ids", "loss_mask") if c not in prepared_dataset.column_names]
     if missing:
         raise ValueError(f"{where}: missing column(s) {missing} (has {prepared_dataset.column_names})")

@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 from array import array
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -133,7 +133,8 @@ def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = No
 
 
 def new_stats() -> dict:
-    return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": Counter()}
+    return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": Counter(),
+            "skipped_ids": defaultdict(list)}
 
 
 def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_len: int | None = None,
@@ -174,6 +175,10 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
 
     seen: set[str] = set()
 
+    def skip(sid: str, reason: str) -> None:
+        stats["skipped"][reason] += 1
+        stats.setdefault("skipped_ids", defaultdict(list))[reason].append(sid)  # ids only: never text or tokens
+
     def add_sample(sid: str, messages: list[dict], tools) -> None:
         if sid in seen:
             raise ValueError(f"sample {sid}: id appears more than once; ids must be unique")
@@ -183,20 +188,20 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
                 messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
                 reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
-            stats["skipped"][str(e)] += 1
+            skip(sid, str(e))
             return
         if max_seq_len is not None and len(input_ids) > max_seq_len:
             if overlong == "error":
                 raise ValueError(f"sample {sid}: {len(input_ids)} tokens > max_seq_len {max_seq_len} "
                                  f"(use --overlong truncate or skip)")
             if overlong == "skip":
-                stats["skipped"][f"longer than max_seq_len {max_seq_len}"] += 1
+                skip(sid, f"longer than max_seq_len {max_seq_len}")
                 return
             input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
             stats["truncated"] += 1
         n_loss = sum(loss_mask)
         if n_loss == 0:
-            stats["skipped"]["no loss tokens" + (" within max_seq_len" if max_seq_len else "")] += 1
+            skip(sid, "no loss tokens" + (" within max_seq_len" if max_seq_len else ""))
             return
         ids.append(sid)
         flat_ids.extend(input_ids)
@@ -240,19 +245,39 @@ def save_prepared(ds, out_dir: str | Path, meta: dict) -> Path:
 
 
 def load_prepared(path: str | Path) -> tuple[Any, dict]:
-    """The prepared Dataset and its meta; a directory without meta is refused by name."""
+    """The prepared Dataset and its meta; a directory without meta, or without samples, is refused by name."""
     import datasets
 
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{path}: not a prepared dataset (no {META_FILE}); run `eagle3-hf prepare`")
-    return datasets.load_from_disk(str(path)), json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text())
+    refuse_empty(path, meta)
+    ds = datasets.load_from_disk(str(path))
+    refuse_empty(path, meta, len(ds))
+    return ds, meta
+
+
+def refuse_empty(path: str | Path, meta: dict, num_rows: int | None = None) -> None:
+    """An empty prepared dataset is refused by name (datasets itself fails on one with an IndexError)."""
+    samples = meta.get("counts", {}).get("samples") if num_rows is None else num_rows
+    state = Path(path) / "state.json"
+    no_files = num_rows is None and state.is_file() and not json.loads(state.read_text()).get("_data_files")
+    if samples == 0 or no_files:
+        skipped = meta.get("counts", {}).get("skipped") or {}
+        why = f" (skipped: {_skipped_text(skipped)})" if skipped else ""
+        raise ValueError(f"prepared dataset {path} has 0 samples{why}; re-run `eagle3-hf prepare` with other input")
+
+
+def _skipped_text(skipped: dict) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in skipped.items())
 
 
 def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> dict:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 
-    counts = dict(stats, skipped=dict(stats["skipped"]))
+    counts = {k: v for k, v in stats.items() if k != "skipped_ids"}
+    counts["skipped"] = dict(stats["skipped"])
     return {
         "format": FORMAT,
         "tokenizer": tokenizer_name,
@@ -262,6 +287,7 @@ def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> di
             chat_template_source(tokenizer, None, options.get("template_kwargs")).encode()).hexdigest(),
         "options": options,
         "counts": counts,
+        "skipped_ids": {reason: list(ids) for reason, ids in stats.get("skipped_ids", {}).items()},
     }
 
 
@@ -295,14 +321,18 @@ def run(args: argparse.Namespace) -> int:
     stats = new_stats()
     ds = prepare_conversations(conversations, tokenizer, stats=stats, progress=True, **options)
     meta = build_meta(tokenizer, args.tokenizer, stats, dict(options, input=args.input, limit=args.limit))
-    out = save_prepared(ds, args.output, meta)
     c = meta["counts"]
+    if c["samples"] == 0:
+        skipped = f"; skipped: {_skipped_text(c['skipped'])}" if c["skipped"] else ""
+        raise ValueError(f"prepare: 0 samples from {c['input']} conversations in {args.input}{skipped}; "
+                         f"nothing written to {args.output}")
+    out = save_prepared(ds, args.output, meta)
     print(f"prepare: {c['samples']} samples from {c['input']} conversations, {c['tokens']} tokens, {c['loss_tokens']} loss tokens "
           f"-> {out}", file=sys.stderr)
     if c["truncated"]:
         print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
     for reason, n in c["skipped"].items():
-        print(f"prepare: skipped {n} samples: {reason}", file=sys.stderr)
+        print(f"prepare: skipped {n} samples: {reason} (ids in {Path(out) / META_FILE})", file=sys.stderr)
     if c["skipped"].get("no assistant turn"):
         print("prepare: prompts without an answer need `eagle3-hf regenerate` first", file=sys.stderr)
     return 0

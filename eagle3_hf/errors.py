@@ -1,0 +1,17 @@
+"""User errors: what `eagle3-hf` reports as one line (`error: ...`) instead of a traceback.
+
+A user error is bad input or a bad environment the message itself explains: a missing or corrupt file, a
+checkpoint that does not fit, an endpoint that stays down. The CLI treats `Eagle3Error`, `ValueError` and
+`OSError` (FileNotFoundError, ENOSPC, ...) as user errors; anything else (TypeError, RuntimeError,
+IndexError, ...) is a bug and keeps its full traceback. `--debug` or EAGLE3_HF_DEBUG=1 shows the traceback
+of a user error too.
+"""
+
+from __future__ import annotations
+
+
+class Eagle3Error(Exception):
+    """Bad input or environment, explained by the message (a project error that is not a ValueError/OSError)."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (Eagle3Error, ValueError, OSError)

@@ -1,0 +1,125 @@
+"""Bad input a new user tries: one line `error: ...` and a non-zero exit, never a traceback (unless asked
+for with --debug), never a silent success; empty prepared datasets and checkpoints that are not drafters
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_hf import cli
+from eagle3_hf.data.conversations import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
+LONELY = [{"role": "user", "content": "hi"}]
+
+
+def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
+    env.pop("EAGLE3_HF_DEBUG", None) if "EAGLE3_HF_DEBUG" not in (env or {}) else None
+    return subprocess.run([sys.executable, "-m", "eagle3_hf.cli", *argv], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-2000:]
+    for needle in needles:
+        assert needle in last
+
+
+def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert_one_line_error(run_cli("vocab", "--data", missing, "--draft-vocab-size", "8"), missing,
+                          "not a prepared dataset")
+    assert_one_line_error(run_cli("diff-features", missing, missing), missing)
+    for debug in (run_cli("--debug", "vocab", "--data", missing, "--draft-vocab-size", "8"),
+                  run_cli("vocab", "--data", missing, "--draft-vocab-size", "8", env={"EAGLE3_HF_DEBUG": "1"})):
+        assert debug.returncode != 0 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--data-dir", "{missing}", "--output-dir", "{tmp}/run"],
+    ["export", "{missing}", "--output", "{tmp}/exported"],
+    ["import-features", "speculators", "{missing}", "--data", "{missing}", "--output", "{tmp}/imp",
+     "--verifier", "smollm2-135m-instruct"],
+    ["prepare", "--input", "{missing}.jsonl", "--output", "{tmp}/prep"],
+])
+def test_in_process_user_errors_return_one_line(argv, tmp_path, capsys):
+    argv = [a.format(missing=tmp_path / "nowhere", tmp=tmp_path) for a in argv]
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "nowhere" in err[-1]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """An unexpected exception type is a bug: it is not folded into a one-line user error."""
+    import eagle3_hf.data.vocab as vocab
+
+    def broken(args):
+        raise TypeError("a genuine bug")
+
+    monkeypatch.setattr(vocab, "run", broken)
+    with pytest.raises(TypeError, match="a genuine bug"):
+        cli.main(["vocab", "--data", "x", "--draft-vocab-size", "8"])
+
+
+# ---------------------------------------------------------------- empty prepared datasets
+
+def test_prepare_with_nothing_left_exits_nonzero(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": f"q{i}", "messages": LONELY} for i in range(3)])
+    out = tmp_path / "prepared"
+    rc = cli.main(["prepare", "--tokenizer", "smollm2-135m-instruct", "--input", str(src), "--output", str(out)])
+    assert rc != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "0 samples" in err[-1] and "no assistant turn" in err[-1]
+    assert not out.exists()
+
+
+@pytest.fixture
+def empty_prepared(tmp_path, tokenizer):
+    """A prepared dataset with no rows (written by an older prepare or by hand)."""
+    from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations, save_prepared
+
+    stats = new_stats()
+    ds = prepare_conversations([{"id": "q0", "messages": LONELY}], tokenizer, stats=stats)
+    assert len(ds) == 0
+    return save_prepared(ds, tmp_path / "empty", build_meta(tokenizer, "smollm2-135m-instruct", stats, {}))
+
+
+def test_every_reader_of_an_empty_prepared_dataset_names_it(empty_prepared, tmp_path, tiny_verifier_dir, capsys):
+    from eagle3_hf.data.online import PreparedDataset
+
+    expected = f"prepared dataset {empty_prepared} has 0 samples"
+    for argv in (["extract", "--verifier", str(tiny_verifier_dir), "--data", str(empty_prepared), "--output",
+                  str(tmp_path / "feats"), "--no-progress"],
+                 ["vocab", "--data", str(empty_prepared), "--draft-vocab-size", "8"]):
+        assert cli.main(argv) != 0
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and expected in last
+    with pytest.raises(ValueError, match=expected):
+        PreparedDataset(empty_prepared)
+
+
+def test_prepare_records_the_ids_it_skipped(tmp_path):
+    from eagle3_hf.data.prepare import load_prepared
+
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "c0", "messages": CHAT}, {"id": "lonely-1", "messages": LONELY},
+                      {"id": "c1", "messages": CHAT}, {"id": "lonely-2", "messages": LONELY}])
+    out = tmp_path / "prepared"
+    assert cli.main(["prepare", "--tokenizer", "smollm2-135m-instruct", "--input", str(src), "--output", str(out),
+                     "--max-seq-len", "40", "--overlong", "truncate"]) == 0
+    _ds, meta = load_prepared(out)
+    assert meta["counts"]["skipped"] == {"no assistant turn": 2}
+    assert meta["skipped_ids"] == {"no assistant turn": ["lonely-1", "lonely-2"]}
+    assert "hi" not in json.dumps(meta["skipped_ids"])  # ids only, never the text
