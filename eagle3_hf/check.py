@@ -35,17 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from .checkpoint import (BIAS_WEIGHTS, EMBED_KEY, LAYER_WEIGHTS, VOCAB_BUFFERS, expected_shapes,
+                         vocab_mapping_issues)
+
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")
 FP16_MAX = 65504.0
-LAYER_WEIGHTS = (
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight",
-)
-STANDARD_WEIGHTS = LAYER_WEIGHTS + ("d2t", "t2d", "embed_tokens.weight")
-NORM_WEIGHTS = tuple(n for n in LAYER_WEIGHTS if "norm" in n)
 
 
 @dataclass(frozen=True)
@@ -275,9 +270,7 @@ def _check_aux_ids(cfg: dict, rep: _Report, n: int | None) -> None:
 
 
 def _check_names_and_shapes(cfg: dict, w: _Weights, rep: _Report) -> None:
-    allowed = set(STANDARD_WEIGHTS)
-    if cfg.get("attention_bias"):
-        allowed |= {f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo"}
+    allowed = set(LAYER_WEIGHTS + VOCAB_BUFFERS + (EMBED_KEY,) + (BIAS_WEIGHTS if cfg.get("attention_bias") else ()))
     unknown = sorted(n for n in w.meta if n not in allowed)
     spec = [n for n in unknown if n.startswith("layers.0.")]
     other = [n for n in unknown if n not in spec]
@@ -310,21 +303,9 @@ def _check_names_and_shapes(cfg: dict, w: _Weights, rep: _Report) -> None:
         rep.add("error", "missing-embed-tokens", "target_hidden_size != hidden_size but no embed_tokens.weight: "
                 "SGLang then keeps the drafter's randomly initialised embedding", ("sglang",))
     try:
-        h, t = int(cfg["hidden_size"]), int(cfg.get("target_hidden_size") or cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        kv, hd = int(cfg.get("num_key_value_heads") or heads), int(cfg.get("head_dim") or h // heads)
-        inter, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
-        dv = int(cfg.get("draft_vocab_size") or vocab)
+        expected = expected_shapes(cfg, include_embed_tokens=True)
     except (KeyError, TypeError, ValueError):
         return  # already reported as a config error
-    expected = {
-        "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * h), "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * h), "midlayer.self_attn.o_proj.weight": (h, heads * hd),
-        "midlayer.mlp.gate_proj.weight": (inter, h), "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter), "fc.weight": (h, 3 * t), "norm.weight": (h,),
-        "lm_head.weight": (dv, h), "d2t": (dv,), "t2d": (vocab,), "embed_tokens.weight": (vocab, h),
-        **{n: (h,) for n in NORM_WEIGHTS if n != "norm.weight"},
-    }
     why = {"q_proj": " (q/k/v read cat(embedding, hidden): 2 x hidden_size inputs)",
            "fc.": " (fc maps 3 x target_hidden_size to hidden_size)", "lm_head": " ([draft_vocab_size, hidden_size])"}
     for name in sorted(set(w.meta) | set(spec)):
@@ -376,41 +357,12 @@ def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
 
 
 def _check_vocab_mapping(cfg: dict, w: _Weights, rep: _Report, verifier_vocab: int | None) -> None:
-    import torch
-
     if "d2t" not in w.meta or len(w.shape("d2t")) != 1 or not w.dtype("d2t").startswith(("I", "U")):
         return
     vocab = int(verifier_vocab or cfg.get("vocab_size") or 0)
-    d2t = w.tensor("d2t").long()
-    targets = torch.arange(d2t.numel()) + d2t
-    t2d = w.tensor("t2d").bool() if "t2d" in w.meta and len(w.shape("t2d")) == 1 else None
-    looks_absolute = bool(d2t.numel() > 1 and (d2t[1:] > d2t[:-1]).all() and d2t.min() >= 0 and d2t.max() < vocab)
-    if t2d is not None and t2d.numel() == vocab and looks_absolute and torch.equal(t2d.nonzero().flatten(), d2t):
-        rep.add("error", "d2t-absolute", "d2t holds absolute verifier ids (t2d marks exactly d2t's values): engines "
-                "compute target = i + d2t[i] (SGLang hot_token_id = d2t + arange, vLLM the same), so every "
-                "draft id lands on the wrong token; store offsets d2t[i] = kept[i] - i")
-        return
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        hint = (" — d2t looks like absolute ids, engines expect offsets d2t[i] = kept[i] - i" if looks_absolute
-                else "")
-        rep.add("error", "d2t-range", f"i + d2t[i] reaches {int(targets.max())} (min {int(targets.min())}), "
-                f"outside the vocabulary of {vocab}{hint}")
-        return
-    if targets.numel() > 1 and not bool((targets[1:] > targets[:-1]).all()):
-        dup = targets.numel() - targets.unique().numel()
-        level = "error" if dup else "warning"
-        rep.add(level, "d2t-order", f"i + d2t[i] is not strictly increasing ({dup} duplicate targets): kept ids "
-                "must be unique" + ("" if dup else " (and sorted, as the standard layout stores them)"))
-    if d2t.numel() and not bool(d2t.any()) and d2t.numel() < vocab:
-        rep.add("warning", "d2t-identity", "d2t is all zeros: draft id i maps to verifier id i, i.e. the draft "
-                "vocabulary is the first draft_vocab_size ids; usually a forgotten mapping")
-    if t2d is not None and t2d.numel() == vocab:
-        expected = torch.zeros(vocab, dtype=torch.bool)
-        expected[targets] = True
-        if not torch.equal(expected, t2d):
-            rep.add("error", "d2t-t2d-mismatch", f"t2d marks {int(t2d.sum())} ids but i + d2t[i] gives "
-                    f"{int(expected.sum())}; {int((expected != t2d).sum())} verifier ids disagree: the draft "
-                    "vocabulary mapping is inconsistent")
+    t2d = w.tensor("t2d") if "t2d" in w.meta and len(w.shape("t2d")) == 1 else None
+    for issue in vocab_mapping_issues(w.tensor("d2t"), t2d, vocab):
+        rep.add(issue.level, issue.code, issue.message)
 
 
 def _check_verifier(cfg: dict, w: _Weights, rep: _Report, vcfg: dict, vpath: Path | None) -> None:

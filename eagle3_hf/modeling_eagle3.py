@@ -10,7 +10,7 @@ attention sees cat(embedding, hidden)) -> norm -> lm_head over the draft vocabul
   on blocks the mask would throw away.
 - `draft_step`: one incremental step with a KV cache, as an engine runs the drafter (speculative.py).
 
-Checkpoints are the standard layout SGLang and vLLM load (see `eagle3_hf/export.py`).
+Checkpoints are the standard layout SGLang and vLLM load (see `eagle3_hf/checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import ModelOutput
 
+from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
 from .configuration_eagle3 import Eagle3Config
 
 PAD_DOCUMENT = -1  # document id of padding positions in a packed row
@@ -264,15 +265,34 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a draft vocabulary (from eagle3_hf.data.vocab), checking it is self-consistent."""
-        from .export import validate_vocab_mapping
-
         validate_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         self.d2t.copy_(d2t.to(torch.long))
         self.t2d.copy_(t2d.to(torch.bool))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> verifier ids (d2t holds offsets)."""
-        return draft_ids + self.d2t[draft_ids]
+        return draft_to_target(self.d2t, draft_ids)
+
+    def remap_lm_head(self, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
+        """Switch to another draft vocabulary, moving each lm_head row to its token's new index (tokens this
+        drafter never drafted get a fresh row), so a finetune can use the dataset's vocabulary. Returns how many
+        rows carried over."""
+        new_targets = draft_to_target(d2t)
+        old_rows = target_to_draft(self.d2t.cpu(), new_targets).tolist()
+        old_weight = self.lm_head.weight.detach().clone()
+        new_head = nn.Linear(old_weight.shape[1], len(old_rows), bias=False, dtype=old_weight.dtype)
+        nn.init.normal_(new_head.weight, std=self.config.initializer_range)
+        carried = 0
+        with torch.no_grad():
+            for j, row in enumerate(old_rows):
+                if row >= 0:
+                    new_head.weight[j] = old_weight[row]
+                    carried += 1
+        self.lm_head = new_head
+        self.config.draft_vocab_size = len(old_rows)
+        self.register_buffer("d2t", torch.zeros(len(old_rows), dtype=torch.long))
+        self.set_vocab_mapping(d2t, t2d)
+        return carried
 
     def load_verifier_embeddings(self, verifier: nn.Module | torch.Tensor) -> None:
         """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving."""
@@ -298,7 +318,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if weight.shape[0] < self.config.vocab_size or weight.shape[1] != self.config.target_hidden_size:
             raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
                              f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")
-        targets = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        targets = draft_to_target(self.d2t)
         rows = weight.detach()[targets.to(weight.device)]  # [Vd, H]
         head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.lm_head.weight.device,
                          dtype=self.lm_head.weight.dtype)
@@ -447,9 +467,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     # ------------------------------------------------------------------ checkpoints
 
     def save_pretrained(self, save_directory, *args, include_embed_tokens: bool = False, **kwargs):
-        """Write the standard EAGLE-3 layout (eagle3_hf/export.py); refuses an unservable checkpoint."""
-        from .export import standard_state_dict
-
+        """Write the standard EAGLE-3 layout (eagle3_hf/checkpoint.py); refuses an unservable checkpoint."""
         state_dict = kwargs.pop("state_dict", None)
         if state_dict is None:
             state_dict = self.state_dict()
@@ -461,8 +479,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, verifier=None, **kwargs):
         """Load our layout, the standard layout other tools publish, or the speculators layout, from a
         directory or a Hub repo id. `verifier` (a model) fills embed_tokens when the checkpoint has none."""
-        from .export import load_drafter
-
         return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, token=None, private: bool | None = None, revision: str | None = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import draft_to_target
 from .modeling_eagle3 import shift_within_documents
 
 
@@ -93,7 +94,7 @@ class StepStats:
         for i in range(self.steps):
             targets = step_targets(batch, i, t2d)
             draft = logits[i].argmax(dim=-1)
-            right = (draft + d2t[draft] == targets.greedy) & targets.teacher_position_valid
+            right = (draft_to_target(d2t, draft) == targets.greedy) & targets.teacher_position_valid
             scored = targets.teacher_position_valid
             self.scored[i] += float(scored.sum())
             self.correct[i] += float(right.sum())

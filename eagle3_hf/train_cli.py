@@ -166,30 +166,8 @@ def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_ind
     source.config.tokenizer_fingerprint = fingerprint
     source.config.ttt_steps = ttt_steps
     if model_args.finetune_vocab == "dataset":
-        info["remapped_rows"] = remap_lm_head(source, d2t, t2d)
+        info["remapped_rows"] = source.remap_lm_head(d2t, t2d)
     return source, info
-
-
-def remap_lm_head(model: Eagle3DraftModel, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
-    """Switch a drafter to another draft vocabulary, moving each lm_head row to its token's new index.
-    Tokens the source never drafted get a fresh row. Returns how many rows carried over."""
-    old_targets = model.draft_to_target(torch.arange(model.config.draft_vocab_size)).tolist()
-    old_row = {t: i for i, t in enumerate(old_targets)}
-    new_targets = (torch.arange(d2t.numel()) + d2t).tolist()
-    old_weight = model.lm_head.weight.detach().clone()
-    new_head = torch.nn.Linear(old_weight.shape[1], len(new_targets), bias=False, dtype=old_weight.dtype)
-    torch.nn.init.normal_(new_head.weight, std=model.config.initializer_range)
-    carried = 0
-    with torch.no_grad():
-        for j, target in enumerate(new_targets):
-            if target in old_row:
-                new_head.weight[j] = old_weight[old_row[target]]
-                carried += 1
-    model.lm_head = new_head
-    model.config.draft_vocab_size = len(new_targets)
-    model.register_buffer("d2t", torch.zeros(len(new_targets), dtype=torch.long))
-    model.set_vocab_mapping(d2t, t2d)
-    return carried
 
 
 # ---------------------------------------------------------------- data

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.export import save_speculators
+from eagle3_hf.checkpoint import save_speculators
 from test_modeling import DRAFT_VOCAB, HIDDEN, VOCAB, packed_batch, tiny_model
 
 STANDARD_KEYS = {

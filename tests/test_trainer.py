@@ -20,7 +20,6 @@ from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
 from eagle3_hf.data.vocab import load_vocab, vocab_from_target_ids
 from eagle3_hf.step_metrics import drafter_step_accuracies
 from eagle3_hf.train_cli import main as train_main
-from eagle3_hf.train_cli import remap_lm_head
 from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from test_export import STANDARD_KEYS
 from train_fixtures import FINGERPRINT, SYN_VOCAB, build_offline_data, save_verifier
@@ -188,7 +187,7 @@ def test_remapped_vocabulary_keeps_predictions_aligned(synthetic):
     d2t, t2d = vocab_from_target_ids(new_ids, SYN_VOCAB)
     naive = fresh_drafter(synthetic, seed=3)
     remapped = fresh_drafter(synthetic, seed=3)
-    carried = remap_lm_head(remapped, d2t, t2d)
+    carried = remapped.remap_lm_head(d2t, t2d)
     assert carried == len(old_targets[::2])
     naive.lm_head = torch.nn.Linear(naive.config.hidden_size, len(new_ids), bias=False)
     naive.lm_head.weight.data.copy_(source.lm_head.weight.data[: len(new_ids)])  # rows kept by position

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf import cli
+from eagle3_hf.checkpoint import draft_to_target
 from eagle3_hf.data.prepare import build_meta, load_prepared, new_stats, prepare_conversations, save_prepared
-from eagle3_hf.data.vocab import (build_vocab, draft_to_target_ids, load_vocab, save_vocab, select_top_ids,
+from eagle3_hf.data.vocab import (build_vocab, load_vocab, save_vocab, select_top_ids,
                                   token_counts, vocab_from_target_ids)
 
 FEATURES = datasets.Features({"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int32")),
@@ -28,7 +29,7 @@ def test_offsets_round_trip():
     d2t, t2d = vocab_from_target_ids([20, 3, 99, 8, 7], vocab_size=100)  # order of input does not matter
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (100,)
     assert d2t.tolist() == [3 - 0, 7 - 1, 8 - 2, 20 - 3, 99 - 4]
-    target = draft_to_target_ids(d2t)
+    target = draft_to_target(d2t)
     assert target.tolist() == kept and bool(t2d[target].all()) and int(t2d.sum()) == 5
     with pytest.raises(ValueError, match="0..99"):
         vocab_from_target_ids([100], 100)
@@ -45,7 +46,7 @@ def test_counts_only_assistant_tokens_ties_and_fill():
     assert kept.tolist() == [0, 1, 2, 3, 4, 6, 9] and fillers == 2
     d2t, t2d, cov, _ = build_vocab(ds, 12, 3)
     assert cov == pytest.approx(5 / 7)  # tokens 6, 6, 9, 9, 1 of the 7 assistant tokens are kept
-    assert draft_to_target_ids(d2t).tolist() == [1, 6, 9]
+    assert draft_to_target(d2t).tolist() == [1, 6, 9]
     with pytest.raises(ValueError, match="outside vocab_size 8"):
         token_counts(ds, 8)
 
@@ -88,5 +89,5 @@ def test_cli_vocab_on_prepared_data(tmp_path, tokenizer):
     assistant = {t for ids, m in zip(ds["input_ids"], ds["loss_mask"]) for t, k in zip(ids, m) if k}
     assert len(assistant) < 64 and all(t2d[t] for t in assistant)  # every assistant token is covered
     assert float(meta["coverage"]) == 1.0 and meta["draft_vocab_size"] == "64"
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in draft_to_target_ids(d2t).tolist()
-    assert np.all(np.diff(draft_to_target_ids(d2t).numpy()) > 0)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in draft_to_target(d2t).tolist()
+    assert np.all(np.diff(draft_to_target(d2t).numpy()) > 0)

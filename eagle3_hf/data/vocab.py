@@ -1,9 +1,9 @@
 """The draft vocabulary: the N target ids the drafter can propose (DESIGN.md §3, d2t / t2d).
 
 Kept ids are the N most frequent *assistant* tokens (loss_mask = 1), ties broken by lower id so the
-choice is deterministic, then sorted ascending. `d2t[i] = kept[i] - i` is an offset (target id =
-i + d2t[i]), `t2d` a bool mask over the verifier vocabulary. The file carries the tokenizer fingerprint
-and vocab size, and `load_vocab` refuses a mapping built for another tokenizer: an id map from the
+choice is deterministic, then sorted ascending, and turned into `d2t` / `t2d` by
+`eagle3_hf.checkpoint.vocab_from_target_ids` (the mapping's one definition). The file carries the
+tokenizer fingerprint and vocab size, and `load_vocab` refuses a mapping built for another tokenizer: an id map from the
 wrong tokenizer trains and serves without error and is just quietly useless.
 """
 
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..checkpoint import validate_vocab_mapping, vocab_from_target_ids
 
 VOCAB_FILE = "vocab.safetensors"
 
@@ -49,24 +51,6 @@ def select_top_ids(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarra
     return kept, int((counts[kept] == 0).sum())
 
 
-def vocab_from_target_ids(kept_ids, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [N], t2d bool [vocab_size]) for a set of kept target ids."""
-    kept = torch.as_tensor(np.asarray(kept_ids), dtype=torch.int64).sort().values
-    if kept.numel() == 0 or kept.unique().numel() != kept.numel():
-        raise ValueError("kept ids must be non-empty and distinct")
-    if kept[0] < 0 or kept[-1] >= vocab_size:
-        raise ValueError(f"kept ids must lie in 0..{vocab_size - 1}")
-    d2t = kept - torch.arange(kept.numel(), dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t, t2d
-
-
-def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """Target id of each draft id: i + d2t[i]."""
-    return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t.long()
-
-
 def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
     """Fraction of assistant tokens whose id the drafter can propose."""
     total = int(counts.sum())
@@ -88,8 +72,6 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, fingerpri
 
 def check_consistent(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
     """d2t must name exactly the ids t2d marks, strictly ascending (the checkpoint contract's own check)."""
-    from ..export import validate_vocab_mapping
-
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
         raise ValueError(f"{where}: d2t must be int64 [N] and t2d bool [vocab], got {d2t.dtype} {list(d2t.shape)} "
                          f"and {t2d.dtype} {list(t2d.shape)}")
