@@ -29,6 +29,10 @@ class Eagle3TrainingArguments(TrainingArguments):
     feature_noise_std: float = field(
         default=0.0, metadata={"help": "std of Gaussian noise added to verifier features while training"}
     )
+    hidden_optimizer: str = field(
+        default="adamw", metadata={"help": "optimizer for the 2-D hidden weights (attention, MLP, fc); muon keeps "
+                                           "AdamW for embeddings, lm_head and norms", "choices": ["adamw", "muon"]}
+    )
     metric_for_best_model: str | None = field(default="simulated_acceptance_length")
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
@@ -51,6 +55,17 @@ class Eagle3Trainer(Trainer):
             raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
+
+    def create_optimizer(self, model=None):
+        """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
+        if self.args.hidden_optimizer != "muon" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from .optim import build_hybrid_optimizer
+
+        args = self.args
+        self.optimizer = build_hybrid_optimizer(self.model, args.learning_rate, args.weight_decay,
+                                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
+        return self.optimizer
 
     # ------------------------------------------------------------------ loss
 
