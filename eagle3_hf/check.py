@@ -37,6 +37,7 @@ from typing import Any, Iterable
 
 from .checkpoint import (BIAS_WEIGHTS, EMBED_KEY, LAYER_WEIGHTS, VOCAB_BUFFERS, expected_shapes,
                          vocab_mapping_issues)
+from .configuration_eagle3 import engine_config_problems
 
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")
@@ -205,6 +206,8 @@ def _check_config(cfg: dict, rep: _Report, num_layers: int | None) -> None:
     if "rms_norm_eps" not in cfg:
         rep.add("warning", "rms-norm-eps", "no rms_norm_eps: loaders fall back to a default (1e-6 or 1e-5) "
                 "that may differ from training")
+    for code, message in engine_config_problems(cfg):
+        rep.add("error", code, message)
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg:
         where = f" (rope_parameters has {rope.get('rope_theta')})" if "rope_theta" in rope else ""

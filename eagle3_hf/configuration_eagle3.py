@@ -83,20 +83,68 @@ def text_config_dict(verifier_config: Any) -> dict[str, Any]:
     return dict(inner) if isinstance(inner, dict) and "hidden_size" in inner else dict(d)
 
 
-def _rope_from_verifier(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Verifier rope -> Llama `rope_parameters`, keeping the scaling where Llama attention supports it."""
+# per-layer-type RoPE (Gemma 2/3, ...): the layer type whose RoPE the drafter takes, in order of preference
+DRAFTER_ROPE_LAYER_TYPES = ("full_attention", "global_attention")
+
+
+def drafter_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The one flat Llama `rope_parameters` a drafter gets from a verifier text config.
+
+    Per family: Llama / Qwen3 / DeepSeek-V3 / Kimi have one RoPE, kept with its scaling (YaRN, llama3, ...)
+    because the drafter sees the same positions as the verifier. Gemma 3 (and other verifiers with
+    per-layer-type `rope_parameters`, nested `{"full_attention": {...}, "sliding_attention": {...}}`)
+    gives the full-attention layers' RoPE: the drafter attends over the whole context, as those layers do,
+    and it is the long-context one (the sliding layers' short-range base would alias at long distances).
+    A nested dict cannot be passed on: transformers' Llama config drops the per-type keys with a warning
+    and both engines' Llama drafter read a single RoPE (`rope_scaling`/`rope_theta` in SGLang's
+    `LlamaDecoderLayer`), so what they would apply is not what training used. Types Llama attention cannot
+    apply (multimodal mrope) become plain RoPE at the same base: the drafter sees text positions only.
+    """
     params = dict(cfg.get("rope_parameters") or {})
-    legacy_scaling = cfg.get("rope_scaling") or {}
+    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+    if nested:
+        layer_type = next((t for t in DRAFTER_ROPE_LAYER_TYPES if t in nested), sorted(nested)[0])
+        params = dict(nested[layer_type])
     if not params:
-        params = dict(legacy_scaling)
+        params = dict(cfg.get("rope_scaling") or {})
         if "type" in params and "rope_type" not in params:
             params["rope_type"] = params.pop("type")
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        # e.g. multimodal mrope: the drafter sees text positions only, plain RoPE is the honest choice
-        params = {"rope_type": "default", "rope_theta": params.get("rope_theta", 10000.0)}
+        params = {"rope_type": "default", "rope_theta": params["rope_theta"]}
     return params
+
+
+def engine_config_problems(cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    """(code, message) for each field of a drafter config.json an engine's Llama-EAGLE-3 loader cannot parse.
+
+    What the engines read (their source): SGLang's `LlamaDecoderLayer` (`python/sglang/srt/models/llama.py`)
+    takes the legacy `rope_theta` / `rope_scaling` and its `LlamaMLP` raises unless `hidden_act` is "silu";
+    vLLM builds the drafter from the same Llama config through transformers, whose RoPE validation keeps
+    only the flat keys of its `rope_type`. `check` reports these as errors.
+    """
+    problems: list[tuple[str, str]] = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key) or {}
+        if not isinstance(value, dict):
+            problems.append(("rope-unparsable", f"{key} is {type(value).__name__}, not a dict"))
+            continue
+        nested = sorted(k for k, v in value.items() if isinstance(v, dict))
+        if nested:
+            problems.append(("rope-per-layer-type", f"{key} mixes per-layer-type RoPE {nested} into a Llama "
+                             "config: the engines' one-layer Llama drafter has a single RoPE, transformers drops "
+                             "the nested keys with a warning, so serving would not apply the RoPE training used "
+                             "(re-export: from_verifier writes the full-attention RoPE flat)"))
+        rope_type = value.get("rope_type", value.get("type", "default"))
+        if value and rope_type not in SUPPORTED_ROPE_TYPES:
+            problems.append(("rope-type", f"{key} rope_type {rope_type!r} is not one the Llama drafter can "
+                             f"apply ({', '.join(SUPPORTED_ROPE_TYPES)})"))
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(("hidden-act", f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only "
+                         "'silu' and refuses to load the drafter"))
+    return problems
 
 
 @strict
@@ -205,9 +253,9 @@ class Eagle3Config(LlamaConfig):
         Choices: hidden size = the verifier's (engines share its embedding); head_dim 128 where the
         hidden size divides by it (7168 -> 56 heads), else the verifier's head_dim, else 64; 8 KV heads
         where the head count allows, else the verifier's KV heads if they divide, else MHA; the verifier's
-        dense FFN width, rope_theta, max_position_embeddings and rope scaling (yarn, llama3, ... are kept;
-        types Llama attention cannot apply fall back to plain RoPE). MLA fields are ignored: the drafter
-        always uses standard GQA attention, as the engines' Llama drafter does.
+        dense FFN width and max_position_embeddings; the RoPE of `drafter_rope` (one flat RoPE, per family);
+        SiLU whatever the verifier's activation. MLA, MoE and sliding-window fields are ignored: the drafter
+        is always one full-attention GQA Llama layer, as the engines' Llama drafter is.
         """
         cfg = text_config_dict(verifier_config)
         hidden = int(cfg["hidden_size"])
@@ -236,10 +284,10 @@ class Eagle3Config(LlamaConfig):
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act="silu",  # the engines' Llama drafter has no other MLP
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_parameters=_rope_from_verifier(cfg),
+            rope_parameters=drafter_rope(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),

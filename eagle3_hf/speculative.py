@@ -43,11 +43,17 @@ def _new_cache(verifier):
     return DynamicCache(config=verifier.config)
 
 
+def _rollbackable(cache) -> None:
+    """Make sliding-window layers (Gemma 2/3, Mistral) keep the states a rejected draft pushed out of the
+    window until `_crop` runs. Called after the prefill, as `generate` does, so a long prompt is not kept whole."""
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+
+
 def _crop(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative crop removes tokens in every transformers 5.x)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Keep the first `length` positions (a negative crop removes tokens in every transformers 5.x). Always
+    called, even with nothing to remove: crop(0) trims sliding-window layers back to their window."""
+    cache.crop(-max(cache.get_seq_length() - length, 0))
 
 
 def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None):
@@ -161,6 +167,7 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
     # prefill: the verifier reads the prompt; the drafter reads (feature of t, token t+1) for t < P
     cache = _new_cache(verifier)
     logits, aux = _verifier_forward(verifier, prompt, cache, aux_indices)  # [P, V], [1, P, 3H]
+    _rollbackable(cache)
     margins = _margins(logits[-1:])
     last = int(logits[-1].argmax()) if greedy else _sample(_probs(logits[-1], temperature), generator)
     tokens = [last]
