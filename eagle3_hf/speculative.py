@@ -457,6 +457,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier-revision", default=None)
     parser.add_argument("--prompts", default="mt-bench", help="mt-bench or a JSONL file (turns / messages / prompt)")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: all)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the template the data was prepared with, when not the tokenizer's (see prepare)")
     parser.add_argument("--turns", type=int, default=1, help="1, or 2 to feed the answer back for MT-bench turn 2")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per verifier forward")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -478,7 +480,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype).to(device)
-    tokenizer = load_tokenizer(args.verifier, revision=args.verifier_revision)
+    from .data.prepare import use_chat_template
+
+    tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, revision=args.revision,
                                                dtype=args.dtype, device=device)
     for warning in check_pair(verifier, drafter, tokenizer):

@@ -298,3 +298,72 @@ def test_cli_prepare(tmp_path, tokenizer, capsys):
     assert cli.main(argv[:-5] + [str(tmp_path / "other")]) == 1
     assert "not a prepare output" in capsys.readouterr().err
     assert json.loads((out / META_FILE).read_text())["counts"]["samples"] == 3
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer_dir(tmp_path_factory, default_verifier_dir):
+    """The SmolLM2 tokenizer saved without a chat template, as a base model ships."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_verifier_dir)
+    tok.chat_template = None
+    path = tmp_path_factory.mktemp("base_tokenizer")
+    tok.save_pretrained(path)
+    return path
+
+
+def test_chat_template_file_or_name_supplies_and_overrides_the_template(tmp_path, base_tokenizer_dir, tokenizer):
+    import hashlib
+
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "c0", "messages": CHAT}])
+    argv = ["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(src), "--output"]
+    with pytest.raises(ValueError, match="no chat template"):
+        cli.main(argv + [str(tmp_path / "none")])
+
+    template = ("{% for m in messages %}{{ '### ' + m['role'] + ':\\n' + m['content'] + '<|endoftext|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}")
+    template_file = tmp_path / "plain.jinja"
+    template_file.write_text(template)
+    assert cli.main(argv + [str(tmp_path / "file"), "--chat-template", str(template_file)]) == 0
+    ds, meta = load_prepared(tmp_path / "file")
+    assert meta["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
+    assert meta["options"]["chat_template"] == str(template_file)
+    assert tokenizer.decode(ds["input_ids"][0]).startswith("### user:\nWhat is 2+2?<|endoftext|>### assistant:\n")
+    assert segments(tokenizer, ds["input_ids"][0], ds["loss_mask"][0]) == ["2+2 is 4.<|endoftext|>",
+                                                                            "It is 6.<|endoftext|>"]
+
+    # a named (built-in) template, and an override of a tokenizer's own template, change what is rendered
+    assert cli.main(argv + [str(tmp_path / "named"), "--chat-template", "chatml"]) == 0
+    named, named_meta = load_prepared(tmp_path / "named")
+    assert segments(tokenizer, named["input_ids"][0], named["loss_mask"][0]) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    assert named_meta["chat_template_sha256"] != meta["chat_template_sha256"]
+    own = ["prepare", "--tokenizer", "smollm2-135m-instruct", "--input", str(src), "--output"]
+    assert cli.main(own + [str(tmp_path / "own")]) == 0
+    assert cli.main(own + [str(tmp_path / "over"), "--chat-template", str(template_file)]) == 0
+    assert load_prepared(tmp_path / "over")[0]["input_ids"] == ds["input_ids"] != load_prepared(tmp_path / "own")[0]["input_ids"]
+    with pytest.raises(ValueError, match="--chat-template nonesuch: no such file"):
+        cli.main(argv + [str(tmp_path / "bad"), "--chat-template", "nonesuch"])
+
+
+def test_text_mode_puts_loss_on_the_completion_only(tmp_path, base_tokenizer_dir, tokenizer):
+    src = tmp_path / "text.jsonl"
+    write_jsonl(src, [{"id": "p0", "prompt": "The capital of France is", "completion": " Paris, on the Seine."},
+                      {"id": "t0", "text": "Once upon a time there was a fox."},
+                      {"id": "e0", "prompt": "nothing follows", "completion": ""}])
+    out = tmp_path / "prepared"
+    assert cli.main(["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(src), "--output", str(out),
+                     "--text"]) == 0
+    ds, meta = load_prepared(out)
+    assert ds["id"] == ["p0", "t0"] and meta["counts"]["skipped"] == {"empty completion": 1}
+    assert meta["chat_template_sha256"] is None and meta["options"]["text"] is True
+    ids, mask = ds["input_ids"][0], ds["loss_mask"][0]
+    assert segments(tokenizer, ids, mask) == [" Paris, on the Seine."]
+    assert tokenizer.decode(ids) == "The capital of France is Paris, on the Seine."
+    assert segments(tokenizer, ds["input_ids"][1], ds["loss_mask"][1]) == ["Once upon a time there was a fox."]
+
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [{"id": "x", "messages": CHAT}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: plain-text mode needs a string 'completion'"):
+        cli.main(["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(bad), "--output",
+                  str(tmp_path / "x"), "--text"])

@@ -1,5 +1,8 @@
 """Conversations in, one normalised shape out: `{"id": str, "messages": [{"role", "content", ...}]}`.
 
+Plain text for base verifiers (`prepare --text`) goes through the same readers as
+`{"id", "prompt", "completion"}` (`normalize_text_row`).
+
 Accepted inputs: JSONL in ShareGPT form (`{"conversations": [{"from", "value"}]}`) or OpenAI form
 (`{"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}]}`), a `datasets` dataset saved
 with `save_to_disk`, or a Hub dataset id. Every later stage (prepare, regenerate) reads this one shape, so
@@ -114,6 +117,26 @@ def normalize_conversation(row: Any, where: str, index: int) -> dict:
     return conv
 
 
+def normalize_text_row(row: Any, where: str, index: int) -> dict:
+    """A plain-text row for base verifiers -> `{"id", "prompt", "completion"}`.
+
+    `{"prompt", "completion"}`: loss on the completion, the prompt is context; `{"text"}`: loss on all of it.
+    """
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if isinstance(row.get("completion"), str):
+        prompt, completion = row.get("prompt", ""), row["completion"]
+    elif isinstance(row.get("text"), str):
+        prompt, completion = "", row["text"]
+    else:
+        raise ValueError(f"{where}: plain-text mode needs a string 'completion' (with an optional 'prompt') "
+                         f"or 'text' (has {sorted(row)})")
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
+    row_id = row.get("id")
+    return {"id": str(row_id) if row_id is not None else f"row-{index}", "prompt": prompt, "completion": completion}
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each non-blank line; invalid JSON names file:line."""
     with open(path, encoding="utf-8") as f:
@@ -152,16 +175,18 @@ def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
             yield f"{path}:{line_no}", row
 
 
-def read_jsonl_conversations(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+def read_jsonl_conversations(path: str | os.PathLike, limit: int | None = None,
+                             normalize=normalize_conversation) -> list[dict]:
     convs = []
     for index, (where, row) in enumerate(_iter_rows(path)):
         if limit is not None and index >= limit:
             break
-        convs.append(normalize_conversation(row, where, index))
+        convs.append(normalize(row, where, index))
     return _check_unique(convs, str(path))
 
 
-def read_dataset_conversations(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
+def read_dataset_conversations(source: str, split: str = "train", limit: int | None = None,
+                               normalize=normalize_conversation) -> list[dict]:
     """A `save_to_disk` directory or a Hub dataset id (a DatasetDict is indexed by `split`)."""
     import datasets
 
@@ -175,22 +200,26 @@ def read_dataset_conversations(source: str, split: str = "train", limit: int | N
         ds = ds[split]
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    convs = [normalize_conversation(row, f"{source} row {i}", i) for i, row in enumerate(ds)]
+    convs = [normalize(row, f"{source} row {i}", i) for i, row in enumerate(ds)]
     return _check_unique(convs, source)
 
 
-def load_conversations(source: str, limit: int | None = None, split: str = "train") -> list[dict]:
-    """`default` (the embedded training set), a .jsonl file, a saved dataset directory or a Hub id."""
+def load_conversations(source: str, limit: int | None = None, split: str = "train", text: bool = False) -> list[dict]:
+    """`default` (the embedded training set), a .jsonl file, a saved dataset directory or a Hub id.
+    `text=True` reads plain-text rows (`normalize_text_row`) instead of conversations."""
+    normalize = normalize_text_row if text else normalize_conversation
     if source == "default":
+        if text:
+            raise ValueError("--input default is a set of conversations; plain-text mode needs a file or dataset")
         from eagle3_hf.assets import training_conversations
 
         return training_conversations(limit)
     path = Path(source)
     if path.is_file():
-        return read_jsonl_conversations(path, limit)
+        return read_jsonl_conversations(path, limit, normalize)
     if source.endswith((".jsonl", ".json")) and not path.exists():
         raise FileNotFoundError(f"{source}: no such file")
-    return read_dataset_conversations(source, split=split, limit=limit)
+    return read_dataset_conversations(source, split=split, limit=limit, normalize=normalize)
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict], append: bool = False) -> int:

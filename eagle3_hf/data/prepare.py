@@ -7,6 +7,10 @@ assistant header. The span of assistant turn i is found without parsing any temp
 the turn); the difference, trailing whitespace removed (ChatML's newline after `<|im_end|>` is never
 generated), is the turn. Token offsets map that character span onto tokens. A template for which the
 prefixes don't line up (e.g. one that drops reasoning from earlier turns) is refused by sample name.
+
+A verifier without a template (a base model), or one whose template should not be used, gets one with
+`--chat-template FILE|NAME`; its sha256 is recorded like any template's. `--text` prepares plain text
+instead (`{"prompt", "completion"}` or `{"text"}` rows): loss on the completion, the prompt as context.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ _THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 _BATCH_ROWS = 1024
 
 
+# templates for verifiers that ship none, by name (`--chat-template chatml`)
+BUILTIN_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+               "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+               "{% endif %}"),
+}
+
+
 class NoLossTokens(ValueError):
     """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
 
@@ -41,6 +53,36 @@ def chat_template_source(tokenizer, tools: list | None = None, template_kwargs: 
     except ValueError as e:
         name = getattr(tokenizer, "name_or_path", "tokenizer")
         raise ValueError(f"{name}: no chat template ({e})") from None
+
+
+def resolve_chat_template(tokenizer, spec: str) -> str:
+    """The template text `spec` names: a file (Jinja text, or JSON with a `chat_template` key as in
+    tokenizer_config.json), one of the tokenizer's named templates (e.g. `tool_use`), or a built-in one."""
+    path = Path(spec)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            try:
+                text = json.loads(text)["chat_template"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}: a .json chat template file needs a 'chat_template' key") from None
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}: empty chat template")
+        return text
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    if spec in named:
+        return named[spec]
+    if spec in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[spec]
+    raise ValueError(f"--chat-template {spec}: no such file, nor a template of this tokenizer "
+                     f"({', '.join(sorted(named)) or 'it has no named ones'}) or built in ({', '.join(BUILTIN_TEMPLATES)})")
+
+
+def use_chat_template(tokenizer, spec: str | None):
+    """Install the template `spec` names on `tokenizer` (no-op for None); returns the tokenizer."""
+    if spec:
+        tokenizer.chat_template = resolve_chat_template(tokenizer, spec)
+    return tokenizer
 
 
 def apply_policies(messages: list[dict], reasoning: str = "keep", tool_calls: str = "keep",
@@ -132,6 +174,21 @@ def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = No
     return list(enc["input_ids"]), mask.astype(np.int8).tolist()
 
 
+def render_completion(prompt: str, completion: str, tokenizer, sample_id: str = "sample") -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of plain text: the tokenizer's own special tokens (BOS) as it adds them,
+    loss on the tokens that start inside the completion (a token straddling the boundary is context)."""
+    if not completion:
+        raise NoLossTokens("empty completion")
+    try:
+        enc = tokenizer(prompt + completion, return_offsets_mapping=True, return_special_tokens_mask=True)
+    except NotImplementedError:
+        raise ValueError("loss masks need a fast tokenizer (return_offsets_mapping)") from None
+    starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    special = np.array(enc["special_tokens_mask"], dtype=bool)
+    mask = (starts >= len(prompt)) & ~special
+    return list(enc["input_ids"]), mask.astype(np.int8).tolist()
+
+
 def new_stats() -> dict:
     return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": Counter(),
             "skipped_ids": defaultdict(list)}
@@ -140,9 +197,10 @@ def new_stats() -> dict:
 def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_len: int | None = None,
                           overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "keep",
                           tool_calls: str = "keep", template_kwargs: dict | None = None, split_turns: bool = False,
-                          stats: dict | None = None, progress: bool = False):
+                          stats: dict | None = None, progress: bool = False, text: bool = False):
     """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
 
+    `text=True`: the rows are plain text (`{"id", "prompt", "completion"}`), rendered by `render_completion`.
     Samples without loss tokens are skipped and counted in `stats["skipped"]`; over-long ones are
     truncated, skipped or refused (`overlong`) and counted. `split_turns` makes one sample per assistant
     turn (id `ID#turnK`, history as the template renders it), for templates that rewrite history.
@@ -179,14 +237,17 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
         stats["skipped"][reason] += 1
         stats.setdefault("skipped_ids", defaultdict(list))[reason].append(sid)  # ids only: never text or tokens
 
-    def add_sample(sid: str, messages: list[dict], tools) -> None:
+    def add_sample(sid: str, messages: list[dict] | dict, tools) -> None:
         if sid in seen:
             raise ValueError(f"sample {sid}: id appears more than once; ids must be unique")
         seen.add(sid)
         try:
-            input_ids, loss_mask = render_with_mask(
-                messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
-                reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
+            if text:
+                input_ids, loss_mask = render_completion(messages["prompt"], messages["completion"], tokenizer, sid)
+            else:
+                input_ids, loss_mask = render_with_mask(
+                    messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
+                    reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
             skip(sid, str(e))
             return
@@ -216,8 +277,8 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
     bar = tqdm(conversations, desc="prepare", unit="conv", disable=not progress)
     for conv in bar:
         stats["input"] += 1
-        units = [(conv["id"], conv["messages"])]
-        if split_turns:
+        units = [(conv["id"], conv if text else conv["messages"])]
+        if split_turns and not text:
             turns = [i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant"]
             units = [(f"{conv['id']}#turn{k}", conv["messages"][: i + 1]) for k, i in enumerate(turns)] or units
         for sid, messages in units:
@@ -278,13 +339,14 @@ def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> di
 
     counts = {k: v for k, v in stats.items() if k != "skipped_ids"}
     counts["skipped"] = dict(stats["skipped"])
+    template_sha = None if options.get("text") else hashlib.sha256(
+        chat_template_source(tokenizer, None, options.get("template_kwargs")).encode()).hexdigest()
     return {
         "format": FORMAT,
         "tokenizer": tokenizer_name,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "tokenizer_vocab_size": len(tokenizer),
-        "chat_template_sha256": hashlib.sha256(
-            chat_template_source(tokenizer, None, options.get("template_kwargs")).encode()).hexdigest(),
+        "chat_template_sha256": template_sha,  # None for plain text
         "options": options,
         "counts": counts,
         "skipped_ids": {reason: list(ids) for reason, ids in stats.get("skipped_ids", {}).items()},
@@ -308,19 +370,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-calls", choices=("keep", "drop"), default="keep")
     parser.add_argument("--template-kwargs", type=json.loads, default=None,
                         help='JSON passed to the chat template, e.g. \'{"enable_thinking": true}\'')
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template to use instead of (or, for a base model, in the absence of) the "
+                             "tokenizer's: a Jinja file, a .json with a chat_template key, one of the tokenizer's "
+                             f"named templates, or built in ({', '.join(BUILTIN_TEMPLATES)})")
+    parser.add_argument("--text", action="store_true",
+                        help='plain text for base verifiers: rows {"prompt", "completion"} (loss on the completion) '
+                             'or {"text"} (loss on all of it); no chat template')
 
 
 def run(args: argparse.Namespace) -> int:
     from eagle3_hf.assets import load_tokenizer
     from eagle3_hf.data.conversations import load_conversations
 
-    tokenizer = load_tokenizer(args.tokenizer, revision=args.revision)
-    conversations = load_conversations(args.input, limit=args.limit, split=args.split)
-    knobs = ("max_seq_len", "overlong", "last_turn_only", "split_turns", "reasoning", "tool_calls", "template_kwargs")
+    if args.chat_template and (args.template_kwargs or {}).get("chat_template"):
+        raise SystemExit("pass the template either as --chat-template or in --template-kwargs, not both")
+    if args.text and args.chat_template:
+        raise SystemExit("--text prepares plain text without a chat template; drop --chat-template")
+    tokenizer = use_chat_template(load_tokenizer(args.tokenizer, revision=args.revision), args.chat_template)
+    conversations = load_conversations(args.input, limit=args.limit, split=args.split, text=args.text)
+    knobs = ("max_seq_len", "overlong", "last_turn_only", "split_turns", "reasoning", "tool_calls", "template_kwargs",
+             "text")
     options = {k: getattr(args, k) for k in knobs}
     stats = new_stats()
     ds = prepare_conversations(conversations, tokenizer, stats=stats, progress=True, **options)
-    meta = build_meta(tokenizer, args.tokenizer, stats, dict(options, input=args.input, limit=args.limit))
+    meta = build_meta(tokenizer, args.tokenizer, stats, dict(options, input=args.input, limit=args.limit,
+                                                             chat_template=args.chat_template))
     c = meta["counts"]
     if c["samples"] == 0:
         skipped = f"; skipped: {_skipped_text(c['skipped'])}" if c["skipped"] else ""
