@@ -92,10 +92,17 @@ def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = 
 
 def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None, **kwargs: Any):
     """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs.setdefault("dtype", "float32")
-    model = AutoModelForCausalLM.from_pretrained(resolve_verifier(name_or_path), revision=revision, **kwargs)
+    path = resolve_verifier(name_or_path)
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    # multimodal verifiers published with their language model nested (Kimi-K2.5: a DeepSeek-V3 text_config)
+    # have no causal-LM class; their image-text-to-text class runs text-only input through that model
+    auto = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
     model.eval().requires_grad_(False)
     return model
 

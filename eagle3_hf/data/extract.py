@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +185,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--aux-layers", default=None,
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3)")
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
-    parser.add_argument("--device-map", default=None, help="e.g. auto: shard a big verifier over the visible GPUs")
+    parser.add_argument("--device-map", default=None,
+                        help="auto (or balanced, sequential): shard a verifier too big for one device over the "
+                             "devices of --max-memory, offloading the rest to --offload-folder; or a JSON map "
+                             "(string or file) of module name -> device")
+    parser.add_argument("--max-memory", default=None,
+                        help="with --device-map: per-device budget, e.g. 0=70GiB,1=70GiB,cpu=200GiB")
+    parser.add_argument("--offload-folder", default=None,
+                        help="with --device-map: where weights that fit no device go (default: a temporary folder)")
     parser.add_argument("--device", default=None, help="device for the verifier (default cuda:LOCAL_RANK or cpu)")
     parser.add_argument("--torch-dtype", default="auto", help="verifier compute dtype (auto = checkpoint's)")
     parser.add_argument("--samples-per-shard", type=int, default=64)
@@ -197,9 +206,20 @@ def run(args) -> int:
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     kwargs: dict[str, Any] = {"dtype": args.torch_dtype}
+    if (args.max_memory or args.offload_folder) and not args.device_map:
+        raise SystemExit("--max-memory and --offload-folder need --device-map")
+    offload_tmp = None
     if args.device_map:
-        kwargs["device_map"] = args.device_map
+        kwargs["device_map"] = parse_device_map(args.device_map)
+        if args.max_memory:
+            kwargs["max_memory"] = parse_max_memory(args.max_memory)
+        if args.offload_folder is None:
+            offload_tmp = tempfile.TemporaryDirectory(prefix="eagle3_offload_")
+        kwargs["offload_folder"] = args.offload_folder or offload_tmp.name
     verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
+    placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
+    if placement:
+        print(f"[extract] verifier placed on {dict(placement)} (module groups per device)", file=sys.stderr)
     if not args.device_map:
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         verifier.to(device)
@@ -208,5 +228,34 @@ def run(args) -> int:
                                samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_mb << 20,
                                verifier_name=args.verifier, verifier_revision=args.revision,
                                progress=not args.no_progress)
+    if offload_tmp is not None:
+        offload_tmp.cleanup()
     print(json.dumps(summary))
     return 0
+
+
+def parse_device_map(value: str) -> str | dict:
+    """`auto`-style strategies pass through; otherwise a JSON object (inline or a file) of module -> device."""
+    if value in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return value
+    text = Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+    try:
+        mapping = json.loads(text)
+    except json.JSONDecodeError:
+        raise SystemExit(f"--device-map {value!r}: not auto/balanced/balanced_low_0/sequential, a JSON file or "
+                         f"JSON text") from None
+    if not isinstance(mapping, dict):
+        raise SystemExit(f"--device-map {value!r}: expected a JSON object of module name -> device")
+    return mapping
+
+
+def parse_max_memory(value: str) -> dict:
+    """`0=70GiB,1=70GiB,cpu=200GiB` -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"} (plain numbers are bytes)."""
+    budget: dict = {}
+    for item in value.split(","):
+        device, sep, size = item.partition("=")
+        device, size = device.strip(), size.strip()
+        if not sep or not device or not size:
+            raise SystemExit(f"--max-memory {value!r}: expected DEVICE=SIZE[,DEVICE=SIZE...], e.g. 0=70GiB,cpu=200GiB")
+        budget[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
+    return budget
