@@ -312,14 +312,15 @@ def base_tokenizer_dir(tmp_path_factory, default_verifier_dir):
     return path
 
 
-def test_chat_template_file_or_name_supplies_and_overrides_the_template(tmp_path, base_tokenizer_dir, tokenizer):
+def test_chat_template_file_or_name_supplies_and_overrides_the_template(tmp_path, base_tokenizer_dir, tokenizer,
+                                                                       capsys):
     import hashlib
 
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [{"id": "c0", "messages": CHAT}])
     argv = ["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(src), "--output"]
-    with pytest.raises(ValueError, match="no chat template"):
-        cli.main(argv + [str(tmp_path / "none")])
+    assert cli.main(argv + [str(tmp_path / "none")]) == 1
+    assert "no chat template" in capsys.readouterr().err
 
     template = ("{% for m in messages %}{{ '### ' + m['role'] + ':\\n' + m['content'] + '<|endoftext|>' }}{% endfor %}"
                 "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}")
@@ -342,11 +343,12 @@ def test_chat_template_file_or_name_supplies_and_overrides_the_template(tmp_path
     assert cli.main(own + [str(tmp_path / "own")]) == 0
     assert cli.main(own + [str(tmp_path / "over"), "--chat-template", str(template_file)]) == 0
     assert load_prepared(tmp_path / "over")[0]["input_ids"] == ds["input_ids"] != load_prepared(tmp_path / "own")[0]["input_ids"]
-    with pytest.raises(ValueError, match="--chat-template nonesuch: no such file"):
-        cli.main(argv + [str(tmp_path / "bad"), "--chat-template", "nonesuch"])
+    capsys.readouterr()
+    assert cli.main(argv + [str(tmp_path / "bad"), "--chat-template", "nonesuch"]) == 1
+    assert "error: --chat-template nonesuch: no such file" in capsys.readouterr().err
 
 
-def test_text_mode_puts_loss_on_the_completion_only(tmp_path, base_tokenizer_dir, tokenizer):
+def test_text_mode_puts_loss_on_the_completion_only(tmp_path, base_tokenizer_dir, tokenizer, capsys):
     src = tmp_path / "text.jsonl"
     write_jsonl(src, [{"id": "p0", "prompt": "The capital of France is", "completion": " Paris, on the Seine."},
                       {"id": "t0", "text": "Once upon a time there was a fox."},
@@ -364,6 +366,7 @@ def test_text_mode_puts_loss_on_the_completion_only(tmp_path, base_tokenizer_dir
 
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"id": "x", "messages": CHAT}])
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: plain-text mode needs a string 'completion'"):
-        cli.main(["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(bad), "--output",
-                  str(tmp_path / "x"), "--text"])
+    capsys.readouterr()
+    assert cli.main(["prepare", "--tokenizer", str(base_tokenizer_dir), "--input", str(bad), "--output",
+                     str(tmp_path / "x"), "--text"]) == 1
+    assert "bad.jsonl:1: plain-text mode needs a string 'completion'" in capsys.readouterr().err
