@@ -295,8 +295,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return carried
 
     def load_verifier_embeddings(self, verifier: nn.Module | torch.Tensor) -> None:
-        """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving."""
-        weight = verifier if torch.is_tensor(verifier) else verifier.get_input_embeddings().weight
+        """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving.
+
+        The drafter looks tokens up in the verifier's raw `embed_tokens.weight`, never through the
+        verifier's embedding forward: Gemma's sqrt(hidden_size) scale is NOT applied. This matches both
+        engines: vLLM's `load_eagle_model` shares the target's `embed_tokens` module, whose forward is a plain
+        `VocabParallelEmbedding` lookup (its Gemma 3 applies the normalizer outside it, in
+        `embed_input_ids`), and `llama_eagle3.py` embeds with `self.embed_tokens(input_ids)`; SGLang copies
+        the target's embedding *weight* into the drafter's own `VocabParallelEmbedding` (`set_embed`).
+        `train` reads the same raw tensor by name (`verifier_io_weights`). The drafter's `input_layernorm`
+        follows, so a constant scale would barely matter anyway (RMSNorm is scale-invariant up to eps).
+        """
+        weight = verifier if torch.is_tensor(verifier) else verifier.get_input_embeddings().weight  # raw, unscaled
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
                 f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "

@@ -182,3 +182,52 @@ def test_device_map_extraction_over_two_devices_equals_one_device(tmp_path, toke
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{name}:{key}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_aux_features_are_the_residual_stream_every_family(family):
+    """The hooked layer outputs are the `output_hidden_states` entries (the stream entering the next layer,
+    what the engines capture), and the final state is post-norm, for MoE/MLA, nested and sliding layers."""
+    from eagle3_hf.data.capture import capture_features
+
+    verifier = family_model(family)
+    ids = torch.randint(3, 5000, (24,), generator=torch.Generator().manual_seed(0))
+    feats = capture_features(verifier, ids, [1, 2, 4])
+    with torch.no_grad():
+        out = verifier(input_ids=ids[None], output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[i][0] for i in (1, 2, 4)], dim=-1)
+    torch.testing.assert_close(feats["aux_hidden_states"], expected, rtol=0, atol=0)
+    assert torch.equal(feats["verifier_greedy"], out.logits[0].argmax(-1))
+
+
+def test_drafter_embeds_with_the_raw_verifier_embedding_not_gemmas_scaled_one():
+    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+
+    verifier = family_model("gemma3")
+    drafter = Eagle3DraftModel(Eagle3Config.from_verifier(verifier.config, draft_vocab_size=64))
+    drafter.load_verifier_embeddings(verifier)
+    ids = torch.tensor([[5, 17, 300]])
+    raw = verifier.model.embed_tokens.weight[ids]
+    torch.testing.assert_close(drafter.embed_tokens(ids), raw)
+    scaled = verifier.get_input_embeddings()(ids)  # what the verifier's own first layer reads
+    torch.testing.assert_close(scaled, raw * verifier.config.hidden_size ** 0.5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_greedy_is_lossless_with_rejections_every_family(family):
+    """A random drafter is rejected at almost every step, so the verifier's cache is cropped all the time:
+    for Gemma 3 that crosses its 8-token sliding window, which must be rolled back, not lost."""
+    from eagle3_hf.data.vocab import vocab_from_target_ids
+    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.speculative import greedy_generate, speculative_generate
+
+    verifier = family_model(family)
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(Eagle3Config.from_verifier(verifier.config, draft_vocab_size=256)).eval()
+    drafter.set_vocab_mapping(*vocab_from_target_ids(torch.arange(256), verifier.config.get_text_config().vocab_size))
+    drafter.load_verifier_embeddings(verifier)
+    prompt = torch.randint(3, 1000, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    base = greedy_generate(verifier, prompt, 20, eos_token_id=[])
+    spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=20, eos_token_id=[])
+    assert len(spec["accepted_per_step"]) > 3  # several verify steps, each cropping rejected drafts
+    assert spec["tokens"] == base["tokens"]

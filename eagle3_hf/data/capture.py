@@ -1,7 +1,13 @@
 """Capture a verifier's EAGLE-3 features in one forward pass: three aux states, the final state, its greedy token.
 
-Aux indices are transformers `output_hidden_states` indices (DESIGN.md §3): 0 = embeddings, k = output of
-decoder layer k-1. They are read with forward hooks on exactly those layers, so a 61-layer verifier keeps
+Aux indices are transformers `output_hidden_states` indices: 0 = embeddings, k = output of decoder layer k-1.
+That output is the residual stream entering layer k, which is what both engines capture: SGLang's
+`LlamaModel.forward` (`python/sglang/srt/models/llama.py`) appends `hidden_states + residual` before
+running layer i (its fused-norm layers keep the stream split in two), and vLLM captures the same sum.
+For every family tested (Llama, Qwen3, DeepSeek-V3 with MLA and MoE layers, Gemma 3 whose post-attention
+and post-feed-forward norms sit inside the residual branch) a transformers decoder layer returns that
+sum, so one rule holds: hook the output of layer k-1. A multimodal wrapper (Kimi-K2.5) is read through
+its language model's layers. They are read with forward hooks on exactly those layers, so a 61-layer verifier keeps
 3 extra [T, H] tensors alive instead of 62. The final state is the decoder's `last_hidden_state` (after
 the final norm) and the greedy token is the full-vocabulary argmax of the verifier's own logits, computed
 through its output embedding a chunk of positions at a time so [T, V] fp32 logits never exist at once.
