@@ -326,6 +326,7 @@ def _check_names_and_shapes(cfg: dict, w: _Weights, rep: _Report) -> None:
 def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
     import torch
 
+    non_finite: set[str] = set()
     for name in sorted(w.meta):
         if not w.dtype(name).startswith(("F", "BF")):
             continue
@@ -335,6 +336,7 @@ def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
             peak = max(peak, float(block.nan_to_num(0, 0, 0).abs().max()) if block.numel() else 0.0)
         if not finite:
             rep.add("error", "non-finite", f"{name} contains NaN or Inf")
+            non_finite.add(name)
         elif peak > 6e4:
             rep.add("warning", "fp16-overflow", f"{name} has |w| up to {peak:.3g}, at or beyond float16's "
                     f"{FP16_MAX:g}: serving with --dtype float16 overflows")
@@ -343,8 +345,8 @@ def _check_values(cfg: dict, w: _Weights, rep: _Report) -> None:
                     "exceed float16's range; serve in bfloat16")
     init_range = float(cfg.get("initializer_range", 0.02))
     for name in ("lm_head.weight", "embed_tokens.weight"):
-        if name not in w.meta or len(w.shape(name)) != 2 or w.shape(name)[0] == 0:
-            continue
+        if name not in w.meta or len(w.shape(name)) != 2 or w.shape(name)[0] == 0 or name in non_finite:
+            continue  # a NaN row is neither zero nor constant: the non-finite finding is the true one
         rows = w.sample_rows(name)
         if not bool(rows.abs().gt(0).any()):
             rep.add("error", "untrained-" + name.split(".")[0], f"{name} is all zeros")

@@ -283,6 +283,22 @@ def standard_names(tensors: dict[str, torch.Tensor], speculators: bool) -> dict[
     return out
 
 
+def refuse_non_drafter(name: str | os.PathLike, path: Path, raw: dict[str, Any]) -> None:
+    """Name a checkpoint that is not a drafter at all (a verifier, say) from tensor names alone: every
+    EAGLE-3 layout has `fc.weight`, the projection of the verifier's features. Reads no tensor data."""
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    if not names or "fc.weight" in names:
+        return  # no weights: read_safetensors_dir says so
+    text = raw.get("text_config") or raw
+    layers = text.get("num_hidden_layers")
+    arch = (raw.get("architectures") or [raw.get("model_type") or "model"])[0]
+    what = f"a {layers}-layer {arch}" if layers else arch
+    raise ValueError(f"{name} is not an EAGLE-3 drafter (it is {what}): a drafter has fc.weight and midlayer.*")
+
+
 def load_drafter(cls, name_or_path, *args, verifier=None, revision: str | None = None, token=None,
                  dtype=None, torch_dtype=None, attn_implementation: str | None = None,
                  cache_dir: str | None = None, device: str | None = None, **kwargs):
@@ -299,6 +315,7 @@ def load_drafter(cls, name_or_path, *args, verifier=None, revision: str | None =
     with open(config_file, encoding="utf-8") as f:
         raw = json.load(f)
     speculators = is_speculators_config(raw)
+    refuse_non_drafter(name_or_path, path, raw)
     tensors = standard_names(read_safetensors_dir(path), speculators)
     config = config_from_published(raw, tensors)
     config._attn_implementation = attn_implementation or "sdpa"

@@ -15,3 +15,19 @@ class Eagle3Error(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (Eagle3Error, ValueError, OSError)
+
+
+class NonFiniteError(Eagle3Error):
+    """NaN/Inf where a number must be finite (a loss, a weight about to be saved or served)."""
+
+
+def non_finite_names(tensors) -> list[str]:
+    """Names of the floating-point tensors of a state dict holding NaN or Inf (empty ZeRO-3 shards skipped)."""
+    return [name for name, t in tensors.items()
+            if t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
+
+
+def describe_non_finite(names: list[str]) -> str:
+    """'3 tensors contain NaN/Inf (a, b, c)', at most four names."""
+    more = ", ..." if len(names) > 4 else ""
+    return f"{len(names)} tensor(s) contain NaN/Inf ({', '.join(names[:4])}{more})"

@@ -279,7 +279,8 @@ def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
     if len(aux) != 3 or any(not 1 <= int(i) <= layers - 1 for i in aux):
         problems.append(f"aux_hidden_state_indices {aux} need three indices in 1..{layers - 1} for this verifier")
     if problems:
-        raise ValueError("drafter and verifier do not fit: " + "; ".join(problems))
+        built_for = f" (the drafter was built for {dcfg.verifier_name_or_path})" if dcfg.verifier_name_or_path else ""
+        raise ValueError(f"drafter and verifier do not fit{built_for}: " + "; ".join(problems))
     warnings = []
     if dcfg.verifier_num_hidden_layers and int(dcfg.verifier_num_hidden_layers) != layers:
         warnings.append(f"drafter was trained for a {dcfg.verifier_num_hidden_layers}-layer verifier, this one has {layers}")
@@ -474,6 +475,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .assets import load_tokenizer, load_verifier
+    from .errors import NonFiniteError, describe_non_finite, non_finite_names
     from .modeling_eagle3 import Eagle3DraftModel
 
     if args.k < 1 or args.max_new_tokens < 1:
@@ -483,10 +485,14 @@ def run(args: argparse.Namespace) -> int:
     from .data.prepare import use_chat_template
 
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, revision=args.revision,
-                                               dtype=args.dtype, device=device)
-    for warning in check_pair(verifier, drafter, tokenizer):
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype, device=device)
+    bad = non_finite_names(drafter.state_dict())
+    if bad:  # τ and "lossless" of a NaN drafter would look fine: it drafts nothing the verifier accepts
+        raise NonFiniteError(f"drafter {args.drafter}: {describe_non_finite(bad)}; refusing to evaluate "
+                             "it (`eagle3-hf check` lists every finding)")
+    for warning in check_pair(verifier, drafter, tokenizer):  # before the embeddings: it names the mismatch
         print(f"WARNING: {warning}", file=sys.stderr)
+    drafter.load_verifier_embeddings(verifier)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
     summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, turns=args.turns, seed=args.seed, prompts_name=name,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from .errors import NonFiniteError, describe_non_finite, non_finite_names
 from .step_metrics import StepStats, count_loss_tokens, ttt_loss
 
 
@@ -37,6 +38,8 @@ class Eagle3TrainingArguments(TrainingArguments):
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
     save_safetensors: bool = field(default=True)
+    # transformers' default replaces a NaN/Inf step loss by the window's mean: the log would hide it
+    logging_nan_inf_filter: bool = field(default=False)
 
 
 class Eagle3Trainer(Trainer):
@@ -105,6 +108,16 @@ class Eagle3Trainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
         return (loss, outputs) if return_outputs else loss
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Stop at the first non-finite loss: the next optimizer step would make every weight NaN."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss).all()):
+            raise NonFiniteError(
+                f"non-finite training loss {loss.item()} at step {self.state.global_step + 1} "
+                f"(learning rate {self._get_learning_rate() if self.lr_scheduler else self.args.learning_rate}); "
+                "stopping before it reaches the weights or a checkpoint")
+        return loss
+
     # ------------------------------------------------------------------ metrics
 
     def _reduced(self, stats: StepStats) -> dict[str, float]:
@@ -142,6 +155,10 @@ class Eagle3Trainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
             return
+        tensors = state_dict if state_dict is not None else self._drafter().state_dict()
+        bad = non_finite_names(tensors)
+        if bad:
+            raise NonFiniteError(f"refusing to save {output_dir}: {describe_non_finite(bad)}")
         os.makedirs(output_dir, exist_ok=True)
         self._drafter().save_pretrained(output_dir, state_dict=state_dict)
         with open(os.path.join(output_dir, "eagle3_training_args.json"), "w", encoding="utf-8") as f:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3_hf import cli
 from eagle3_hf.data.conversations import write_jsonl
@@ -123,3 +124,46 @@ def test_prepare_records_the_ids_it_skipped(tmp_path):
     assert meta["counts"]["skipped"] == {"no assistant turn": 2}
     assert meta["skipped_ids"] == {"no assistant turn": ["lonely-1", "lonely-2"]}
     assert "hi" not in json.dumps(meta["skipped_ids"])  # ids only, never the text
+
+
+# ---------------------------------------------------------------- checkpoints that are not (this verifier's) drafters
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    from train_fixtures import build_offline_data, save_verifier
+
+    root = tmp_path_factory.mktemp("synthetic")
+    verifier = save_verifier(root / "verifier")
+    return {"verifier": verifier, "verifier_dir": root / "verifier",
+            "features": build_offline_data(root, verifier, num_samples=8)}
+
+
+def test_finetune_from_a_verifier_says_it_is_not_a_drafter(synthetic, tmp_path, capsys):
+    verifier_dir = str(synthetic["verifier_dir"])
+    rc = cli.main(["train", "--verifier", verifier_dir, "--data-dir", str(synthetic["features"]), "--output-dir",
+                   str(tmp_path / "run"), "--finetune-from", verifier_dir, "--max-seq-len", "64",
+                   "--report-to", "none", "--disable-tqdm", "true"])
+    assert rc != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"error: {verifier_dir} is not an EAGLE-3 drafter (it is a 6-layer LlamaForCausalLM): a " \
+                   "drafter has fc.weight and midlayer.*"
+
+
+def test_evaluate_with_a_drafter_for_another_verifier_names_that_verifier(synthetic, tmp_path, tiny_verifier_dir,
+                                                                           capsys):
+    from eagle3_hf import Eagle3Config, Eagle3DraftModel
+    from eagle3_hf.data.vocab import vocab_from_target_ids
+
+    config = Eagle3Config.from_verifier(synthetic["verifier"].config, draft_vocab_size=32,
+                                        aux_hidden_state_indices=[1, 3, 4], verifier_name_or_path="org/synthetic-256")
+    drafter = Eagle3DraftModel(config)
+    drafter.set_vocab_mapping(*vocab_from_target_ids(torch.arange(32), config.vocab_size))
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q1", "prompt": "Name a color."}\n')
+    rc = cli.main(["evaluate", "--drafter", str(tmp_path / "drafter"), "--verifier", str(tiny_verifier_dir),
+                   "--prompts", str(prompts), "--max-new-tokens", "4", "--output", str(tmp_path / "eval"),
+                   "--no-progress", "--device", "cpu"])
+    assert rc != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "built for org/synthetic-256" in last and "vocab_size 256" in last

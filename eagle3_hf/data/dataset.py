@@ -199,6 +199,7 @@ class FeatureDataset(Dataset):
             "loss_mask": raw["loss_mask"].bool(),  # [T]
             "verifier_greedy": raw["verifier_greedy"].long(),  # [T]
             "sample_id": sample["id"],
+            "shard": str(self.features_dir / sample["shard"]),
         }
         for key in ("aux_hidden_states", "last_hidden_state"):  # [T, 3H], [T, H]
             q, scale = raw[key], raw.get(key + "_scale")
@@ -311,13 +312,14 @@ class PackedDataset(Dataset):
 
         Features of a FeatureDataset stay StoredFeatures (views) until the collator decodes them.
         """
-        parts, position_ids, document_ids, pieces, prefixes = [], [], [], [], []
+        parts, position_ids, document_ids, pieces, prefixes, shards = [], [], [], [], [], []
         for d, (i, s, e) in enumerate(self.rows[r]):
             item = self._piece(i, s, e)
             parts.append(item)
             position_ids.append(torch.arange(e - s))
             document_ids.append(torch.full((e - s,), d, dtype=torch.long))
             pieces.append((item.get("sample_id", str(i)), s, e))
+            shards.append(item.get("shard"))
             if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
                 prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
         row: dict = {}
@@ -327,7 +329,7 @@ class PackedDataset(Dataset):
             elif isinstance(v, StoredFeatures):
                 row[k] = StoredFeatures([piece for p in parts for piece in p[k].pieces])
         row.update(position_ids=torch.cat(position_ids), document_ids=torch.cat(document_ids), pieces=pieces,
-                   max_seq_len=self.max_seq_len)
+                   shards=shards, max_seq_len=self.max_seq_len)
         if prefixes:
             row["prefix_input_ids"] = prefixes
         return row
@@ -365,4 +367,31 @@ class PackedCollator:
                     out[b, :n] = value
                 if key in ("aux_hidden_states", "last_hidden_state"):
                     out[b, n:] = 0  # padding (the buffers are not pre-zeroed: one write pass per byte)
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            refuse_non_finite(batch[key], rows, key)
         return batch
+
+
+def refuse_non_finite(features: torch.Tensor, rows: list[dict], key: str) -> None:
+    """Name the sample and shard of a NaN/Inf feature before it trains: its checksum can be valid (a faulty
+    extraction or import wrote it), and one NaN makes every weight NaN at the next step.
+
+    The fast path is one reduction over the batch (a sum is finite when every term is); only a non-finite
+    sum, or an overflowing one, pays for the per-element search.
+    """
+    if bool(torch.isfinite(features.sum())):
+        return
+    for b, row in enumerate(rows):
+        bad = ~torch.isfinite(features[b]).all(dim=-1)  # [L]
+        if not bool(bad.any()):
+            continue
+        token = int(bad.nonzero()[0])
+        start = 0
+        pieces = row.get("pieces") or [(f"row {b}", 0, features.shape[1])]
+        shards = row.get("shards") or [None] * len(pieces)
+        for (sample_id, s, e), shard in zip(pieces, shards):
+            if token < start + e - s:
+                where = f"in shard {shard}" if shard else "from the verifier (online)"
+                raise ValueError(f"sample {sample_id!r} {where} has NaN/Inf in {key} (token {s + token - start}); "
+                                 "re-extract it or remove it from the manifest")
+            start += e - s
