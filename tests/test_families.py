@@ -108,11 +108,16 @@ def test_per_layer_type_rope_is_written_flat_and_is_the_one_training_used():
     as the legacy keys; the rotary embedding the drafter trains with equals the verifier's full-attention one."""
     from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
 
+    from transformers import LlamaConfig
+
     verifier = family_model("gemma3")
     full = verifier.config.rope_parameters["full_attention"]
     with transformers_warnings() as logged:
         config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=64)
     assert logged == []
+    with transformers_warnings() as mixed_logged:  # what copying the nested form used to give a Llama config
+        LlamaConfig(rope_parameters={**verifier.config.rope_parameters, "rope_type": "default", "rope_theta": 1e4})
+    assert any("Unrecognized keys" in m for m in mixed_logged)
     assert config.rope_parameters == full
     saved = config.to_dict()
     assert saved["rope_theta"] == full["rope_theta"]
