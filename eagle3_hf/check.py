@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 from .checkpoint import (BIAS_WEIGHTS, EMBED_KEY, LAYER_WEIGHTS, VOCAB_BUFFERS, expected_shapes,
                          vocab_mapping_issues)
-from .configuration_eagle3 import engine_config_problems
+from .configuration_eagle3 import engine_config_problems, text_config
 
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")
@@ -168,8 +168,7 @@ def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Pa
 
         cfg = json.loads(Path(hf_hub_download(verifier, "config.json", revision=revision)).read_text())
         path = None
-    inner = cfg.get("text_config")
-    return (dict(inner) if isinstance(inner, dict) and "hidden_size" in inner else cfg), path
+    return text_config(cfg), path
 
 
 def _verifier_embedding(root: Path) -> tuple[Any, str] | None:

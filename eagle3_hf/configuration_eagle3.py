@@ -76,11 +76,32 @@ def check_aux_indices(aux_indices, num_layers: int) -> list[int]:
     return indices
 
 
-def text_config_dict(verifier_config: Any) -> dict[str, Any]:
-    """The language-model part of a verifier config (Kimi-K2.5 and other VLMs nest it under text_config)."""
-    d = verifier_config if isinstance(verifier_config, dict) else verifier_config.to_dict()
-    inner = d.get("text_config")
-    return dict(inner) if isinstance(inner, dict) and "hidden_size" in inner else dict(d)
+def text_config(verifier: Any) -> Any:
+    """The language-model part of a verifier's config: the one lookup every stage uses.
+
+    Kimi-K2.5, Gemma 3 and other VLMs nest it under `text_config`; sizes, layer count, vocabulary and the
+    logit soft-cap must all be read there. `verifier` is a model, a `PretrainedConfig` (-> transformers'
+    `get_text_config()`) or a `config.json` dict (-> a dict).
+    """
+    config = getattr(verifier, "config", verifier)
+    if isinstance(config, dict):
+        inner = config.get("text_config")
+        return dict(inner) if isinstance(inner, dict) and "hidden_size" in inner else dict(config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def text_config_dict(verifier: Any) -> dict[str, Any]:
+    """`text_config(verifier)` as a plain dict."""
+    config = text_config(verifier)
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def logit_softcap(verifier: Any) -> float | None:
+    """The verifier's final logit soft-cap (Gemma 2/3), from its text config; None when it has none."""
+    config = text_config(verifier)
+    value = config.get("final_logit_softcapping") if isinstance(config, dict) else getattr(
+        config, "final_logit_softcapping", None)
+    return float(value) if value else None
 
 
 # per-layer-type RoPE (Gemma 2/3, ...): the layer type whose RoPE the drafter takes, in order of preference

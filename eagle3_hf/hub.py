@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .check import Finding, check_drafter
-from .model_card import EVALUATION_FILE, TRAINING_FILE, write_model_card
+from .constants import EVALUATION_FILE, TRAINING_FILE
+from .model_card import write_model_card
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,7 @@ from transformers.utils import ModelOutput
 
 from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
 from .configuration_eagle3 import Eagle3Config
-
-PAD_DOCUMENT = -1  # document id of padding positions in a packed row
+from .constants import PAD_DOCUMENT
 
 
 def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):

@@ -25,8 +25,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .configuration_eagle3 import text_config
+from .constants import ACCEPTANCE_FILE, EVALUATION_FILE
+
 TIE_MARGIN = 1e-4  # DESIGN.md §3: top-2 fp32 logits closer than this are a numerical tie
-SUMMARY_FILE = "eagle3_evaluation.json"
 
 
 def acceptance_metric_path() -> str:
@@ -271,7 +273,7 @@ def compare_to_greedy(tokens: Sequence[int], margins: Sequence[float], ref_token
 
 def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
     """Refuse a drafter whose shapes cannot fit this verifier; return warnings for softer mismatches."""
-    vcfg, dcfg = verifier.config.get_text_config(), drafter.config
+    vcfg, dcfg = text_config(verifier), drafter.config
     layers, aux = int(vcfg.num_hidden_layers), list(dcfg.aux_hidden_state_indices or [])
     problems = [f"drafter {key} {getattr(dcfg, key)} != verifier {vkey} {getattr(vcfg, vkey)}"
                 for key, vkey in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size"))
@@ -429,7 +431,7 @@ def write_outputs(out_dir: str | Path, summary: dict[str, Any]) -> tuple[Path, P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     k = int(summary["k"])
-    csv_path = out / "acceptance.csv"
+    csv_path = out / ACCEPTANCE_FILE
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["id", "turn", "prompt_tokens", "new_tokens", "verifier_forwards", "tau"]
@@ -440,7 +442,7 @@ def write_outputs(out_dir: str | Path, summary: dict[str, Any]) -> tuple[Path, P
             lossless = "" if r["lossless"] is None else r["lossless"]
             writer.writerow([r["id"], r["turn"], r["prompt_tokens"], r["new_tokens"], r["verifier_forwards"], tau]
                             + rates + [lossless])
-    json_path = out / SUMMARY_FILE
+    json_path = out / EVALUATION_FILE
     body = {key: value for key, value in summary.items() if key != "per_prompt"}
     json_path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
     return csv_path, json_path
@@ -501,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
     csv_path, json_path = write_outputs(args.output, summary)
     if args.write_to_drafter:
         if Path(args.drafter).is_dir():
-            shutil.copyfile(json_path, Path(args.drafter) / SUMMARY_FILE)
+            shutil.copyfile(json_path, Path(args.drafter) / EVALUATION_FILE)
         else:
             print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
     print(f"{format_summary(summary)}\nwrote {csv_path} and {json_path}")

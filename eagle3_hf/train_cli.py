@@ -19,7 +19,8 @@ import torch
 from transformers import AutoConfig, HfArgumentParser, set_seed
 
 from .assets import resolve_verifier
-from .configuration_eagle3 import Eagle3Config
+from .configuration_eagle3 import Eagle3Config, text_config
+from .constants import TRAINING_FILE, VOCAB_FILE
 from .modeling_eagle3 import Eagle3DraftModel
 from .trainer import Eagle3Trainer, Eagle3TrainingArguments, training_summary, write_json
 
@@ -181,11 +182,11 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
     if data_args.online:
         from .assets import load_verifier
         from .data.online import OnlineFeatureCollator, PreparedDataset
+        from .data.prepare import read_prepared_meta
 
         if not data_args.prepared_dir:
             raise SystemExit("--online needs --prepared-dir")
-        with open(Path(data_args.prepared_dir) / "eagle3_prepare.json", encoding="utf-8") as f:
-            fingerprint = json.load(f)["tokenizer_fingerprint"]
+        fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
         verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
         collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
         train = PackedDataset(PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint), **pack)
@@ -210,8 +211,8 @@ def default_vocab_path(data_args: DataArguments) -> str:
     if data_args.vocab:
         return data_args.vocab
     for base in (data_args.data_dir, data_args.prepared_dir):
-        if base and (Path(base) / "vocab.safetensors").is_file():
-            return str(Path(base) / "vocab.safetensors")
+        if base and (Path(base) / VOCAB_FILE).is_file():
+            return str(Path(base) / VOCAB_FILE)
     raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
 
 
@@ -226,12 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
     verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
                                                  revision=model_args.verifier_revision)
     train, evals, collator, info = build_datasets(data_args, model_args)
-    text_config = getattr(verifier_config, "text_config", None) or verifier_config
+    text = text_config(verifier_config)
     recorded = info.get("verifier", {})
-    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(text_config.hidden_size):
+    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(text.hidden_size):
         raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
-                         f"{model_args.verifier} has {text_config.hidden_size}")
-    vocab_size = int(text_config.vocab_size)
+                         f"{model_args.verifier} has {text.hidden_size}")
+    vocab_size = int(text.vocab_size)
     d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
 
     set_seed(args.seed)  # before building the drafter, so the seed also controls its initialisation
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     summary["log_history"] = trainer.state.log_history
     if trainer.is_world_process_zero():
-        write_json(os.path.join(args.output_dir, "eagle3_training.json"), summary)
+        write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
     return summary
 
 

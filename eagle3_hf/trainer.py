@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from .configuration_eagle3 import Eagle3Config
+from .constants import TRAINING_ARGS_FILE
 from .errors import NonFiniteError, describe_non_finite, non_finite_names
 from .step_metrics import StepStats, count_loss_tokens, ttt_loss
 
@@ -25,8 +27,10 @@ class Eagle3TrainingArguments(TrainingArguments):
     """TrainingArguments plus the TTT knobs; defaults select checkpoints by simulated acceptance length
     (τ peaks while the loss keeps falling, so loss is the wrong criterion)."""
 
-    ttt_steps: int = field(default=3, metadata={"help": "training-time-test steps unrolled per batch"})
-    ttt_step_weight: float = field(default=0.8, metadata={"help": "step i of the unroll is weighted gamma^i"})
+    ttt_steps: int = field(default=Eagle3Config.ttt_steps,
+                           metadata={"help": "training-time-test steps unrolled per batch"})
+    ttt_step_weight: float = field(default=Eagle3Config.ttt_step_weight,
+                                   metadata={"help": "step i of the unroll is weighted gamma^i"})
     feature_noise_std: float = field(
         default=0.0, metadata={"help": "std of Gaussian noise added to verifier features while training"}
     )
@@ -161,7 +165,7 @@ class Eagle3Trainer(Trainer):
             raise NonFiniteError(f"refusing to save {output_dir}: {describe_non_finite(bad)}")
         os.makedirs(output_dir, exist_ok=True)
         self._drafter().save_pretrained(output_dir, state_dict=state_dict)
-        with open(os.path.join(output_dir, "eagle3_training_args.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(output_dir, TRAINING_ARGS_FILE), "w", encoding="utf-8") as f:
             f.write(self.args.to_json_string())
 
 

@@ -10,8 +10,9 @@ import datasets
 import pytest
 
 from eagle3_hf import cli
+from eagle3_hf.constants import PREPARE_META
 from eagle3_hf.data.conversations import load_conversations, read_jsonl_conversations, write_jsonl
-from eagle3_hf.data.prepare import META_FILE, load_prepared, new_stats, prepare_conversations, render_with_mask
+from eagle3_hf.data.prepare import load_prepared, new_stats, prepare_conversations, render_with_mask
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -297,7 +298,7 @@ def test_cli_prepare(tmp_path, tokenizer, capsys):
     (tmp_path / "other" / "keep.txt").write_text("x")
     assert cli.main(argv[:-5] + [str(tmp_path / "other")]) == 1
     assert "not a prepare output" in capsys.readouterr().err
-    assert json.loads((out / META_FILE).read_text())["counts"]["samples"] == 3
+    assert json.loads((out / PREPARE_META).read_text())["counts"]["samples"] == 3
 
 
 @pytest.fixture(scope="module")

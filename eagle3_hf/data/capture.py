@@ -18,15 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..configuration_eagle3 import check_aux_indices, default_aux_indices  # the contract lives there
+# the aux-layer and text-config contracts live in the configuration
+from ..configuration_eagle3 import check_aux_indices, default_aux_indices, logit_softcap, text_config
 
 # Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
 _LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
-
-
-def text_config(model_or_config):
-    config = getattr(model_or_config, "config", model_or_config)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -69,7 +65,7 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
     head = model_or_head
     if hasattr(model_or_head, "get_output_embeddings"):
         head = model_or_head.get_output_embeddings()
-        softcap = getattr(text_config(model_or_head), "final_logit_softcapping", None)
+        softcap = logit_softcap(model_or_head)
     vocab = head.weight.shape[0]
     chunk = max(1, _LOGIT_ELEMENTS_PER_CHUNK // vocab)
     out = []

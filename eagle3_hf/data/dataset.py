@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..constants import PAD_DOCUMENT
 from .shards import SAMPLE_KEYS, dequantize, load_manifest, sha256_file
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
@@ -353,7 +354,7 @@ class PackedCollator:
             "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(B, L, dtype=torch.bool),
             "position_ids": torch.zeros(B, L, dtype=torch.long),
-            "document_ids": torch.full((B, L), -1, dtype=torch.long),
+            "document_ids": torch.full((B, L), PAD_DOCUMENT, dtype=torch.long),
         }
         for b, row in enumerate(rows):
             n = row["input_ids"].shape[0]

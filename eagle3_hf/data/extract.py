@@ -20,56 +20,10 @@ from typing import Any
 
 import torch
 
-from .capture import capture_features, check_aux_indices, default_aux_indices, text_config
+from ..configuration_eagle3 import text_config
+from .capture import capture_features, check_aux_indices, default_aux_indices
+from .prepare import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
-
-PREPARE_META = "eagle3_prepare.json"
-
-
-def load_prepared(prepared_dataset, tokenizer_fingerprint: str | None = None):
-    """A prepared `datasets.Dataset` (or its save_to_disk directory), checked for columns and tokenizer."""
-    from datasets import Dataset, load_from_disk
-
-    from .prepare import refuse_empty
-
-    where = "the prepared dataset"
-    if not isinstance(prepared_dataset, Dataset):
-        path = Path(prepared_dataset)
-        where = str(path)
-        meta_path = path / PREPARE_META
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{path}: not a prepared dataset ({PREPARE_META} missing; run `eagle3-hf prepare`)")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        found = meta.get("tokenizer_fingerprint")
-        if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
-            raise ValueError(
-                f"{meta_path}: prepared with tokenizer {found}, but the verifier's tokenizer is "
-                f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
-            )
-        refuse_empty(path, meta)
-        prepared_dataset = load_from_disk(str(path))
-    if len(prepared_dataset) == 0:
-        raise ValueError(f"prepared dataset {where} has 0 samples")
-    missing = [c for c in ("id", "input_ids", "loss_mask") if c not in prepared_dataset.column_names]
-    if missing:
-        raise ValueError(f"{where}: missing column(s) {missing} (has {prepared_dataset.column_names})")
-    ids = prepared_dataset["id"]
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        dup = next(i for i in ids if i in seen or seen.add(i))
-        raise ValueError(f"{where}: sample id {dup!r} appears more than once")
-    return prepared_dataset
-
-
-def prepared_lengths(ds) -> list[int]:
-    """Token count of every row, read from the Arrow list offsets (no row is decoded)."""
-    import pyarrow.compute as pc
-
-    if getattr(ds, "_indices", None) is not None:
-        ds = ds.flatten_indices()
-    return pc.list_value_length(ds.data.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
-
 
 def verifier_info(verifier, name: str | None = None, revision: str | None = None) -> dict:
     config = text_config(verifier)
@@ -134,7 +88,7 @@ def extract_features(
     info = verifier_info(verifier, verifier_name, verifier_revision)
     indices = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]),
                                 info["num_hidden_layers"])
-    ds = load_prepared(prepared_dataset, tokenizer_fingerprint)
+    ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
     header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype))
     writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=samples_per_shard,
                          max_shard_bytes=max_shard_bytes)

@@ -30,7 +30,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .capture import check_aux_indices, default_aux_indices, final_norm, greedy_tokens, text_config
+from ..configuration_eagle3 import logit_softcap, text_config
+from .capture import check_aux_indices, default_aux_indices, final_norm, greedy_tokens
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
@@ -89,9 +90,9 @@ def _token_key(ids: torch.Tensor) -> str:
 
 def _ids_from_prepared(prepared) -> dict[str, list[str]]:
     """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
-    from .extract import load_prepared
+    from .prepare import open_prepared
 
-    ds = load_prepared(prepared)
+    ds = open_prepared(prepared)
     rows = ds.with_format("torch", columns=["input_ids"])
     out: dict[str, list[str]] = {}
     for i, sid in enumerate(ds["id"]):
@@ -205,7 +206,7 @@ def import_features(
     writer = ShardWriter(out_dir, header, samples_per_shard=samples_per_shard)
     id_map = _ids_from_prepared(prepared) if prepared is not None else None
     reader = read_speculators(src, hidden_states_dir) if fmt == "speculators" else read_specforge(src)
-    softcap = getattr(config, "final_logit_softcapping", None)
+    softcap = logit_softcap(config)
     bar = tqdm(unit="sample", desc=f"import {fmt}", disable=not progress)
     try:
         for item in reader:

@@ -10,12 +10,11 @@ interchangeable and testable against each other.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch.utils.data import Dataset
 
-from .capture import capture_features, check_aux_indices, default_aux_indices, text_config
+from ..configuration_eagle3 import text_config
+from .capture import capture_features, check_aux_indices, default_aux_indices
 from .dataset import PackedCollator, select_split
 from .shards import canonical_dtype, dequantize, quantize
 
@@ -25,9 +24,9 @@ class PreparedDataset(Dataset):
 
     def __init__(self, prepared, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None):
-        from .extract import load_prepared, prepared_lengths
+        from .prepare import open_prepared, prepared_lengths
 
-        ds = load_prepared(prepared if not isinstance(prepared, (str, Path)) else Path(prepared), tokenizer_fingerprint)
+        ds = open_prepared(prepared, tokenizer_fingerprint)
         ids = list(ds["id"])
         keep = select_split(ids, split, validation_fraction)
         all_lengths = prepared_lengths(ds)

@@ -28,7 +28,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-META_FILE = "eagle3_prepare.json"
+from ..constants import PREPARE_META
+
 FORMAT = "eagle3_hf.prepare/1"
 _THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 _BATCH_ROWS = 1024
@@ -292,31 +293,79 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
 def save_prepared(ds, out_dir: str | Path, meta: dict) -> Path:
     """`save_to_disk` + meta, replacing an earlier prepare output atomically; refuses to clobber other dirs."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / META_FILE).is_file():
+    if out.exists() and any(out.iterdir()) and not (out / PREPARE_META).is_file():
         raise FileExistsError(f"{out} exists, is not empty and is not a prepare output; choose another --output")
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     ds.save_to_disk(str(tmp))
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    (tmp / PREPARE_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     if out.exists():
         shutil.rmtree(out)  # an older dataset (and any vocab built from it) is stale now
     tmp.rename(out)
     return out
 
 
-def load_prepared(path: str | Path) -> tuple[Any, dict]:
-    """The prepared Dataset and its meta; a directory without meta, or without samples, is refused by name."""
+# ---------------------------------------------------------------- reading the format (its only reader)
+
+def read_prepared_meta(path: str | Path) -> dict:
+    """The meta of a prepared dataset directory; a directory without it is refused by name."""
+    meta_path = Path(path) / PREPARE_META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path}: not a prepared dataset (no {PREPARE_META}); run `eagle3-hf prepare`")
+    return json.loads(meta_path.read_text(encoding="utf-8"))
+
+
+def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) -> tuple[Any, dict]:
+    """The prepared Dataset and its meta, checked: refuses a directory without meta or samples, one made
+    with another tokenizer (when `tokenizer_fingerprint` is given), missing columns and repeated ids."""
     import datasets
 
-    meta_path = Path(path) / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path}: not a prepared dataset (no {META_FILE}); run `eagle3-hf prepare`")
-    meta = json.loads(meta_path.read_text())
+    meta = read_prepared_meta(path)
+    found = meta.get("tokenizer_fingerprint")
+    if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
+        raise ValueError(
+            f"{Path(path) / PREPARE_META}: prepared with tokenizer {found}, but the verifier's tokenizer is "
+            f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
+        )
     refuse_empty(path, meta)
     ds = datasets.load_from_disk(str(path))
     refuse_empty(path, meta, len(ds))
+    check_prepared(ds, str(path))
     return ds, meta
+
+
+def open_prepared(prepared, tokenizer_fingerprint: str | None = None):
+    """A prepared `datasets.Dataset` given as itself or as its directory (then `load_prepared` checks it)."""
+    from datasets import Dataset
+
+    if not isinstance(prepared, Dataset):
+        return load_prepared(prepared, tokenizer_fingerprint)[0]
+    if len(prepared) == 0:
+        raise ValueError("the prepared dataset has 0 samples")
+    check_prepared(prepared, "the prepared dataset")
+    return prepared
+
+
+def check_prepared(ds, where: str) -> None:
+    """The columns every reader needs, and sample ids that are unique (splits and shards key on them)."""
+    missing = [c for c in ("id", "input_ids", "loss_mask") if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{where}: missing column(s) {missing} (has {ds.column_names})")
+    ids = ds["id"]
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise ValueError(f"{where}: sample id {dup!r} appears more than once")
+
+
+def prepared_lengths(ds) -> list[int]:
+    """Token count of every row, read from the Arrow list offsets (no row is decoded)."""
+    import pyarrow.compute as pc
+
+    if getattr(ds, "_indices", None) is not None:
+        ds = ds.flatten_indices()
+    return pc.list_value_length(ds.data.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
 
 
 def refuse_empty(path: str | Path, meta: dict, num_rows: int | None = None) -> None:
@@ -407,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
     if c["truncated"]:
         print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
     for reason, n in c["skipped"].items():
-        print(f"prepare: skipped {n} samples: {reason} (ids in {Path(out) / META_FILE})", file=sys.stderr)
+        print(f"prepare: skipped {n} samples: {reason} (ids in {Path(out) / PREPARE_META})", file=sys.stderr)
     if c["skipped"].get("no assistant turn"):
         print("prepare: prompts without an answer need `eagle3-hf regenerate` first", file=sys.stderr)
     return 0

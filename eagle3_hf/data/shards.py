@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
+from ..constants import MANIFEST
+
 FORMAT, VERSION = "eagle3_hf.features", 1
-MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
                   "fp32": "float32", "f32": "float32"}

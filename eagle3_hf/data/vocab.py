@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..checkpoint import validate_vocab_mapping, vocab_from_target_ids
+from ..constants import VOCAB_FILE
 
-VOCAB_FILE = "vocab.safetensors"
 
 
 def token_counts(ds, vocab_size: int) -> np.ndarray:
