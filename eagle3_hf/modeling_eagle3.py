@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput
 
 from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
 from .configuration_eagle3 import Eagle3Config
+from .configuration_eagle3 import logit_softcap as verifier_logit_softcap
 from .constants import PAD_DOCUMENT
 
 
@@ -323,7 +324,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             weight = verifier  # [V, H]
         else:
             weight = verifier.get_output_embeddings().weight
-            logit_softcap = logit_softcap or getattr(verifier.config, "final_logit_softcapping", None)
+            logit_softcap = logit_softcap or verifier_logit_softcap(verifier)
         if weight.shape[0] < self.config.vocab_size or weight.shape[1] != self.config.target_hidden_size:
             raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
                              f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, HfArgumentParser, set_seed
 
 from .assets import resolve_verifier
-from .configuration_eagle3 import Eagle3Config, text_config
+from .configuration_eagle3 import Eagle3Config, logit_softcap, text_config
 from .constants import TRAINING_FILE, VOCAB_FILE
 from .modeling_eagle3 import Eagle3DraftModel
 from .trainer import Eagle3Trainer, Eagle3TrainingArguments, training_summary, write_json
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 info["tokenizer_fingerprint"], args.ttt_steps)
     embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
     model.load_verifier_embeddings(embed)
-    model.attach_teacher(head, getattr(verifier_config, "final_logit_softcapping", None))
+    model.attach_teacher(head, logit_softcap(verifier_config))
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
                 model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
 

@@ -90,6 +90,31 @@ def test_from_verifier_kimi_k25_nested_text_config():
         Eagle3Config.from_verifier(smol, aux_hidden_state_indices=[0, 15, 30])
 
 
+def test_teacher_softcap_comes_from_the_text_config():
+    """A verifier that nests its language model (Gemma 3, Kimi-K2.5) keeps final_logit_softcapping in
+    text_config; the teacher must apply the same soft-cap as the greedy targets (capture reads the text config)."""
+    from transformers import Gemma3Config
+
+    nested = Gemma3Config(text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                           final_logit_softcapping=30.0))
+
+    class NestedVerifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = nested
+            self.head = torch.nn.Linear(16, 64, bias=False)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    config = Eagle3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, draft_vocab_size=8, aux_hidden_state_indices=[1, 2, 3])
+    model = Eagle3DraftModel(config)
+    model.attach_teacher(NestedVerifier())
+    assert model.teacher_logit_softcap == 30.0
+
+
 def test_shift_never_crosses_documents():
     doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
     x = torch.tensor([[10, 11, 12, 20, 21, 0]])
