@@ -129,14 +129,14 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
 
 # ---------------------------------------------------------------- the drafter
 
-def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_indices, fingerprint,
-                  ttt_steps: int) -> tuple[Eagle3DraftModel, dict]:
+def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_indices,
+                  fingerprint) -> tuple[Eagle3DraftModel, dict]:
     """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info)."""
     info: dict = {"init": "scratch"}
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
-        tokenizer_fingerprint=fingerprint, ttt_steps=ttt_steps,
+        tokenizer_fingerprint=fingerprint,
     )
     config._attn_implementation = model_args.attn_implementation
     if not model_args.finetune_from:
@@ -165,7 +165,6 @@ def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_ind
     source.config.verifier_name_or_path = model_args.verifier
     source.config.verifier_revision = model_args.verifier_revision
     source.config.tokenizer_fingerprint = fingerprint
-    source.config.ttt_steps = ttt_steps
     if model_args.finetune_vocab == "dataset":
         info["remapped_rows"] = source.remap_lm_head(d2t, t2d)
     return source, info
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     set_seed(args.seed)  # before building the drafter, so the seed also controls its initialisation
     model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
-                                info["tokenizer_fingerprint"], args.ttt_steps)
+                                info["tokenizer_fingerprint"])
     embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
     model.load_verifier_embeddings(embed)
     model.attach_teacher(head, logit_softcap(verifier_config))

@@ -60,6 +60,9 @@ class Eagle3Trainer(Trainer):
         drafter = self.accelerator.unwrap_model(self.model)
         if getattr(drafter, "verifier_lm_head", None) is None:
             raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
+        # The run's TTT settings become the drafter's: its config.json records them, and what reads a drafter
+        # later (drafter_step_accuracies, the speculators export) takes them from there.
+        drafter.config.ttt_steps, drafter.config.ttt_step_weight = self.args.ttt_steps, self.args.ttt_step_weight
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
 

@@ -92,6 +92,19 @@ def test_loss_equals_reference(synthetic, tmp_path):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_ttt_settings_of_the_run_are_the_drafters(synthetic, tmp_path):
+    """--ttt-steps / --ttt-step-weight are recorded in the drafter's config, which drafter_step_accuracies
+    and the speculators export read: a run with gamma 0.5 must not be measured or described with 0.8."""
+    model = fresh_drafter(synthetic)
+    args = Eagle3TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", ttt_steps=2,
+                                   ttt_step_weight=0.5)
+    trainer = Eagle3Trainer(model=model, args=args)
+    assert (model.config.ttt_steps, model.config.ttt_step_weight) == (2, 0.5)
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (saved["ttt_steps"], saved["ttt_step_weight"]) == (2, 0.5)
+
+
 def test_training_drives_step_accuracies_up(synthetic, tmp_path):
     out = tmp_path / "run"
     summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
