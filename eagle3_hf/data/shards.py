@@ -125,10 +125,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a partial file only holds space (a full disk needs it back)
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -356,7 +360,11 @@ class ShardWriter:
             name = shard_name(self.rank, idx)
             tensors = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
             data = safetensors_save(tensors, metadata={"format": FORMAT})
-            atomic_write_bytes(self.out_dir / name, data)
+            try:
+                atomic_write_bytes(self.out_dir / name, data)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{exc.strerror or exc} while writing {self.out_dir / name}; the shards "
+                              "before it are complete: rerun the same command to resume") from exc
             offset = 0
             for sample_id, s in zip(ids, samples):
                 length = s["input_ids"].shape[0]
