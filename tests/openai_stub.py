@@ -2,7 +2,8 @@
 
 Replies are a deterministic function of the request (`reply_for`), so a test can recompute what a
 correct regeneration must contain. Knobs: a delay per request (to observe concurrency), a number of
-initial 503s (to exercise retries), a predicate that rejects requests with 400, and a required API key.
+initial 503s (to exercise retries), a predicate that rejects requests with 400, a required API key, request
+numbers whose connection drops halfway through the reply body, and a fixed port (to restart a killed server).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def reply_for(messages: list[dict]) -> str:
 
 class OpenAIStub:
     def __init__(self, delay: float = 0.0, fail_first: int = 0, reject: Callable[[list[dict]], bool] | None = None,
-                 api_key: str | None = None, model: str = "stub-model"):
+                 api_key: str | None = None, model: str = "stub-model", drop: set[int] = frozenset(), port: int = 0):
         self.delay, self.fail_first, self.reject, self.api_key, self.model = delay, fail_first, reject, api_key, model
+        self.drop = set(drop)
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
@@ -32,12 +34,17 @@ class OpenAIStub:
             def log_message(self, *args):  # keep test output quiet
                 pass
 
-            def _send(self, code: int, payload: dict) -> None:
+            def _send(self, code: int, payload: dict, drop: bool = False) -> None:
                 body = json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                if drop:  # the server dies mid-reply: half the body, then the connection closes
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 self.wfile.write(body)
 
             def do_GET(self):
@@ -65,7 +72,7 @@ class OpenAIStub:
                     if stub.reject is not None and stub.reject(messages):
                         return self._send(400, {"error": {"message": "rejected by test"}})
                     content = reply_for(messages)
-                    self._send(200, {
+                    self._send(200, drop=n in stub.drop, payload={
                         "id": f"chatcmpl-{n}", "object": "chat.completion", "model": payload["model"],
                         "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": content}}],
@@ -76,7 +83,7 @@ class OpenAIStub:
                     with stub.lock:
                         stub.in_flight -= 1
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -86,6 +93,10 @@ class OpenAIStub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop accepting: new connections are refused (a killed server); replies in flight still finish."""
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)

@@ -10,6 +10,8 @@ import io
 import pytest
 import torch
 
+from eagle3_hf import cli
+
 from eagle3_hf.data import shards
 from eagle3_hf.data.dataset import FeatureDataset
 from test_extract import _extract_in_process, make_prepared
@@ -51,3 +53,61 @@ def test_enospc_mid_shard_keeps_complete_shards_and_rerun_resumes(tmp_path, tiny
         if not name.endswith(".jsonl"):
             assert (full / name).read_bytes() == (failed / name).read_bytes(), name
     assert len(FeatureDataset(failed, split="all")) == 10
+
+
+# ---------------------------------------------------------------- regenerate against a failing endpoint
+
+def test_endpoint_dropping_and_restarting_mid_run_loses_and_duplicates_nothing(tmp_path):
+    import json
+    import threading
+    import time
+
+    from eagle3_hf.data.regenerate import EndpointBackend, regenerate
+    from openai_stub import OpenAIStub, reply_for
+
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
+    out = tmp_path / "out.jsonl"
+    first = OpenAIStub(delay=0.05, drop={2, 5}).__enter__()  # two replies cut off mid-body
+    port = first.server.server_address[1]
+    backend = EndpointBackend(first.url, "m", max_retries=6, retry_backoff=0.2, timeout=10)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        stats=regenerate(convs, out, backend, concurrency=3, progress=False)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text().count("\n") >= 4):
+        assert time.monotonic() < deadline and worker.is_alive()
+        time.sleep(0.01)
+    first.stop()  # killed: connections refused while it is down
+    time.sleep(0.5)
+    with OpenAIStub(port=port) as second:  # restarted on the same address
+        worker.join(timeout=120)
+        assert not worker.is_alive()
+    assert result["stats"]["written"] == 12
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == sorted(c["id"] for c in convs)  # none lost, none twice
+    for conv in convs:
+        row = next(r for r in lines if r["id"] == conv["id"])
+        assert row["messages"] == conv["messages"] + [{"role": "assistant", "content": reply_for(conv["messages"])}]
+    asked = len(first.requests) + len(second.requests)
+    assert 12 + 2 <= asked <= 12 * 7  # the cut replies were asked again; retries are bounded
+
+
+def test_endpoint_that_stays_down_ends_with_one_clear_line(tmp_path, capsys):
+    import socket
+
+    from eagle3_hf.data.conversations import write_jsonl
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [{"id": "q0", "messages": [{"role": "user", "content": "hello"}]}])
+    rc = cli.main(["regenerate", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--endpoint",
+                   f"http://127.0.0.1:{port}", "--model", "m", "--max-retries", "1"])
+    assert rc != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"error: conversation q0: http://127.0.0.1:{port}/v1/chat/completions: gave up after "
+                              "2 attempts")
+    assert "rerun to resume" in err[-1]

@@ -13,6 +13,7 @@ already there, so a killed run resumes with nothing lost or duplicated.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -26,13 +27,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..errors import Eagle3Error
+
 # (content, reasoning or None, tool_calls or None, finish_reason, generated tokens)
 Completion = tuple[str, "str | None", "list | None", str, int]
 _RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
-class EndpointError(RuntimeError):
-    pass
+class EndpointError(Eagle3Error, RuntimeError):
+    """The endpoint refused, or stayed down past the retries: the message says which and how to resume."""
 
 
 class _Conversation:
@@ -170,7 +173,7 @@ class EndpointBackend:
                 if e.code in _RETRY_HTTP:
                     continue
                 raise EndpointError(f"{self.url}: {problem}") from None
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off
                 problem = str(getattr(e, "reason", e))
                 continue
             try:
