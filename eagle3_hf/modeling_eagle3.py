@@ -81,7 +81,7 @@ class Eagle3Output(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     step_valid: tuple[torch.Tensor, ...] | None = None
-    teacher_logits: torch.Tensor | None = None  # [B, L, Vd] verifier logits on the draft vocabulary
+    teacher_probs: torch.Tensor | None = None  # [B, L, Vd] fp32: the verifier's distribution on the draft vocabulary
 
 
 class Eagle3Attention(nn.Module):
@@ -338,6 +338,23 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.verifier_lm_head = head
         self.teacher_logit_softcap = logit_softcap
 
+    def init_lm_head_from_verifier(self) -> None:
+        """lm_head rows = the verifier's lm_head rows for the draft vocabulary, in d2t order (its embedding rows
+        when it ties them): the teacher's own rows (`attach_teacher` first), so step 0 starts from the
+        verifier's distribution restricted to the draft vocabulary."""
+        if self.verifier_lm_head is None:
+            raise RuntimeError("init_lm_head_from_verifier needs the verifier's rows: call attach_teacher first")
+        if self.config.hidden_size != self.config.target_hidden_size:
+            raise ValueError(f"the verifier's lm_head rows have size {self.config.target_hidden_size}, this drafter's "
+                             f"lm_head {self.config.hidden_size}: initialise it at random instead")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.verifier_lm_head.weight.to(self.lm_head.weight.dtype))
+
+    def freeze_lm_head(self, frozen: bool = True) -> None:
+        """Train without lm_head (as speculators does): no gradient for it, so the optimizer holds no state for
+        it and its backward skips the weight gradient (the largest matmul of the step)."""
+        self.lm_head.weight.requires_grad_(not frozen)
+
     def _check_embeddings(self) -> None:
         if not self.embed_tokens_loaded:
             raise RuntimeError(
@@ -405,12 +422,25 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             all_valid.append(valid)
         teacher = None
         if last_hidden_state is not None and self.verifier_lm_head is not None:
-            with torch.no_grad():
-                teacher = self.verifier_lm_head(last_hidden_state.to(self.verifier_lm_head.weight.dtype))
-                if self.teacher_logit_softcap:
-                    teacher = torch.tanh(teacher / self.teacher_logit_softcap) * self.teacher_logit_softcap
+            teacher = self.teacher_probs(last_hidden_state)
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
-                            teacher_logits=teacher)
+                            teacher_probs=teacher)
+
+    @torch.no_grad()
+    def teacher_probs(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [B, L, Vd]: computed once per batch;
+        step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
+        softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
+        head = self.verifier_lm_head
+        probs = head(last_hidden_state.to(head.weight.dtype)).float()
+        flat = probs.view(-1, probs.shape[-1])
+        block = max(1, (1 << 23) // flat.shape[1])
+        for start in range(0, flat.shape[0], block):
+            rows = flat[start : start + block]
+            if self.teacher_logit_softcap:
+                rows = torch.tanh(rows / self.teacher_logit_softcap) * self.teacher_logit_softcap
+            flat[start : start + block] = torch.softmax(rows, dim=-1)
+        return probs
 
     def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
         """Step i = len(keys) - 1: per document, causal over its step-0 keys plus its diagonal keys of steps

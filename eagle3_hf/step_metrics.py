@@ -44,19 +44,53 @@ def count_loss_tokens(batch: dict[str, torch.Tensor], t2d: torch.Tensor) -> torc
     return step_targets(batch, 0, t2d.to(batch["verifier_greedy"].device)).loss_mask.sum()
 
 
-def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-                          shift: int) -> torch.Tensor:
-    """Σ over masked positions t of CE(softmax(teacher[t + shift]), student[t]).
+LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
 
-    student/teacher [B, L, Vd], mask [B, L] (already guarantees t + shift is in t's document). Only the
-    masked rows are gathered, so no shifted copy of the [B, L, Vd] teacher is ever made.
-    """
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Σ over the given (row, col) positions of CE(teacher_probs[row, col + shift], student[row, col]).
+
+    Loss and gradient (softmax(student) Σp - p, the log-softmax backward) are computed a block of rows at a
+    time, so no gathered, shifted or log-softmaxed copy of the [N, Vd] logits ever exists: beyond the inputs,
+    which the caller keeps anyway, the only full-size tensor is the gradient of the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, student, probs, rows, cols, shift: int):
+        ctx.save_for_backward(student, probs, rows, cols)
+        ctx.shift = shift
+        total = student.new_zeros((), dtype=torch.float32)
+        for r, c in _row_blocks(rows, cols, student.shape[-1]):
+            log_q = F.log_softmax(student[r, c].float(), dim=-1)
+            total -= (probs[r, c + shift] * log_q).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        student, probs, rows, cols = ctx.saved_tensors
+        grad = torch.zeros_like(student)
+        for r, c in _row_blocks(rows, cols, student.shape[-1]):
+            p = probs[r, c + ctx.shift]
+            q = F.softmax(student[r, c].float(), dim=-1)
+            grad[r, c] = ((q * p.sum(-1, keepdim=True) - p) * grad_output).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def _row_blocks(rows: torch.Tensor, cols: torch.Tensor, vocab: int):
+    size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    for start in range(0, rows.numel(), size):
+        yield rows[start : start + size], cols[start : start + size]
+
+
+def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
+                          shift: int) -> torch.Tensor:
+    """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]).
+
+    student [B, L, Vd], teacher_probs [B, L, Vd] (the teacher distribution, fp32, shared by every TTT step),
+    mask [B, L] (already guarantees t + shift is in t's document)."""
     rows, cols = mask.nonzero(as_tuple=True)
     if rows.numel() == 0:
         return student_logits.sum() * 0.0
-    student = student_logits[rows, cols].float()  # [N, Vd]
-    teacher = teacher_logits[rows, cols + shift].float()  # [N, Vd]
-    return -(F.softmax(teacher, dim=-1) * F.log_softmax(student, dim=-1)).sum()
+    return _SoftCrossEntropy.apply(student_logits, teacher_probs, rows, cols, shift)
 
 
 @dataclass
@@ -135,7 +169,7 @@ def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_we
     step_losses = []
     for i, logits in enumerate(outputs.logits):
         mask = step_targets(batch, i, t2d).loss_mask
-        step_loss = soft_cross_entropy_at(logits, outputs.teacher_logits, mask, shift=i + 1)
+        step_loss = soft_cross_entropy_at(logits, outputs.teacher_probs, mask, shift=i + 1)
         total = total + (step_weight**i) * step_loss
         step_losses.append((step_loss.detach(), mask.sum()))
     return total, step_losses
@@ -160,7 +194,7 @@ def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size:
                     position_ids=batch["position_ids"], document_ids=batch["document_ids"],
                     last_hidden_state=batch["last_hidden_state"], ttt_steps=steps)
         step_losses = None
-        if out.teacher_logits is not None:
+        if out.teacher_probs is not None:
             _, step_losses = ttt_loss(out, batch, model.t2d, model.config.ttt_step_weight)
         stats.update(out.logits, batch, model.d2t, model.t2d, step_losses)
     return stats.metrics()

@@ -38,6 +38,15 @@ class Eagle3TrainingArguments(TrainingArguments):
         default="adamw", metadata={"help": "optimizer for the 2-D hidden weights (attention, MLP, fc); muon keeps "
                                            "AdamW for embeddings, lm_head and norms", "choices": ["adamw", "muon"]}
     )
+    init_lm_head: str = field(
+        default="random",
+        metadata={"help": "lm_head at the start: 'random', or 'verifier' (the verifier's rows for the draft "
+                          "vocabulary, in d2t order)", "choices": ["random", "verifier"]},
+    )
+    freeze_lm_head: bool = field(
+        default=False, metadata={"help": "keep lm_head fixed (no gradient, no optimizer state): with "
+                                         "--init-lm-head verifier, speculators' recipe"}
+    )
     metric_for_best_model: str | None = field(default="simulated_acceptance_length")
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
@@ -63,6 +72,12 @@ class Eagle3Trainer(Trainer):
         # The run's TTT settings become the drafter's: its config.json records them, and what reads a drafter
         # later (drafter_step_accuracies, the speculators export) takes them from there.
         drafter.config.ttt_steps, drafter.config.ttt_step_weight = self.args.ttt_steps, self.args.ttt_step_weight
+        if self.args.init_lm_head not in ("random", "verifier"):
+            raise ValueError(f"init_lm_head must be 'random' or 'verifier', not {self.args.init_lm_head!r}")
+        if self.args.init_lm_head == "verifier":  # before the optimizer exists; a resumed checkpoint overrides it
+            drafter.init_lm_head_from_verifier()
+        if self.args.freeze_lm_head:
+            drafter.freeze_lm_head()
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
 
@@ -179,7 +194,8 @@ def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **e
         **extra,
         "recipe": {**extra.get("recipe", {}), "epochs": trainer.args.num_train_epochs,
                    "learning_rate": trainer.args.learning_rate, "ttt_steps": steps,
-                   "step_weight": trainer.args.ttt_step_weight},
+                   "step_weight": trainer.args.ttt_step_weight, "init_lm_head": trainer.args.init_lm_head,
+                   "freeze_lm_head": trainer.args.freeze_lm_head},
         "metrics": {
             "step_accuracy": [eval_metrics.get(f"eval_acc_{i}") for i in range(steps)],
             "step_conditional_accuracy": [eval_metrics.get(f"eval_cond_acc_{i}") for i in range(steps)],

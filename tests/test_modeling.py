@@ -200,3 +200,26 @@ def test_missing_embeddings_are_an_error_not_a_random_layer(tmp_path):
     ids, aux, pos, doc = packed_batch([[5]], 5)
     with pytest.raises(RuntimeError, match="embed_tokens"):
         loaded(ids, aux, pos, doc)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_init_lm_head_from_verifier_copies_its_draft_rows_in_d2t_order(tied):
+    """--init-lm-head verifier: row j = the verifier's lm_head row of target id j + d2t[j] (its embedding row
+    when it ties them), exactly."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+                                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                            tie_word_embeddings=tied))
+    model = tiny_model()
+    kept = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[kept] = True
+    model.set_vocab_mapping(kept - torch.arange(DRAFT_VOCAB), t2d)
+    model.attach_teacher(verifier)
+    before = model.lm_head.weight.clone()
+    model.init_lm_head_from_verifier()
+    source = verifier.model.embed_tokens.weight if tied else verifier.lm_head.weight
+    assert torch.equal(model.lm_head.weight, source[kept])
+    assert not torch.equal(before, model.lm_head.weight)

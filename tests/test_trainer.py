@@ -250,3 +250,48 @@ def test_online_mode_trains_with_nothing_on_disk(synthetic, tmp_path):
     assert not list((tmp_path / "online").glob("shard-*"))
     config = json.loads((tmp_path / "online" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # the verifier's defaults, read online
+
+
+def test_soft_cross_entropy_blocks_equal_plain_autograd(monkeypatch):
+    """The blockwise loss (teacher softmax once, gradient without gathered copies) gives the plain formula's
+    loss and gradient, whatever the block size."""
+    from eagle3_hf import step_metrics
+
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 9, 13, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    teacher = torch.randn(2, 9, 13, generator=g) * 3
+    mask = torch.rand(2, 9, generator=g) < 0.6
+    mask[:, -2:] = False  # t + shift stays in the row
+    rows, cols = mask.nonzero(as_tuple=True)
+    plain = -(torch.softmax(teacher[rows, cols + 2], -1) * torch.log_softmax(student[rows, cols], -1)).sum()
+    (expected,) = torch.autograd.grad(plain * 0.7, student)
+    probs = torch.softmax(teacher, -1)
+    for block_elements in (13 * 3, 1 << 23):  # 3 rows a block, one block
+        monkeypatch.setattr(step_metrics, "LOSS_CHUNK_ELEMENTS", block_elements)
+        loss = step_metrics.soft_cross_entropy_at(student, probs, mask, shift=2)
+        (grad,) = torch.autograd.grad(loss * 0.7, student)
+        torch.testing.assert_close(loss, plain.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_frozen_verifier_lm_head_stays_bit_identical_and_has_no_optimizer_state(synthetic, tmp_path):
+    """--init-lm-head verifier --freeze-lm-head: the head starts as the verifier's draft rows and ends as them,
+    bit for bit, while the rest trains; the summary records both options."""
+    from eagle3_hf.trainer import training_summary
+
+    model = fresh_drafter(synthetic)
+    rows = synthetic["verifier"].lm_head.weight[model.draft_to_target(torch.arange(model.config.draft_vocab_size))]
+    fc_before = model.fc.weight.detach().clone()
+    args = Eagle3TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=3,
+                                   learning_rate=1e-2, weight_decay=0.1, per_device_train_batch_size=2,
+                                   save_strategy="no", eval_strategy="no", disable_tqdm=True,
+                                   init_lm_head="verifier", freeze_lm_head=True)
+    train = PackedDataset(FeatureDataset(synthetic["features"], split="all"), 128, seed=0)
+    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, data_collator=PackedCollator(max_seq_len=128))
+    assert torch.equal(model.lm_head.weight, rows)
+    trainer.train()
+    assert torch.equal(model.lm_head.weight, rows) and model.lm_head.weight.grad is None
+    assert not torch.equal(model.fc.weight, fc_before)
+    assert all(p is not model.lm_head.weight for group in trainer.optimizer.param_groups for p in group["params"])
+    recipe = training_summary(trainer, {})["recipe"]
+    assert recipe["init_lm_head"] == "verifier" and recipe["freeze_lm_head"] is True
