@@ -1,12 +1,14 @@
 """Training-step benchmark: tokens/s, peak memory and MFU of one drafter step, ours beside speculators 0.9.0.
 
 One step = forward with the TTT unroll (3 steps) + loss + backward + clip_grad_norm + AdamW step, fp32 on
-CPU, batch 1 row, for two drafters:
+CPU, batch 1 row, for three drafters:
 
 - `smollm2`: hidden 576 (9 heads x 64, 3 KV heads, intermediate 1536), verifier vocab 49152, draft vocab
   8192, 2048-token rows;
 - `h1024`: hidden 1024 (8 heads x 128, 8 KV heads, intermediate 2816: what `Eagle3Config.from_verifier`
   picks for a hidden-1024 verifier), verifier vocab 128256, draft vocab 32000, 1024-token rows;
+- `h2048`: hidden 2048 (16 heads x 128, 8 KV heads, intermediate 8192, as for a Llama-3.2-1B verifier),
+  verifier vocab 128256, draft vocab 32000, 512-token rows: the step toward hidden 7168 that fits here;
 
 each on `packed` rows (documents of 100-700 tokens back to back) and `padded` rows (the same documents, one
 per row padded to the row length, gradients accumulated over the rows, one optimizer step). Tokens/s counts
@@ -25,9 +27,12 @@ model FLOPs of the step / step time / that matmul's FLOP/s, with the same thread
 Model FLOPs per real token: 6 x params of every trained linear layer it passes (fc once; q/k/v/o, MLP and
 lm_head once per TTT step; 4 x instead of 6 x for a frozen lm_head, whose input gradient is still needed),
 12 x heads x head_dim per (query, key) pair the mask allows (causal within the document plus the i diagonal
-keys at step i), and the teacher head forward 2 x draft_vocab x hidden. The projects differ in one choice:
-speculators keeps `lm_head` frozen (the verifier's rows) where we train it, so its step needs fewer FLOPs;
-`--ours-frozen-lm-head` adds ours trained the same way.
+keys at step i), and the teacher head forward 2 x draft_vocab x hidden. Both heads are counted at every
+real token, as speculators computes them; ours computes lm_head only where the loss or the metrics read it
+and the teacher only where the loss reads it (no prompt tokens, no document tails). The projects' default
+recipes differ: speculators keeps `lm_head` frozen (the verifier's rows), ours trains it by default, so
+two rows of ours are timed: `ours` (trained lm_head) and `ours-frozen-head` (`--init-lm-head verifier
+--freeze-lm-head`, the like-for-like row).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ CONFIGS = {
                     vocab_size=49152, draft_vocab_size=8192, row_len=2048),
     "h1024": dict(hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, intermediate_size=2816,
                   vocab_size=128256, draft_vocab_size=32000, row_len=1024),
+    "h2048": dict(hidden_size=2048, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=8192,
+                  vocab_size=128256, draft_vocab_size=32000, row_len=512),
 }
 DOC_MIN, DOC_MAX = 100, 700
 TTT_STEPS, STEP_WEIGHT = 3, 0.8
@@ -188,7 +195,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import StepStats, count_loss_tokens, ttt_loss
+    from eagle3_hf.step_metrics import StepStats, count_loss_tokens, head_positions, ttt_loss
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
@@ -216,10 +223,9 @@ def run_ours(spec: dict, batch_path: str) -> dict:
                                     generator=torch.Generator().manual_seed(2)) * 0.02
     model.attach_teacher(head)
     del head
-    if spec.get("frozen_lm_head"):
-        with torch.no_grad():
-            model.lm_head.weight.copy_(model.verifier_lm_head.weight)
-        model.lm_head.weight.requires_grad_(False)
+    if spec.get("frozen_lm_head"):  # --init-lm-head verifier --freeze-lm-head, as speculators trains
+        model.init_lm_head_from_verifier()
+        model.freeze_lm_head()
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)  # the Trainer's default
@@ -235,11 +241,13 @@ def run_ours(spec: dict, batch_path: str) -> dict:
         items = sum(count_loss_tokens(b, model.t2d) for b in batches)  # num_items_in_batch
         optimizer.zero_grad(set_to_none=True)
         for b in batches:
+            logits_mask, teacher_mask = head_positions(b, spec["ttt_steps"], model.t2d)
             out = model(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
                         position_ids=b["position_ids"], document_ids=b["document_ids"],
-                        last_hidden_state=b["last_hidden_state"], ttt_steps=spec["ttt_steps"])
+                        last_hidden_state=b["last_hidden_state"], ttt_steps=spec["ttt_steps"],
+                        logits_mask=logits_mask, teacher_mask=teacher_mask)
             total, step_losses = ttt_loss(out, b, model.t2d, spec["step_weight"])
-            stats.update(out.logits, b, model.d2t, model.t2d, step_losses)
+            stats.update(out.logits, b, model.d2t, model.t2d, step_losses, logits_mask=logits_mask)
             (total / items.clamp(min=1)).backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -302,8 +310,8 @@ def main() -> None:
                              "co-tenant stalls a 2-thread run at every barrier, 1 thread only slows it down)")
     parser.add_argument("--quick", action="store_true", help="smollm2 packed only, one round of one step")
     parser.add_argument("--no-speculators", action="store_true")
-    parser.add_argument("--ours-frozen-lm-head", action="store_true",
-                        help="also time ours with lm_head frozen, as speculators trains (like for like)")
+    parser.add_argument("--no-frozen-lm-head", action="store_true",
+                        help="skip the row of ours with lm_head frozen (the like-for-like row: speculators freezes it)")
     parser.add_argument("--setup-speculators", action="store_true", help=f"create {SPEC_VENV} and exit")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed steps, profile one more step per run and print its top N ops")
@@ -332,7 +340,7 @@ def main() -> None:
     unknown = [c for c in configs if c not in CONFIGS] + [x for x in layouts if x not in ("packed", "padded")]
     if unknown:
         parser.error(f"unknown config or layout: {unknown}")
-    impls = ["ours"] + (["ours-frozen-head"] if args.ours_frozen_lm_head else [])
+    impls = ["ours"] + ([] if args.no_frozen_lm_head else ["ours-frozen-head"])
     skip_note = "--no-speculators" if args.no_speculators else speculators_available()
     if skip_note is None:
         impls.append("speculators")

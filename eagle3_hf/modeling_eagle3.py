@@ -76,12 +76,17 @@ def document_spans(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 @dataclass
 class Eagle3Output(ModelOutput):
     """Per TTT step: draft-vocabulary logits [B, L, Vd], pre-norm layer outputs [B, L, H] (what the next
-    step feeds back) and which positions exist at that step (their input token lies in the document)."""
+    step feeds back) and which positions exist at that step (their input token lies in the document).
+
+    When the forward was given `logits_mask` / `teacher_mask`, step i's logits are the rows [N_i, Vd] at
+    `logits_mask[i]` and the teacher's the rows [M, Vd] at `teacher_mask`, in row-major order."""
 
     logits: tuple[torch.Tensor, ...] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     step_valid: tuple[torch.Tensor, ...] | None = None
     teacher_probs: torch.Tensor | None = None  # [B, L, Vd] fp32: the verifier's distribution on the draft vocabulary
+    logits_mask: tuple[torch.Tensor, ...] | None = None
+    teacher_mask: torch.Tensor | None = None
 
 
 class Eagle3Attention(nn.Module):
@@ -384,6 +389,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         document_ids: torch.Tensor | None = None,
         ttt_steps: int | None = None,
         last_hidden_state: torch.Tensor | None = None,
+        logits_mask: tuple[torch.Tensor, ...] | None = None,
+        teacher_mask: torch.Tensor | None = None,
         **unused,
     ) -> Eagle3Output:
         """TTT unroll over packed rows.
@@ -392,7 +399,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         sits at t); position_ids [B, L] restart at 0 per document; document_ids [B, L] (-1 = padding). Step i's
         output at t predicts token t + 2 + i; `step_valid[i]` marks where token t + 1 + i is in t's document.
         With `last_hidden_state` [B, L, H] (the verifier's, post-norm) and a teacher attached, also returns the
-        teacher logits — computed here so that ZeRO-3 gathers the frozen head like any other weight.
+        teacher distribution — computed here so that ZeRO-3 gathers the frozen head like any other weight.
+        `logits_mask` (per step, [B, L] bool) and `teacher_mask` ([B, L] bool) restrict both heads, the largest
+        matmuls of the step, to the positions the loss and the metrics read (see `Eagle3Output`).
         """
         self._check_embeddings()
         steps = int(ttt_steps or self.config.ttt_steps)
@@ -417,18 +426,20 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             cached_v.append(v)
             attn_out = self._attend_per_document(q, cached_k, cached_v, spans)  # [B, L, nh * hd]
             hidden = self.midlayer.finish(attn_out, residual)  # [B, L, H] pre-norm, fed back
-            all_logits.append(self.lm_head(self.norm(hidden)))  # [B, L, Vd]
+            kept = hidden if logits_mask is None else hidden[logits_mask[step]]  # [B, L, H] or [N_i, H]
+            all_logits.append(self.lm_head(self.norm(kept)))  # [B, L, Vd] or [N_i, Vd]
             all_hidden.append(hidden)
             all_valid.append(valid)
         teacher = None
         if last_hidden_state is not None and self.verifier_lm_head is not None:
-            teacher = self.teacher_probs(last_hidden_state)
+            teacher = self.teacher_distribution(last_hidden_state if teacher_mask is None else last_hidden_state[teacher_mask])
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
-                            teacher_probs=teacher)
+                            teacher_probs=teacher, logits_mask=None if logits_mask is None else tuple(logits_mask),
+                            teacher_mask=teacher_mask)
 
     @torch.no_grad()
-    def teacher_probs(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [B, L, Vd]: computed once per batch;
+    def teacher_distribution(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [.., Vd]: computed once per batch;
         step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
         softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
         head = self.verifier_lm_head

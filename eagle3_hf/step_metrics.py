@@ -48,49 +48,72 @@ LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Σ over the given (row, col) positions of CE(teacher_probs[row, col + shift], student[row, col]).
+    """Σ_k CE(probs[teacher_rows[k]], student[student_rows[k]]) over student [N, Vd] and probs [M, Vd].
 
     Loss and gradient (softmax(student) Σp - p, the log-softmax backward) are computed a block of rows at a
-    time, so no gathered, shifted or log-softmaxed copy of the [N, Vd] logits ever exists: beyond the inputs,
-    which the caller keeps anyway, the only full-size tensor is the gradient of the logits themselves."""
+    time, so no gathered, shifted or log-softmaxed copy of the logits ever exists: beyond the inputs, which
+    the caller keeps anyway, the only full-size tensor is the gradient of the logits themselves."""
 
     @staticmethod
-    def forward(ctx, student, probs, rows, cols, shift: int):
-        ctx.save_for_backward(student, probs, rows, cols)
-        ctx.shift = shift
+    def forward(ctx, student, probs, student_rows, teacher_rows):
+        ctx.save_for_backward(student, probs, student_rows, teacher_rows)
         total = student.new_zeros((), dtype=torch.float32)
-        for r, c in _row_blocks(rows, cols, student.shape[-1]):
-            log_q = F.log_softmax(student[r, c].float(), dim=-1)
-            total -= (probs[r, c + shift] * log_q).sum()
+        for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
+            total -= (probs[t] * F.log_softmax(student[s].float(), dim=-1)).sum()
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        student, probs, rows, cols = ctx.saved_tensors
+        student, probs, student_rows, teacher_rows = ctx.saved_tensors
         grad = torch.zeros_like(student)
-        for r, c in _row_blocks(rows, cols, student.shape[-1]):
-            p = probs[r, c + ctx.shift]
-            q = F.softmax(student[r, c].float(), dim=-1)
-            grad[r, c] = ((q * p.sum(-1, keepdim=True) - p) * grad_output).to(grad.dtype)
-        return grad, None, None, None, None
+        for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
+            p = probs[t]
+            q = F.softmax(student[s].float(), dim=-1)
+            grad[s] = ((q * p.sum(-1, keepdim=True) - p) * grad_output).to(grad.dtype)
+        return grad, None, None, None
 
 
-def _row_blocks(rows: torch.Tensor, cols: torch.Tensor, vocab: int):
+def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor, vocab: int):
     size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
-    for start in range(0, rows.numel(), size):
-        yield rows[start : start + size], cols[start : start + size]
+    for start in range(0, student_rows.numel(), size):
+        yield student_rows[start : start + size], teacher_rows[start : start + size]
+
+
+def _rows_of(positions: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """Flat [B * L] positions -> row numbers in a tensor that holds only the `kept` [B, L] positions."""
+    if kept is None:
+        return positions
+    return (kept.flatten().cumsum(0) - 1)[positions]
 
 
 def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
-                          shift: int) -> torch.Tensor:
+                          shift: int, logits_mask: torch.Tensor | None = None,
+                          teacher_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]).
 
-    student [B, L, Vd], teacher_probs [B, L, Vd] (the teacher distribution, fp32, shared by every TTT step),
-    mask [B, L] (already guarantees t + shift is in t's document)."""
-    rows, cols = mask.nonzero(as_tuple=True)
-    if rows.numel() == 0:
+    student [B, L, Vd] (or its rows [N, Vd] at `logits_mask`), teacher_probs [B, L, Vd] (or its rows at
+    `teacher_mask`; fp32, the teacher distribution shared by every TTT step), mask [B, L] (already guarantees
+    t + shift is in t's document; inside both masks)."""
+    flat = mask.flatten().nonzero().squeeze(1)  # b * L + t
+    if flat.numel() == 0:
         return student_logits.sum() * 0.0
-    return _SoftCrossEntropy.apply(student_logits, teacher_probs, rows, cols, shift)
+    vocab = student_logits.shape[-1]
+    student_rows = _rows_of(flat, logits_mask)
+    teacher_rows = _rows_of(flat + shift, teacher_mask)
+    return _SoftCrossEntropy.apply(student_logits.reshape(-1, vocab), teacher_probs.reshape(-1, vocab),
+                                   student_rows, teacher_rows)
+
+
+def head_positions(batch: dict[str, torch.Tensor], steps: int, t2d: torch.Tensor):
+    """(per step, where its logits are read: scored positions; where the teacher is read: t + 1 + i for the
+    loss positions t of step i). Passed to the forward as `logits_mask` / `teacher_mask`, they keep both
+    heads off prompt tokens and document tails."""
+    logits_mask, teacher_mask = [], torch.zeros_like(batch["document_ids"], dtype=torch.bool)
+    for i in range(steps):
+        targets = step_targets(batch, i, t2d)
+        logits_mask.append(targets.teacher_position_valid)
+        teacher_mask[:, i + 1 :] |= targets.loss_mask[:, : -(i + 1)]
+    return tuple(logits_mask), teacher_mask
 
 
 @dataclass
@@ -121,13 +144,18 @@ class StepStats:
         return stats
 
     @torch.no_grad()
-    def update(self, logits: tuple, batch: dict, d2t: torch.Tensor, t2d: torch.Tensor, step_losses=None) -> None:
+    def update(self, logits: tuple, batch: dict, d2t: torch.Tensor, t2d: torch.Tensor, step_losses=None,
+               logits_mask: tuple | None = None) -> None:
         """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,
         equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor."""
         all_right = None
         for i in range(self.steps):
             targets = step_targets(batch, i, t2d)
-            draft = logits[i].argmax(dim=-1)
+            if logits_mask is None:
+                draft = logits[i].argmax(dim=-1)
+            else:  # rows at logits_mask[i], which holds every scored position
+                draft = torch.zeros_like(targets.greedy)
+                draft[logits_mask[i]] = logits[i].argmax(dim=-1)
             right = (draft_to_target(d2t, draft) == targets.greedy) & targets.teacher_position_valid
             scored = targets.teacher_position_valid
             self.scored[i] += float(scored.sum())
@@ -169,7 +197,9 @@ def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_we
     step_losses = []
     for i, logits in enumerate(outputs.logits):
         mask = step_targets(batch, i, t2d).loss_mask
-        step_loss = soft_cross_entropy_at(logits, outputs.teacher_probs, mask, shift=i + 1)
+        step_loss = soft_cross_entropy_at(logits, outputs.teacher_probs, mask, i + 1,
+                                          None if outputs.logits_mask is None else outputs.logits_mask[i],
+                                          outputs.teacher_mask)
         total = total + (step_weight**i) * step_loss
         step_losses.append((step_loss.detach(), mask.sum()))
     return total, step_losses

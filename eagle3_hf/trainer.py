@@ -19,7 +19,7 @@ from transformers import Trainer, TrainingArguments
 from .configuration_eagle3 import Eagle3Config
 from .constants import TRAINING_ARGS_FILE
 from .errors import NonFiniteError, describe_non_finite, non_finite_names
-from .step_metrics import StepStats, count_loss_tokens, ttt_loss
+from .step_metrics import StepStats, count_loss_tokens, head_positions, ttt_loss
 
 
 @dataclass
@@ -112,6 +112,7 @@ class Eagle3Trainer(Trainer):
         features = inputs["aux_hidden_states"]
         if model.training and self.args.feature_noise_std > 0:
             features = features + torch.randn_like(features) * self.args.feature_noise_std
+        logits_mask, teacher_mask = head_positions(inputs, self.args.ttt_steps, t2d)
         outputs = model(
             input_ids=inputs["input_ids"],
             aux_hidden_states=features,
@@ -119,10 +120,12 @@ class Eagle3Trainer(Trainer):
             document_ids=inputs["document_ids"],
             last_hidden_state=inputs["last_hidden_state"],
             ttt_steps=self.args.ttt_steps,
+            logits_mask=logits_mask,
+            teacher_mask=teacher_mask,
         )
         total, step_losses = ttt_loss(outputs, inputs, t2d, self.args.ttt_step_weight)
         stats = self._train_stats if model.training else self._eval_stats
-        stats.update(outputs.logits, inputs, d2t, t2d, step_losses)
+        stats.update(outputs.logits, inputs, d2t, t2d, step_losses, logits_mask=logits_mask)
         if num_items_in_batch is None:
             num_items_in_batch = count_loss_tokens(inputs, t2d)
         loss = total / torch.clamp(torch.as_tensor(num_items_in_batch, device=total.device), min=1)

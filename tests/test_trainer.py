@@ -295,3 +295,31 @@ def test_frozen_verifier_lm_head_stays_bit_identical_and_has_no_optimizer_state(
     assert all(p is not model.lm_head.weight for group in trainer.optimizer.param_groups for p in group["params"])
     recipe = training_summary(trainer, {})["recipe"]
     assert recipe["init_lm_head"] == "verifier" and recipe["freeze_lm_head"] is True
+
+
+def test_heads_on_read_positions_only_give_the_same_loss_gradient_and_metrics(synthetic):
+    """The trainer computes lm_head only where the loss or the metrics read it and the teacher only where the
+    loss reads it; the full-logits forward gives the same loss, gradients and step statistics."""
+    from eagle3_hf.step_metrics import StepStats, head_positions, ttt_loss
+
+    model = fresh_drafter(synthetic, seed=2)
+    batch = a_batch(synthetic["features"])
+    inputs = {k: batch[k] for k in ("input_ids", "aux_hidden_states", "position_ids", "document_ids",
+                                    "last_hidden_state")}
+    results = []
+    for masks in (None, head_positions(batch, 3, model.t2d)):
+        model.zero_grad()
+        kwargs = {} if masks is None else {"logits_mask": masks[0], "teacher_mask": masks[1]}
+        out = model(**inputs, ttt_steps=3, **kwargs)
+        total, _ = ttt_loss(out, batch, model.t2d, 0.8)
+        total.backward()
+        stats = StepStats(3)
+        stats.update(out.logits, batch, model.d2t, model.t2d, logits_mask=None if masks is None else masks[0])
+        results.append((total.detach(), model.lm_head.weight.grad.clone(), model.fc.weight.grad.clone(),
+                        stats.metrics()))
+    (full_loss, full_head, full_fc, full_metrics), (loss, head, fc, metrics) = results
+    assert masks[1].sum() < masks[1].numel() and masks[0][0].sum() < masks[0][0].numel()  # rows were skipped
+    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head, full_head, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fc, full_fc, rtol=1e-4, atol=1e-6)
+    assert metrics == full_metrics
