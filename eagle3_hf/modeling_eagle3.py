@@ -218,10 +218,14 @@ class Eagle3DecoderLayer(nn.Module):
         residual = normed_hidden if self.norm_before_residual else hidden
         return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
 
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then the MLP block; returns the pre-norm output fed back at the next step."""
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj + residual, then the MLP block; returns the pre-norm output fed back at the next step. With
+        `rows` ([B, L] bool) the MLP runs there only: elsewhere the output is never read (see forward)."""
         hidden = residual + self.self_attn.o_proj(attn_out)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if rows is None:
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        kept = hidden[rows]
+        return hidden.index_put((rows,), kept + self.mlp(self.post_attention_layernorm(kept)))
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -401,7 +405,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         With `last_hidden_state` [B, L, H] (the verifier's, post-norm) and a teacher attached, also returns the
         teacher distribution — computed here so that ZeRO-3 gathers the frozen head like any other weight.
         `logits_mask` (per step, [B, L] bool) and `teacher_mask` ([B, L] bool) restrict both heads, the largest
-        matmuls of the step, to the positions the loss and the metrics read (see `Eagle3Output`).
+        matmuls of the step, to the positions the loss and the metrics read (see `Eagle3Output`); the MLP then
+        runs only where step i or a later one reads the output (a position's step-i output feeds only its own
+        later steps; the keys every position attends to are step 0's, computed before any MLP), so
+        `hidden_states` elsewhere lack the MLP term.
         """
         self._check_embeddings()
         steps = int(ttt_steps or self.config.ttt_steps)
@@ -411,6 +418,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
         spans = document_spans(document_ids)
+        read = None  # per step: where step i or a later one reads the output
+        if logits_mask is not None:
+            read = list(logits_mask)
+            for step in reversed(range(steps - 1)):
+                read[step] = read[step] | read[step + 1]
 
         hidden = self.project_features(aux_hidden_states)  # [B, L, H]
         cached_k, cached_v = [], []  # per step: [B, nkv, L, hd]
@@ -425,7 +437,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             cached_k.append(k)
             cached_v.append(v)
             attn_out = self._attend_per_document(q, cached_k, cached_v, spans)  # [B, L, nh * hd]
-            hidden = self.midlayer.finish(attn_out, residual)  # [B, L, H] pre-norm, fed back
+            hidden = self.midlayer.finish(attn_out, residual, None if read is None else read[step])  # [B, L, H]
             kept = hidden if logits_mask is None else hidden[logits_mask[step]]  # [B, L, H] or [N_i, H]
             all_logits.append(self.lm_head(self.norm(kept)))  # [B, L, Vd] or [N_i, Vd]
             all_hidden.append(hidden)
