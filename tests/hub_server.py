@@ -186,6 +186,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "TestHub/1.0"
     store: Store
+    verify_delay: float = 0.0
 
     def log_message(self, *args) -> None:  # quiet; never echo request headers (they carry the token)
         pass
@@ -434,6 +435,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, None, {"ETag": f'"{oid}"'})
 
     def _lfs_verify(self, body: dict) -> None:
+        time.sleep(self.verify_delay)  # a window between an LFS upload and its commit (to SIGKILL a client in)
         path = self.store.blob_path(body.get("oid", "-"))
         if not path.exists() or path.stat().st_size != body.get("size"):
             raise HubError(404, f"object {body.get('oid')} not found or wrong size")
@@ -461,9 +463,9 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, raw=data, headers=headers, length=entry["size"])  # HEAD: the size, no body
 
 
-def serve(root: Path, port: int, tokens: dict, orgs: dict) -> None:
+def serve(root: Path, port: int, tokens: dict, orgs: dict, verify_delay: float = 0.0) -> None:
     """Blocking: print `READY <url>` once listening, serve until SIGTERM."""
-    handler = type("BoundHandler", (Handler,), {"store": Store(root, tokens, orgs)})
+    handler = type("BoundHandler", (Handler,), {"store": Store(root, tokens, orgs), "verify_delay": verify_delay})
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
@@ -483,8 +485,8 @@ class HubServer:
     """Start the server as a subprocess on a free loopback port; `stop()` ends it by pid."""
 
     def __init__(self, root: str | os.PathLike, tokens: dict[str, str] | None = None,
-                 orgs: dict[str, list[str]] | None = None):
-        self.root = Path(root)
+                 orgs: dict[str, list[str]] | None = None, verify_delay: float = 0.0):
+        self.root, self.verify_delay = Path(root), verify_delay
         self.tokens = tokens if tokens is not None else {"hf_test_write_token": "tester:write"}
         self.orgs = orgs or {}
         self.url: str | None = None
@@ -495,6 +497,7 @@ class HubServer:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--root", str(self.root), "--port", "0"]
         cmd += [a for tok, spec in self.tokens.items() for a in ("--token", f"{tok}:{spec}")]
         cmd += [a for org, users in self.orgs.items() for a in ("--org", f"{org}:{','.join(users)}")]
+        cmd += ["--verify-delay", str(self.verify_delay)]
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.root / "server.log"  # a file, not a pipe: an unread pipe would block the server
         with open(log, "w") as err:
@@ -576,13 +579,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", action="append", default=[], help="TOKEN:USER[:read|write] (default write)")
     parser.add_argument("--org", action="append", default=[], help="ORG:USER[,USER...]")
+    parser.add_argument("--verify-delay", type=float, default=0.0, help="seconds before answering an LFS verify")
     args = parser.parse_args(argv)
     tokens = {}
     for spec in args.token:
         token, user, *role = spec.split(":")
         tokens[token] = (user, role[0] if role else "write")
     orgs = {org: set(users.split(",")) for org, users in (s.split(":", 1) for s in args.org)}
-    serve(Path(args.root), args.port, tokens, orgs)
+    serve(Path(args.root), args.port, tokens, orgs, args.verify_delay)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,50 @@ def test_endpoint_that_stays_down_ends_with_one_clear_line(tmp_path, capsys):
     assert err[-1].startswith(f"error: conversation q0: http://127.0.0.1:{port}/v1/chat/completions: gave up after "
                               "2 attempts")
     assert "rerun to resume" in err[-1]
+
+
+# ---------------------------------------------------------------- push killed between an upload and its commit
+
+@pytest.mark.slow
+def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(tmp_path):
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from fixtures.drafters import write_drafter
+    from hub_server import TEST_ORGS, TEST_TOKENS, WRITE_TOKEN, HubServer, client_pointed_at
+
+    root = Path(__file__).resolve().parents[1]
+    src = write_drafter(tmp_path / "drafter")
+    (src / "eagle3_training.json").write_text('{"verifier": "org/verifier", "metrics": {}}')
+    weights = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    with HubServer(tmp_path / "hub", orgs=TEST_ORGS, tokens=TEST_TOKENS, verify_delay=30.0) as hub:
+        env = dict(hub.client_env(WRITE_TOKEN), PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "eagle3_hf.cli", "push", str(src), "--repo-id", "tester/killed"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+        blob = tmp_path / "hub" / "blobs" / weights
+        deadline = time.monotonic() + 120
+        while not blob.exists():  # the weights are uploaded; the client now waits on their verification
+            assert proc.poll() is None and time.monotonic() < deadline, "push ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with client_pointed_at(hub.url, cache_dir=tmp_path / "cache"):
+            from huggingface_hub import HfApi, hf_hub_download
+
+            api = HfApi(token=WRITE_TOKEN)
+            assert "model.safetensors" not in api.list_repo_files("tester/killed")  # nothing half-committed
+            commits_before = len(api.list_repo_commits("tester/killed"))
+            rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+            assert rerun.returncode == 0, rerun.stderr[-2000:]
+            files = set(api.list_repo_files("tester/killed"))
+            assert {"config.json", "model.safetensors", "README.md", "eagle3_training.json"} <= files
+            for name in ("config.json", "model.safetensors", "eagle3_training.json"):
+                got = Path(hf_hub_download("tester/killed", name, token=WRITE_TOKEN)).read_bytes()
+                assert got == (src / name).read_bytes(), name
+            assert len(api.list_repo_commits("tester/killed")) == commits_before + 1  # one commit, complete
+            assert "org/verifier" in Path(hf_hub_download("tester/killed", "README.md", token=WRITE_TOKEN)).read_text()
