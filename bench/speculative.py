@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/speculative.py [--drafter DIR_OR_REPO] [--num-prompts 3] [--k 3] [--max-new-tokens 32]
     .venv/bin/python bench/speculative.py --oracle 1.0    # the ceiling: drafts are the verifier's own tokens
+    .venv/bin/python bench/speculative.py --cycle-costs   # one cycle's pieces -> predicted speedup at each tau
 
 Runs on the embedded SmolLM2-135M-Instruct and the first N MT-bench questions (first turn). Plain and
 speculative decoding of each prompt are timed back to back in one run, so the speedup is a ratio on the
@@ -73,6 +74,50 @@ def oracle_bench(verifier, tokenizer, prompts, k: int, max_new_tokens: int, hit_
           f"speedup {base_s / spec_s:.2f}x (plain {base_s:.1f} s, speculative {spec_s:.1f} s) | lossless {lossless}")
 
 
+def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, reps: int = 15) -> None:
+    """Median cost of each piece of one speculative cycle at a real context, interleaved so that load drifts
+    hit all alike: the plain one-token forward t1, the verify forward over k + 1 tokens (with the aux states),
+    a drafting step and the drafter's update after a verify (2 accepted tokens), for a random drafter of the
+    given draft vocabulary. Predicted speedup S(tau) = tau t1 / (t_verify + (k - 1) t_draft + t_update), the
+    other per-cycle work (argmax, crop, margins) being measured as negligible. One thread: CPU seconds, which
+    other processes on a shared machine do not inflate; more threads: wall seconds."""
+    from eagle3_hf.cpu_linear import prepacked_linears
+    from eagle3_hf.speculative import _crop, _new_cache, _verifier_forward
+
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    drafter = random_drafter(verifier, draft_vocab_size).to(verifier.device)
+    aux_indices = list(drafter.config.aux_hidden_state_indices)
+    ids = torch.tensor([render_prompt(tokenizer, [{"role": "user", "content": prompts[0]["turns"][0]}])])
+    n = ids.shape[1]
+    times: dict[str, list[float]] = {"t1": [], "verify": [], "draft": [], "update": []}
+    with torch.inference_mode(), prepacked_linears(verifier, drafter):
+        cache = _new_cache(verifier)
+        _, aux = _verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
+        _, hidden, d_cache = drafter.draft_step(ids, aux, torch.arange(n)[None], logits_to_keep=1)
+        tok = ids[:, -1:]
+        for rep in range(reps + 2):
+            start = clock()
+            _verifier_forward(verifier, tok, cache, None, last_only=True)
+            t1 = clock()
+            _verifier_forward(verifier, tok.repeat(1, k + 1), cache, aux_indices)
+            verify = clock()
+            drafter.draft_step(tok, hidden[:, -1:], torch.tensor([[n]]), d_cache)
+            draft = clock()
+            drafter.draft_step(tok.repeat(1, 2), aux[:, -2:], torch.tensor([[n, n + 1]]), d_cache, logits_to_keep=1)
+            update = clock()
+            _crop(cache, n)
+            if rep >= 2:  # two warm-ups
+                for key, (a, b) in zip(times, ((start, t1), (t1, verify), (verify, draft), (draft, update))):
+                    times[key].append(b - a)
+    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    cycle = med["verify"] + (k - 1) * med["draft"] + med["update"]
+    print(f"per-cycle costs at context {n}, k={k}, draft vocabulary {draft_vocab_size} ({clock.__name__}): "
+          + ", ".join(f"{key} {1e3 * value:.1f} ms" for key, value in med.items())
+          + f" | verify/t1 {med['verify'] / med['t1']:.2f}, cycle/t1 {cycle / med['t1']:.2f}")
+    print("predicted speedup: " + ", ".join(f"tau {tau}: {tau * med['t1'] / cycle:.2f}x" for tau in (1.2, 1.5, 2.0, 2.5, 3.0))
+          + f" | break-even tau {cycle / med['t1']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", default=None, help="drafter directory or repo id (default: random drafter)")
@@ -82,6 +127,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--oracle", type=float, default=None, metavar="HIT_RATE",
                         help="measure an oracle drafter instead (greedy only)")
+    parser.add_argument("--cycle-costs", action="store_true",
+                        help="time the pieces of one draft+verify cycle and predict the speedup at a given tau")
+    parser.add_argument("--draft-vocab-size", type=int, default=4096, help="random drafter's, for --cycle-costs")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; 1 (default) is steadier and faster on a shared CPU, 0 = torch's")
@@ -95,6 +143,8 @@ def main() -> None:
     prompts, prompts_name = load_prompts("mt-bench", args.num_prompts)
     print(f"verifier {args.verifier} | device {device}, {torch.get_num_threads()} threads | {len(prompts)} MT-bench "
           f"prompts x {args.max_new_tokens} new tokens, k={args.k}")
+    if args.cycle_costs:
+        return cycle_costs(verifier, tokenizer, prompts, args.k, args.draft_vocab_size)
     if args.oracle is not None:
         return oracle_bench(verifier, tokenizer, prompts, args.k, args.max_new_tokens, args.oracle)
     if args.drafter:

@@ -504,13 +504,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+        logits_to_keep: int = 0,
     ):
         """Process q new positions causally after a cache, as an engine does.
 
         input_ids [1, q] (the token after each feature), hidden_states [1, q, 3 x target_hidden] (verifier aux
         states) or [1, q, H] (the drafter's own previous output), position_ids [1, q]. Returns
         (logits [1, q, Vd], hidden [1, q, H] pre-norm, (k, v) cache [1, nkv, S + q, hd]). Crop the cache to
-        drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`.
+        drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`. `logits_to_keep` N > 0 computes the lm_head for
+        the last N positions only (logits [1, N, Vd]), as in transformers' causal LMs.
         """
         self._check_embeddings()
         attn = self.midlayer.self_attn
@@ -525,7 +527,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
         out = attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
         hidden = self.midlayer.finish(out, residual)
-        return self.lm_head(self.norm(hidden)), hidden, (k, v)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        return self.lm_head(self.norm(kept)), hidden, (k, v)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import inspect
 import json
 import shutil
@@ -27,6 +28,7 @@ import torch
 
 from .configuration_eagle3 import text_config
 from .constants import ACCEPTANCE_FILE, EVALUATION_FILE
+from .cpu_linear import prepacked_linears
 
 TIE_MARGIN = 1e-4  # DESIGN.md §3: top-2 fp32 logits closer than this are a numerical tie
 
@@ -58,12 +60,33 @@ def _crop(cache, length: int) -> None:
     cache.crop(-max(cache.get_seq_length() - length, 0))
 
 
-def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None):
-    """ids [1, q] after `cache` -> (fp32 logits [q, V], aux features [1, q, 3 x H] or None)."""
-    cache_kw = "cache" if "cache" in inspect.signature(verifier.forward).parameters else "past_key_values"
-    out = verifier(input_ids=ids, use_cache=True, output_hidden_states=aux_indices is not None, **{cache_kw: cache})
+@functools.lru_cache(maxsize=None)
+def _parameters(forward) -> frozenset[str]:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether `fn` (a bound method) takes the keyword `name`; looked up once per function."""
+    return name in _parameters(getattr(fn, "__func__", fn))
+
+
+def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None, last_only: bool = False):
+    """ids [1, q] after `cache` -> (fp32 logits [q, V] or [1, V] with last_only, aux [1, q, 3 x H] or None).
+
+    last_only computes the lm_head for the last position only (a prefill needs no other row)."""
+    kwargs = {"cache" if _accepts(verifier.forward, "cache") else "past_key_values": cache}
+    if last_only and _accepts(verifier.forward, "logits_to_keep"):
+        kwargs["logits_to_keep"] = 1
+    out = verifier(input_ids=ids, use_cache=True, output_hidden_states=aux_indices is not None, **kwargs)
     aux = torch.cat([out.hidden_states[i] for i in aux_indices], dim=-1) if aux_indices is not None else None
-    return out.logits[0].float(), aux
+    logits = out.logits[0]
+    return (logits[-1:] if last_only else logits).float(), aux
+
+
+def _draft_step(drafter, ids, hidden, positions, cache, last_only: bool = False):
+    """drafter.draft_step, with the draft lm_head over the last position only where that is all we read."""
+    kwargs = {"logits_to_keep": 1} if last_only and _accepts(drafter.draft_step, "logits_to_keep") else {}
+    return drafter.draft_step(ids, hidden, positions, cache, **kwargs)
 
 
 def _margins(logits: torch.Tensor) -> list[float]:
@@ -118,6 +141,17 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], gene
 # ---------------------------------------------------------------- decoding
 
 
+def _prepacked(decode):
+    """Run a decoder with every fp32 CPU Linear of its model arguments on prepacked oneDNN weights
+    (cpu_linear.py): the same kernels for plain and speculative decoding, so the speedup stays honest."""
+    @functools.wraps(decode)
+    def wrapper(*args, **kwargs):
+        with prepacked_linears(*args, *kwargs.values()):
+            return decode(*args, **kwargs)
+    return wrapper
+
+
+@_prepacked
 @torch.inference_mode()
 def greedy_generate(verifier, input_ids, max_new_tokens: int, eos_token_id=None, temperature: float = 0.0,
                     generator: torch.Generator | None = None) -> dict[str, Any]:
@@ -131,9 +165,8 @@ def greedy_generate(verifier, input_ids, max_new_tokens: int, eos_token_id=None,
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=verifier.device).view(1, -1)  # [1, P]
     tokens, margins, forwards = [], [], 0
     while len(tokens) < max_new_tokens:
-        logits, _ = _verifier_forward(verifier, ids, cache, None)
+        last, _ = _verifier_forward(verifier, ids, cache, None, last_only=True)  # [1, V]
         forwards += 1
-        last = logits[-1:]  # [1, V]
         margins += _margins(last)
         token = int(last.argmax()) if temperature <= 0 else _sample(_probs(last[0], temperature), generator)
         tokens.append(token)
@@ -144,6 +177,7 @@ def greedy_generate(verifier, input_ids, max_new_tokens: int, eos_token_id=None,
             "seconds": time.perf_counter() - start}
 
 
+@_prepacked
 @torch.inference_mode()
 def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_tokens: int = 64,
                          temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -168,13 +202,13 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
 
     # prefill: the verifier reads the prompt; the drafter reads (feature of t, token t+1) for t < P
     cache = _new_cache(verifier)
-    logits, aux = _verifier_forward(verifier, prompt, cache, aux_indices)  # [P, V], [1, P, 3H]
+    logits, aux = _verifier_forward(verifier, prompt, cache, aux_indices, last_only=True)  # [1, V], [1, P, 3H]
     _rollbackable(cache)
     margins = _margins(logits[-1:])
     last = int(logits[-1].argmax()) if greedy else _sample(_probs(logits[-1], temperature), generator)
     tokens = [last]
     next_ids = torch.cat([prompt[:, 1:], prompt.new_tensor([[last]])], dim=1)  # [1, P]
-    d_logits, d_hidden, d_cache = drafter.draft_step(next_ids, aux, torch.arange(n, device=device)[None])
+    d_logits, d_hidden, d_cache = _draft_step(drafter, next_ids, aux, torch.arange(n, device=device)[None], None, True)
     d_logits, d_hidden = d_logits[0, -1], d_hidden[:, -1:]  # [Vd] predicts token n+1; [1, 1, H]
 
     accepted_steps, drafted_steps, draft_tokens = [], [], []  # per verify forward
@@ -220,8 +254,8 @@ def speculative_generate(verifier, drafter, input_ids, k: int = 3, max_new_token
             break
         _crop(cache, n + 1 + accepted)  # the verifier keeps [.., last, d_1 .. d_a]; the bonus is unread
         # the drafter drops its draft-time entries and reads the verifier's features of the accepted tokens
-        d_out = drafter.draft_step(torch.tensor([new], device=device), v_aux[:, : accepted + 1],
-                                   torch.arange(n, n + accepted + 1, device=device)[None], d_cache)
+        d_out = _draft_step(drafter, torch.tensor([new], device=device), v_aux[:, : accepted + 1],
+                            torch.arange(n, n + accepted + 1, device=device)[None], d_cache, last_only=True)
         d_logits, d_hidden, d_cache = d_out[0][0, -1], d_out[1][:, -1:], d_out[2]
         n += accepted + 1
 
