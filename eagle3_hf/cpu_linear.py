@@ -19,6 +19,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+# Rows the packed layout is chosen for: any hint from 4 to 64 measured alike for 1 to 128 rows, while a hint of
+# 1 made one row 1.2x and four rows 1.7x slower.
+_BATCH_HINT = 64
 _PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple[int, int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
@@ -34,7 +37,7 @@ def _packed(module: nn.Linear) -> torch.Tensor:
     cached = _PACKED.get(module)
     if cached is None or cached[:2] != key:
         with torch.no_grad():
-            cached = (*key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+            cached = (*key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT))
         _PACKED[module] = cached
     return cached[2]
 
