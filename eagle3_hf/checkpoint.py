@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .configuration_eagle3 import Eagle3Config, aux_indices_from_config
+from .configuration_eagle3 import Eagle3Config, aux_indices_from_config, text_config
 
 EMBED_KEY = "embed_tokens.weight"
 LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors list them
@@ -292,7 +292,7 @@ def refuse_non_drafter(name: str | os.PathLike, path: Path, raw: dict[str, Any])
             names.update(f.keys())
     if not names or "fc.weight" in names:
         return  # no weights: read_safetensors_dir says so
-    text = raw.get("text_config") or raw
+    text = text_config(raw)
     layers = text.get("num_hidden_layers")
     arch = (raw.get("architectures") or [raw.get("model_type") or "model"])[0]
     what = f"a {layers}-layer {arch}" if layers else arch
