@@ -158,3 +158,72 @@ def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(
                 assert got == (src / name).read_bytes(), name
             assert len(api.list_repo_commits("tester/killed")) == commits_before + 1  # one commit, complete
             assert "org/verifier" in Path(hf_hub_download("tester/killed", "README.md", token=WRITE_TOKEN)).read_text()
+
+
+# ---------------------------------------------------------------- ZeRO-3 training killed and resumed
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    from train_fixtures import build_offline_data, save_verifier
+
+    root = tmp_path_factory.mktemp("zero3")
+    verifier = save_verifier(root / "verifier")
+    return {"verifier_dir": root / "verifier", "features": build_offline_data(root, verifier, num_samples=48)}
+
+
+@pytest.mark.slow
+def test_sigkill_during_two_process_zero3_training_then_resume_matches_uninterrupted(synthetic, tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(__file__).resolve().parents[1]
+
+    def command(out: Path, port: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(root / "accelerate_configs/cpu_2proc.yaml"), "--main_process_port", str(port),
+                str(root / "examples/train.py"), "--verifier", str(synthetic["verifier_dir"]), "--data-dir",
+                str(synthetic["features"]), "--output-dir", str(out), "--deepspeed", str(root / "ds_configs/zero3.json"),
+                "--num-train-epochs", "3", "--validation-fraction", "0.2", "--save-strategy", "steps",
+                "--save-steps", "2", "--save-total-limit", "10", "--eval-strategy", "no", "--max-seq-len", "128",
+                "--per-device-train-batch-size", "2", "--learning-rate", "1e-2", "--disable-tqdm", "true",
+                "--seed", "7", *extra]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    done = subprocess.run(command(full, 29631), capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = json.loads((full / "eagle3_training.json").read_text())["log_history"][-1]["step"]
+    proc = subprocess.Popen(command(killed, 29632), env=env, cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (killed / "checkpoint-4" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, as a node failure would
+    proc.wait()
+    assert not (killed / "model.safetensors").exists()
+    complete = sorted((p for p in killed.glob("checkpoint-*") if (p / "trainer_state.json").exists()),
+                      key=lambda p: int(p.name.split("-")[1]))
+    assert int(complete[-1].name.split("-")[1]) < steps
+    resumed = subprocess.run(command(killed, 29633, "--resume-from-checkpoint", str(complete[-1])),
+                             capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = json.loads((full / "eagle3_training.json").read_text())
+    b = json.loads((killed / "eagle3_training.json").read_text())
+    for key in ("step_accuracy", "step_conditional_accuracy"):
+        assert b["metrics"][key] == pytest.approx(a["metrics"][key], abs=1e-6)
+    assert b["metrics"]["simulated_acceptance_length"] == pytest.approx(a["metrics"]["simulated_acceptance_length"],
+                                                                      abs=1e-6)
+    assert b["log_history"][-1]["step"] == steps
+    with safe_open(str(full / "model.safetensors"), framework="pt") as fa, \
+            safe_open(str(killed / "model.safetensors"), framework="pt") as fb:
+        assert set(fa.keys()) == set(fb.keys())
+        for key in fa.keys():
+            torch.testing.assert_close(fa.get_tensor(key), fb.get_tensor(key), atol=1e-6, rtol=1e-5)
