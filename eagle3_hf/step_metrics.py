@@ -1,6 +1,6 @@
 """TTT targets, the loss and per-step metrics — one definition shared by the trainer, evaluation and diff.
 
-For step i the drafter's output at position t predicts token t + 2 + i (DESIGN.md §3). Its teacher is the
+For step i the drafter's output at position t predicts token t + 2 + i (docs/contracts.md, TTT). Its teacher is the
 verifier's distribution at position t + 1 + i (restricted to the draft vocabulary, renormalised), its
 greedy reference is `verifier_greedy[t + 1 + i]`, and it counts only where token t + 2 + i is an
 assistant token of the same document. Positions whose greedy token lies outside the draft vocabulary

@@ -1,6 +1,6 @@
 """`eagle3-hf extract`: run the verifier over a prepared dataset and write its features to shards.
 
-Offline mode of DESIGN.md §1 step 3. One verifier forward per sample (no padding, so a sample's features
+The pipeline's offline mode (docs/contracts.md). One verifier forward per sample (no padding, so a sample's features
 do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one). Under
 `torchrun` / `accelerate launch` each rank takes samples i with i % world_size == rank, writes its own
 shards and journal, and rank 0 merges all journals into manifest.json once every sample is accounted for.

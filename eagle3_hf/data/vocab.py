@@ -1,4 +1,4 @@
-"""The draft vocabulary: the N target ids the drafter can propose (DESIGN.md §3, d2t / t2d).
+"""The draft vocabulary: the N target ids the drafter can propose (docs/contracts.md, d2t / t2d).
 
 Kept ids are the N most frequent *assistant* tokens (loss_mask = 1), ties broken by lower id so the
 choice is deterministic, then sorted ascending, and turned into `d2t` / `t2d` by
