@@ -4,18 +4,17 @@ Each command module exposes `add_arguments(parser)` and `run(args) -> int`; it i
 when its command runs, so `eagle3-hf --help` stays fast and a stage's heavy imports stay local.
 
 User errors (eagle3_hf/errors.py) end as one line `error: ...` on stderr and exit status 1; `--debug` (before
-or after the command) or EAGLE3_HF_DEBUG=1 shows their traceback. Any other exception is a bug and keeps its
-traceback.
+the command, or anywhere but in `train`'s arguments, where TrainingArguments owns it) or EAGLE3_HF_DEBUG=1
+shows their traceback. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-from .errors import USER_ERRORS
+from .errors import run_reporting_user_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("eagle3_hf.data.prepare", "render conversations with the verifier's chat template + loss masks"),
@@ -45,23 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error becomes `error: <message>` on stderr and exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
-    if debug:
-        return _dispatch(argv)
-    try:
-        return _dispatch(argv)
-    except USER_ERRORS as exc:
-        return _one_line(str(exc) or type(exc).__name__)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):  # raise SystemExit("message"): a user error too
-            return _one_line(exc.code)
-        raise
-
-
-def _one_line(message: str) -> int:
-    print(f"error: {message.strip()}", file=sys.stderr)  # a list of findings may follow on indented lines
-    return 1
+    debug = False
+    while argv[:1] == ["--debug"]:
+        debug, argv = True, argv[1:]
+    if argv[:1] != ["train"] and "--debug" in argv:  # train keeps TrainingArguments' own --debug
+        debug, argv = True, [a for a in argv if a != "--debug"]
+    return run_reporting_user_errors(_dispatch, argv, debug)
 
 
 def _dispatch(argv: list[str]) -> int:

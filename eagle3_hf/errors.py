@@ -9,6 +9,10 @@ of a user error too.
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any, Callable
+
 
 class Eagle3Error(Exception):
     """Bad input or environment, explained by the message (a project error that is not a ValueError/OSError)."""
@@ -31,3 +35,25 @@ def describe_non_finite(names: list[str]) -> str:
     """'3 tensors contain NaN/Inf (a, b, c)', at most four names."""
     more = ", ..." if len(names) > 4 else ""
     return f"{len(names)} tensor(s) contain NaN/Inf ({', '.join(names[:4])}{more})"
+
+
+def run_reporting_user_errors(run: Callable[[list[str]], Any], argv: list[str], debug: bool = False) -> int:
+    """`run(argv)` with a user error printed as one line `error: ...` (exit status 1); other exceptions propagate.
+    The shared entry of `eagle3-hf` and examples/train.py; `debug` or EAGLE3_HF_DEBUG=1 re-raises everything."""
+    if debug or os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"):
+        result = run(argv)
+        return result if isinstance(result, int) else 0
+    try:
+        result = run(argv)
+    except USER_ERRORS as exc:
+        return _one_line(str(exc) or type(exc).__name__)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # raise SystemExit("message"): a user error too
+            return _one_line(exc.code)
+        raise
+    return result if isinstance(result, int) else 0
+
+
+def _one_line(message: str) -> int:
+    print(f"error: {message.strip()}", file=sys.stderr)  # a list of findings may follow on indented lines
+    return 1

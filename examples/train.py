@@ -91,4 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from eagle3_hf.errors import run_reporting_user_errors
+
+    sys.exit(run_reporting_user_errors(main, sys.argv[1:]))  # bad input: one `error:` line, no traceback

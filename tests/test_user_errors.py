@@ -167,3 +167,13 @@ def test_evaluate_with_a_drafter_for_another_verifier_names_that_verifier(synthe
     assert rc != 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "built for org/synthetic-256" in last and "vocab_size 256" in last
+
+
+def test_train_script_reports_user_errors_in_one_line(tmp_path):
+    """`accelerate launch examples/train.py ...` is how most users train: its bad input reads like the CLI's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("EAGLE3_HF_DEBUG", None)
+    result = subprocess.run([sys.executable, str(ROOT / "examples/train.py"), "--data-dir", str(tmp_path / "none"),
+                             "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                            env=env, cwd=ROOT)
+    assert_one_line_error(result, str(tmp_path / "none"))
