@@ -15,6 +15,9 @@ through its output embedding a chunk of positions at a time so [T, V] fp32 logit
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -77,6 +80,41 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
 
 
+@contextmanager
+def capture_layer_outputs(model: nn.Module, aux_indices) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks on the decoder layers behind `aux_indices`: while active, every forward of `model`
+    leaves the outputs of those layers ([B, T, H], by output_hidden_states index) in the yielded dict."""
+    indices = check_aux_indices(aux_indices, text_config(model).num_hidden_layers)
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(index: int):
+        def hook(_module, _args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+
+        return hook
+
+    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in indices]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The base decoder (no LM head): its `last_hidden_state` is the post-norm final state."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def aux_from(captured: dict[int, torch.Tensor], indices) -> torch.Tensor:
+    """The captured layer outputs concatenated in index order: [..., 3H]."""
+    missing = [i for i in indices if i not in captured]
+    if missing:
+        raise RuntimeError(f"hooks on decoder layers for aux indices {missing} did not fire")
+    return torch.cat([captured[i] for i in indices], dim=-1)
+
+
 @torch.no_grad()
 def capture_features(
     model: nn.Module, input_ids: torch.Tensor, aux_indices, out_device: torch.device | str | None = None
@@ -87,30 +125,12 @@ def capture_features(
     last_hidden_state [T, H] (post-norm) and verifier_greedy int64 [T], all on `out_device` (default: the
     device of the final hidden state).
     """
-    num_layers = text_config(model).num_hidden_layers
-    indices = check_aux_indices(aux_indices, num_layers)
+    indices = check_aux_indices(aux_indices, text_config(model).num_hidden_layers)
     ids = input_ids.reshape(1, -1).to(_input_device(model), dtype=torch.long)  # [1, T]
-    layers = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook_for(index: int):
-        def hook(_module, _args, output):
-            captured[index] = (output[0] if isinstance(output, tuple) else output)[0]  # [T, H]
-
-        return hook
-
-    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in indices]
-    try:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        out = decoder(input_ids=ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with capture_layer_outputs(model, indices) as captured:
+        out = decoder_of(model)(input_ids=ids, use_cache=False)
     last = out.last_hidden_state[0]  # [T, H], after the final norm
-    missing = [i for i in indices if i not in captured]
-    if missing:
-        raise RuntimeError(f"hooks on decoder layers for aux indices {missing} did not fire")
     device = torch.device(out_device) if out_device is not None else last.device
+    aux = aux_from({i: captured[i][0].to(device) for i in captured}, indices)  # [T, 3H]
     greedy = greedy_tokens(model, last)
-    aux = torch.cat([captured[i].to(device) for i in indices], dim=-1)  # [T, 3H]
     return {"aux_hidden_states": aux, "last_hidden_state": last.to(device), "verifier_greedy": greedy.to(device)}

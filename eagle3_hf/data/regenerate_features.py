@@ -1,0 +1,385 @@
+"""`eagle3-hf regenerate --verifier V --features-out DIR`: answers, features and the prepared dataset in one pass.
+
+`regenerate` -> `prepare` -> `extract` runs the verifier twice over every answer token. Here the generation's
+own hidden states are written (generate_features.py): the same shards, journals, manifest, checksums and
+refusals as `extract` (ShardWriter), the conversations to --output as `regenerate` writes them, and with
+--prepared-out the dataset `prepare` would write (id, input_ids, loss_mask + its meta), for `vocab`.
+
+A sample is prompt + generated answer + the template's tail after an answer, in the GENERATED token ids:
+decoding an answer and tokenizing it again can give other ids, and the features belong to these. Loss mask
+by prepare's rule: earlier assistant turns (prepare's spans, mapped onto the prompt's tokens), the answer,
+and the tail up to its trailing whitespace (ChatML: `<|im_end|>` yes, the newline after it no).
+Multi-turn conversations are answered turn by turn; the sample comes from the last turn's pass, whose
+prefill covers the whole history. Refused by id, counted in the manifest like extract's refusals:
+`no_generated_turn`, `messages_after_last_turn` (a tool call kept verbatim after it: run prepare + extract
+for those), `template_rewrites_history`, `no_loss_tokens` (after --max-seq-len), `nan_or_inf`.
+
+Numerics: a KV-cached, left-padded batched pass instead of extract's one full forward per sample, so the
+features differ from extract's by float rounding (tests/test_regenerate_features.py states the tolerance).
+
+--num-workers N: N processes (this one and N-1 spawned), each a rank of the feature directory as under
+`extract` with torchrun, taking length-sorted batches from one queue (a process slowed by a busy machine
+takes fewer). Resume: a conversation is done once its sample or refusal is journaled. Each rank appends its
+answers to OUTPUT.rNNN.pending (fsync'd) before their shard can be journaled, and they move to OUTPUT when
+that shard is; a kill at any point loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import check_aux_indices, default_aux_indices
+from .extract import verifier_info
+from .prepare import META_FILE, NoLossTokens, apply_policies, assistant_spans, chat_template_source, save_prepared
+from .regenerate import TransformersBackend, _Conversation, completed_ids
+from .shards import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
+
+_MARK = "EAGLE3ANSWERMARK"
+
+
+# ---------------------------------------------------------------- template pieces
+
+class _Template:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.reasoning = "reasoning_content" in chat_template_source(tokenizer)
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        return apply_policies(messages, renders_reasoning=self.reasoning)  # what prepare renders
+
+    def prompt(self, messages: list[dict], tools) -> tuple[str, list[int], list[int], list[int], list[int]]:
+        """(prompt text, its ids, token start offsets, tail ids, tail loss mask) for generating the next turn."""
+        msgs = self.messages(messages)
+        text = self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        full = self.tok.apply_chat_template(msgs + [{"role": "assistant", "content": _MARK}], tools=tools,
+                                            tokenize=False)
+        if not full.startswith(text + _MARK):
+            raise ValueError("the chat template adds text between the generation prompt and the answer")
+        tail = full[len(text) + len(_MARK):]
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        tail_enc = self.tok(tail, add_special_tokens=False, return_offsets_mapping=True)
+        end = len(tail.rstrip())  # prepare: the turn ends before the template's trailing whitespace
+        tail_mask = [int(s < end) for s, _ in tail_enc["offset_mapping"]]
+        return text, list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]], list(tail_enc["input_ids"]), tail_mask
+
+
+# ---------------------------------------------------------------- one batch of conversations
+
+def _run_batch(convs: list[dict], backend: TransformersBackend, gen, template: _Template, max_turns: int | None,
+               max_seq_len: int | None) -> tuple[list[tuple[dict, Any]], int]:
+    """(regenerated row, sample dict or refusal reason) per conversation, turn by turn as `regenerate`,
+    and the number of tokens generated."""
+    states = [_Conversation(c, max_turns) for c in convs]
+    last: dict[int, tuple] = {}
+    generated = 0
+    while True:
+        asks = [(k, p) for k, s in enumerate(states) if (p := s.next_prompt()) is not None]
+        if not asks:
+            break
+        pieces = {}
+        for k, p in asks:
+            try:
+                pieces[k] = template.prompt(p, convs[k].get("tools"))
+            except ValueError as e:
+                raise ValueError(f"conversation {convs[k]['id']}: {e}") from None
+        results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][3] for k, _ in asks])
+        for (k, p), r in zip(asks, results):
+            content = backend.tokenizer.decode(r.answer, skip_special_tokens=True)
+            states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
+            last[k] = (len(p), pieces[k], r)
+            generated += len(r.answer)
+    out = []
+    for k, state in enumerate(states):
+        row = state.row(backend.name)
+        out.append((row, _sample(row, convs[k], last.get(k), template, max_seq_len)))
+    return out, generated
+
+
+def _sample(row: dict, conv: dict, last, template: _Template, max_seq_len: int | None):
+    if last is None:
+        return "no_generated_turn"
+    n_prompt, (_text, prompt_ids, starts, _tail, tail_mask), r = last
+    if len(row["messages"]) != n_prompt + 1:
+        return "messages_after_last_turn"
+    try:
+        _, spans = assistant_spans(template.messages(row["messages"]), template.tok, tools=conv.get("tools"),
+                                   sample_id=str(conv["id"]))
+    except NoLossTokens:
+        spans = []
+    except ValueError:
+        return "template_rewrites_history"
+    prompt_mask = [int(any(a <= s < b for a, b in spans)) for s in starts]
+    mask = prompt_mask + [1] * len(r.answer) + tail_mask
+    ids = r.input_ids
+    if len(ids) != len(mask):
+        raise RuntimeError(f"conversation {conv['id']}: {len(ids)} tokens but {len(mask)} mask entries")
+    n = len(ids) if max_seq_len is None else min(len(ids), max_seq_len)
+    if not any(mask[:n]):
+        return "no_loss_tokens"
+    return {"input_ids": torch.tensor(ids[:n]), "loss_mask": torch.tensor(mask[:n]),
+            "aux_hidden_states": r.aux_hidden_states[:n].float(), "last_hidden_state": r.last_hidden_state[:n].float(),
+            "verifier_greedy": r.verifier_greedy[:n]}
+
+
+# ---------------------------------------------------------------- one rank
+
+def _pending_path(output: Path, rank: int) -> Path:
+    return output.with_name(f"{output.name}.r{rank:03d}.pending")
+
+
+def _work(rank: int, backend: TransformersBackend, job: dict, next_batch, report) -> None:
+    """Process batches until next_batch() returns None; report(dict) after each."""
+    from .generate_features import FeatureGenerator
+
+    gen = FeatureGenerator(backend.model, job["aux"], set(backend.eos), backend.pad, backend.max_new_tokens,
+                           backend.temperature, backend.top_p)
+    template = _Template(backend.tokenizer)
+    writer = ShardWriter(job["features_out"], job["header"], rank=rank, samples_per_shard=job["samples_per_shard"])
+    pending = open(_pending_path(Path(job["output"]), rank), "ab")
+    try:
+        while (batch := next_batch()) is not None:
+            done, generated = _run_batch(batch, backend, gen, template, job["max_turns"], job["max_seq_len"])
+            pending.write(b"".join((json.dumps(row, ensure_ascii=False) + "\n").encode() for row, _ in done))
+            pending.flush()
+            os.fsync(pending.fileno())  # answers are durable before their shard can be journaled
+            tokens = 0
+            for row, sample in done:
+                if isinstance(sample, str):
+                    writer.skip(str(row["id"]), sample)
+                elif writer.add(str(row["id"]), **sample):
+                    tokens += sample["input_ids"].numel()
+            report({"rank": rank, "conversations": len(done), "tokens": tokens, "generated": generated})
+    finally:
+        writer.close()
+        pending.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: a spawned worker is killed when its parent dies (no orphan keeps writing a rank's shards)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawned_worker(rank: int, spec: dict, job: dict, tasks, results, threads: int) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    try:
+        backend = TransformersBackend(**spec)
+
+        def next_batch():
+            return tasks.get()
+
+        _work(rank, backend, job, next_batch, results.put)
+    except BaseException as e:  # reported to the parent, which fails the run
+        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from None
+    results.put({"rank": rank, "finished": True})
+
+
+# ---------------------------------------------------------------- resume bookkeeping
+
+def _journaled_ids(features_out: Path) -> set[str]:
+    try:
+        manifest = merge_manifests(features_out, write=False)
+    except FileNotFoundError:
+        return set()
+    done = {s["id"] for s in manifest["samples"]}
+    for ids in manifest.get("skipped_ids", {}).values():
+        done.update(ids)
+    return done
+
+
+def _settle_answers(output: Path, features_out: Path) -> set[str]:
+    """Move answers whose shard is journaled from the pending files to OUTPUT; drop the rest (redone)."""
+    done = _journaled_ids(features_out)
+    present = completed_ids(output)
+    stray = present - done
+    if stray:
+        raise ValueError(f"{output}: {len(stray)} conversations (e.g. {sorted(stray)[0]!r}) have no features in "
+                         f"{features_out}; use a new --output, or prepare + extract them")
+    with open(output, "ab") as f:
+        for path in sorted(output.parent.glob(f"{output.name}.r*.pending")):
+            raw = path.read_bytes()
+            for line in raw[: raw.rfind(b"\n") + 1].splitlines():
+                row = json.loads(line)
+                if str(row["id"]) in done and str(row["id"]) not in present:
+                    f.write(line + b"\n")
+                    present.add(str(row["id"]))
+        f.flush()
+        os.fsync(f.fileno())
+    for path in output.parent.glob(f"{output.name}.r*.pending"):
+        path.unlink()
+    return done
+
+
+# ---------------------------------------------------------------- the prepared dataset, from the shards
+
+def write_prepared(features_out: Path, out_dir: Path, tokenizer, tokenizer_name: str, order: list[str],
+                   options: dict) -> dict:
+    """`prepare`'s output for the samples in `features_out` (input_ids + loss_mask read back from the shards),
+    in input order; its meta counts refusals as prepare counts skips."""
+    import datasets
+    from safetensors import safe_open
+
+    from .prepare import build_meta, new_stats
+
+    manifest = load_manifest(features_out)
+    by_shard: dict[str, list[dict]] = {}
+    for s in manifest["samples"]:
+        by_shard.setdefault(s["shard"], []).append(s)
+    rows: dict[str, tuple[list[int], list[int]]] = {}
+    for shard, samples in by_shard.items():
+        with safe_open(str(features_out / shard), framework="pt") as f:
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        for s in samples:
+            a, b = s["offset"], s["offset"] + s["length"]
+            rows[s["id"]] = (ids[a:b].tolist(), mask[a:b].tolist())
+    rank = {sid: i for i, sid in enumerate(order)}
+    keys = sorted(rows, key=lambda sid: (rank.get(sid, len(rank)), sid))
+    stats = new_stats()
+    stats.update(input=len(keys) + sum(manifest["skipped"].values()), samples=len(keys),
+                 tokens=sum(len(rows[k][0]) for k in keys), loss_tokens=sum(sum(rows[k][1]) for k in keys))
+    stats["skipped"].update(manifest["skipped"])
+    features = datasets.Features({"id": datasets.Value("string"),
+                                  "input_ids": datasets.List(datasets.Value("int32")),
+                                  "loss_mask": datasets.List(datasets.Value("int8"))})
+    ds = datasets.Dataset.from_dict({"id": keys, "input_ids": [rows[k][0] for k in keys],
+                                     "loss_mask": [rows[k][1] for k in keys]}, features=features)
+    meta = build_meta(tokenizer, tokenizer_name, stats, options)
+    save_prepared(ds, out_dir, meta)
+    return meta
+
+
+# ---------------------------------------------------------------- driver
+
+def regenerate_with_features(conversations: list[dict], output: str | Path, features_out: str | Path,
+                             backend: TransformersBackend, *, num_workers: int = 1, batch_size: int = 16,
+                             max_turns: int | None = None, max_seq_len: int | None = None, dtype: str = "bfloat16",
+                             aux_indices=None, samples_per_shard: int = 64, prepared_out: str | Path | None = None,
+                             progress: bool = True) -> dict:
+    """Regenerate every conversation without features in `features_out`; write answers, features and (with
+    `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
+    from tqdm.auto import tqdm
+
+    from .fingerprint import tokenizer_fingerprint
+
+    output, features_out = Path(output), Path(features_out)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.touch()
+    info = verifier_info(backend.model, backend.name, backend.spec.get("revision"))
+    aux = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]), info["num_hidden_layers"])
+    fingerprint = tokenizer_fingerprint(backend.tokenizer)
+    header = make_header(info, fingerprint, aux, canonical_dtype(dtype))
+    ids = [str(c["id"]) for c in conversations]
+    if len(set(ids)) != len(ids):
+        dup = next(i for k, i in enumerate(ids) if i in ids[:k])
+        raise ValueError(f"conversation id {dup!r} appears more than once; ids must be unique")
+    done = _settle_answers(output, features_out)
+    todo = [c for c in conversations if str(c["id"]) not in done]
+    # length-sorted batches (little padding), longest first (the stragglers at the end are short)
+    template = _Template(backend.tokenizer)
+    length = {}
+    for c in todo:
+        first = _Conversation(c, max_turns).next_prompt()
+        length[str(c["id"])] = len(template.prompt(first, c.get("tools"))[1]) if first else 0
+    todo.sort(key=lambda c: -length[str(c["id"])])
+    batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
+    job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
+           "samples_per_shard": samples_per_shard, "max_turns": max_turns, "max_seq_len": max_seq_len}
+    stats = {"input": len(conversations), "already_done": len(conversations) - len(todo), "written": 0,
+             "tokens": 0, "generated": 0, "workers": num_workers}
+    bar = tqdm(total=len(todo), desc="regenerate+features", unit="conv", disable=not progress)
+    start = time.monotonic()
+
+    def tick(msg: dict) -> None:
+        if "error" in msg:
+            raise RuntimeError(f"regenerate worker {msg['rank']}: {msg['error']} (finished batches are saved; "
+                               f"rerun to resume)")
+        if "conversations" in msg:
+            stats["written"] += msg["conversations"]
+            stats["tokens"] += msg["tokens"]
+            stats["generated"] += msg["generated"]
+            bar.update(msg["conversations"])
+            bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.0f}", refresh=False)
+
+    procs: list = []
+    threads = torch.get_num_threads()
+    if num_workers > 1:  # the cores are shared out: N processes x (threads / N), never oversubscribed
+        torch.set_num_threads(max(1, threads // num_workers))
+    try:
+        if num_workers <= 1 or len(batches) <= 1:
+            it = iter(batches)
+            _work(0, backend, job, lambda: next(it, None), tick)
+        else:
+            procs, tasks, results = _start_workers(backend, job, batches, num_workers)
+
+            def next_batch():
+                _drain(results, procs, tick)
+                return tasks.get()  # a batch, or this process's end marker
+
+            _work(0, backend, job, next_batch, tick)
+            while any(p.is_alive() for p in procs):
+                _drain(results, procs, tick, timeout=0.5)
+            _drain(results, procs, tick)
+            bad = [p.exitcode for p in procs if p.exitcode]
+            if bad:
+                raise RuntimeError(f"a regenerate worker exited with code {bad[0]} (rerun to resume)")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        bar.close()
+        torch.set_num_threads(threads)
+    stats["seconds"] = time.monotonic() - start
+    merge_manifests(features_out, write=True)
+    done = _settle_answers(output, features_out)
+    missing = [i for i in ids if i not in done]
+    if missing:
+        raise RuntimeError(f"{len(missing)} conversations (e.g. {missing[0]!r}) have no features after the run")
+    if prepared_out is not None:
+        options = {"source": "regenerate --features-out", "max_seq_len": max_seq_len, "overlong": "truncate",
+                   "max_turns": max_turns, "last_turn_only": False, "split_turns": False, "reasoning": "keep",
+                   "tool_calls": "keep", "template_kwargs": None}
+        stats["prepared"] = write_prepared(features_out, Path(prepared_out), backend.tokenizer, backend.name, ids,
+                                           options)["counts"]
+    return stats
+
+
+def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_workers: int):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.Queue()
+    for b in batches:
+        tasks.put(b)
+    for _ in range(num_workers):
+        tasks.put(None)  # one end marker per process, this one included
+    threads = torch.get_num_threads()
+    procs = [ctx.Process(target=_spawned_worker, args=(r, backend.spec, job, tasks, results, threads), daemon=True)
+             for r in range(1, num_workers)]
+    for p in procs:
+        p.start()
+    return procs, tasks, results
+
+
+def _drain(results, procs, tick, timeout: float | None = None) -> None:
+    while True:
+        try:
+            msg = results.get(timeout=timeout) if timeout else results.get_nowait()
+        except queue.Empty:
+            return
+        tick(msg)
+        timeout = None
