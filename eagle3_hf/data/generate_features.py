@@ -125,7 +125,7 @@ class FeatureGenerator:
                     row.finish = "length"
                     row.forced += tail
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], tails: list[list[int]]) -> list[Generated]:
         """Each prompt's answer and features; `tails[i]` is fed after row i stops (see module docstring)."""
         b = len(prompts)
@@ -154,16 +154,17 @@ class FeatureGenerator:
         with capture_layer_outputs(self.model, self.indices) as captured:
             out = self.decoder(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                                use_cache=True, **kw)
-            last = out.last_hidden_state  # [B, width, H]
-            aux = aux_from(captured, self.indices)
-            flat = last.reshape(-1, h)
-            greedy = torch.cat([_logits(self.model, flat[s:s + 4096]).argmax(-1) for s in range(0, flat.shape[0], 4096)])
-            greedy = greedy.view(b, width)
+            real = mask[:, :width].bool()  # left padding is never computed past the decoder
+            last = out.last_hidden_state[real]  # [N, H], row by row
+            aux = aux_from(captured, self.indices)[real]  # [N, 3H]
+            greedy = torch.cat([_logits(self.model, chunk).argmax(-1) for chunk in last.split(4096)])
+            start = 0
             for i, p in enumerate(prompts):
-                aux_buf[i, :len(p)] = aux[i, width - len(p):]
-                last_buf[i, :len(p)] = last[i, width - len(p):]
-                greedy_buf[i, :len(p)] = greedy[i, width - len(p):]
-            del out, last, aux, flat, greedy
+                n = len(p)
+                aux_buf[i, :n], last_buf[i, :n] = aux[start:start + n], last[start:start + n]
+                greedy_buf[i, :n] = greedy[start:start + n]
+                start += n
+            del out, last, aux, greedy
             step_logits = _logits(self.model, last_buf[torch.arange(b), [len(p) - 1 for p in prompts]])
             _, chosen = self._next(step_logits)
             for row, tail, tok in zip(rows, tails, chosen):

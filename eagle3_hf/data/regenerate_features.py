@@ -252,6 +252,10 @@ def write_prepared(features_out: Path, out_dir: Path, tokenizer, tokenizer_name:
     stats.update(input=len(keys) + sum(manifest["skipped"].values()), samples=len(keys),
                  tokens=sum(len(rows[k][0]) for k in keys), loss_tokens=sum(sum(rows[k][1]) for k in keys))
     stats["skipped"].update(manifest["skipped"])
+    stats["skipped_ids"].update(manifest["skipped_ids"])
+    if not keys:
+        raise ValueError(f"{features_out}: 0 samples to prepare (refused: {manifest['skipped']}); nothing written to "
+                         f"{out_dir}")
     features = datasets.Features({"id": datasets.Value("string"),
                                   "input_ids": datasets.List(datasets.Value("int32")),
                                   "loss_mask": datasets.List(datasets.Value("int8"))})
