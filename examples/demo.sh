@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline on the embedded default (SmolLM2-135M-Instruct, offline), with real CLI commands:
-# regenerate -> prepare -> extract -> vocab -> train (accelerate launch) -> evaluate (speculative decoding
+# regenerate (answers + features in one pass) -> vocab -> train (accelerate launch) -> evaluate (speculative decoding
 # on held-out MT-bench) -> export -> check -> summary [-> push when HF_REPO_ID is set].
 #
 #   make demo                      # small: ~10 minutes on 2 CPU cores
@@ -28,18 +28,15 @@ stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
 timed() { local name=$1; shift; local t0; t0=$(date +%s); "$@"; echo "$name $(( $(date +%s) - t0 ))" >> "$OUT/timings.txt"; }
 : > "$OUT/timings.txt"
 
-stage "regenerate: the verifier writes its own answers to $PROMPTS training prompts (never MT-bench)"
+stage "regenerate: the verifier answers $PROMPTS training prompts (never MT-bench); the same pass keeps its hidden states"
 python -c "import json, sys; from eagle3_hf.assets import short_prompts
 [print(json.dumps(p)) for p in short_prompts($PROMPTS)]" > "$OUT/prompts.jsonl"
+# One verifier pass for answers and features (replaces prepare + extract): aux hidden states (2, N//2, N-3),
+# post-norm final state and greedy tokens of prompt + answer -> sharded safetensors, plus the prepared dataset
+# (input_ids + assistant loss mask) for vocab. Two processes, one per core, share the length-sorted batches.
 timed regenerate eagle3-hf regenerate --input "$OUT/prompts.jsonl" --output "$OUT/conversations.jsonl" \
-  --verifier "$VERIFIER" --max-new-tokens "$GEN_TOKENS" --batch-size 16
-
-stage "prepare: chat template + assistant-only loss masks"
-timed prepare eagle3-hf prepare --tokenizer "$VERIFIER" --input "$OUT/conversations.jsonl" --output "$OUT/prepared" \
-  --max-seq-len "$MAX_LEN" --overlong truncate
-
-stage "extract: aux hidden states (2, N//2, N-3), post-norm final state, greedy tokens -> sharded safetensors"
-timed extract eagle3-hf extract --verifier "$VERIFIER" --data "$OUT/prepared" --output "$OUT/features" --dtype bf16
+  --verifier "$VERIFIER" --max-new-tokens "$GEN_TOKENS" --batch-size 64 --num-workers "${DEMO_WORKERS:-2}" \
+  --features-out "$OUT/features" --prepared-out "$OUT/prepared" --max-seq-len "$MAX_LEN" --features-dtype bf16
 
 stage "vocab: the $DRAFT_VOCAB most frequent assistant tokens"
 timed vocab eagle3-hf vocab --data "$OUT/prepared" --draft-vocab-size "$DRAFT_VOCAB" --output "$OUT/features/vocab.safetensors"

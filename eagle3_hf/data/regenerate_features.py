@@ -299,6 +299,8 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
         first = _Conversation(c, max_turns).next_prompt()
         length[str(c["id"])] = len(template.prompt(first, c.get("tools"))[1]) if first else 0
     todo.sort(key=lambda c: -length[str(c["id"])])
+    if num_workers > 1:  # two batches per process at least: none idles long while another finishes a big one
+        batch_size = max(1, min(batch_size, -(-len(todo) // (2 * num_workers))))
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
            "samples_per_shard": samples_per_shard, "max_turns": max_turns, "max_seq_len": max_seq_len}
