@@ -18,7 +18,8 @@ from .errors import run_reporting_user_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("eagle3_hf.data.prepare", "render conversations with the verifier's chat template + loss masks"),
-    "regenerate": ("eagle3_hf.data.regenerate", "rewrite assistant turns with the verifier (in-process or endpoint)"),
+    "regenerate": ("eagle3_hf.data.regenerate_features",
+                   "rewrite assistant turns with the verifier (in-process or endpoint); --features-out: + features"),
     "extract": ("eagle3_hf.data.extract", "run the verifier and write hidden states to sharded safetensors"),
     "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
     "diff-features": ("eagle3_hf.data.diff", "compare two extractions of the same samples"),

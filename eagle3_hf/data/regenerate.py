@@ -384,26 +384,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    feats = parser.add_argument_group("features in the same pass (--verifier only; replaces prepare + extract)")
-    feats.add_argument("--features-out", default=None,
-                       help="also write the verifier's features of prompt + answer here, as `extract` writes them")
-    feats.add_argument("--prepared-out", default=None, help="and the prepared dataset (`prepare`'s output) here")
-    feats.add_argument("--num-workers", type=int, default=1,
-                       help="processes generating in parallel (each a rank of --features-out; threads are split)")
-    feats.add_argument("--features-dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
-    feats.add_argument("--aux-layers", default=None, help="three output_hidden_states indices (default 2,N//2,N-3)")
-    feats.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this many tokens")
-    feats.add_argument("--samples-per-shard", type=int, default=64)
 
 
 def run(args: argparse.Namespace) -> int:
     from eagle3_hf.data.conversations import load_conversations
 
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
-    if args.features_out and not args.verifier:
-        print("regenerate: --features-out needs the in-process --verifier (an endpoint returns no hidden states)",
-              file=sys.stderr)
-        return 2
     if args.endpoint:
         if not args.model:
             print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
@@ -416,8 +402,6 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype, **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
-    if args.features_out:
-        return _run_with_features(args, list(conversations), backend)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
                        max_turns=args.max_turns)
     print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
@@ -426,21 +410,4 @@ def run(args: argparse.Namespace) -> int:
     cut = stats["finish_reasons"].get("length", 0)
     if cut:
         print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short", file=sys.stderr)
-    return 0
-
-
-def _run_with_features(args: argparse.Namespace, conversations: list[dict], backend) -> int:
-    from eagle3_hf.data.regenerate_features import regenerate_with_features
-
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    stats = regenerate_with_features(conversations, args.output, args.features_out, backend,
-                                     num_workers=args.num_workers, batch_size=args.batch_size,
-                                     max_turns=args.max_turns, max_seq_len=args.max_seq_len,
-                                     dtype=args.features_dtype, aux_indices=aux,
-                                     samples_per_shard=args.samples_per_shard, prepared_out=args.prepared_out)
-    print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
-          f"{stats['tokens']} sample tokens ({stats['generated']} generated) in {stats['seconds']:.1f}s "
-          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s, {stats['workers']} worker(s)) "
-          f"-> {args.output}, {args.features_out}" + (f", {args.prepared_out}" if args.prepared_out else ""),
-          file=sys.stderr)
     return 0

@@ -40,7 +40,8 @@ import torch
 
 from .capture import check_aux_indices, default_aux_indices
 from .extract import verifier_info
-from .prepare import META_FILE, NoLossTokens, apply_policies, assistant_spans, chat_template_source, save_prepared
+from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, save_prepared
+from . import regenerate as plain
 from .regenerate import TransformersBackend, _Conversation, completed_ids
 from .shards import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
 
@@ -389,3 +390,45 @@ def _drain(results, procs, tick, timeout: float | None = None) -> None:
             return
         tick(msg)
         timeout = None
+
+
+# ---------------------------------------------------------------- CLI (`eagle3-hf regenerate`, with or without features)
+
+def add_arguments(parser) -> None:
+    plain.add_arguments(parser)
+    feats = parser.add_argument_group("features in the same pass (--verifier only; replaces prepare + extract)")
+    feats.add_argument("--features-out", default=None,
+                       help="also write the verifier's features of prompt + answer here, as `extract` writes them")
+    feats.add_argument("--prepared-out", default=None, help="and the prepared dataset (`prepare`'s output) here")
+    feats.add_argument("--num-workers", type=int, default=1,
+                       help="processes generating in parallel (each a rank of --features-out; threads are split)")
+    feats.add_argument("--features-dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
+    feats.add_argument("--aux-layers", default=None, help="three output_hidden_states indices (default 2,N//2,N-3)")
+    feats.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this many tokens")
+    feats.add_argument("--samples-per-shard", type=int, default=64)
+
+
+def run(args) -> int:
+    if not args.features_out:
+        return plain.run(args)
+    if not args.verifier:
+        raise ValueError("regenerate: --features-out needs the in-process --verifier (an endpoint returns no "
+                         "hidden states)")
+    from .conversations import load_conversations
+
+    torch.manual_seed(args.seed)
+    backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype,
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    stats = regenerate_with_features(conversations, args.output, args.features_out, backend,
+                                     num_workers=args.num_workers, batch_size=args.batch_size,
+                                     max_turns=args.max_turns, max_seq_len=args.max_seq_len,
+                                     dtype=args.features_dtype, aux_indices=aux,
+                                     samples_per_shard=args.samples_per_shard, prepared_out=args.prepared_out)
+    print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
+          f"{stats['tokens']} sample tokens ({stats['generated']} generated) in {stats['seconds']:.1f}s "
+          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s, {stats['workers']} worker(s)) "
+          f"-> {args.output}, {args.features_out}" + (f", {args.prepared_out}" if args.prepared_out else ""),
+          file=sys.stderr)
+    return 0
