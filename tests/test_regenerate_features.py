@@ -1,7 +1,7 @@
 """`regenerate --features-out`: the answers of plain `regenerate`, the features of `extract` within float rounding,
 the prepared dataset of `prepare` on the same tokens, and a SIGKILLed run resumes with nothing lost or duplicated.
 
-Tolerance (stated in docs/data.md too): a KV-cached, left-padded batched pass and extract's unpadded full forward
+Tolerance: a KV-cached, left-padded batched pass and extract's unpadded full forward
 run the same fp32 math in different kernel shapes; per token, ||a - b|| / ||a|| <= 1e-5 in fp32 storage, and in
 bf16 storage the two roundings of the same value differ by at most one bf16 step (relative error <= 2^-7).
 """
