@@ -3,8 +3,9 @@
 - `ratio_features_over_bare_forward` (goal >= 0.8): tokens/s of `regenerate --features-out` (generate answers,
   capture aux/final states and greedy tokens, write shards, JSONL and the prepared dataset) over tokens/s of a
   bare batched forward over the very same sequences: `model(input_ids, attention_mask).logits.argmax(-1)` on
-  the same length-sorted batches, right-padded, no cache, no hooks, nothing written. That forward is the least
-  any method pays to get every state and greedy token of those tokens; generation must also run token by token.
+  the same length-sorted batches, right-padded, no cache, no hooks, nothing written, with the same prepacked
+  oneDNN linears (cpu_linear.py). That forward is the least any method pays to get every state and greedy
+  token of those tokens; generation must also run token by token.
 - `speedup_over_before`: the same prompts through what the demo ran before, `regenerate` (transformers
   `generate`, batched) + `prepare` + `extract`, tokens/s of prepared tokens over the same wall time.
 - with `--workers`: the CLI run as 2 processes x 1 thread and as 1 process x 2 threads (tokens/s each).
@@ -53,8 +54,12 @@ def _features_pass(prompts, backend, work: Path, batch_size: int) -> tuple[Clock
 
 
 def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) -> Clock:
+    from eagle3_hf.cpu_linear import prepacked_linears
+
     order = sorted(samples, key=len, reverse=True)
-    with Clock() as clock, torch.inference_mode():
+    with torch.inference_mode(), prepacked_linears(model):
+        model(input_ids=torch.tensor([order[-1]]))  # the weights are packed once, outside the clock
+    with Clock() as clock, torch.inference_mode(), prepacked_linears(model):
         for i in range(0, len(order), batch_size):
             batch = order[i:i + batch_size]
             width = max(map(len, batch))
