@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # name -> (what it varies, extra `train` arguments). `vocab:N` builds an N-token draft vocabulary first.
@@ -38,10 +39,12 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "head-verifier-frozen": ("lm_head from the verifier's rows, frozen",
                              ["--init-lm-head", "verifier", "--freeze-lm-head", "true"]),
     "muon": ("optimizer: Muon on hidden matrices", ["--hidden-optimizer", "muon"]),
+    "batch-1": ("rows per step (1 x 1024 tokens: twice the optimizer steps)", ["--per-device-train-batch-size", "1"]),
 }
 
 
 def run(cmd: list[str], log: Path, env: dict) -> tuple[int, float]:
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log, "w", encoding="utf-8") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -73,8 +76,9 @@ def main() -> None:
     p.add_argument("--verifier", default="smollm2-135m-instruct")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--base-args", default="--learning-rate 2e-3 --lr-scheduler-type cosine --warmup-steps 0.05 "
-                   "--max-seq-len 1024 --per-device-train-batch-size 4 --validation-fraction 0.1 --seed 0 "
+                   "--max-seq-len 1024 --per-device-train-batch-size 2 --validation-fraction 0.1 --seed 0 "
                    "--eval-strategy epoch --save-strategy no --logging-steps 20")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (one thread each: 2 on a 2-core machine)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
     p.add_argument("--real-tau-top", type=int, default=3, help="decode the best N (and the baseline) for real")
     p.add_argument("--eval-prompts", type=int, default=10)
@@ -86,24 +90,29 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", "1")
 
-    results: dict[str, dict] = {}
-    for name in args.configs.split(","):
-        run_dir = out / name
-        summary_file = run_dir / "eagle3_training.json"
-        seconds = None
-        if not summary_file.is_file():
-            cmd = [sys.executable, "-m", "eagle3_hf.cli", "train", "--verifier", args.verifier,
-                   "--data-dir", args.data_dir, "--output-dir", str(run_dir), "--num-train-epochs", str(args.epochs),
-                   *shlex.split(args.base_args), *train_args(name, args, out, env)]
-            run_dir.mkdir(exist_ok=True)
-            rc, seconds = run(cmd, out / f"{name}.log", env)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    todo = [n for n in names if not (out / n / "eagle3_training.json").is_file()]
+    commands = {n: [sys.executable, "-m", "eagle3_hf.cli", "train", "--verifier", args.verifier,
+                    "--data-dir", args.data_dir, "--output-dir", str(out / n), "--num-train-epochs", str(args.epochs),
+                    *shlex.split(args.base_args), *train_args(n, args, out, env)] for n in todo}
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        for name, (rc, seconds) in zip(todo, pool.map(lambda n: run(commands[n], out / f"{n}.log", env), todo)):
             if rc:
                 print(f"{name}: FAILED (exit {rc}), see {out / f'{name}.log'}", flush=True)
-                results[name] = {"failed": rc}
-                continue
-            (run_dir / "bench_seconds.txt").write_text(f"{seconds:.0f}\n")
-        elif (run_dir / "bench_seconds.txt").is_file():
-            seconds = float((run_dir / "bench_seconds.txt").read_text())
+            else:
+                (out / name / "bench_seconds.txt").write_text(f"{seconds:.0f}\n")
+
+    results: dict[str, dict] = {}
+    for name in names:
+        run_dir = out / name
+        summary_file = run_dir / "eagle3_training.json"
+        if not summary_file.is_file():
+            results[name] = {"failed": True}
+            continue
+        seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else None
         summary = json.loads(summary_file.read_text())
         m = summary["metrics"]
         curve = [h["eval_simulated_acceptance_length"] for h in summary.get("log_history", [])

@@ -53,6 +53,10 @@ class DataArguments:
     packing: bool = field(default=True)
     overlong: str = field(default="truncate", metadata={"choices": ["truncate", "split", "error"]})
     validation_fraction: float = field(default=0.05)
+    max_train_tokens: int | None = field(
+        default=None, metadata={"help": "train on the first training samples up to this many tokens (offline; the "
+                                        "validation split is unchanged) — for data-scaling curves"}
+    )
     config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})
 
 
@@ -143,6 +147,8 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
 
         if not data_args.prepared_dir:
             raise SystemExit("--online needs --prepared-dir")
+        if data_args.max_train_tokens is not None:
+            raise SystemExit("--max-train-tokens applies to offline features (--data-dir)")
         fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
         verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
         collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
@@ -153,7 +159,7 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
         return train, evals, collator, info
     if not data_args.data_dir:
         raise SystemExit("pass --data-dir (features from `eagle3-hf extract`) or --online --prepared-dir")
-    train_features = FeatureDataset(data_args.data_dir, "train", vf)
+    train_features = FeatureDataset(data_args.data_dir, "train", vf, max_tokens=data_args.max_train_tokens)
     eval_features = FeatureDataset(data_args.data_dir, "validation", vf, verify="none")
     manifest = train_features.manifest
     info = {"aux_layer_indices": list(manifest["aux_layer_indices"]),

@@ -187,3 +187,14 @@ def test_online_equals_offline(features, verifier, fingerprint):
                     torch.testing.assert_close(off[key][b][sel], on[key][b][sel], rtol=1e-5, atol=1e-6)
     rounded = OnlineFeatureCollator(verifier, (1, 3, 5), max_seq_len=24, storage_dtype="bf16")([online[0]])
     assert torch.equal(rounded["aux_hidden_states"], off["aux_hidden_states"][:1].bfloat16().float())
+
+
+def test_max_tokens_takes_nested_prefixes_and_leaves_validation_alone(features):
+    full = FeatureDataset(features / "f32", split="train", validation_fraction=0.3)
+    budget = sum(full.lengths[:3])
+    small = FeatureDataset(features / "f32", split="train", validation_fraction=0.3, max_tokens=budget)
+    smaller = FeatureDataset(features / "f32", split="train", validation_fraction=0.3, max_tokens=budget - 1)
+    assert small.sample_ids == full.sample_ids[:3] and smaller.sample_ids == full.sample_ids[:2]
+    assert sum(small.lengths) == budget
+    val = FeatureDataset(features / "f32", split="validation", validation_fraction=0.3)
+    assert not set(val.sample_ids) & set(small.sample_ids)

@@ -10,6 +10,7 @@ PackedDataset plans rows from lengths alone (first-fit-decreasing) and PackedCol
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import struct
@@ -98,7 +99,7 @@ class FeatureDataset(Dataset):
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 verify: str = "shard"):
+                 verify: str = "shard", max_tokens: int | None = None):
         if verify not in ("shard", "sample", "none"):
             raise ValueError(f"verify must be 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
@@ -122,6 +123,9 @@ class FeatureDataset(Dataset):
         samples = self.manifest["samples"]
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]
+        if max_tokens is not None:  # the first whole samples of the split: nested subsets for data scaling
+            total = itertools.accumulate(int(s["length"]) for s in self._samples)
+            self._samples = [s for s, upto in zip(self._samples, total) if upto <= max_tokens]
         self.lengths: list[int] = [int(s["length"]) for s in self._samples]
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
         self._open: OrderedDict[str, np.memmap] = OrderedDict()
