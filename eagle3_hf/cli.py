@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
     "diff-features": ("eagle3_hf.data.diff", "compare two extractions of the same samples"),
     "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),
+    "plan": ("eagle3_hf.plan", "GPU memory, feature disk, FLOPs and time of a training run, before it runs"),
     "train": ("eagle3_hf.training", "train a drafter: runs examples/train.py"),
     "evaluate": ("eagle3_hf.speculative", "speculative decoding with the verifier: acceptance length, lossless check"),
     "check": ("eagle3_hf.check", "lint a drafter checkpoint for silent serving failures"),

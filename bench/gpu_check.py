@@ -1,0 +1,336 @@
+"""One-GPU check at the reference shape: the drafter's training step, its memory against `eagle3-hf plan`, and a
+tiny extraction + speculative decoding run on the device. Run through `bench/gpu_check.sh`; writes one JSON.
+
+1. Training step of the Kimi-K2.5 drafter (hidden 7168, 56 x 128 heads, 8 KV heads, intermediate 18432, draft
+   vocabulary 32 000, verifier vocabulary 163 840) on one 2048-token packed row (4 documents of 512), TTT 3,
+   for each attention implementation (`sdpa`, `flex_attention`): as the 1-GPU recipe trains (fp32 weights, bf16
+   autocast, `ttt_loss`, clip, fused AdamW; on the CPU fp32). Reports tokens/s, MFU = model FLOPs
+   (`eagle3_hf.plan.train_flops_per_token`) / step time / the chip's dense bf16 peak, and peak memory beside
+   the plan's prediction (model states + step peak, and the step alone).
+2. Extraction + speculative decoding: a tiny learnable verifier on the device, its features captured and
+   written with the project's shard writer, a tiny drafter trained on them for a few hundred steps, then
+   speculative decoding checked token for token against the verifier's own greedy decoding (lossless).
+
+`--device cpu --tiny` runs the same code at a tiny shape (CI). Exit status 0 only when every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
+from eagle3_hf.plan import GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token  # noqa: E402
+from eagle3_hf.step_metrics import count_loss_tokens, ttt_loss  # noqa: E402
+
+KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
+TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def chip_peak_flops(device: str, override: float | None) -> tuple[float | None, str]:
+    if override:
+        return override * 1e12, "--peak-tflops"
+    if device != "cuda":
+        return None, "no bf16 peak on the CPU: MFU not reported"
+    name = torch.cuda.get_device_name()
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops, f"{name}: dense bf16 {flops / 1e12:g} TFLOP/s"
+    return None, f"{name}: unknown bf16 peak (pass --peak-tflops)"
+
+
+class Memory:
+    """Peak memory of a region: the CUDA allocator's statistics, or the process's resident set on the CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def current(self) -> int:
+        if self.device == "cuda":
+            return torch.cuda.memory_allocated()
+        return self._status("VmRSS")
+
+    def reset_peak(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def peak(self) -> int:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return self._status("VmHWM")
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- 1. training step
+
+
+def packed_row(config: Eagle3Config, row_len: int, documents: int, device: str, seed: int = 0) -> dict:
+    """One packed row of `documents` equal documents: random features, every position a loss position."""
+    g = torch.Generator().manual_seed(seed)
+    doc_len = row_len // documents
+    document_ids = torch.arange(row_len).div(doc_len, rounding_mode="floor")[None]
+    kept = torch.nonzero(torch.ones(config.vocab_size, dtype=torch.bool))[: config.draft_vocab_size, 0]
+    row = {"input_ids": torch.randint(0, config.vocab_size, (1, row_len), generator=g),
+           "aux_hidden_states": torch.randn(1, row_len, 3 * config.target_hidden_size, generator=g),
+           "last_hidden_state": torch.randn(1, row_len, config.target_hidden_size, generator=g),
+           "document_ids": document_ids, "position_ids": (torch.arange(row_len) % doc_len)[None],
+           "loss_mask": torch.ones(1, row_len, dtype=torch.long),
+           "verifier_greedy": kept[torch.randint(0, config.draft_vocab_size, (1, row_len), generator=g)]}
+    return {k: v.to(device) for k, v in row.items()}
+
+
+def make_train_step(model: Eagle3DraftModel, device: str, bf16: bool, steps: int = 3, lr: float = 1e-4):
+    """The step `Eagle3Trainer` runs for the 1-GPU recipe: autocast forward + `ttt_loss` / loss tokens, backward,
+    clip 0.5, fused AdamW, gradients dropped (set_to_none)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, fused=True)
+
+    def step(batch: dict) -> float:
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            out = model(input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
+                        position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                        last_hidden_state=batch["last_hidden_state"], ttt_steps=steps)
+            total, _ = ttt_loss(out, batch, model.t2d, 0.8)
+            loss = total / count_loss_tokens(batch, model.t2d).clamp(min=1)
+        del out
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def train_step_check(config: Eagle3Config, attn: str, device: str, bf16: bool, row_len: int, documents: int,
+                     timed_steps: int, peak_flops: float | None) -> dict:
+    torch.manual_seed(0)
+    config._attn_implementation = attn
+    with torch.device(device):
+        model = Eagle3DraftModel(config)
+        vocab, target = config.vocab_size, config.target_hidden_size
+        model.load_verifier_embeddings(torch.randn(vocab, config.hidden_size) * 0.02)
+        model.attach_teacher(torch.randn(vocab, target) * 0.02)  # rows of the draft vocabulary are kept
+    model.train()
+    step = make_train_step(model, device, bf16)
+    batch = packed_row(config, row_len, documents, device)
+    memory = Memory(device)
+    t0 = time.perf_counter()
+    first_loss = step(batch)  # warm-up: AdamW state, kernels, flex_attention's compilation
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    before = memory.current()
+    memory.reset_peak()
+    times, losses = [], []
+    for _ in range(timed_steps):
+        t0 = time.perf_counter()
+        losses.append(step(batch))
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = memory.peak()
+    step_s = statistics.median(times)
+    params = param_counts(config)
+    flops = row_len * train_flops_per_token(config, 3, row_len / documents)
+    states = model_state_bytes(params, Launch())["gpu"]
+    dtype = "bf16" if bf16 else "fp32"
+    step_pred = step_peak_bytes(config, row_len, 3, 4 * params["trained"], dtype)
+    measured_step = peak - before
+    result = {
+        "attn_implementation": attn, "dtype": dtype, "tokens": row_len, "documents": documents,
+        "warmup_s": warmup_s, "step_s": times, "tokens_per_s": row_len / step_s,
+        "model_tflop_per_step": flops / 1e12, "losses": [first_loss, *losses],
+        "loss_finite": all(map(lambda x: x == x and abs(x) != float("inf"), [first_loss, *losses])),
+        "peak_memory_gib": peak / GIB, "step_memory_gib": measured_step / GIB,
+        "plan_step_peak_gib": step_pred / GIB, "step_memory_measured_over_plan": measured_step / step_pred,
+    }
+    if device == "cuda":  # the allocator's peak is absolute: compare it with the plan's per-GPU total
+        plan_total = states + step_peak_bytes(config, row_len, 3, 0, dtype)
+        result.update(plan_total_gib=plan_total / GIB, peak_measured_over_plan_total=peak / plan_total)
+    if peak_flops:
+        result["mfu"] = flops / step_s / peak_flops
+    del model, step
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- 2. extraction + spec
+
+
+def learnable_verifier(device: str, vocab: int = 256, hidden: int = 64, layers: int = 6):
+    """A tiny Llama whose greedy next token is mostly (token + 1): a drafter learns it in a few hundred steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.copy_(torch.roll(model.model.embed_tokens.weight, shifts=1, dims=0))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.2)
+            layer.mlp.down_proj.weight.mul_(0.2)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> dict:
+    from eagle3_hf.data.capture import capture_features
+    from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
+    from eagle3_hf.data.extract import verifier_info
+    from eagle3_hf.data.shards import ShardWriter, make_header, merge_manifests
+    from eagle3_hf.data.vocab import vocab_from_target_ids
+    from eagle3_hf.speculative import compare_to_greedy, greedy_generate, speculative_generate
+
+    verifier = learnable_verifier(device)
+    aux = [1, 3, 4]
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.arange(2, 200, 2)[torch.randint(0, 99, (int(torch.randint(24, 64, (1,), generator=g)),),
+                                                      generator=g)] for _ in range(48)]
+    t0 = time.perf_counter()
+    writer = ShardWriter(out_dir, make_header(verifier_info(verifier, "tiny-learnable"), "tiny", aux, "bfloat16"))
+    tokens = 0
+    for i, ids in enumerate(samples):
+        feats = capture_features(verifier, ids, aux, out_device="cpu")
+        mask = torch.ones_like(ids)
+        mask[:4] = 0
+        writer.add(f"s{i:03d}", ids, mask, feats["aux_hidden_states"], feats["last_hidden_state"],
+                   feats["verifier_greedy"])
+        tokens += ids.numel()
+    writer.close()
+    merge_manifests(out_dir)
+    extract_s = time.perf_counter() - t0
+
+    features = FeatureDataset(out_dir, split="all")
+    greedy = torch.cat([features[i]["verifier_greedy"] for i in range(len(features))])
+    d2t, t2d = vocab_from_target_ids(torch.unique(greedy), verifier.config.vocab_size)
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=d2t.numel(), aux_hidden_state_indices=aux)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(config)
+    drafter.set_vocab_mapping(d2t, t2d)
+    drafter.load_verifier_embeddings(verifier.cpu())
+    drafter.attach_teacher(verifier)
+    verifier.to(device)
+    drafter.to(device).train()
+    step = make_train_step(drafter, device, bf16=False, lr=3e-3)
+    packed = PackedDataset(features, 256, seed=None)
+    collate = PackedCollator(max_seq_len=256)
+    rows = [{k: v.to(device) for k, v in collate([packed[r]]).items()} for r in range(len(packed))]
+    t0 = time.perf_counter()
+    losses = [step(rows[s % len(rows)]) for s in range(train_steps)]
+    train_s = time.perf_counter() - t0
+    drafter.eval()
+
+    results, accepted, forwards = [], 0, 0
+    for p in range(4):
+        prompt = samples[p][:8].tolist()
+        ref = greedy_generate(verifier, prompt, max_new_tokens=32)
+        spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=32)
+        verdict, where = compare_to_greedy(spec["tokens"], spec["margins"], ref["tokens"], ref["margins"])
+        results.append(verdict)
+        accepted += len(spec["tokens"])
+        forwards += spec["num_verifier_forwards"] + 1
+    return {"samples": len(samples), "tokens": tokens, "extract_s": extract_s, "feature_dtype": "bfloat16",
+            "drafter_train_steps": train_steps, "train_s": train_s, "first_loss": losses[0], "last_loss": losses[-1],
+            "lossless": results, "lossless_ok": all(r != "mismatch" for r in results),
+            "tokens_per_verifier_forward": accepted / max(forwards, 1)}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: the same code in seconds (CI)")
+    parser.add_argument("--attn", default=None,
+                        help="attention implementations to time (default: sdpa,flex_attention on CUDA, sdpa on the CPU)")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per implementation")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
+    parser.add_argument("--out", default="gpu_check.json")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible (use --device cpu --tiny for the CPU path)")
+    started = time.perf_counter()
+    text_config = TINY_TEXT_CONFIG if args.tiny else json.loads(KIMI_TEXT_CONFIG.read_text())
+    config = Eagle3Config.from_verifier(text_config, draft_vocab_size=256 if args.tiny else 32000, ttt_steps=3)
+    row_len, documents = (256, 4) if args.tiny else (2048, 4)
+    bf16 = args.device == "cuda"
+    peak_flops, peak_note = chip_peak_flops(args.device, args.peak_tflops)
+    report: dict = {"device": args.device, "tiny": args.tiny, "torch": torch.__version__, "python": platform.python_version(),
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak": peak_note,
+                    "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
+                                "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                                "intermediate_size": config.intermediate_size,
+                                "draft_vocab_size": config.draft_vocab_size, "vocab_size": config.vocab_size},
+                    "train_step": [], "errors": [], "notes": []}
+    attns = [a.strip() for a in (args.attn or ("sdpa,flex_attention" if bf16 else "sdpa")).split(",") if a.strip()]
+    if args.device == "cpu" and "flex_attention" in attns:  # PyTorch: "FlexAttention does not support backward on CPU"
+        attns.remove("flex_attention")
+        report["notes"].append("flex_attention skipped: PyTorch has no flex_attention backward on the CPU")
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    for attn in attns:
+        try:
+            row = train_step_check(config, attn, args.device, bf16, row_len, documents, args.steps, peak_flops)
+        except Exception as err:  # noqa: BLE001 - one implementation failing must not hide the others
+            report["errors"].append(f"train_step {attn}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            continue
+        report["train_step"].append(row)
+        print(f"{attn:15s} {row['tokens_per_s']:10.0f} tok/s  step {statistics.median(row['step_s']):.3f} s  "
+              f"MFU {row.get('mfu', float('nan')):.1%}  step memory {row['step_memory_gib']:.2f} GiB "
+              f"(plan {row['plan_step_peak_gib']:.2f})", flush=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            report["extract_speculative"] = extraction_and_speculative(args.device, Path(tmp) / "features",
+                                                                       train_steps=60 if args.tiny else 300)
+        es = report["extract_speculative"]
+        print(f"extraction {es['tokens']} tokens in {es['extract_s']:.1f} s; drafter loss {es['first_loss']:.2f} -> "
+              f"{es['last_loss']:.2f}; lossless {es['lossless']}; {es['tokens_per_verifier_forward']:.2f} "
+              "tokens per verifier forward", flush=True)
+    except Exception as err:  # noqa: BLE001
+        report["errors"].append(f"extract_speculative: {type(err).__name__}: {err}")
+        traceback.print_exc()
+    report["seconds"] = time.perf_counter() - started
+    report["ok"] = (not report["errors"] and all(r["loss_finite"] for r in report["train_step"])
+                    and report.get("extract_speculative", {}).get("lossless_ok", False))
+    Path(args.out).write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print(f"{'OK' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s -> {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Validate `eagle3-hf plan`'s activation model: predicted vs measured peak memory of a real drafter step on CPU.
+
+Each shape runs in a fresh subprocess (fp32, 1 thread, glibc's mmap threshold fixed so that freed tensors leave
+the resident set): build `Eagle3DraftModel`, run one warm-up step (AdamW state exists afterwards), drop the
+gradients, then measure one training step as `Eagle3Trainer` runs it (TTT forward, `ttt_loss`, backward, clip,
+AdamW). Measured = the process's resident high-water mark during the step minus its resident size just before
+(so parameters and optimizer state are excluded: they are resident before the step). Predicted = the plan's
+step peak for the same shape: activations and logits of the unroll plus the parameter gradients.
+
+    python bench/plan_memory.py            # the three shapes of docs/plan.md, ~1 min
+    python bench/plan_memory.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# (hidden, heads, kv heads, head_dim, intermediate, verifier vocab, draft vocab, row length, documents per row)
+SHAPES = {
+    "h256-L2048": (256, 4, 2, 64, 768, 8192, 2048, 2048, 4),
+    "h512-L1024": (512, 4, 4, 128, 1408, 16384, 8192, 1024, 2),
+    "h1024-L1024": (1024, 8, 8, 128, 2816, 32768, 16000, 1024, 3),
+}
+
+
+def _rss(field: str) -> float:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024.0
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure(shape: tuple, ttt_steps: int = 3) -> dict:
+    """One step of the drafter at `shape` in this process; returns bytes (see the module docstring)."""
+    import torch
+
+    from eagle3_hf import Eagle3Config, Eagle3DraftModel
+    from eagle3_hf.step_metrics import count_loss_tokens, ttt_loss
+
+    hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = Eagle3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192,
+                          draft_vocab_size=draft, target_hidden_size=hidden, aux_hidden_state_indices=[1, 2, 3])
+    config._attn_implementation = "sdpa"
+    model = Eagle3DraftModel(config)
+    kept = torch.randperm(vocab)[:draft].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    model.set_vocab_mapping(kept - torch.arange(draft), t2d)
+    model.attach_teacher(torch.randn(vocab, hidden) * 0.02)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+    doc_len = length // docs
+    document_ids = torch.arange(length).div(doc_len, rounding_mode="floor").clamp(max=docs - 1)[None]
+    position_ids = (torch.arange(length) - document_ids[0] * doc_len)[None]
+    batch = {"input_ids": torch.randint(0, vocab, (1, length)), "aux_hidden_states": torch.randn(1, length, 3 * hidden),
+             "last_hidden_state": torch.randn(1, length, hidden), "document_ids": document_ids,
+             "position_ids": position_ids, "loss_mask": (position_ids >= doc_len // 4).long(),
+             "verifier_greedy": kept[torch.randint(0, draft, (1, length))]}  # every target in the draft vocabulary
+
+    def loss_of(b: dict):  # returns only the loss, as Trainer.compute_loss does: the logits die with `out`
+        out = model(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
+                    position_ids=b["position_ids"], document_ids=b["document_ids"],
+                    last_hidden_state=b["last_hidden_state"], ttt_steps=ttt_steps)
+        total, _ = ttt_loss(out, b, model.t2d, 0.8)
+        return total / count_loss_tokens(b, model.t2d).clamp(min=1)
+
+    def step(b: dict) -> None:
+        loss_of(b).backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step({k: v[:, :64] for k, v in batch.items()})  # warm-up: AdamW state, first-call allocations
+    loss_tokens = int(count_loss_tokens(batch, t2d))
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # reset VmHWM
+    before = _rss("VmRSS")
+    step(batch)
+    return {"measured_bytes": _rss("VmHWM") - before, "tokens": length, "loss_tokens": loss_tokens,
+            "trainable_params": sum(p.numel() for p in trainable)}
+
+
+def predicted(shape: tuple, measured: dict, ttt_steps: int = 3) -> int:
+    from eagle3_hf.configuration_eagle3 import Eagle3Config
+    from eagle3_hf.plan import step_peak_bytes
+
+    hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
+    config = Eagle3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, head_dim=head_dim, draft_vocab_size=draft,
+                          target_hidden_size=hidden)
+    return step_peak_bytes(config, length, ttt_steps, grad_bytes=4 * measured["trainable_params"], dtype="fp32",
+                           loss_fraction=measured["loss_tokens"] / length)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(SHAPES[args.worker])))
+        return
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
+               TRANSFORMERS_VERBOSITY="error")
+    rows = []
+    print(f"{'shape':12s} {'tokens':>6s} {'predicted MiB':>13s} {'measured MiB':>12s} {'pred/meas':>9s}")
+    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        proc = subprocess.run([sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise SystemExit(f"{name}: worker failed\n{proc.stderr[-3000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        pred = predicted(SHAPES[name], got)
+        row = {"shape": name, **got, "predicted_bytes": pred, "ratio": pred / got["measured_bytes"]}
+        rows.append(row)
+        print(f"{name:12s} {got['tokens']:6d} {pred / 2**20:13.0f} {got['measured_bytes'] / 2**20:12.0f} "
+              f"{row['ratio']:9.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
