@@ -162,7 +162,8 @@ def train_step_check(config: Eagle3Config, attn: str, device: str, bf16: bool, r
     flops = row_len * train_flops_per_token(config, 3, row_len / documents)
     states = model_state_bytes(params, Launch())["gpu"]
     dtype = "bf16" if bf16 else "fp32"
-    step_pred = step_peak_bytes(config, row_len, 3, 4 * params["trained"], dtype)
+    autocast = params["trained"] if bf16 else 0
+    step_pred = step_peak_bytes(config, row_len, 3, 4 * params["trained"], dtype, autocast_params=autocast)
     measured_step = peak - before
     result = {
         "attn_implementation": attn, "dtype": dtype, "tokens": row_len, "documents": documents,
@@ -173,7 +174,7 @@ def train_step_check(config: Eagle3Config, attn: str, device: str, bf16: bool, r
         "plan_step_peak_gib": step_pred / GIB, "step_memory_measured_over_plan": measured_step / step_pred,
     }
     if device == "cuda":  # the allocator's peak is absolute: compare it with the plan's per-GPU total
-        plan_total = states + step_peak_bytes(config, row_len, 3, 0, dtype)
+        plan_total = states + step_peak_bytes(config, row_len, 3, 0, dtype, autocast_params=autocast)
         result.update(plan_total_gib=plan_total / GIB, peak_measured_over_plan_total=peak / plan_total)
     if peak_flops:
         result["mfu"] = flops / step_s / peak_flops
@@ -302,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     report["transformers"] = transformers.__version__
+
+    def save() -> None:  # after every part, so a run cut short still leaves what it measured
+        Path(args.out).write_text(json.dumps(report, indent=1), encoding="utf-8")
+
     for attn in attns:
         try:
             row = train_step_check(config, attn, args.device, bf16, row_len, documents, args.steps, peak_flops)
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             continue
         report["train_step"].append(row)
+        save()
         print(f"{attn:15s} {row['tokens_per_s']:10.0f} tok/s  step {statistics.median(row['step_s']):.3f} s  "
               f"MFU {row.get('mfu', float('nan')):.1%}  step memory {row['step_memory_gib']:.2f} GiB "
               f"(plan {row['plan_step_peak_gib']:.2f})", flush=True)
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.perf_counter() - started
     report["ok"] = (not report["errors"] and all(r["loss_finite"] for r in report["train_step"])
                     and report.get("extract_speculative", {}).get("lossless_ok", False))
-    Path(args.out).write_text(json.dumps(report, indent=1), encoding="utf-8")
+    save()
     print(f"{'OK' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s -> {args.out}")
     return 0 if report["ok"] else 1
 

@@ -147,14 +147,14 @@ def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps:
 
 
 def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtype: str = "fp32",
-                    loss_fraction: float = 1.0) -> int:
+                    loss_fraction: float = 1.0, autocast_params: int = 0) -> int:
     """Peak bytes of one micro-batch step above the resident model states: max(end of the loss forward,
     backward of the last TTT step with all gradients allocated). bf16: 2-byte activations and logits, fp32
-    RMSNorm inputs and loss."""
+    RMSNorm inputs and loss; `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
     e = step_activation_elements(config, tokens, tokens * loss_fraction, ttt_steps)
     act = 4 if dtype == "fp32" else 2
     fp32_extra = 0 if dtype == "fp32" else 2 * tokens * e["saved_per_token_fp32_norm"]
-    saved = e["saved"] * act + fp32_extra
+    saved = e["saved"] * act + fp32_extra + 2 * autocast_params
     forward_end = saved + (e["loss_saved"] + e["loss_transient"]) * 4 + (e["logits"] + e["teacher_logits"]) * act
     last_step = 1.0 / ttt_steps
     backward = (saved * (1 - last_step) + e["loss_saved"] * 4 * (1 - last_step) + e["logit_grad"] * act
@@ -260,7 +260,8 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
     micro_tokens = int(recipe.get("per_device_train_batch_size", 1)) * int(recipe.get("max_seq_len", 2048))
     dtype = "bf16" if recipe.get("bf16") else "fp32"
     states = model_state_bytes(params, launch)
-    step = step_peak_bytes(config, micro_tokens, steps, 0, dtype)  # gradients are in the model states
+    autocast = params["trained"] if dtype == "bf16" and launch.zero_stage == 0 else 0  # DeepSpeed: bf16 weights
+    step = step_peak_bytes(config, micro_tokens, steps, 0, dtype, autocast_params=autocast)  # grads: in the states
     total = states["gpu"] + step
     capacity = (gpu_memory_gib - reserve_gib) * GIB
     plan: dict[str, Any] = {
