@@ -128,7 +128,7 @@ def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps:
     i >= 1 add the diagonal-key attention's extended q/k/v/output (per head 8 more dims) and i x nh*hd for the
     diagonal values. The loss saves 2 x draft_vocab per loss token and step (teacher softmax, student
     log-softmax) and gathers 2 more rows transiently; all steps' logits and the teacher logits stay alive
-    until the loss is done. Counted with autograd's saved-tensor hooks at small shapes; exact to ~1 %.
+    until the loss is done. Matches autograd's saved-tensor hooks at small shapes to within 1 %.
     """
     h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -136,7 +136,7 @@ def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps:
     per_step = 11 * h + 3 * a + nh + 2 * kv + 4 * inter + 2 * hd + 3
     diagonal = (ttt_steps - 1) * (a + 16 * nh + 2 * kv + 16 * nkv) + a * ttt_steps * (ttt_steps - 1) // 2
     return {
-        "saved_per_token_fp32_norm": 4 * h * ttt_steps,  # norm inputs upcast to fp32 under bf16
+        "fp32_norm_inputs": tokens * 4 * h * ttt_steps,  # the four RMSNorms' inputs, upcast to fp32 under bf16
         "saved": tokens * (ttt_steps * per_step + diagonal + h),  # + the fc output
         "loss_saved": loss_tokens * ttt_steps * 2 * vd,
         "loss_transient": loss_tokens * 2 * vd,
@@ -153,7 +153,7 @@ def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtyp
     RMSNorm inputs and loss; `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
     e = step_activation_elements(config, tokens, tokens * loss_fraction, ttt_steps)
     act = 4 if dtype == "fp32" else 2
-    fp32_extra = 0 if dtype == "fp32" else 2 * tokens * e["saved_per_token_fp32_norm"]
+    fp32_extra = 0 if dtype == "fp32" else 2 * e["fp32_norm_inputs"]
     saved = e["saved"] * act + fp32_extra + 2 * autocast_params
     forward_end = saved + (e["loss_saved"] + e["loss_transient"]) * 4 + (e["logits"] + e["teacher_logits"]) * act
     last_step = 1.0 / ttt_steps

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_hf.train_cli import main as train_main
 from test_trainer import COMMON, synthetic  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +47,11 @@ def test_two_machines_of_two_processes_train_like_one_process(synthetic, tmp_pat
     for rank, (m, log) in enumerate(zip(machines, logs)):
         assert m.returncode == 0, f"machine_rank {rank}:\n{log[-3000:]}"
     multi = json.loads((out / "eagle3_training.json").read_text())
-    single = train_main(common_args(synthetic, tmp_path / "single", 4))
+    one = subprocess.run([sys.executable, str(ROOT / "examples/train.py"),
+                          *common_args(synthetic, tmp_path / "single", 4)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = json.loads((tmp_path / "single" / "eagle3_training.json").read_text())
 
     def losses(summary: dict, key: str) -> list[tuple[int, float]]:
         return [(h["step"], h[key]) for h in summary["log_history"] if key in h]
