@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
 from eagle3_hf.plan import GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token  # noqa: E402
-from eagle3_hf.step_metrics import count_loss_tokens, ttt_loss  # noqa: E402
+from eagle3_hf.step_metrics import count_loss_tokens, head_positions, ttt_loss  # noqa: E402
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
 TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -116,9 +116,11 @@ def make_train_step(model: Eagle3DraftModel, device: str, bf16: bool, steps: int
 
     def step(batch: dict) -> float:
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            logits_mask, teacher_mask = head_positions(batch, steps, model.t2d)  # heads only where read
             out = model(input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
                         position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                        last_hidden_state=batch["last_hidden_state"], ttt_steps=steps)
+                        last_hidden_state=batch["last_hidden_state"], ttt_steps=steps, logits_mask=logits_mask,
+                        teacher_mask=teacher_mask)
             total, _ = ttt_loss(out, batch, model.t2d, 0.8)
             loss = total / count_loss_tokens(batch, model.t2d).clamp(min=1)
         del out

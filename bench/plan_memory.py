@@ -42,7 +42,7 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
     import torch
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import count_loss_tokens, ttt_loss
+    from eagle3_hf.step_metrics import count_loss_tokens, head_positions, ttt_loss
 
     hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
     torch.set_num_threads(1)
@@ -68,10 +68,12 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
              "position_ids": position_ids, "loss_mask": (position_ids >= doc_len // 4).long(),
              "verifier_greedy": kept[torch.randint(0, draft, (1, length))]}  # every target in the draft vocabulary
 
-    def loss_of(b: dict):  # returns only the loss, as Trainer.compute_loss does: the logits die with `out`
+    def loss_of(b: dict):  # as Eagle3Trainer.compute_loss: heads where read, only the loss returned
+        logits_mask, teacher_mask = head_positions(b, ttt_steps, model.t2d)
         out = model(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
                     position_ids=b["position_ids"], document_ids=b["document_ids"],
-                    last_hidden_state=b["last_hidden_state"], ttt_steps=ttt_steps)
+                    last_hidden_state=b["last_hidden_state"], ttt_steps=ttt_steps, logits_mask=logits_mask,
+                    teacher_mask=teacher_mask)
         total, _ = ttt_loss(out, b, model.t2d, 0.8)
         return total / count_loss_tokens(b, model.t2d).clamp(min=1)
 

@@ -11,8 +11,8 @@ through its DeepSpeed file the ZeRO stage and offload). The verifier's sizes com
   DeepSpeed the Trainer keeps fp32 weights under bf16 autocast: 4 + 4 + 8 bytes per trained parameter and 4
   per frozen one;
 - the training step's peak above that (`step_peak_bytes`): the TTT unroll's saved activations, every step's
-  logits, the teacher logits and the loss, or — if larger — what stays alive while the backward of the last
-  TTT step allocates the gradients. Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
+  logits and the teacher's probabilities (at the positions the loss reads), or — if larger — what stays alive
+  while the backward of the last TTT step allocates the gradients. Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
-def param_counts(config) -> dict[str, int]:
+def param_counts(config, freeze_lm_head: bool = False) -> dict[str, int]:
     """Trained / frozen parameters of the drafter (built on the meta device: no memory) and its largest
     module, plus the frozen teacher rows [draft_vocab, target_hidden] attached for training."""
     import torch
@@ -112,6 +112,7 @@ def param_counts(config) -> dict[str, int]:
 
     with torch.device("meta"):
         model = Eagle3DraftModel(config)
+    model.lm_head.weight.requires_grad_(not freeze_lm_head)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     teacher = config.draft_vocab_size * config.target_hidden_size
@@ -120,46 +121,53 @@ def param_counts(config) -> dict[str, int]:
 
 
 def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps: int) -> dict[str, float]:
-    """Elements alive at the TTT step's two candidate peaks, by what holds them (see module docstring).
+    """Elements alive at the TTT step's two candidate peaks, by what holds them (see the module docstring).
 
-    Per token and TTT step, autograd saves 11 x hidden (embedding, the four RMSNorms' inputs and outputs,
-    cat(embedding, hidden), the residual stream), 3 x nh*hd (q, its RoPE, the attention output) + nh, 2 x
-    nkv*hd (RoPE'd k and v), 4 x intermediate (gate, up, SiLU, product) and 2 x head_dim (cos, sin); steps
-    i >= 1 add the diagonal-key attention's extended q/k/v/output (per head 8 more dims) and i x nh*hd for the
-    diagonal values. The loss saves 2 x draft_vocab per loss token and step (teacher softmax, student
-    log-softmax) and gathers 2 more rows transiently; all steps' logits and the teacher logits stay alive
-    until the loss is done. Matches autograd's saved-tensor hooks at small shapes to within 1 %.
+    Per token and TTT step, autograd saves 5 x hidden (embedding, two RMSNorms, cat(embedding, hidden), the
+    residual stream), 3 x nh*hd (q, its RoPE, the attention output) + nh, 2 x nkv*hd (RoPE'd k and v) and
+    2 x head_dim (cos, sin); steps i >= 1 add the diagonal-key attention's extended q/k/v/output (per head 8
+    more dims) and i x nh*hd for the diagonal values. Only where the output is read (`head_positions`: the
+    scored positions, `loss_tokens`) the MLP block and the heads run: 6 x hidden (gathers, two RMSNorms, the
+    sum) and 4 x intermediate (gate, up, SiLU, product) per step, the logits [scored, draft_vocab] that the
+    soft cross-entropy keeps for its backward, and once the teacher's fp32 probabilities; the loss itself adds
+    blocks of `LOSS_CHUNK_ELEMENTS`. Matches autograd's saved-tensor hooks at small shapes to within 1 %.
     """
+    from .step_metrics import LOSS_CHUNK_ELEMENTS
+
     h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     a, kv = nh * hd, nkv * hd
-    per_step = 11 * h + 3 * a + nh + 2 * kv + 4 * inter + 2 * hd + 3
+    per_step = 5 * h + 3 * a + nh + 2 * kv + 2 * hd + 3
+    per_read_step = 6 * h + 4 * inter
     diagonal = (ttt_steps - 1) * (a + 16 * nh + 2 * kv + 16 * nkv) + a * ttt_steps * (ttt_steps - 1) // 2
     return {
-        "fp32_norm_inputs": tokens * 4 * h * ttt_steps,  # the four RMSNorms' inputs, upcast to fp32 under bf16
-        "saved": tokens * (ttt_steps * per_step + diagonal + h),  # + the fc output
-        "loss_saved": loss_tokens * ttt_steps * 2 * vd,
-        "loss_transient": loss_tokens * 2 * vd,
-        "logits": tokens * ttt_steps * vd,
-        "teacher_logits": tokens * vd,
-        "logit_grad": tokens * vd * 2,  # the last step's gathered-row gradient scattered back to [tokens, Vd]
+        "fp32_norm_inputs": (2 * tokens + 2 * loss_tokens) * h * ttt_steps,  # RMSNorm inputs, fp32 under bf16
+        "saved": tokens * (ttt_steps * per_step + diagonal + h) + loss_tokens * ttt_steps * per_read_step,  # + fc
+        "logits": loss_tokens * ttt_steps * vd,
+        "teacher_probs": loss_tokens * vd,  # fp32
+        "loss_block": min(max(1, LOSS_CHUNK_ELEMENTS // vd), math.ceil(loss_tokens)) * vd,  # fp32 rows at a time
+        "logit_grad": loss_tokens * vd,  # the gradient of one step's logits
     }
 
 
 def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtype: str = "fp32",
                     loss_fraction: float = 1.0, autocast_params: int = 0) -> int:
-    """Peak bytes of one micro-batch step above the resident model states: max(end of the loss forward,
-    backward of the last TTT step with all gradients allocated). bf16: 2-byte activations and logits, fp32
-    RMSNorm inputs and loss; `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
+    """Peak bytes of one micro-batch step above the resident model states: the largest of the end of the
+    forward and loss, the loss's backward (the last step's logit gradient) and the last TTT step's layer
+    backward with all gradients allocated. `loss_fraction`: share of positions the heads
+    read (scored positions). bf16: 2-byte activations and logits, fp32 RMSNorm inputs, teacher and loss blocks;
+    `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
     e = step_activation_elements(config, tokens, tokens * loss_fraction, ttt_steps)
     act = 4 if dtype == "fp32" else 2
     fp32_extra = 0 if dtype == "fp32" else 2 * e["fp32_norm_inputs"]
-    saved = e["saved"] * act + fp32_extra + 2 * autocast_params
-    forward_end = saved + (e["loss_saved"] + e["loss_transient"]) * 4 + (e["logits"] + e["teacher_logits"]) * act
-    last_step = 1.0 / ttt_steps
-    backward = (saved * (1 - last_step) + e["loss_saved"] * 4 * (1 - last_step) + e["logit_grad"] * act
-                + grad_bytes)
-    return int(max(forward_end, backward))
+    saved = e["saved"] * act + fp32_extra
+    held = saved + 2 * autocast_params + e["logits"] * act + e["teacher_probs"] * 4
+    teacher_cast = 0 if dtype == "fp32" else e["teacher_probs"] * act  # head output before its fp32 copy
+    block = e["loss_block"] * 4
+    forward_end = held + max(teacher_cast, 3 * block)  # a block's teacher rows, log-softmax and product
+    loss_backward = held + e["logit_grad"] * act + 4 * block  # the logits' gradient, a block's softmax terms
+    layer_backward = held - (saved + e["logits"] * act) / ttt_steps + grad_bytes  # last step's layer, grads
+    return int(max(forward_end, loss_backward, layer_backward))
 
 
 def train_flops_per_token(config, ttt_steps: int, mean_document: float, lm_head_trained: bool = True) -> float:
@@ -256,7 +264,8 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
 
     steps = int(recipe.get("ttt_steps", 3))
     config = Eagle3Config.from_verifier(text_cfg, draft_vocab_size=draft_vocab, ttt_steps=steps)
-    params = param_counts(config)
+    frozen_head = bool(recipe.get("freeze_lm_head", False))
+    params = param_counts(config, frozen_head)
     micro_tokens = int(recipe.get("per_device_train_batch_size", 1)) * int(recipe.get("max_seq_len", 2048))
     dtype = "bf16" if recipe.get("bf16") else "fp32"
     states = model_state_bytes(params, launch)
@@ -268,19 +277,24 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
         "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
                     "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
                     "intermediate_size": config.intermediate_size, "draft_vocab_size": draft_vocab,
-                    "ttt_steps": steps, **{f"params_{k}": v for k, v in params.items()}},
+                    "ttt_steps": steps, "lm_head": "frozen" if frozen_head else "trained",
+                    **{f"params_{k}": v for k, v in params.items()}},
         "launch": vars(launch), "micro_batch_tokens": micro_tokens, "dtype": dtype,
         "memory": {"model_states": states["gpu"], "model_states_rule": states["rule"], "cpu_offload": states["cpu"],
                    "step_peak": step, "total": total, "gpu_memory_gib": gpu_memory_gib, "reserve_gib": reserve_gib,
                    "fits": total <= capacity},
+        "notes": [],
     }
+    if recipe.get("hidden_optimizer", "adamw") != "adamw":
+        plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
+                             "state, not two, for the hidden weights: an upper bound")
     verifier = verifier_params(text_cfg)
     plan["verifier"] = {"layers": int(text_cfg["num_hidden_layers"]), "hidden_size": int(text_cfg["hidden_size"]),
                         "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()}}
     if dataset_tokens:
         doc = min(mean_document or micro_tokens, int(recipe.get("max_seq_len", 2048)))
         train_tokens = dataset_tokens * (1 - float(recipe.get("validation_fraction", 0.0)))
-        epoch_flops = train_tokens * train_flops_per_token(config, steps, doc)
+        epoch_flops = train_tokens * train_flops_per_token(config, steps, doc, lm_head_trained=not frozen_head)
         extract_flops = 2 * verifier["active"] * dataset_tokens
         rate = peak_tflops * 1e12 * mfu
         epochs = float(recipe.get("num_train_epochs", 1))
@@ -306,9 +320,10 @@ def format_plan(plan: dict, title: str) -> str:
         f"  launch      {lc['num_processes']} GPU(s) on {lc['num_machines']} machine(s), {zero}"
         + (f", offload {' + '.join(offload)} to CPU" if offload else "") + f", {plan['dtype']}",
         f"  drafter     hidden {d['hidden_size']}, {d['heads']} heads x {d['head_dim']} ({d['kv_heads']} KV), "
-        f"intermediate {d['intermediate_size']}, draft vocab {d['draft_vocab_size']}, TTT {d['ttt_steps']}",
+        f"intermediate {d['intermediate_size']}, draft vocab {d['draft_vocab_size']}, TTT {d['ttt_steps']}, "
+        f"lm_head {d['lm_head']}",
         f"              {d['params_trained'] / 1e9:.3f} B trained + {d['params_frozen'] / 1e9:.3f} B frozen "
-        f"(verifier embedding + teacher rows)",
+        f"(verifier embedding, teacher rows{', lm_head' if d['lm_head'] == 'frozen' else ''})",
         f"  memory/GPU  model states {m['model_states'] / GIB:7.1f} GiB  ({m['model_states_rule']})",
         f"              step peak    {m['step_peak'] / GIB:7.1f} GiB  (TTT activations + logits + loss, "
         f"{plan['micro_batch_tokens']} tokens/micro-batch)",
@@ -321,6 +336,7 @@ def format_plan(plan: dict, title: str) -> str:
     lines.append("  verdict     " + ("fits" if m["fits"] else
                                      f"DOES NOT FIT: needs {m['total'] / GIB:.1f} GiB per GPU, has "
                                      f"{m['gpu_memory_gib'] - m['reserve_gib']:g} usable"))
+    lines += [f"  note        {n}" for n in plan.get("notes", [])]
     v = plan["verifier"]
     lines.append(f"  verifier    {v['layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}: "
                  f"{v['params_total'] / 1e9:.1f} B parameters, {v['params_active'] / 1e9:.1f} B active per token")
