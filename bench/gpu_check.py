@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
-from eagle3_hf.plan import GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token  # noqa: E402
+from eagle3_hf.plan import (  # noqa: E402
+    GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token)
 from eagle3_hf.step_metrics import count_loss_tokens, head_positions, ttt_loss  # noqa: E402
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: the same code in seconds (CI)")
     parser.add_argument("--attn", default=None,
-                        help="attention implementations to time (default: sdpa,flex_attention on CUDA, sdpa on the CPU)")
+                        help="attention implementations to time (default: sdpa,flex_attention on CUDA; sdpa on CPU)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per implementation")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
     parser.add_argument("--out", default="gpu_check.json")
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     row_len, documents = (256, 4) if args.tiny else (2048, 4)
     bf16 = args.device == "cuda"
     peak_flops, peak_note = chip_peak_flops(args.device, args.peak_tflops)
-    report: dict = {"device": args.device, "tiny": args.tiny, "torch": torch.__version__, "python": platform.python_version(),
+    report: dict = {"device": args.device, "tiny": args.tiny, "torch": torch.__version__,
+                    "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak": peak_note,
                     "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
                                 "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,

@@ -11,8 +11,9 @@ through its DeepSpeed file the ZeRO stage and offload). The verifier's sizes com
   DeepSpeed the Trainer keeps fp32 weights under bf16 autocast: 4 + 4 + 8 bytes per trained parameter and 4
   per frozen one;
 - the training step's peak above that (`step_peak_bytes`): the TTT unroll's saved activations, every step's
-  logits and the teacher's probabilities (at the positions the loss reads), or — if larger — what stays alive
-  while the backward of the last TTT step allocates the gradients. Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
+  logits and the teacher's probabilities (at the positions the loss reads), plus what the largest of three
+  moments adds: the end of the loss forward, the loss's backward, the last TTT step's layer backward.
+  Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
 """
 
 from __future__ import annotations
