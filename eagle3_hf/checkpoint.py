@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +207,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, revision: str | None = N
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(name_or_path)):  # a path, not a repo id: say so
+        raise FileNotFoundError(f"{name_or_path} is neither a checkpoint directory nor a Hub repo id")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir,

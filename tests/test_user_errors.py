@@ -47,18 +47,18 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
         assert debug.returncode != 0 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--data-dir", "{missing}", "--output-dir", "{tmp}/run"],
-    ["export", "{missing}", "--output", "{tmp}/exported"],
-    ["import-features", "speculators", "{missing}", "--data", "{missing}", "--output", "{tmp}/imp",
-     "--verifier", "smollm2-135m-instruct"],
-    ["prepare", "--input", "{missing}.jsonl", "--output", "{tmp}/prep"],
+@pytest.mark.parametrize("argv,says", [
+    (["train", "--data-dir", "{missing}", "--output-dir", "{tmp}/run"], "no features here"),
+    (["export", "{missing}", "--output", "{tmp}/exported"], "neither a checkpoint directory nor a Hub repo id"),
+    (["import-features", "speculators", "{missing}", "--data", "{missing}", "--output", "{tmp}/imp",
+      "--verifier", "smollm2-135m-instruct"], "not a prepared dataset"),
+    (["prepare", "--input", "{missing}.jsonl", "--output", "{tmp}/prep"], "no such file"),
 ])
-def test_in_process_user_errors_return_one_line(argv, tmp_path, capsys):
+def test_in_process_user_errors_return_one_line(argv, says, tmp_path, capsys):
     argv = [a.format(missing=tmp_path / "nowhere", tmp=tmp_path) for a in argv]
     assert cli.main(argv) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and "nowhere" in err[-1]
+    assert err[-1].startswith("error: ") and "nowhere" in err[-1] and says in err[-1]
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
