@@ -101,6 +101,28 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
                          f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
 
 
+def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
+    """(tokens, mean sample length) of the recipe's `data_dir` when its features are already extracted."""
+    from .data.shards import load_manifest
+
+    data_dir = recipe.get("data_dir")
+    if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
+        return None
+    lengths = [int(s["length"]) for s in load_manifest(data_dir)["samples"]]
+    return (float(sum(lengths)), sum(lengths) / len(lengths)) if lengths else None
+
+
+def draft_vocab_from_features(recipe: dict) -> int | None:
+    """The draft vocabulary size of the recipe's `data_dir/vocab.safetensors` (what training will use)."""
+    from safetensors import safe_open
+
+    path = Path(recipe.get("vocab") or Path(recipe.get("data_dir") or "/nonexistent") / "vocab.safetensors")
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return int(f.get_slice("d2t").get_shape()[0])
+
+
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
@@ -238,7 +260,7 @@ def model_state_bytes(params: dict[str, int], launch: Launch) -> dict[str, float
     gpus, nodes = launch.num_processes, launch.num_machines
     per_node = max(1, gpus // nodes)
     if launch.zero_stage == 0:
-        return {"gpu": 16 * trained + 4 * frozen, "cpu": 0, "rule": "fp32 weights, grads, AdamW (autocast bf16)"}
+        return {"gpu": 16 * trained + 4 * frozen, "cpu": 0, "rule": "fp32 weights, gradients, AdamW states"}
     if launch.zero_stage in (1, 2):
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -264,6 +286,9 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
     from .configuration_eagle3 import Eagle3Config
 
     steps = int(recipe.get("ttt_steps", 3))
+    if draft_vocab > int(text_cfg["vocab_size"]):
+        raise SystemExit(f"draft vocabulary {draft_vocab} is larger than the verifier's {text_cfg['vocab_size']}: "
+                         "pass --draft-vocab")
     config = Eagle3Config.from_verifier(text_cfg, draft_vocab_size=draft_vocab, ttt_steps=steps)
     frozen_head = bool(recipe.get("freeze_lm_head", False))
     params = param_counts(config, frozen_head)
@@ -344,8 +369,8 @@ def format_plan(plan: dict, title: str) -> str:
     if "data" in plan:
         x = plan["data"]
         lines += [
-            f"  features    {x['tokens'] / 1e6:.1f} M tokens: {x['disk_bf16'] / GIB:,.0f} GiB bf16, "
-            f"{x['disk_fp8'] / GIB:,.0f} GiB fp8",
+            f"  features    {x['tokens'] / 1e6:.1f} M tokens: {x['disk_bf16'] / GIB:,.1f} GiB bf16, "
+            f"{x['disk_fp8'] / GIB:,.1f} GiB fp8",
             f"  extraction  {x['extract_flops']:.2e} FLOPs (2 x active x tokens): {x['extract_gpu_hours']:.1f} "
             f"GPU-hours, {x['extract_hours']:.2f} h on {x['extract_gpus']} GPUs",
             f"  training    {x['epoch_flops']:.2e} FLOPs/epoch (documents ~{x['mean_document_tokens']:.0f} tokens): "
@@ -360,10 +385,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="training recipe YAML (what examples/train.py takes as --config)")
     parser.add_argument("--accelerate-config", default=None, help="accelerate config YAML (default: 1 process)")
     parser.add_argument("--verifier-config", default=None, help="verifier config.json (default: the recipe's verifier)")
-    parser.add_argument("--dataset-tokens", type=float, default=None, help="tokens in the dataset (for disk, FLOPs)")
+    parser.add_argument("--dataset-tokens", type=float, default=None,
+                        help="tokens in the dataset, for disk and FLOPs (default: counted in the recipe's data_dir)")
     parser.add_argument("--mean-document-tokens", type=float, default=None,
-                        help="mean conversation length for attention FLOPs (default: a full packed row)")
-    parser.add_argument("--draft-vocab", type=int, default=32000)
+                        help="mean conversation length for attention FLOPs (default: from the data_dir, else a row)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft vocabulary size (default: the data_dir's vocab.safetensors, else 32000)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU (H100 80, H200 141)")
     parser.add_argument("--reserve-gib", type=float, default=2.0, help="kept back for the CUDA context, NCCL")
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
@@ -375,12 +402,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     recipe = _load(args.recipe)
     launch = read_launch(args.accelerate_config, recipe)
-    plan = build_plan(recipe, launch, verifier_text_config(recipe, args.verifier_config), args.dataset_tokens,
-                      draft_vocab=args.draft_vocab, gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
-                      mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=args.mean_document_tokens,
+    tokens, mean_document = args.dataset_tokens, args.mean_document_tokens
+    if tokens is None and (found := dataset_from_features(recipe)):
+        tokens, mean_document = found[0], mean_document or found[1]
+    plan = build_plan(recipe, launch, verifier_text_config(recipe, args.verifier_config), tokens,
+                      draft_vocab=args.draft_vocab or draft_vocab_from_features(recipe) or 32000,
+                      gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
+                      mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=mean_document,
                       extract_gpus=args.extract_gpus)
     title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
     print(format_plan(plan, title))
+    if tokens is None:
+        print("  (no dataset size: pass --dataset-tokens, or point the recipe's data_dir at extracted features, "
+              "for disk, FLOPs and time)")
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1), encoding="utf-8")
     return 0 if plan["memory"]["fits"] else 1

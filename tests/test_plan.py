@@ -67,3 +67,18 @@ def test_activation_model_within_15_percent_of_a_measured_step():
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout[proc.stdout.index("["):])[0]
     assert 0.85 <= row["ratio"] <= 1.15, row
+
+
+def test_dataset_size_and_draft_vocabulary_come_from_the_recipes_features(tmp_path, capsys):
+    from train_fixtures import build_offline_data, save_verifier
+
+    verifier = save_verifier(tmp_path / "verifier")
+    features = build_offline_data(tmp_path, verifier, num_samples=12)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"verifier: {tmp_path / 'verifier'}\ndata_dir: {features}\nmax_seq_len: 128\n")
+    assert cli_main(["plan", str(recipe), "--json", str(tmp_path / "plan.json")]) == 0
+    got = json.loads((tmp_path / "plan.json").read_text())
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert got["data"]["tokens"] == sum(s["length"] for s in manifest["samples"])
+    assert got["drafter"]["draft_vocab_size"] == 128  # the fixture's vocab.safetensors, not the 32000 default
+    assert got["data"]["disk_bf16"] == feature_bytes_per_token(64, "bf16") * got["data"]["tokens"]
