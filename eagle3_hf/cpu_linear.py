@@ -1,12 +1,12 @@
 """fp32 `nn.Linear` on the CPU through oneDNN with prepacked weights, for decoding.
 
 A speculative verify forward reads k + 1 tokens where plain decoding reads one, so its cost relative to a
-one-token forward decides the speedup. On the CPU the default fp32 GEMM (MKL) costs about 1.5x as much for
-4 rows as for 1 and repacks the weight on every call; oneDNN with the weight packed once (what
-torch.compile's freezing does) costs about the same for 1 to 5 rows and is no slower for one. Same fp32
-arithmetic, different summation order (~1e-6 relative). `greedy_generate` and `speculative_generate` both
+one-token forward decides the speedup. On the CPU the default fp32 GEMM (MKL; measured on an AMD EPYC)
+costs about 1.5x as much for 4 rows as for 1; oneDNN with the weight packed once (what torch.compile's
+freezing does) costs about the same for 1 to 5 rows, and less than MKL for one row. Same fp32 arithmetic, different summation order (~1e-6 relative). `greedy_generate` and `speculative_generate` both
 run under it, so the baseline gets the same kernels. The packed copies are cached per module (one extra
-copy of the weights while the module lives) and rebuilt when a weight changes.
+copy of the weights while the module lives, so models over MAX_PACKED_BYTES are left alone) and rebuilt
+when a weight changes. EAGLE3_HF_ONEDNN=0 switches it off.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from torch import nn
 # Rows the packed layout is chosen for: any hint from 4 to 64 measured alike for 1 to 128 rows, while a hint of
 # 1 made one row 1.2x and four rows 1.7x slower.
 _BATCH_HINT = 64
+# A model whose Linear weights exceed this is left on torch's kernels: the packed copy doubles their memory,
+# which a small verifier affords and a multi-billion-parameter one on a CPU may not.
+MAX_PACKED_BYTES = 4 << 30
 _PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple[int, int, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
@@ -65,10 +68,12 @@ def prepacked_linears(*models) -> Iterator[None]:
             for model in models:
                 if not isinstance(model, nn.Module):
                     continue
-                for module in model.modules():
-                    if _eligible(module):
-                        module.forward = _forward.__get__(module)
-                        patched.append(module)
+                modules = [module for module in model.modules() if _eligible(module)]
+                if sum(m.weight.numel() * m.weight.element_size() for m in modules) > MAX_PACKED_BYTES:
+                    continue
+                for module in modules:
+                    module.forward = _forward.__get__(module)
+                    patched.append(module)
         yield
     finally:
         for module in patched:
