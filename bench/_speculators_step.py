@@ -22,6 +22,48 @@ from safetensors.torch import load_file
 from _step_timing import measure_steps, rss_mib  # bench/ is on sys.path: this runs as a script
 
 
+def build_drafter(m: dict, attn: str, ttt_steps: int, d2t: torch.Tensor, t2d: torch.Tensor, embed: torch.Tensor,
+                  head_rows: torch.Tensor, aux_layer_ids=(2, 15, 27), verifier: str | None = None):
+    """speculators' `Eagle3DraftModel` on the shapes in `m`, with what its `load_verifier_weights` copies in
+    (embedding, `lm_head` = `verifier_lm_head` = the verifier's rows of the draft vocabulary), frozen as it
+    trains them. The standard EAGLE-3 layer: no extra norms (`norm_before_fc`, `norm_output` off)."""
+    from transformers import LlamaConfig
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    layer_config = LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
+        num_hidden_layers=1, num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+        head_dim=m["head_dim"], max_position_embeddings=m["max_position_embeddings"],
+        rms_norm_eps=m.get("rms_norm_eps", 1e-5), rope_theta=m.get("rope_theta", 10000.0),
+        tie_word_embeddings=False,
+    )
+    layer_config._attn_implementation = attn
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config,
+        draft_vocab_size=m["draft_vocab_size"],
+        norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier, architectures=["LlamaForCausalLM"]),
+        ),
+    )
+    model = Eagle3DraftModel(config)
+    model.load_vocab_mappings(t2d, d2t)
+    model.embed_tokens.load_state_dict({"weight": embed})
+    model.lm_head.load_state_dict({"weight": head_rows})
+    model.verifier_lm_head.load_state_dict({"weight": head_rows})
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight,
+              model.verifier_norm.weight):
+        p.requires_grad_(False)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -32,52 +74,18 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
 
-    from transformers import LlamaConfig
-
     import speculators
-    from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
     from speculators.train.optimizers import build_optimizers
 
     rss_imports = rss_mib("VmRSS")
     m = spec["model"]
     data = load_file(args.batch)
-    layer_config = LlamaConfig(
-        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],
-        num_hidden_layers=1, num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
-        head_dim=m["head_dim"], max_position_embeddings=m["max_position_embeddings"], rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False,
-    )
-    layer_config._attn_implementation = spec["attn"]
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_config,
-        draft_vocab_size=m["draft_vocab_size"],
-        norm_before_residual=False,
-        eagle_aux_hidden_state_layer_ids=[2, 15, 27],
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=spec["ttt_steps"])],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
-        ),
-    )
-    model = Eagle3DraftModel(config)
-    d2t, t2d = data["d2t"], data["t2d"]
-    model.load_vocab_mappings(t2d, d2t)
-    # what load_verifier_weights copies in from the verifier's files (same values as our side's)
-    g = torch.Generator().manual_seed(1)
-    embed = torch.randn(m["vocab_size"], m["hidden_size"], generator=g) * 0.02
-    model.embed_tokens.load_state_dict({"weight": embed})
-    del embed
+    # the verifier's embedding and lm_head rows (same values as our side's)
+    embed = torch.randn(m["vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(1)) * 0.02
     rows = torch.randn(m["draft_vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(2)) * 0.02
-    model.lm_head.load_state_dict({"weight": rows})
-    model.verifier_lm_head.load_state_dict({"weight": rows})
-    del rows
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight,
-              model.verifier_norm.weight):
-        p.requires_grad_(False)
+    model = build_drafter(m, spec["attn"], spec["ttt_steps"], data["d2t"], data["t2d"], embed, rows)
+    del embed, rows
     model.train()
     loss_config = resolve_loss_config("kl_div", "eager")  # the fused loss is Triton, GPU only
     optimizers = build_optimizers(model, SimpleNamespace(optimizer="adamw", lr=1e-4, weight_decay=0.01))
