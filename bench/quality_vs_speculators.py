@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_hf.constants import EVALUATION_FILE, TRAINING_FILE
 from train_step import REPO, SPEC_PYTHON, speculators_available  # bench/ is on sys.path: this runs as a script
 
 SPEC_TRAINER = Path(__file__).resolve().parent / "_speculators_train.py"
@@ -65,8 +66,8 @@ def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path
     from transformers import Trainer
 
     from eagle3_hf import Eagle3Config
-    from eagle3_hf.data.vocab import load_vocab
-    from eagle3_hf.train_cli import build_datasets, default_vocab_path, parse_args, verifier_io_weights
+    from eagle3_hf.assets import verifier_io_weights
+    from eagle3_hf.training import build_datasets, load_vocabulary, parse_args
 
     model_args, data_args, targs = parse_args(train_argv)
     train, _evals, collator, info = build_datasets(data_args, model_args)
@@ -87,7 +88,7 @@ def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path
                 "position_ids": batch["position_ids"][real], "document_ids": docs[real],
             }, str(work / f"batch-{steps:05d}.safetensors"))
     config = Eagle3Config.from_pretrained(ours_dir)
-    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], config.vocab_size)
+    d2t, t2d = load_vocabulary(data_args, info, config)
     embed, head = verifier_io_weights(args.verifier)
     save_file({"embed_tokens": embed.contiguous(), "lm_head_rows": head[t2d].contiguous(), "d2t": d2t, "t2d": t2d},
               str(work / "verifier.safetensors"))
@@ -112,7 +113,7 @@ def validation_metrics(args: argparse.Namespace, drafter_dir: Path) -> dict:
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.data.dataset import FeatureDataset
     from eagle3_hf.step_metrics import drafter_step_accuracies
-    from eagle3_hf.train_cli import verifier_io_weights
+    from eagle3_hf.assets import verifier_io_weights
 
     model = Eagle3DraftModel.from_pretrained(drafter_dir)
     embed, _head = verifier_io_weights(args.verifier)
@@ -131,7 +132,7 @@ def reader_agreement(spec_dir: Path, work: Path, verifier: str, ttt_steps: int =
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.train_cli import verifier_io_weights
+    from eagle3_hf.assets import verifier_io_weights
 
     theirs = load_file(str(work / "speculators_drafts.safetensors"))
     batch = {k: v.unsqueeze(0) for k, v in load_file(str(sorted(work.glob("batch-*.safetensors"))[0])).items()}
@@ -194,7 +195,7 @@ def main() -> None:
                                     out / "train_ours.log", env)
     if not (args.reuse and (spec_dir / "model.safetensors").is_file()):
         steps = dump_batches(args, train_argv, ours_dir, work)
-        ours_steps = json.loads((ours_dir / "eagle3_training.json").read_text())["log_history"][-1].get("step")
+        ours_steps = json.loads((ours_dir / TRAINING_FILE).read_text())["log_history"][-1].get("step")
         if ours_steps is not None and ours_steps != steps:
             raise SystemExit(f"dumped {steps} batches but our Trainer ran {ours_steps} steps")
         print(f"speculators: {steps} steps on the dumped batches", flush=True)
@@ -210,13 +211,13 @@ def main() -> None:
     for name, d in (("ours", ours_dir), ("speculators", spec_dir)):
         row = {"validation": validation_metrics(args, d)}
         eval_dir = out / f"eval_{name}"
-        if not (args.reuse and (eval_dir / "eagle3_evaluation.json").is_file()):
+        if not (args.reuse and (eval_dir / EVALUATION_FILE).is_file()):
             seconds[f"evaluate_{name}"] = run(
                 [sys.executable, "-m", "eagle3_hf.cli", "evaluate", "--drafter", str(d), "--verifier", args.verifier,
                  "--prompts", "mt-bench", "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
                  str(args.eval_tokens), "--k", "3", "--temperature", "0", "--output", str(eval_dir),
                  "--no-progress"], out / f"evaluate_{name}.log", env)
-        row["mt_bench"] = json.loads((eval_dir / "eagle3_evaluation.json").read_text(encoding="utf-8"))
+        row["mt_bench"] = json.loads((eval_dir / EVALUATION_FILE).read_text(encoding="utf-8"))
         results[name] = row
 
     print(f"\n{'drafter':12s} {'layout':12s} {'val acc0/1/2':>17s} {'val sim τ':>9s} {'MT-bench τ':>10s} "
