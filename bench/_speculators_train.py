@@ -41,7 +41,8 @@ def speculators_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         }))
     row = {k: torch.cat([doc[k] for doc in docs]).unsqueeze(0) for k in
            ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids")}
-    row["document_ids"] = torch.cat([torch.full((int(doc["lengths"]),), i) for i, doc in enumerate(docs)]).unsqueeze(0)
+    row["document_ids"] = torch.cat([torch.full((int(doc["lengths"]),), i)
+                                     for i, doc in enumerate(docs)]).unsqueeze(0)
     row["loss_mask"] = row["loss_mask"].bool()
     return row
 
@@ -108,7 +109,8 @@ def main() -> None:
         row = speculators_row(load_file(str(files[0])))
         drafts = model(hidden_states=row["hidden_states"], input_ids=row["input_ids"],
                        document_ids=row["document_ids"], position_ids=row["position_ids"], ttt_steps=spec["ttt_steps"])
-    save_file({f"step_{i}": t[0].contiguous() for i, t in enumerate(drafts)}, str(work / "speculators_drafts.safetensors"))
+    save_file({f"step_{i}": t[0].contiguous() for i, t in enumerate(drafts)},
+              str(work / "speculators_drafts.safetensors"))
     (Path(args.out) / "speculators_training_log.json").write_text(json.dumps(log, indent=1), encoding="utf-8")
 
 
