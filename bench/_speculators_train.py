@@ -49,7 +49,8 @@ def speculators_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--work", required=True, help="directory with spec.json, verifier.safetensors, batch-*.safetensors")
+    parser.add_argument("--work", required=True,
+                        help="directory with spec.json, verifier.safetensors and batch-*.safetensors")
     parser.add_argument("--out", required=True, help="checkpoint directory (speculators layout)")
     args = parser.parse_args()
     work = Path(args.work)
