@@ -23,6 +23,8 @@ def summarize(out: Path, seconds: int | None = None) -> dict:
     return {
         "samples": len(manifest["samples"]),
         "tokens": tokens,
+        "train_samples": training["data"]["num_samples"],
+        "train_tokens": training["data"]["num_tokens"],
         "feature_bytes": feature_bytes,
         "bytes_per_token": round(feature_bytes / max(tokens, 1), 1),
         "reference_bytes_per_token": 4 * hidden * 2,
@@ -43,7 +45,8 @@ def summarize(out: Path, seconds: int | None = None) -> dict:
 def as_markdown(s: dict) -> str:
     fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     rows = [
-        ("data", f"{s['samples']} samples, {s['tokens']:,} tokens"),
+        ("data", f"{s['samples']} samples, {s['tokens']:,} tokens; trained on {s['train_samples']} samples, "
+                 f"{s['train_tokens']:,} tokens (the rest is the validation split)"),
         ("features on disk", f"{s['feature_bytes'] / 2**20:.1f} MiB ({s['bytes_per_token']} B/token; "
                              f"4 x hidden x 2 = {s['reference_bytes_per_token']} + ids, mask, greedy)"),
         ("checkpoint (standard layout)", f"{s['checkpoint_bytes'] / 2**20:.1f} MiB"),
