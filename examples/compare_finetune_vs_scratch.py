@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", metavar="RUN",
-                        help="train just these runs (e.g. scratch finetune:drift-s4), to split the work over several "
-                             "processes; a later invocation without --only reuses them and writes the report")
+                        help="just these runs (e.g. scratch finetune:drift-s4), in the report too: split the work over "
+                             "several processes, then one invocation without --only reuses them all")
     args = parser.parse_args(argv)
     args.other_layers = [int(x) for x in args.other_layers.split(",")]
     out = args.output_dir
@@ -195,9 +195,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--only {sorted(set(args.only) - set(runs))}: not among the runs {list(runs)}")
     results = {run: run_once(args, run, source, out / run.replace(":", "_"))
                for run, source in runs.items() if wanted(run)}
-    if args.only:
-        print(f"trained {sorted(results)}; run again without --only to write the report")
-        return results
     (out / "report.json").write_text(json.dumps(results, indent=2))
     plot_curves(results, out / "curves.png")
     plot_tau_vs_drift(results, out / "tau_vs_drift.png")

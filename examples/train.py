@@ -31,7 +31,8 @@ from eagle3_hf.assets import resolve_verifier, verifier_io_weights
 from eagle3_hf.configuration_eagle3 import logit_softcap
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.training import build_datasets, build_drafter, check_features_fit, load_vocabulary, parse_args
+from eagle3_hf.training import (build_datasets, build_drafter, check_features_fit, finetune_advice, load_vocabulary,
+                                parse_args)
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -70,9 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     if model_args.finetune_from and len(evals):
         before = trainer.evaluate(metric_key_prefix="source")
         init["source_metrics"] = before
-        logger.warning("finetune source before training: step-0 acc %.3f, simulated τ %.2f",
+        init["advice"] = finetune_advice(before.get("source_acc_0", float("nan")))
+        logger.warning("finetune source before training: step-0 acc %.3f, simulated τ %.2f. %s",
                        before.get("source_acc_0", float("nan")),
-                       before.get("source_simulated_acceptance_length", float("nan")))
+                       before.get("source_simulated_acceptance_length", float("nan")), init["advice"])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = trainer.evaluate() if len(evals) else {}
 

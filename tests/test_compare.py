@@ -52,3 +52,13 @@ def test_report_lists_every_run_with_same_seed_and_budget(tmp_path, tiny_verifie
         assert results[run]["source_before"]["source_acc_0"] is not None
         assert results[run]["tau"]["lossless"] is True
     assert (out / "curves.png").stat().st_size and (out / "tau_vs_drift.png").stat().st_size
+
+
+def test_finetune_advice_states_the_measured_bound():
+    from eagle3_hf.training import SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH as bound
+    from eagle3_hf.training import finetune_advice
+
+    assert f"{bound:.2f}" in (ROOT / "docs" / "finetune_vs_scratch.md").read_text()
+    assert finetune_advice(bound + 0.05).startswith(f"at or above {bound:.2f}: every source")
+    assert finetune_advice(bound - 0.05).startswith(f"below {bound:.2f}")
+    assert finetune_advice(float("nan")).startswith("no validation data")
