@@ -58,9 +58,9 @@ def source_features(args, verifier_name: str, out: Path, aux: list[int]) -> Path
 
 
 def held_out_ids(args) -> list:
-    from eagle3_hf.data.extract import load_prepared
+    from eagle3_hf.data.prepare import load_prepared
 
-    return load_prepared(args.prepared_dir)["input_ids"][: args.drift_held_out]
+    return load_prepared(args.prepared_dir)[0]["input_ids"][: args.drift_held_out]
 
 
 def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -> dict:
@@ -144,6 +144,7 @@ def run_once(args, run: str, source: dict, target: Path) -> dict:
               "budget": budget(args, summary), "metrics": summary["metrics"], "curves": curves(summary),
               "source_before": summary["init"].get("source_metrics"),
               "warnings": summary["init"].get("warnings", []),
+              "advice": summary["init"].get("advice"),
               "tau": measure_tau(args, str(target)) if args.eval_prompts else None}
     cached.write_text(json.dumps({"key": key, "result": result}, indent=2))
     return result

@@ -22,9 +22,9 @@ from eagle3_hf.drift import DriftRecipe, build_drifted_verifiers, drift_texts, m
 
 def held_out(args) -> list:
     if args.prepared_dir:
-        from eagle3_hf.data.extract import load_prepared
+        from eagle3_hf.data.prepare import load_prepared
 
-        ds = load_prepared(args.prepared_dir)
+        ds, _meta = load_prepared(args.prepared_dir)
         return [row for row in ds["input_ids"][: args.held_out]]
     tokenizer = load_tokenizer(args.base)
     return [tokenizer.apply_chat_template(m, tokenize=True, return_dict=False)[: args.seq_len]

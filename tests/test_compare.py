@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-import pytest
 
 from eagle3_hf.assets import chitchat_conversations
 from eagle3_hf.cli import main as cli
@@ -14,7 +11,6 @@ from eagle3_hf.cli import main as cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_report_lists_every_run_with_same_seed_and_budget(tmp_path, tiny_verifier_dir, monkeypatch):
     monkeypatch.setenv("EAGLE3_HF_CACHE", str(tmp_path / "cache"))  # the drifted tiny verifier goes here
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
@@ -50,6 +46,7 @@ def test_report_lists_every_run_with_same_seed_and_budget(tmp_path, tiny_verifie
     assert 0 <= drift["greedy_agreement"] <= 1 and drift["kl"] > 0
     for run in runs[1:]:
         assert results[run]["source_before"]["source_acc_0"] is not None
+        assert results[run]["advice"].startswith(("at or above", "below"))  # what --finetune-from logged
         assert results[run]["tau"]["lossless"] is True
     assert (out / "curves.png").stat().st_size and (out / "tau_vs_drift.png").stat().st_size
 
