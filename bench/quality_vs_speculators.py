@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ def our_train_argv(args: argparse.Namespace, output_dir: Path) -> list[str]:
             "--max-seq-len", str(args.max_seq_len), "--per-device-train-batch-size", str(args.batch_size),
             "--warmup-steps", "0.05", "--lr-scheduler-type", "cosine",
             "--validation-fraction", str(args.validation_fraction), "--logging-steps", "10",
-            "--eval-strategy", "no", "--save-strategy", "no", "--seed", str(args.seed)]
+            "--eval-strategy", "no", "--save-strategy", "no", "--seed", str(args.seed), *shlex.split(args.ours_args)]
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -166,6 +167,8 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--validation-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ours-args", default="", help="more `eagle3-hf train` arguments for ours (an ablation, "
+                        "e.g. \"--init-lm-head verifier --freeze-lm-head --ttt-step-weight 1.0\")")
     parser.add_argument("--spec-optimizer", default="muon", choices=["muon", "adamw"],
                         help="speculators' optimizer (its 0.9.0 CLI default: muon)")
     parser.add_argument("--spec-lr", type=float, default=1e-3, help="speculators' lr (its CLI default)")
