@@ -40,6 +40,9 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                              ["--init-lm-head", "verifier", "--freeze-lm-head", "true"]),
     "muon": ("optimizer: Muon on hidden matrices", ["--hidden-optimizer", "muon"]),
     "batch-1": ("rows per step (1 x 1024 tokens: twice the optimizer steps)", ["--per-device-train-batch-size", "1"]),
+    "rows-512": ("1 row of 512 tokens per step: 4x the optimizer steps",
+                 ["--per-device-train-batch-size", "1", "--max-seq-len", "512"]),
+    "batch-1-muon": ("batch-1 and Muon", ["--per-device-train-batch-size", "1", "--hidden-optimizer", "muon"]),
 }
 
 
