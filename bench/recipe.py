@@ -42,6 +42,11 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "batch-1": ("rows per step (1 x 1024 tokens: twice the optimizer steps)", ["--per-device-train-batch-size", "1"]),
     "rows-512": ("1 row of 512 tokens per step: 4x the optimizer steps",
                  ["--per-device-train-batch-size", "1", "--max-seq-len", "512"]),
+    "rows-256": ("1 row of 256 tokens per step: 8x the optimizer steps (longer samples truncated)",
+                 ["--per-device-train-batch-size", "1", "--max-seq-len", "256"]),
+    "rows-512-epochs-x2": ("512-token rows and twice the epochs",
+                           ["--per-device-train-batch-size", "1", "--max-seq-len", "512", "--num-train-epochs",
+                            "{2*epochs}"]),
     "batch-1-muon": ("batch-1 and Muon", ["--per-device-train-batch-size", "1", "--hidden-optimizer", "muon"]),
 }
 
