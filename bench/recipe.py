@@ -123,8 +123,9 @@ def main() -> None:
         seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else None
         summary = json.loads(summary_file.read_text())
         m = summary["metrics"]
-        curve = [h["eval_simulated_acceptance_length"] for h in summary.get("log_history", [])
-                 if "eval_simulated_acceptance_length" in h]
+        per_epoch = {round(h["epoch"], 2): h["eval_simulated_acceptance_length"]  # the final evaluate repeats the last
+                     for h in summary.get("log_history", []) if "eval_simulated_acceptance_length" in h}
+        curve = list(per_epoch.values())
         results[name] = {"sim_tau": m["simulated_acceptance_length"], "acc": m["step_accuracy"],
                          "cacc": m["step_conditional_accuracy"], "seconds": seconds, "curve": curve}
         print(f"{name}: simulated τ {m['simulated_acceptance_length']:.3f}  acc {m['step_accuracy']}", flush=True)
