@@ -5,8 +5,8 @@ samples in manifest order, so each subset contains the smaller ones), validates 
 and is decoded for real on MT-bench prompts (never trained on). Prints and writes a table and a PNG of
 simulated τ (validation) and real τ against training tokens. Finished points are reused on a rerun.
 
-    python examples/data_scaling.py --data-dir demo_out/large/features --output-dir runs/scaling \
-        --points 10000,20000,40000,80000,160000,0 --epochs 4 --table docs/data_scaling.md --plot docs/data_scaling.png
+    python examples/data_scaling.py --data-dir demo_out/small/features --output-dir runs/scaling --parallel 2 \
+        --points 5000,10000,20000,40000,0 --table docs/data_scaling.md --plot docs/data_scaling.png
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -32,13 +33,14 @@ def main() -> None:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--verifier", default="smollm2-135m-instruct")
     p.add_argument("--points", default="10000,20000,40000,80000,0", help="training tokens; 0 = all")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--train-args", default="--learning-rate 2e-3 --lr-scheduler-type cosine --warmup-steps 0.05 "
-                   "--max-seq-len 1024 --per-device-train-batch-size 4 --validation-fraction 0.05 --seed 0 "
+                   "--max-seq-len 256 --per-device-train-batch-size 1 --validation-fraction 0.05 --seed 0 "
                    "--eval-strategy epoch --save-strategy epoch --save-total-limit 1 --load-best-model-at-end true "
                    "--logging-steps 20")
     p.add_argument("--eval-prompts", type=int, default=10)
     p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--parallel", type=int, default=1, help="points at once (one thread each)")
     p.add_argument("--table", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -48,8 +50,7 @@ def main() -> None:
     env.setdefault("OMP_NUM_THREADS", "1")
     cli = [sys.executable, "-m", "eagle3_hf.cli"]
 
-    rows = []
-    for point in [int(x) for x in args.points.split(",")]:
+    def train_and_evaluate(point: int) -> dict:
         name = f"tokens-{point or 'all'}"
         run_dir = out / name
         if not (run_dir / "eagle3_training.json").is_file():
@@ -62,11 +63,16 @@ def main() -> None:
                 "--temperature", "0", "--output", str(run_dir / "eval")], out / f"{name}.eval.log", env)
         summary = json.loads((run_dir / "eagle3_training.json").read_text())
         evaluation = json.loads((run_dir / "eval" / "eagle3_evaluation.json").read_text())
-        rows.append({"tokens": summary["data"]["num_tokens"], "samples": summary["data"]["num_samples"],
-                     "sim_tau": summary["metrics"]["simulated_acceptance_length"],
-                     "acc0": summary["metrics"]["step_accuracy"][0],
-                     "real_tau": evaluation["acceptance_length"], "lossless": evaluation["lossless"]})
-        print(json.dumps(rows[-1]), flush=True)
+        row = {"tokens": summary["data"]["num_tokens"], "samples": summary["data"]["num_samples"],
+               "sim_tau": summary["metrics"]["simulated_acceptance_length"],
+               "acc0": summary["metrics"]["step_accuracy"][0],
+               "real_tau": evaluation["acceptance_length"], "lossless": evaluation["lossless"]}
+        print(json.dumps(row), flush=True)
+        return row
+
+    points = [int(x) for x in args.points.split(",")]
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        rows = sorted(pool.map(train_and_evaluate, points), key=lambda r: r["tokens"])
 
     lines = ["# How much data does a drafter need?", "",
              f"Same recipe ({args.epochs} epochs, `{args.train_args}`) on nested subsets of `{args.data_dir}`; "
