@@ -22,8 +22,8 @@ import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.assets import DEFAULT_VERIFIER, load_tokenizer, load_verifier
-from eagle3_hf.speculative import (acceptance_stats, evaluate_drafter, format_summary, greedy_generate, load_prompts,
-                                   render_prompt, speculative_generate)
+from eagle3_hf.evaluate import evaluate_drafter, format_summary, load_prompts, render_prompt
+from eagle3_hf.speculative import acceptance_stats, greedy_generate, speculative_generate
 
 
 def random_drafter(verifier, draft_vocab_size: int = 32000, seed: int = 0) -> Eagle3DraftModel:

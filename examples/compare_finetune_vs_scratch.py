@@ -112,7 +112,7 @@ def curves(summary: dict) -> dict[str, list]:
 def measure_tau(args, drafter_dir: str) -> dict:
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.assets import load_tokenizer, load_verifier, mtbench_questions
-    from eagle3_hf.speculative import evaluate_drafter
+    from eagle3_hf.evaluate import evaluate_drafter
 
     verifier = load_verifier(args.verifier)
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir, verifier=verifier)

@@ -53,7 +53,8 @@ def _fresh_margins(verifier, ids: list[int]) -> list[float]:
 def test_family_end_to_end(family, tmp_path, tokenizer):
     from eagle3_hf.assets import load_verifier
     from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
-    from eagle3_hf.speculative import render_prompt, speculative_generate
+    from eagle3_hf.evaluate import render_prompt
+    from eagle3_hf.speculative import speculative_generate
 
     verifier_dir = tmp_path / "verifier"
     save_family_verifier(family, verifier_dir, tokenizer)

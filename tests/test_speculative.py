@@ -14,13 +14,12 @@ from conftest import make_tiny_verifier
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
+from eagle3_hf.evaluate import evaluate_drafter, load_prompts
 from eagle3_hf.speculative import (
     acceptance_metric_path,
     acceptance_stats,
     compare_to_greedy,
-    evaluate_drafter,
     greedy_generate,
-    load_prompts,
     speculative_generate,
     verify_sampled,
 )
@@ -175,7 +174,7 @@ def test_lossless_on_tiny_verifier_with_every_acceptance_length():
 
 def test_lossless_on_default_verifier(default_verifier_dir, tokenizer):
     from eagle3_hf.assets import load_verifier, mtbench_questions
-    from eagle3_hf.speculative import render_prompt
+    from eagle3_hf.evaluate import render_prompt
 
     verifier = load_verifier(str(default_verifier_dir))
     question = mtbench_questions()[0]["turns"][0]
@@ -381,16 +380,16 @@ def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir, monkey
     assert json.loads((drafter_dir / "eagle3_evaluation.json").read_text()) == summary
 
     # a decoder that changes one token is caught: non-zero exit, lossless false in the summary
-    import eagle3_hf.speculative as spec_module
+    import eagle3_hf.evaluate as evaluate_module
 
-    real = spec_module.speculative_generate
+    real = evaluate_module.speculative_generate
 
     def corrupted(*args, **kwargs):
         out = real(*args, **kwargs)
         out["tokens"][1] = (out["tokens"][1] + 1) % 49152
         return out
 
-    monkeypatch.setattr(spec_module, "speculative_generate", corrupted)
+    monkeypatch.setattr(evaluate_module, "speculative_generate", corrupted)
     code = main(["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
                  str(prompts), "--k", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "bad"), "--no-progress"])
     bad = json.loads((tmp_path / "bad" / "eagle3_evaluation.json").read_text())
