@@ -3,7 +3,7 @@
 # regenerate (answers + features in one pass) -> vocab -> train (accelerate launch) -> evaluate (speculative decoding
 # on held-out MT-bench) -> export -> check -> summary [-> push when HF_REPO_ID is set].
 #
-#   make demo                      # small: ~10 minutes on 2 CPU cores
+#   make demo                      # small: about 12 minutes on 2 CPU cores
 #   DEMO_SIZE=large make demo      # more data, longer training, all 80 MT-bench questions
 #   DEMO_SIZE=tiny bash examples/demo.sh   # seconds-scale smoke run (what CI executes)
 set -euo pipefail
