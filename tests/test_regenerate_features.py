@@ -29,6 +29,8 @@ from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.data.regenerate import TransformersBackend, regenerate
 from eagle3_hf.data.regenerate_features import regenerate_with_features
 
+from test_regenerate import rows  # JSONL rows by id, refusing duplicates
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,15 +43,6 @@ CONVS = [
                                  U("u2 is longer than the others, by a few words")]},
     {"id": "single", "messages": [U("only question")]},
 ] + [{"id": f"c{i}", "messages": [U(f"question number {i} " * (1 + i % 3))]} for i in range(5)]
-
-
-def rows(path) -> dict[str, dict]:
-    out = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        assert row["id"] not in out, f"duplicate {row['id']}"
-        out[row["id"]] = row
-    return out
 
 
 @pytest.fixture(scope="module")
