@@ -143,6 +143,17 @@ def _shard_lines(journal: Path) -> int:
     return sum(1 for line in journal.read_text().splitlines() if '"shard": {' in line)
 
 
+def kill_after_shards(proc: subprocess.Popen, journal: Path, shards: int, timeout: float) -> None:
+    """SIGKILL `proc` as soon as its journal records `shards` finished shards (mid-run, not at the end)."""
+    deadline = time.monotonic() + timeout
+    while _shard_lines(journal) < shards:
+        assert proc.poll() is None, "child finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _extract_in_process(verifier_dir, prepared, out, fingerprint):
     from transformers import AutoModelForCausalLM
 
@@ -160,13 +171,7 @@ def test_sigkill_resume_bit_identical(tmp_path, tiny_verifier_dir, fingerprint):
     full, killed = tmp_path / "full", tmp_path / "killed"
     proc = _run_child([tiny_verifier_dir, prepared, killed, fingerprint, 0.15])
     _extract_in_process(tiny_verifier_dir, prepared, full, fingerprint)  # meanwhile, the uninterrupted run
-    deadline = time.monotonic() + 120
-    while _shard_lines(killed / "manifest.r000.jsonl") < 3:
-        assert proc.poll() is None, "child finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_shards(proc, killed / "manifest.r000.jsonl", 3, timeout=120)
     assert not (killed / "manifest.json").exists()
     partial = FeatureDataset(killed, split="all")  # the journal alone is a readable, consistent state
     assert 6 <= len(partial) < 16

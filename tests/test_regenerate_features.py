@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.data.regenerate import TransformersBackend, regenerate
 from eagle3_hf.data.regenerate_features import regenerate_with_features
 
+from test_extract import kill_after_shards
 from test_regenerate import rows  # JSONL rows by id, refusing duplicates
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,10 +115,6 @@ regenerate_with_features(load_conversations(src), out, feats, backend, batch_siz
 """
 
 
-def _shard_lines(journal: Path) -> int:
-    return sum('"shard": {' in line for line in journal.read_text().splitlines()) if journal.is_file() else 0
-
-
 def test_sigkill_and_resume(tmp_path, tiny_verifier_dir, backend):
     convs = [{"id": f"k{i:02d}", "messages": [U(f"question {i} " * (1 + i % 4))]} for i in range(12)]
     write_jsonl(tmp_path / "in.jsonl", convs)
@@ -126,13 +122,7 @@ def test_sigkill_and_resume(tmp_path, tiny_verifier_dir, backend):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(tiny_verifier_dir), str(tmp_path / "in.jsonl"),
                              str(out), str(feats)], env=env)
-    deadline = time.monotonic() + 180
-    while _shard_lines(feats / "manifest.r000.jsonl") < 3:
-        assert proc.poll() is None, "child finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_shards(proc, feats / "manifest.r000.jsonl", 3, timeout=180)
     partial = FeatureDataset(feats, split="all")
     assert 3 <= len(partial) < 12
     assert not out.exists() or len(rows(out)) <= len(partial)  # answers reach OUTPUT only with their shard
