@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary["log_history"] = trainer.state.log_history
     if trainer.is_world_process_zero():
         write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
+    # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
+    #    interpreter shutdown, turning a finished run into a failed one.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return summary
 
 
