@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -25,6 +26,35 @@ def sh(cmd: list[str], log: Path, env: dict) -> None:
     with open(log, "w", encoding="utf-8") as f:
         if subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env):
             raise SystemExit(f"failed: {shlex.join(cmd)} (log: {log})")
+
+
+def per_doubling(tokens: list[int], values: list[float]) -> tuple[float, float]:
+    """Least-squares fit value = a + b * log2(tokens) -> (a, b): b is the gain per doubling of data."""
+    xs = [math.log2(t) for t in tokens]
+    mx, my = sum(xs) / len(xs), sum(values) / len(values)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, values)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def extrapolation(rows: list[dict], fit_points: int = 4) -> str:
+    """What the curve's last points say about more data: gain per doubling and the tokens a τ would need.
+
+    A straight line in log2(tokens) through the largest `fit_points` points; beyond the data it is an
+    extrapolation (curves of this kind bend eventually), stated as such.
+    """
+    fit = rows[-fit_points:]
+    if len(fit) < 2:
+        return ""
+    tokens = [r["tokens"] for r in fit]
+    a_real, b_real = per_doubling(tokens, [r["real_tau"] for r in fit])
+    _, b_sim = per_doubling(tokens, [r["sim_tau"] for r in fit])
+    text = (f"Fit over the largest {len(fit)} points (τ linear in log2 tokens): real τ {b_real:+.3f} and simulated τ "
+            f"{b_sim:+.3f} per doubling of data.")
+    if b_real > 0:
+        need = {goal: 2 ** ((goal - a_real) / b_real) for goal in (1.5, 2.0)}
+        text += (" If that held, real τ 1.5 would need about " + f"{need[1.5]:,.0f}" + " and real τ 2.0 about "
+                 + f"{need[2.0]:,.0f}" + " training tokens (an extrapolation, not a measurement).")
+    return text
 
 
 def main() -> None:
@@ -82,6 +112,7 @@ def main() -> None:
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['tokens']:,} | {r['samples']} | {r['acc0']:.3f} | {r['sim_tau']:.3f} | {r['real_tau']:.3f} | "
               f"{r['lossless']} |" for r in rows]
+    lines += ["", extrapolation(rows)]
     table = "\n".join(lines) + "\n"
     print(table)
     (out / "scaling.json").write_text(json.dumps(rows, indent=2))
