@@ -101,4 +101,12 @@ if __name__ == "__main__":
 
     from eagle3_hf.errors import run_reporting_user_errors
 
-    sys.exit(run_reporting_user_errors(main, sys.argv[1:]))  # bad input: one `error:` line, no traceback
+    code = run_reporting_user_errors(main, sys.argv[1:])  # bad input: one `error:` line, no traceback
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A distributed rank skips interpreter finalization: gloo threads still holding work objects when Python
+        # tears down can abort a finished run (SIGABRT). Everything is written and closed by now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
