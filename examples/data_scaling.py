@@ -51,9 +51,10 @@ def extrapolation(rows: list[dict], fit_points: int = 4) -> str:
     text = (f"Fit over the largest {len(fit)} points (τ linear in log2 tokens): real τ {b_real:+.3f} and simulated τ "
             f"{b_sim:+.3f} per doubling of data.")
     if b_real > 0:
-        need = {goal: 2 ** ((goal - a_real) / b_real) for goal in (1.5, 2.0)}
-        text += (" If that held, real τ 1.5 would need about " + f"{need[1.5]:,.0f}" + " and real τ 2.0 about "
-                 + f"{need[2.0]:,.0f}" + " training tokens (an extrapolation, not a measurement).")
+        need = {goal: (goal - a_real) / b_real for goal in (1.5, 2.0)}  # log2 of the tokens
+        said = {goal: f"{2 ** e:,.0f}" if e < 60 else "more than 10^18" for goal, e in need.items()}
+        text += (f" If that held, real τ 1.5 would need about {said[1.5]} and real τ 2.0 about {said[2.0]} training "
+                 "tokens (an extrapolation, not a measurement).")
     return text
 
 

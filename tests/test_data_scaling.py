@@ -21,5 +21,7 @@ def test_extrapolation_recovers_the_gain_per_doubling_and_the_tokens_a_tau_needs
     text = extrapolation(rows)  # fits the largest 4 points only
     assert "+0.050" in text and "+0.120" in text
     assert f"{2 ** ((1.5 - 0.4) / 0.05):,.0f}" in text  # τ 1.5 at 2^22 tokens on this line
+    slow = [{"tokens": t, "real_tau": 1.0 + 1e-4 * math.log2(t), "sim_tau": 1.3} for t in tokens]
+    assert "more than 10^18" in extrapolation(slow)  # a tiny gain: a bound, not an overflow
     flat = [{"tokens": t, "real_tau": 1.2, "sim_tau": 1.3} for t in tokens]
     assert "would need" not in extrapolation(flat)  # no gain: no promise of a token count
