@@ -83,6 +83,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
     speculative_generate(verifier, drafter, warm, k=k, max_new_tokens=k + 2, temperature=temperature,
                          generator=torch.Generator().manual_seed(seed))
 
+    eos = _eos_ids(verifier, None)
     rows: list[dict] = []
     accepted, drafted, seconds, produced = [], [], {"base": 0.0, "spec": 0.0}, {"base": 0, "spec": 0}
     bar = tqdm(total=sum(min(turns, len(it["turns"])) for it in items), desc="evaluate", unit="turn",
@@ -115,7 +116,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
             })
             accepted += spec["accepted_per_step"]
             drafted += spec["drafted_per_step"]
-            answer = [t for t in spec["tokens"] if t not in _eos_ids(verifier, None)]
+            answer = [t for t in spec["tokens"] if t not in eos]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
             bar.update(1)
             bar.set_postfix(tau=f"{(sum(accepted) + len(accepted)) / max(len(accepted), 1):.2f}")

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,4 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
 def main_argv(argv: list[str]) -> int:
     """`eagle3-hf train ...`: the same arguments as examples/train.py."""
     main(argv)
-    return 0
+    return finish_process(0)
+
+
+def finish_process(code: int) -> int:
+    """End a training process: a distributed rank leaves with os._exit, skipping interpreter finalization, where
+    gloo threads still holding work objects can abort a finished run (SIGABRT). Everything is written and closed
+    by then. A single process (tests calling `main` in-process included) just gets `code` back."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

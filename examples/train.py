@@ -31,8 +31,8 @@ from eagle3_hf.assets import resolve_verifier, verifier_io_weights
 from eagle3_hf.configuration_eagle3 import logit_softcap
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.training import (build_datasets, build_drafter, check_features_fit, finetune_advice, load_vocabulary,
-                                parse_args)
+from eagle3_hf.training import (build_datasets, build_drafter, check_features_fit, finetune_advice, finish_process,
+                                load_vocabulary, parse_args)
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -101,12 +101,5 @@ if __name__ == "__main__":
 
     from eagle3_hf.errors import run_reporting_user_errors
 
-    code = run_reporting_user_errors(main, sys.argv[1:])  # bad input: one `error:` line, no traceback
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # A distributed rank skips interpreter finalization: gloo threads still holding work objects when Python
-        # tears down can abort a finished run (SIGABRT). Everything is written and closed by now.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # bad input: one `error:` line, no traceback; a distributed rank then skips interpreter finalization
+    sys.exit(finish_process(run_reporting_user_errors(main, sys.argv[1:])))
