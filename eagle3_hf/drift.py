@@ -23,7 +23,8 @@ from typing import Iterable, Sequence
 import torch
 
 from .assets import cache_dir, chitchat_conversations, load_tokenizer, load_verifier, resolve_verifier
-from .data.capture import check_aux_indices, decoder_layers, default_aux_indices, text_config
+from .configuration_eagle3 import check_aux_indices, default_aux_indices, text_config
+from .data.capture import capture_layer_outputs
 
 RECIPE_FILE = "eagle3_drift.json"
 
@@ -124,17 +125,9 @@ def _save(model, tokenizer, path: Path, recipe: dict) -> None:
 @torch.no_grad()
 def _states(model, input_ids: torch.Tensor, aux_indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [T, V], aux states [T, 3H]) of one sequence."""
-    layers = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
-    handles = [layers[i - 1].register_forward_hook(
-        lambda _m, _a, o, i=i: captured.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0]))
-        for i in aux_indices]
-    try:
+    with capture_layer_outputs(model, aux_indices) as captured:
         logits = model(input_ids=input_ids.view(1, -1), use_cache=False).logits[0].float()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.log_softmax(logits, -1), torch.stack([captured[i].float() for i in aux_indices])
+    return torch.log_softmax(logits, -1), torch.stack([captured[i][0].float() for i in aux_indices])
 
 
 @torch.no_grad()

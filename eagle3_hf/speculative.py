@@ -23,7 +23,7 @@ import torch
 
 from .configuration_eagle3 import text_config
 from .cpu_linear import prepacked_linears
-from .data.capture import decoder_layers
+from .data.capture import aux_from, capture_layer_outputs
 
 TIE_MARGIN = 1e-4  # docs/contracts.md "Metrics": top-2 fp32 logits closer than this are a numerical tie
 
@@ -75,34 +75,11 @@ def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[
     if aux_indices is None:
         out, aux = verifier(input_ids=ids, use_cache=True, **kwargs), None
     else:
-        out, states = _forward_with_aux(verifier, ids, aux_indices, kwargs)
-        aux = torch.cat(states, dim=-1)
+        with capture_layer_outputs(verifier, aux_indices) as captured:
+            out = verifier(input_ids=ids, use_cache=True, **kwargs)
+        aux = aux_from(captured, aux_indices)  # [1, q, 3H]
     logits = out.logits[0]
     return (logits[-1:] if last_only else logits).float(), aux
-
-
-def _forward_with_aux(verifier, ids: torch.Tensor, aux_indices: Sequence[int], kwargs: dict):
-    """The forward plus the aux states, read by hooks on the layers that output them (index i = output of
-    layer i - 1, as extraction reads them): three tensors instead of all L + 1 hidden states."""
-    try:
-        layers = decoder_layers(verifier)
-    except ValueError:  # a layout without a findable layer list: transformers' hidden states
-        out = verifier(input_ids=ids, use_cache=True, output_hidden_states=True, **kwargs)
-        return out, [out.hidden_states[i] for i in aux_indices]
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook_for(index: int):
-        def hook(_module, _args, output):
-            captured[index] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in aux_indices]
-    try:
-        out = verifier(input_ids=ids, use_cache=True, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return out, [captured[i] for i in aux_indices]
 
 
 def _draft_step(drafter, ids, hidden, positions, cache, last_only: bool = False):
