@@ -505,6 +505,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         position_ids: torch.Tensor,
         past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
     ):
         """Process q new positions causally after a cache, as an engine does.
 
@@ -512,7 +513,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         states) or [1, q, H] (the drafter's own previous output), position_ids [1, q]. Returns
         (logits [1, q, Vd], hidden [1, q, H] pre-norm, (k, v) cache [1, nkv, S + q, hd]). Crop the cache to
         drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`. `logits_to_keep` N > 0 computes the lm_head for
-        the last N positions only (logits [1, N, Vd]), as in transformers' causal LMs.
+        the last N positions only (logits [1, N, Vd]), as in transformers' causal LMs. `attention_mask` bool
+        [q, S + q] (True: may attend) replaces the causal mask, for a draft tree (cache + ancestors + itself).
         """
         self._check_embeddings()
         attn = self.midlayer.self_attn
@@ -523,7 +525,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             k = torch.cat([past_key_values[0], k], dim=2)
             v = torch.cat([past_key_values[1], v], dim=2)
         new, total = q.shape[2], k.shape[2]
-        allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+        allowed = (torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+                   if attention_mask is None else attention_mask.to(q.device))
         mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
         out = attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
         hidden = self.midlayer.finish(out, residual)

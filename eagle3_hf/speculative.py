@@ -65,11 +65,13 @@ def _accepts(fn, name: str) -> bool:
     return name in _parameters(getattr(fn, "__func__", fn))
 
 
-def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None, last_only: bool = False):
+def _verifier_forward(verifier, ids: torch.Tensor, cache, aux_indices: Sequence[int] | None, last_only: bool = False,
+                      **model_kwargs):
     """ids [1, q] after `cache` -> (fp32 logits [q, V] or [1, V] with last_only, aux [1, q, 3 x H] or None).
 
-    last_only computes the lm_head for the last position only (a prefill needs no other row)."""
-    kwargs = {"cache" if _accepts(verifier.forward, "cache") else "past_key_values": cache}
+    last_only computes the lm_head for the last position only (a prefill needs no other row). model_kwargs
+    (a tree's attention_mask and position_ids, tree.py) go to the verifier as they are."""
+    kwargs = {"cache" if _accepts(verifier.forward, "cache") else "past_key_values": cache, **model_kwargs}
     if last_only and _accepts(verifier.forward, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1
     if aux_indices is None:
