@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import run_reporting_user_errors
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         debug, argv = True, argv[1:]
     if argv[:1] != ["train"] and "--debug" in argv:  # train keeps TrainingArguments' own --debug
         debug, argv = True, [a for a in argv if a != "--debug"]
+    if debug:  # child processes (the vLLM runner) show their logs and tracebacks too
+        os.environ["EAGLE3_HF_DEBUG"] = "1"
     return run_reporting_user_errors(_dispatch, argv, debug)
 
 

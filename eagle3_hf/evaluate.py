@@ -20,6 +20,7 @@ import torch
 
 from .constants import ACCEPTANCE_FILE, EVALUATION_FILE
 from .speculative import _eos_ids, acceptance_stats, check_pair, compare_to_greedy, greedy_generate, speculative_generate
+from .tree import config_problem, num_candidates, tree_speculative_generate
 
 
 def _turns(row: dict | str) -> list[str] | None:
@@ -64,8 +65,11 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str], k: int = 3,
                      max_new_tokens: int = 64, temperature: float = 0.0, turns: int = 1, seed: int = 0,
-                     prompts_name: str = "custom", progress: bool = True) -> dict[str, Any]:
+                     prompts_name: str = "custom", progress: bool = True, topk: int = 1,
+                     num_draft_tokens: int | None = None) -> dict[str, Any]:
     """Run plain and speculative decoding on each prompt (turns > 1 feeds the answer back) and summarise.
+
+    k is SGLang's --speculative-num-steps S; topk K > 1 drafts a tree of num_draft_tokens N (tree.py).
 
     Both runs of a prompt are timed back to back, in alternating order, after an untimed warm-up, so the
     speedup is a ratio measured in one run. The summary's "per_prompt" holds one row per (prompt, turn).
@@ -80,8 +84,16 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
         raise ValueError("no prompts, or a prompt without a user turn")
     warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
     greedy_generate(verifier, warm, 2, temperature=temperature, generator=torch.Generator().manual_seed(seed))
-    speculative_generate(verifier, drafter, warm, k=k, max_new_tokens=k + 2, temperature=temperature,
-                         generator=torch.Generator().manual_seed(seed))
+    size = (num_draft_tokens or 1 + num_candidates(k, topk)) if topk > 1 else k + 1
+
+    def speculate(ids, new_tokens, generator):  # K = 1: today's chain; K > 1: the tree (tree.py)
+        if topk > 1:
+            return tree_speculative_generate(verifier, drafter, ids, steps=k, topk=topk, num_draft_tokens=size,
+                                             max_new_tokens=new_tokens, temperature=temperature, generator=generator)
+        return speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=new_tokens, temperature=temperature,
+                                    generator=generator)
+
+    speculate(warm, k + 2, torch.Generator().manual_seed(seed))
 
     eos = _eos_ids(verifier, None)
     rows: list[dict] = []
@@ -98,8 +110,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
                 gen = torch.Generator().manual_seed(seed + 7919 * index + turn)
                 runs[which] = (greedy_generate(verifier, ids, max_new_tokens, temperature=temperature, generator=gen)
                                if which == "base" else
-                               speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=max_new_tokens,
-                                                    temperature=temperature, generator=gen))
+                               speculate(ids, max_new_tokens, gen))
                 seconds[which] += runs[which]["seconds"]
                 produced[which] += len(runs[which]["tokens"])
             base, spec = runs["base"], runs["spec"]
@@ -112,7 +123,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
                 "per_position_acceptance": stats["per_position_acceptance"], "lossless": status,
                 "first_divergence": where, "accepted_per_step": spec["accepted_per_step"],
                 "drafted_per_step": spec["drafted_per_step"], "baseline_seconds": base["seconds"],
-                "speculative_seconds": spec["seconds"],
+                "speculative_seconds": spec["seconds"], "verify_seconds": spec.get("verify_seconds"),
             })
             accepted += spec["accepted_per_step"]
             drafted += spec["drafted_per_step"]
@@ -127,7 +138,8 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
     spec_tps = produced["spec"] / seconds["spec"] if seconds["spec"] else None
     statuses = [r["lossless"] for r in rows]
     return {
-        "engine": "transformers", "k": k, "temperature": temperature, "max_new_tokens": max_new_tokens,
+        "engine": "transformers", "k": k, "topk": topk,
+        "num_draft_tokens": size, "temperature": temperature, "max_new_tokens": max_new_tokens,
         "prompts": prompts_name, "num_prompts": len(items), "turns": turns, "num_samples": len(rows),
         "acceptance_length": stats["acceptance_length"], "per_position_acceptance": stats["per_position_acceptance"],
         "accepted_histogram": stats["accepted_histogram"], "verifier_forwards": stats["num_steps"],
@@ -149,7 +161,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     per_pos = ", ".join(num(a) for a in summary["per_position_acceptance"])
     tps = summary["tokens_per_second"]
-    return (f"tau {num(summary['acceptance_length'])} (k={summary['k']}, T={summary['temperature']}) | per-position "
+    shape = (f"steps={summary['k']}, topk={summary['topk']}, N={summary['num_draft_tokens']}"
+             if summary.get("topk", 1) > 1 else f"k={summary['k']}")
+    return (f"tau {num(summary['acceptance_length'])} ({shape}, T={summary['temperature']}) | per-position "
             f"acceptance [{per_pos}] | speedup {num(summary['speedup'], '.2f')}x ({num(tps['speculative'], '.1f')} vs "
             f"{num(tps['baseline'], '.1f')} tok/s) | lossless {summary['lossless']} (ties {summary['numerical_ties']}, "
             f"mismatches {summary['mismatches']})")
@@ -192,7 +206,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="the template the data was prepared with, when not the tokenizer's (see prepare)")
     parser.add_argument("--turns", type=int, default=1, help="1, or 2 to feed the answer back for MT-bench turn 2")
-    parser.add_argument("--k", type=int, default=3, help="draft tokens per verifier forward")
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per verifier forward (chain length; = --steps)")
+    parser.add_argument("--steps", type=int, default=None, help="SGLang's --speculative-num-steps (default: --k)")
+    parser.add_argument("--topk", type=int, default=1, help="SGLang's --speculative-eagle-topk: 1 chain, > 1 tree")
+    parser.add_argument("--num-draft-tokens", type=int, default=None,
+                        help="SGLang's --speculative-num-draft-tokens N, root included (required with --topk > 1)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="evaluate a grid of (steps, topk, num-draft-tokens), print the fastest as SGLang flags, "
+                        "write eagle3_sweep.json")
+    parser.add_argument("--sweep-steps", type=int, nargs="+", default=None, help="default: 2 3 5")
+    parser.add_argument("--sweep-topk", type=int, nargs="+", default=None, help="default: 1 2 4 8")
+    parser.add_argument("--sweep-num-draft-tokens", type=int, nargs="+", default=None, help="default: 4 8 16")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -202,6 +226,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-to-drafter", action="store_true",
                         help="also copy eagle3_evaluation.json into the drafter directory (the model card reads it)")
     parser.add_argument("--no-progress", action="store_true")
+    from .engines.vllm_eval import add_engine_arguments
+
+    add_engine_arguments(parser)  # --engine vllm: the drafter served by vLLM, beside this decoder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,8 +236,17 @@ def run(args: argparse.Namespace) -> int:
     from .errors import NonFiniteError, describe_non_finite, non_finite_names
     from .modeling_eagle3 import Eagle3DraftModel
 
+    if getattr(args, "engine", "transformers") == "vllm":
+        from .engines.vllm_eval import run_engine
+
+        return run_engine(args)
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
+    steps = args.steps if args.steps is not None else args.k
+    num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None or args.topk > 1 else steps + 1
+    if not args.sweep and (num_draft_tokens is None or config_problem(steps, args.topk, num_draft_tokens)):
+        raise SystemExit("--num-draft-tokens is required with --topk > 1" if num_draft_tokens is None else
+                         f"--steps/--topk/--num-draft-tokens: {config_problem(steps, args.topk, num_draft_tokens)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype).to(device)
     from .data.prepare import use_chat_template
@@ -225,9 +261,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"WARNING: {warning}", file=sys.stderr)
     drafter.load_verifier_embeddings(verifier)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
-    summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+    if args.sweep:
+        return _run_sweep(args, verifier, drafter, tokenizer, prompts, name)
+    summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=steps, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, turns=args.turns, seed=args.seed, prompts_name=name,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, topk=args.topk, num_draft_tokens=num_draft_tokens)
     summary.update(verifier=args.verifier, drafter=args.drafter)
     csv_path, json_path = write_outputs(args.output, summary)
     if args.write_to_drafter:
@@ -237,3 +275,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
     print(f"{format_summary(summary)}\nwrote {csv_path} and {json_path}")
     return 1 if summary["lossless"] is False else 0
+
+
+def _run_sweep(args: argparse.Namespace, verifier, drafter, tokenizer, prompts: list[dict], name: str) -> int:
+    """`evaluate --sweep`: every valid configuration of the grid (sweep.py), the fastest as SGLang flags."""
+    from .sweep import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_STEPS, DEFAULT_TOPK, SWEEP_FILE, format_sweep, run_sweep, sweep_grid
+
+    grid = sweep_grid(args.sweep_steps or DEFAULT_STEPS, args.sweep_topk or DEFAULT_TOPK,
+                      args.sweep_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
+    if not grid:
+        raise SystemExit("--sweep-steps/--sweep-topk/--sweep-num-draft-tokens: no valid configuration in the grid")
+    result = run_sweep(verifier, drafter, tokenizer, prompts, grid, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, seed=args.seed, prompts_name=name, output=args.output,
+                       progress=not args.no_progress)
+    path = Path(args.output) / SWEEP_FILE
+    if args.write_to_drafter and Path(args.drafter).is_dir():
+        shutil.copyfile(path, Path(args.drafter) / SWEEP_FILE)
+    print(f"{format_sweep(result)}\nwrote {path}")
+    return 1 if any(r["lossless"] is False for r in result["configs"]) else 0
