@@ -205,6 +205,46 @@ def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_we
     return total, step_losses
 
 
+@dataclass
+class DrafterLoss:
+    """One batch through the drafter: the unnormalised loss, what normalises it, and what the metrics read."""
+
+    total: torch.Tensor | None  # Σ_i γ^i Σ_t CE_i(t) over the batch's loss positions (None without a teacher)
+    loss_tokens: torch.Tensor  # step-0 loss positions of this batch (the Trainer's num_items_in_batch share)
+    step_losses: list | None  # per step (loss sum, loss tokens)
+    outputs: object  # the model's Eagle3DraftOutput
+    logits_mask: tuple | None  # where each step's logits were computed (None: every position)
+
+
+def drafter_loss(model, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int, step_weight: float,
+                 feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:
+    """The training step's loss, defined once: the Trainer, the metrics and every bench call this, so a change
+    to the loss is made here and a bench measures exactly the Trainer's step.
+
+    `model` may be wrapped (DDP, DeepSpeed); `t2d` is the drafter's mask. `heads_where_read` computes the
+    draft and teacher heads only at the positions the loss and the metrics read (`head_positions`).
+    Divide `total` by the global loss-token count (`loss_tokens` summed over the batches of an optimizer step).
+    """
+    features = batch["aux_hidden_states"]
+    if feature_noise_std > 0:
+        features = features + torch.randn_like(features) * feature_noise_std
+    logits_mask, teacher_mask = head_positions(batch, ttt_steps, t2d) if heads_where_read else (None, None)
+    outputs = model(
+        input_ids=batch["input_ids"],
+        aux_hidden_states=features,
+        position_ids=batch["position_ids"],
+        document_ids=batch["document_ids"],
+        last_hidden_state=batch["last_hidden_state"],
+        ttt_steps=ttt_steps,
+        logits_mask=logits_mask,
+        teacher_mask=teacher_mask,
+    )
+    total = step_losses = None
+    if outputs.teacher_probs is not None:
+        total, step_losses = ttt_loss(outputs, batch, t2d, step_weight)
+    return DrafterLoss(total, count_loss_tokens(batch, t2d), step_losses, outputs, logits_mask)
+
+
 @torch.no_grad()
 def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size: int = 4,
                             ttt_steps: int | None = None) -> dict[str, float]:
@@ -220,11 +260,6 @@ def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size:
     for start in range(0, len(packed), batch_size):
         batch = collate([packed[r] for r in range(start, min(start + batch_size, len(packed)))])
         batch = {k: v.to(device) for k, v in batch.items()}
-        out = model(input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
-                    position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                    last_hidden_state=batch["last_hidden_state"], ttt_steps=steps)
-        step_losses = None
-        if out.teacher_probs is not None:
-            _, step_losses = ttt_loss(out, batch, model.t2d, model.config.ttt_step_weight)
-        stats.update(out.logits, batch, model.d2t, model.t2d, step_losses)
+        step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
+        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)
     return stats.metrics()

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainingArguments
 from .configuration_eagle3 import Eagle3Config
 from .constants import TRAINING_ARGS_FILE
 from .errors import NonFiniteError, describe_non_finite, non_finite_names
-from .step_metrics import StepStats, count_loss_tokens, head_positions, ttt_loss
+from .step_metrics import StepStats, count_loss_tokens, drafter_loss
 
 
 @dataclass
@@ -108,27 +108,14 @@ class Eagle3Trainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Σ_i γ^i Σ_t CE(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch."""
         drafter = self._drafter()
-        d2t, t2d = drafter.d2t, drafter.t2d
-        features = inputs["aux_hidden_states"]
-        if model.training and self.args.feature_noise_std > 0:
-            features = features + torch.randn_like(features) * self.args.feature_noise_std
-        logits_mask, teacher_mask = head_positions(inputs, self.args.ttt_steps, t2d)
-        outputs = model(
-            input_ids=inputs["input_ids"],
-            aux_hidden_states=features,
-            position_ids=inputs["position_ids"],
-            document_ids=inputs["document_ids"],
-            last_hidden_state=inputs["last_hidden_state"],
-            ttt_steps=self.args.ttt_steps,
-            logits_mask=logits_mask,
-            teacher_mask=teacher_mask,
-        )
-        total, step_losses = ttt_loss(outputs, inputs, t2d, self.args.ttt_step_weight)
+        noise = self.args.feature_noise_std if model.training else 0.0
+        step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise)
+        outputs = step.outputs
         stats = self._train_stats if model.training else self._eval_stats
-        stats.update(outputs.logits, inputs, d2t, t2d, step_losses, logits_mask=logits_mask)
+        stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask)
         if num_items_in_batch is None:
-            num_items_in_batch = count_loss_tokens(inputs, t2d)
-        loss = total / torch.clamp(torch.as_tensor(num_items_in_batch, device=total.device), min=1)
+            num_items_in_batch = step.loss_tokens
+        loss = step.total / torch.clamp(torch.as_tensor(num_items_in_batch, device=step.total.device), min=1)
         if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
         return (loss, outputs) if return_outputs else loss

@@ -300,24 +300,21 @@ def test_frozen_verifier_lm_head_stays_bit_identical_and_has_no_optimizer_state(
 def test_heads_on_read_positions_only_give_the_same_loss_gradient_and_metrics(synthetic):
     """The trainer computes lm_head only where the loss or the metrics read it and the teacher only where the
     loss reads it; the full-logits forward gives the same loss, gradients and step statistics."""
-    from eagle3_hf.step_metrics import StepStats, head_positions, ttt_loss
+    from eagle3_hf.step_metrics import StepStats, drafter_loss
 
     model = fresh_drafter(synthetic, seed=2)
     batch = a_batch(synthetic["features"])
-    inputs = {k: batch[k] for k in ("input_ids", "aux_hidden_states", "position_ids", "document_ids",
-                                    "last_hidden_state")}
     results = []
-    for masks in (None, head_positions(batch, 3, model.t2d)):
+    for heads_where_read in (False, True):
         model.zero_grad()
-        kwargs = {} if masks is None else {"logits_mask": masks[0], "teacher_mask": masks[1]}
-        out = model(**inputs, ttt_steps=3, **kwargs)
-        total, _ = ttt_loss(out, batch, model.t2d, 0.8)
-        total.backward()
+        step = drafter_loss(model, batch, model.t2d, 3, 0.8, heads_where_read=heads_where_read)
+        step.total.backward()
         stats = StepStats(3)
-        stats.update(out.logits, batch, model.d2t, model.t2d, logits_mask=None if masks is None else masks[0])
-        results.append((total.detach(), model.lm_head.weight.grad.clone(), model.fc.weight.grad.clone(),
+        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, logits_mask=step.logits_mask)
+        results.append((step.total.detach(), model.lm_head.weight.grad.clone(), model.fc.weight.grad.clone(),
                         stats.metrics()))
     (full_loss, full_head, full_fc, full_metrics), (loss, head, fc, metrics) = results
+    masks = (step.logits_mask, step.outputs.teacher_mask)
     assert masks[1].sum() < masks[1].numel() and masks[0][0].sum() < masks[0][0].numel()  # rows were skipped
     torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head, full_head, rtol=1e-4, atol=1e-6)
