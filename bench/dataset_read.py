@@ -8,7 +8,7 @@ Writes synthetic bf16 shards (hidden 576, like the default verifier), warms the 
 - batches: PackedDataset + PackedCollator, rows of 2048 tokens decoded straight into the [B, L, .] batch.
 Goal: >= 0.8 of raw in tokens per second.
 
-    python bench/dataset_read.py [--samples 64] [--tokens 512] [--hidden 576]
+    python -m bench.dataset_read [--samples 64] [--tokens 512] [--hidden 576]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 - peak memory during extraction: RSS above the loaded model (sampled), Python heap (tracemalloc), and what
   `output_hidden_states=True` would have held for the longest sample.
 
-    python bench/extract.py [--samples 24] [--max-len 128] [--threads 1]
+    python -m bench.extract [--samples 24] [--max-len 128] [--threads 1]
 
 Sized for a 2-core CPU (about 2 minutes there): five passes over the samples in all.
 """

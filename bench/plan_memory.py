@@ -2,13 +2,13 @@
 
 Each shape runs in a fresh subprocess (fp32, 1 thread, glibc's mmap threshold fixed so that freed tensors leave
 the resident set): build `Eagle3DraftModel`, run one warm-up step (AdamW state exists afterwards), drop the
-gradients, then measure one training step as `Eagle3Trainer` runs it (TTT forward, `ttt_loss`, backward, clip,
+gradients, then measure one training step as `Eagle3Trainer` runs it (TTT forward, `drafter_loss`, backward, clip,
 AdamW). Measured = the process's resident high-water mark during the step minus its resident size just before
 (so parameters and optimizer state are excluded: they are resident before the step). Predicted = the plan's
 step peak for the same shape: activations and logits of the unroll plus the parameter gradients.
 
-    python bench/plan_memory.py            # the three shapes of docs/plan.md, ~1 min
-    python bench/plan_memory.py --json out.json
+    python -m bench.plan_memory            # the three shapes of docs/plan.md, ~1 min
+    python -m bench.plan_memory --json out.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
     import torch
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import count_loss_tokens, head_positions, ttt_loss
+    from eagle3_hf.step_metrics import count_loss_tokens, drafter_loss
 
     hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
     torch.set_num_threads(1)
@@ -68,14 +68,9 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
              "position_ids": position_ids, "loss_mask": (position_ids >= doc_len // 4).long(),
              "verifier_greedy": kept[torch.randint(0, draft, (1, length))]}  # every target in the draft vocabulary
 
-    def loss_of(b: dict):  # as Eagle3Trainer.compute_loss: heads where read, only the loss returned
-        logits_mask, teacher_mask = head_positions(b, ttt_steps, model.t2d)
-        out = model(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
-                    position_ids=b["position_ids"], document_ids=b["document_ids"],
-                    last_hidden_state=b["last_hidden_state"], ttt_steps=ttt_steps, logits_mask=logits_mask,
-                    teacher_mask=teacher_mask)
-        total, _ = ttt_loss(out, b, model.t2d, 0.8)
-        return total / count_loss_tokens(b, model.t2d).clamp(min=1)
+    def loss_of(b: dict):  # Eagle3Trainer.compute_loss's loss, with the default step weight
+        step = drafter_loss(model, b, model.t2d, ttt_steps, config.ttt_step_weight)
+        return step.total / step.loss_tokens.clamp(min=1)
 
     def step(b: dict) -> None:
         loss_of(b).backward()

@@ -10,7 +10,7 @@
   `generate`, batched) + `prepare` + `extract`, tokens/s of prepared tokens over the same wall time.
 - with `--workers`: the CLI run as 2 processes x 1 thread and as 1 process x 2 threads (tokens/s each).
 
-    python bench/regenerate.py [--prompts 32] [--max-new-tokens 64] [--batch-size 64] [--threads 1] [--workers]
+    python -m bench.regenerate [--prompts 32] [--max-new-tokens 64] [--batch-size 64] [--threads 1] [--workers]
 
 Tokens counted are sample tokens (prompt + answer + template tail), the unit training consumes.
 """

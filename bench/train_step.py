@@ -12,17 +12,17 @@ CPU, batch 1 row, for three drafters:
 
 each on `packed` rows (documents of 100-700 tokens back to back) and `padded` rows (the same documents, one
 per row padded to the row length, gradients accumulated over the rows, one optimizer step). Tokens/s counts
-real tokens only. Ours is the step `Eagle3Trainer` runs (`ttt_loss`, step metrics, fused AdamW); speculators
+real tokens only. Ours is the step `Eagle3Trainer` runs (`drafter_loss`, step metrics, fused AdamW); speculators
 is its own `Eagle3DraftModel` forward (TTT unroll, eager KL loss and metrics), backward, clip and AdamW from
-its `build_optimizers` (bench/_speculators_step.py, run by `.bench-venv/speculators/bin/python`), on the same
+its `build_optimizers` (bench/speculators_step.py, run by `.bench-venv/speculators/bin/python`), on the same
 rows. Every measurement is a fresh subprocess (so peak memory is comparable); the two alternate, the packed
 layout over `--rounds` rounds, and medians are reported. An fp32 2048^3 matmul is timed between runs: MFU =
 model FLOPs of the step / step time / that matmul's FLOP/s, with the same thread count.
 
-    .venv/bin/python bench/train_step.py --setup-speculators     # once: builds .bench-venv/speculators
-    .venv/bin/python bench/train_step.py                         # ~10 min on 2 shared cores
-    .venv/bin/python bench/train_step.py --quick                 # smollm2 packed only, ~1 min
-    .venv/bin/python bench/train_step.py --configs h1024 --layouts packed --rounds 3 --threads 2 --profile 25
+    .venv/bin/python -m bench.train_step --setup-speculators     # once: builds .bench-venv/speculators
+    .venv/bin/python -m bench.train_step                         # ~10 min on 2 shared cores
+    .venv/bin/python -m bench.train_step --quick                 # smollm2 packed only, ~1 min
+    .venv/bin/python -m bench.train_step --configs h1024 --layouts packed --rounds 3 --threads 2 --profile 25
 
 Model FLOPs per real token: 6 x params of every trained linear layer it passes (fc once; q/k/v/o, MLP and
 lm_head once per TTT step; 4 x instead of 6 x for a frozen lm_head, whose input gradient is still needed),
@@ -51,12 +51,14 @@ from pathlib import Path
 
 import torch
 
-from _step_timing import measure_steps, rss_mib  # bench/ is on sys.path: this runs as a script
+from eagle3_hf import Eagle3Config
+
+from bench.step_timing import measure_steps, rss_mib
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_VENV = REPO / ".bench-venv" / "speculators"
 SPEC_PYTHON = SPEC_VENV / "bin" / "python"
-SPEC_DRIVER = Path(__file__).resolve().parent / "_speculators_step.py"
+SPEC_DRIVER = "bench.speculators_step"  # run as a module by the speculators venv, with the repository on PYTHONPATH
 
 CONFIGS = {
     "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -67,7 +69,7 @@ CONFIGS = {
                   vocab_size=128256, draft_vocab_size=32000, row_len=512),
 }
 DOC_MIN, DOC_MAX = 100, 700
-TTT_STEPS, STEP_WEIGHT = 3, 0.8
+TTT_STEPS, STEP_WEIGHT = Eagle3Config.ttt_steps, Eagle3Config.ttt_step_weight  # the Trainer's defaults
 
 # what `--setup-speculators` installs beside torch and `--no-deps speculators==0.9.0`: the runtime
 # dependencies its model, loss and optimizer imports pull in (from its metadata); no torchvision/torchaudio
@@ -195,7 +197,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import StepStats, count_loss_tokens, head_positions, ttt_loss
+    from eagle3_hf.step_metrics import StepStats, count_loss_tokens, drafter_loss
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
@@ -241,14 +243,9 @@ def run_ours(spec: dict, batch_path: str) -> dict:
         items = sum(count_loss_tokens(b, model.t2d) for b in batches)  # num_items_in_batch
         optimizer.zero_grad(set_to_none=True)
         for b in batches:
-            logits_mask, teacher_mask = head_positions(b, spec["ttt_steps"], model.t2d)
-            out = model(input_ids=b["input_ids"], aux_hidden_states=b["aux_hidden_states"],
-                        position_ids=b["position_ids"], document_ids=b["document_ids"],
-                        last_hidden_state=b["last_hidden_state"], ttt_steps=spec["ttt_steps"],
-                        logits_mask=logits_mask, teacher_mask=teacher_mask)
-            total, step_losses = ttt_loss(out, b, model.t2d, spec["step_weight"])
-            stats.update(out.logits, b, model.d2t, model.t2d, step_losses, logits_mask=logits_mask)
-            (total / items.clamp(min=1)).backward()
+            loss = drafter_loss(model, b, model.t2d, spec["ttt_steps"], spec["step_weight"])
+            stats.update(loss.outputs.logits, b, model.d2t, model.t2d, loss.step_losses, logits_mask=loss.logits_mask)
+            (loss.total / items.clamp(min=1)).backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
 
@@ -273,11 +270,11 @@ def run_worker(impl: str, spec: dict, batch_path: str, workdir: str) -> dict:
     if os.path.exists(out_path):
         os.remove(out_path)
     if impl == "speculators":
-        cmd = [str(SPEC_PYTHON), str(SPEC_DRIVER)]
+        cmd = [str(SPEC_PYTHON), "-m", SPEC_DRIVER]
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+        cmd = [sys.executable, "-m", "bench.train_step", "--worker"]
     cmd += ["--spec", spec_path, "--batch", batch_path, "--out", out_path]
-    env = dict(os.environ, PYTHONPATH=str(REPO) if impl != "speculators" else "",
+    env = dict(os.environ, PYTHONPATH=str(REPO),
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     if proc.returncode or not os.path.exists(out_path):

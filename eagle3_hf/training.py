@@ -30,7 +30,7 @@ from .trainer import Eagle3TrainingArguments
 logger = logging.getLogger("eagle3_hf.train")
 
 # Step-0 accuracy on the new data, before training, of the weakest finetune source that still ended above
-# training from scratch at the same budget and seed in examples/compare_finetune_vs_scratch.py (table in
+# training from scratch at the same budget and seed in experiments/compare_finetune_vs_scratch.py (table in
 # docs/finetune_vs_scratch.md: sources for three drifted versions of the verifier, 0.150-0.156, and for other
 # aux layers, 0.178, all won at 36 optimizer steps; the strongest drift also at 144). No source measured there
 # lost to scratch, so there is no measured "scratch wins below" bound.
@@ -144,7 +144,7 @@ def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_ind
 def finetune_advice(source_acc_0: float) -> str:
     """What the source's step-0 accuracy on the new data, before any training, suggests (logged with
     --finetune-from). Measured, not guessed: see SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH."""
-    where = "docs/finetune_vs_scratch.md; examples/compare_finetune_vs_scratch.py measures it on your data"
+    where = "docs/finetune_vs_scratch.md; experiments/compare_finetune_vs_scratch.py measures it on your data"
     bound = SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH
     if not math.isfinite(source_acc_0):
         return f"no validation data to diagnose the source ({where})"

@@ -18,7 +18,7 @@ case "$SIZE" in
   large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=80; EVAL_TOKENS=64 ;;
   *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
 esac
-# Rows per optimizer step: 512 tokens (2 processes x one 256-token row), the winner of bench/recipe.py
+# Rows per optimizer step: 512 tokens (2 processes x one 256-token row), the winner of experiments/recipe.py
 # (docs/recipe.md: 4x the optimizer steps of 2 x 1024-token rows, +0.12 simulated τ at the same data and epochs).
 TRAIN_ROW="${DEMO_TRAIN_ROW:-256}"
 mkdir -p "$OUT"

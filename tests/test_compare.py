@@ -1,4 +1,4 @@
-"""examples/compare_finetune_vs_scratch.py at tiny size: every run is reported, all with the same seed and budget."""
+"""experiments/compare_finetune_vs_scratch.py at tiny size: every run is reported, all with the same seed and budget."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_report_lists_every_run_with_same_seed_and_budget(tmp_path, tiny_verifier_dir, monkeypatch):
     monkeypatch.setenv("EAGLE3_HF_CACHE", str(tmp_path / "cache"))  # the drifted tiny verifier goes here
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    from compare_finetune_vs_scratch import main as compare
+    from experiments.compare_finetune_vs_scratch import main as compare
 
     convs = tmp_path / "convs.jsonl"
     rows = [c for _, c in zip(range(16), chitchat_conversations())]

@@ -1,16 +1,12 @@
-"""examples/data_scaling.py's extrapolation: the gain per doubling and the tokens a τ would need."""
+"""experiments/data_scaling.py's extrapolation: the gain per doubling and the tokens a τ would need."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_extrapolation_recovers_the_gain_per_doubling_and_the_tokens_a_tau_needs(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    from data_scaling import extrapolation, per_doubling
+def test_extrapolation_recovers_the_gain_per_doubling_and_the_tokens_a_tau_needs():
+    from experiments.data_scaling import extrapolation, per_doubling
 
     # real τ = 0.4 + 0.05 log2(tokens), simulated τ = 0.12 per doubling; the smallest point is off the line
     tokens = [3_000, 10_000, 20_000, 40_000, 80_000]

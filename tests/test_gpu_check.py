@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh's CPU path: the same code as on the GPU at a tiny shape, one JSON with every part passed."""
+"""gpu_check/gpu_check.sh's CPU path: the same code as on the GPU at a tiny shape, one JSON with every part passed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_cpu_tiny_writes_a_passing_report(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(ROOT / "bench/gpu_check.sh"), "--device", "cpu", "--tiny", "--steps", "2",
+    proc = subprocess.run([str(ROOT / "gpu_check/gpu_check.sh"), "--device", "cpu", "--tiny", "--steps", "2",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -5,7 +5,7 @@ samples in manifest order, so each subset contains the smaller ones), validates 
 and is decoded for real on MT-bench prompts (never trained on). Prints and writes a table and a PNG of
 simulated τ (validation) and real τ against training tokens. Finished points are reused on a rerun.
 
-    python examples/data_scaling.py --data-dir demo_out/small/features --output-dir runs/scaling --parallel 2 \
+    python -m experiments.data_scaling --data-dir demo_out/small/features --output-dir runs/scaling --parallel 2 \
         --points 5000,10000,20000,40000,0 --table docs/data_scaling.md --plot docs/data_scaling.png
 """
 

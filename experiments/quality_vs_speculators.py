@@ -5,14 +5,14 @@ same packed batches for the same steps from the same seed, both evaluated by our
    cosine schedule with 5 % warm-up, `--lr`);
 2. the batches our Trainer feeds it, in its order (its own train dataloader, `set_epoch` per epoch as its
    loop calls it), dumped as safetensors with the verifier's embedding and lm_head rows;
-3. speculators: bench/_speculators_train.py in `.bench-venv/speculators` trains its `Eagle3DraftModel` on
+3. speculators: experiments/speculators_train.py in `.bench-venv/speculators` trains its `Eagle3DraftModel` on
    those batches with its recipe (see that file) and saves the speculators layout;
 4. both checkpoints are read by `Eagle3DraftModel.from_pretrained` (ours: our layout; theirs: the
    speculators reader) and measured the same way: validation per-step accuracy and simulated τ on the same
    validation split, then `eagle3-hf evaluate` on MT-bench (real τ, k=3, greedy, lossless check).
 
-    .venv/bin/python bench/train_step.py --setup-speculators          # once: .bench-venv/speculators
-    .venv/bin/python bench/quality_vs_speculators.py --data-dir FEATURES [--epochs 3] [--eval-prompts 10]
+    .venv/bin/python -m bench.train_step --setup-speculators          # once: .bench-venv/speculators
+    .venv/bin/python -m experiments.quality_vs_speculators --data-dir FEATURES [--epochs 3] [--eval-prompts 10]
 
 FEATURES is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors.
 Stages whose output exists are reused with `--reuse` (e.g. to re-evaluate). Writes a table to stdout and
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from eagle3_hf.constants import EVALUATION_FILE, TRAINING_FILE
-from train_step import REPO, SPEC_PYTHON, speculators_available  # bench/ is on sys.path: this runs as a script
+from bench.train_step import REPO, SPEC_PYTHON, speculators_available
 
-SPEC_TRAINER = Path(__file__).resolve().parent / "_speculators_train.py"
+SPEC_TRAINER = "experiments.speculators_train"  # run as a module by the speculators venv
 
 
 def our_train_argv(args: argparse.Namespace, output_dir: Path) -> list[str]:
@@ -202,8 +202,8 @@ def main() -> None:
         if ours_steps is not None and ours_steps != steps:
             raise SystemExit(f"dumped {steps} batches but our Trainer ran {ours_steps} steps")
         print(f"speculators: {steps} steps on the dumped batches", flush=True)
-        spec_env = dict(env, PYTHONPATH="", PYTHONWARNINGS="ignore")
-        seconds["train_speculators"] = run([str(SPEC_PYTHON), str(SPEC_TRAINER), "--work", str(work),
+        spec_env = dict(env, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        seconds["train_speculators"] = run([str(SPEC_PYTHON), "-m", SPEC_TRAINER, "--work", str(work),
                                             "--out", str(spec_dir)], out / "train_speculators.log", spec_env)
         for f in sorted(work.glob("batch-*.safetensors"))[1:]:  # the first one stays for the agreement check
             f.unlink()

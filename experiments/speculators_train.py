@@ -1,4 +1,4 @@
-"""Train speculators 0.9.0's EAGLE-3 drafter on batches dumped by bench/quality_vs_speculators.py (never
+"""Train speculators 0.9.0's EAGLE-3 drafter on batches dumped by experiments/quality_vs_speculators.py (never
 imported by it; runs inside `.bench-venv/speculators`, which cannot import eagle3_hf).
 
 Its recipe as its `speculators train` CLI sets it for eagle3 (0.9.0 defaults): its `Eagle3DraftModel` with the
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file, save_file
 
-from _speculators_step import build_drafter  # bench/ is on sys.path: this runs as a script
+from bench.speculators_step import build_drafter
 
 
 def speculators_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

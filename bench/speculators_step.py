@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
 
-from _step_timing import measure_steps, rss_mib  # bench/ is on sys.path: this runs as a script
+from bench.step_timing import measure_steps, rss_mib
 
 
 def build_drafter(m: dict, attn: str, ttt_steps: int, d2t: torch.Tensor, t2d: torch.Tensor, embed: torch.Tensor,

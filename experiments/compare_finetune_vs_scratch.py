@@ -1,8 +1,8 @@
 """Should I finetune an existing drafter or train from scratch? Run both on the same data, budget and seed.
 
-    python examples/compare_finetune_vs_scratch.py --data-dir feats/ --source org/existing-eagle3 --output-dir cmp/
+    python -m experiments.compare_finetune_vs_scratch --data-dir feats/ --source org/existing-eagle3 --output-dir cmp/
     # on the embedded default, building the sources here (see docs/finetune_vs_scratch.md for the measured run):
-    python examples/compare_finetune_vs_scratch.py --data-dir demo_out/small/features \
+    python -m experiments.compare_finetune_vs_scratch --data-dir demo_out/small/features \
         --prepared-dir demo_out/small/prepared --build-sources --drift-steps 4 16 --output-dir demo_out/compare
 
 --build-sources trains, on the same prepared conversations and to the same budget (--source-epochs, seed+1):
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not sources:
         parser.error("give --source NAME=DIR_OR_REPO or --build-sources")
 
-    from compare_report import plot_curves, plot_tau_vs_drift, write_report
+    from experiments.compare_report import plot_curves, plot_tau_vs_drift, write_report
 
     runs = {"scratch": {}, **{f"finetune:{name}": src for name, src in sources.items()}}
     if args.only and set(args.only) - set(runs):

@@ -1,4 +1,4 @@
-"""Tables and plots of examples/compare_finetune_vs_scratch.py (kept apart so the runs read top to bottom)."""
+"""Tables and plots of experiments/compare_finetune_vs_scratch.py (kept apart so the runs read top to bottom)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """One-GPU check at the reference shape: the drafter's training step, its memory against `eagle3-hf plan`, and a
-tiny extraction + speculative decoding run on the device. Run through `bench/gpu_check.sh`; writes one JSON.
+tiny extraction + speculative decoding run on the device. Run through `gpu_check/gpu_check.sh`; writes one JSON.
 
 1. Training step of the Kimi-K2.5 drafter (hidden 7168, 56 x 128 heads, 8 KV heads, intermediate 18432, draft
    vocabulary 32 000, verifier vocabulary 163 840) on one 2048-token packed row (4 documents of 512), TTT 3,
    for each attention implementation (`sdpa`, `flex_attention`): as the 1-GPU recipe trains (fp32 weights, bf16
-   autocast, `ttt_loss`, clip, fused AdamW; on the CPU fp32). Reports tokens/s, MFU = model FLOPs
+   autocast, `drafter_loss`, clip, fused AdamW; on the CPU fp32). Reports tokens/s, MFU = model FLOPs
    (`eagle3_hf.plan.train_flops_per_token`) / step time / the chip's dense bf16 peak, and peak memory beside
    the plan's prediction (model states + step peak, and the step alone).
 2. Extraction + speculative decoding: a tiny learnable verifier on the device, its features captured and
@@ -29,12 +29,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
 from eagle3_hf.plan import (  # noqa: E402
     GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token)
-from eagle3_hf.step_metrics import count_loss_tokens, head_positions, ttt_loss  # noqa: E402
+from eagle3_hf.step_metrics import drafter_loss  # noqa: E402
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
 TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -110,21 +109,16 @@ def packed_row(config: Eagle3Config, row_len: int, documents: int, device: str, 
 
 
 def make_train_step(model: Eagle3DraftModel, device: str, bf16: bool, steps: int = 3, lr: float = 1e-4):
-    """The step `Eagle3Trainer` runs for the 1-GPU recipe: autocast forward + `ttt_loss` / loss tokens, backward,
+    """The step `Eagle3Trainer` runs for the 1-GPU recipe: autocast forward + `drafter_loss` / loss tokens, backward,
     clip 0.5, fused AdamW, gradients dropped (set_to_none)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, fused=True)
 
     def step(batch: dict) -> float:
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
-            logits_mask, teacher_mask = head_positions(batch, steps, model.t2d)  # heads only where read
-            out = model(input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
-                        position_ids=batch["position_ids"], document_ids=batch["document_ids"],
-                        last_hidden_state=batch["last_hidden_state"], ttt_steps=steps, logits_mask=logits_mask,
-                        teacher_mask=teacher_mask)
-            total, _ = ttt_loss(out, batch, model.t2d, 0.8)
-            loss = total / count_loss_tokens(batch, model.t2d).clamp(min=1)
-        del out
+            step_loss = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight)
+            loss = step_loss.total / step_loss.loss_tokens.clamp(min=1)
+        del step_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         optimizer.step()

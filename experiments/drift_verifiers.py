@@ -1,9 +1,9 @@
 """Build "next versions" of a verifier (continued training on other text) and measure how far they drifted.
 
     # two drift strengths of the embedded default, cached under ~/.cache/eagle3_hf; re-running reuses them
-    python examples/drift_verifiers.py --steps 4 16 --output drift.json
+    python -m experiments.drift_verifiers --steps 4 16 --output drift.json
     # measured on the drafter's own data (a prepared dataset) instead of held-out chitchat dialogues
-    python examples/drift_verifiers.py --steps 4 16 --prepared-dir demo_out/small/prepared --output drift.json
+    python -m experiments.drift_verifiers --steps 4 16 --prepared-dir demo_out/small/prepared --output drift.json
 
 Prints one JSON line per drifted verifier: its directory (pass it as `--verifier` to extract/train a drafter
 for that version), greedy agreement and KL against the original, cosine of the aux hidden states, and the

@@ -3,8 +3,8 @@
 # and flex_attention (tokens/s, MFU, peak memory against `eagle3-hf plan`), then a tiny extraction +
 # speculative-decoding run with the lossless check. Writes gpu_check.json (or --out FILE).
 #
-#   bench/gpu_check.sh                       # on the GPU machine
-#   bench/gpu_check.sh --device cpu --tiny   # the same code at a tiny shape (CI)
+#   gpu_check/gpu_check.sh                       # on the GPU machine
+#   gpu_check/gpu_check.sh --device cpu --tiny   # the same code at a tiny shape (CI)
 #
 # Needs torch, transformers, accelerate, safetensors and numpy (a transformers dependency); nothing else:
 # the extraction writes shards directly and never reads a `datasets` dataset. PYTHON selects the interpreter.
@@ -13,4 +13,4 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
 # freed tensors leave the resident set at once (the CPU path measures peak memory from it)
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
-exec "${PYTHON:-python}" bench/gpu_check.py "$@"
+exec "${PYTHON:-python}" gpu_check/gpu_check.py "$@"

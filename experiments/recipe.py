@@ -5,7 +5,7 @@ validation metrics come from its `eagle3_training.json`; the best few by simulat
 then decoded for real (`eagle3-hf evaluate` on MT-bench prompts, never trained on). Runs already finished
 in --output-dir are reused, so a killed sweep resumes. Writes a Markdown table (--table, e.g. docs/recipe.md).
 
-    .venv/bin/python bench/recipe.py --data-dir demo_out/small/features --prepared-dir demo_out/small/prepared \
+    .venv/bin/python -m experiments.recipe --data-dir demo_out/small/features --prepared-dir demo_out/small/prepared \
         --output-dir runs/recipe --table docs/recipe.md
 """
 
