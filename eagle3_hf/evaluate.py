@@ -121,7 +121,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
                 "id": item["id"], "turn": turn + 1, "prompt_tokens": len(ids), "new_tokens": len(spec["tokens"]),
                 "verifier_forwards": spec["num_verifier_forwards"], "tau": stats["acceptance_length"],
                 "per_position_acceptance": stats["per_position_acceptance"], "lossless": status,
-                "first_divergence": where, "accepted_per_step": spec["accepted_per_step"],
+                "first_divergence": where, "tokens": spec["tokens"], "accepted_per_step": spec["accepted_per_step"],
                 "drafted_per_step": spec["drafted_per_step"], "baseline_seconds": base["seconds"],
                 "speculative_seconds": spec["seconds"], "verify_seconds": spec.get("verify_seconds"),
             })
