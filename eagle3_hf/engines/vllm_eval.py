@@ -41,7 +41,21 @@ def _margins(run: dict, i: int, n: int) -> list[float]:
     return [float("inf") if m is None else m for m in found] + [float("inf")] * (n - len(found))
 
 
-def summarize(plain: dict, spec: dict, k: int, temperature: float) -> dict[str, Any]:
+def cut_final_step(steps: list[int], output_len: int, max_new_tokens: int) -> list[int]:
+    """vLLM's accepted drafts per verify step, counted as `evaluate` counts them.
+
+    vLLM drafts k tokens at every step and counts the accepted ones even past max_tokens (or an eos), where
+    they are cut from the output; evaluate drafts only what can be kept. So the final step keeps at most
+    the drafts it emitted: all of them when it ended on an eos draft, else all but its bonus token.
+    """
+    if not steps:
+        return []
+    emitted = output_len - (1 + sum(a + 1 for a in steps[:-1]))  # the prefill emits the first token
+    cap = emitted if output_len < max_new_tokens else emitted - 1
+    return steps[:-1] + [max(0, min(steps[-1], cap))]
+
+
+def summarize(plain: dict, spec: dict, k: int, temperature: float, max_new_tokens: int) -> dict[str, Any]:
     """vLLM's two runs -> τ, per-position acceptance, speedup, lossless (greedy), one row per prompt."""
     from ..speculative import compare_to_greedy
 
@@ -53,19 +67,24 @@ def summarize(plain: dict, spec: dict, k: int, temperature: float) -> dict[str, 
             statuses.append(status)
         drafts = counts["drafts"]
         rows.append({"prompt": i, "new_tokens": len(fast), "drafts": drafts, "accepted": counts["accepted"],
-                     "accepted_per_pos": counts["accepted_per_pos"],
+                     "accepted_per_pos": counts["accepted_per_pos"], "tokens": fast,
+                     "accepted_per_step": counts.get("per_step_accepted") or [],
+                     "accepted_per_step_cut": cut_final_step(counts.get("per_step_accepted") or [], len(fast),
+                                                             max_new_tokens),
                      "tau": 1 + counts["accepted"] / drafts if drafts else None, "lossless": status,
                      "first_divergence": where, "baseline_seconds": plain["seconds"][i],
                      "speculative_seconds": spec["seconds"][i]})
     drafts = sum(r["drafts"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     per_pos = [sum((r["accepted_per_pos"] + [0] * k)[j] for r in rows) for j in range(k)]
+    cut = [a for r in rows for a in r["accepted_per_step_cut"]]
     base_tps = sum(len(o) for o in plain["outputs"]) / sum(plain["seconds"]) if sum(plain["seconds"]) else None
     spec_tps = sum(len(o) for o in spec["outputs"]) / sum(spec["seconds"]) if sum(spec["seconds"]) else None
     greedy = temperature <= 0
     return {
         "engine": "vllm", "vllm_version": spec.get("vllm_version"), "k": k, "temperature": temperature,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_length_as_evaluate_counts": 1 + sum(cut) / len(cut) if cut else None,
         "per_position_acceptance": [a / drafts if drafts else None for a in per_pos],
         "num_drafts": drafts, "num_accepted_tokens": accepted, "new_tokens": sum(len(o) for o in spec["outputs"]),
         "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
@@ -80,13 +99,25 @@ def summarize(plain: dict, spec: dict, k: int, temperature: float) -> dict[str, 
 
 
 def compare_engines(vllm: dict[str, Any], transformers: dict[str, Any]) -> dict[str, Any]:
-    """The train/serve gap (vLLM τ - transformers τ) and per-prompt agreement of the accepted-token counts."""
-    tau_v, tau_t = vllm["acceptance_length"], transformers["acceptance_length"]
-    pairs = list(zip(vllm["per_prompt"], transformers["per_prompt"]))
-    same = sum(1 for v, t in pairs if v["accepted"] == sum(t["accepted_per_step"]))
+    """The train/serve gap and where it comes from, prompt by prompt.
+
+    gap = vLLM τ counted as evaluate counts it (final step cut, `cut_final_step`) minus evaluate's τ: zero
+    when vLLM accepts exactly what our decoder accepts. Per prompt: "equal" (same tokens, same accepted
+    drafts at every step), "numerics" (the two engines' greedy outputs differ, at a near-tie of their
+    different kernels: the steps are not comparable), "differ" (same tokens, different acceptance: a real
+    train/serve mismatch).
+    """
+    tau_v, tau_t = vllm["acceptance_length_as_evaluate_counts"], transformers["acceptance_length"]
+    kinds = []
+    for v, t in zip(vllm["per_prompt"], transformers["per_prompt"]):
+        if v["tokens"] != t.get("tokens", v["tokens"]):
+            kinds.append("numerics")
+        else:
+            kinds.append("equal" if v["accepted_per_step_cut"] == list(t["accepted_per_step"]) else "differ")
     return {"transformers_acceptance_length": tau_t,
             "gap": tau_v - tau_t if tau_v is not None and tau_t is not None else None,
-            "prompts_with_equal_accepted_tokens": same, "num_compared": len(pairs)}
+            "prompts_equal": kinds.count("equal"), "prompts_numerics": kinds.count("numerics"),
+            "prompts_differ": kinds.count("differ"), "num_compared": len(kinds), "prompt_agreement": kinds}
 
 
 def format_vllm_summary(summary: dict[str, Any]) -> str:
@@ -95,10 +126,11 @@ def format_vllm_summary(summary: dict[str, Any]) -> str:
 
     text = f"vLLM {summary.get('vllm_version')}: {format_summary(summary)}"
     if summary.get("gap") is not None:
-        text += (f"\ntransformers (eagle3-hf evaluate) tau {summary['transformers_acceptance_length']:.3f} on the same "
-                 f"prompts; accepted tokens equal on {summary['prompts_with_equal_accepted_tokens']}/"
-                 f"{summary['num_compared']} prompts\ntrain/serve gap (vLLM tau - transformers tau): "
-                 f"{summary['gap']:+.3f}")
+        text += (f"\ntransformers (eagle3-hf evaluate): tau {summary['transformers_acceptance_length']:.3f}; vLLM counted "
+                 f"the same way (final step cut at max tokens): {summary['acceptance_length_as_evaluate_counts']:.3f}; "
+                 f"prompts with equal accepted drafts at every step {summary['prompts_equal']}/{summary['num_compared']}"
+                 f" (outputs differ by engine numerics: {summary['prompts_numerics']}, acceptance differs: "
+                 f"{summary['prompts_differ']})\ntrain/serve gap (vLLM tau - transformers tau): {summary['gap']:+.3f}")
     return text
 
 
@@ -136,7 +168,7 @@ def run_engine(args: argparse.Namespace) -> int:
     print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}) ...", file=sys.stderr)
     result = run_vllm(dict(request, drafter=args.drafter, drafter_revision=args.revision), threads=threads, debug=debug)
     plain, spec = result["plain"], dict(result["spec"], vllm_version=result["vllm_version"])
-    summary = summarize(plain, spec, args.k, args.temperature)
+    summary = summarize(plain, spec, args.k, args.temperature, args.max_new_tokens)
     summary.update(prompts=name, num_prompts=len(ids), max_new_tokens=args.max_new_tokens, verifier=args.verifier,
                    drafter=args.drafter, threads=threads)
     out = Path(args.output)

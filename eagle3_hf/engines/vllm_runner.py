@@ -10,7 +10,8 @@ Request: {"verifier", "drafter" (path or repo id; null: plain decoding), "drafte
 "temperature", "seed", "dtype", "max_model_len", "warmup", "logprobs" (2: return top-2 gaps)}.
 Result: {"vllm_version", "plain": RUN, "spec": RUN (with a drafter)}, RUN = {"outputs" (token ids per
 prompt), "seconds" (per prompt), "load_seconds", "margins" (top-1 minus top-2 logprob per token, with
-logprobs), "spec" (per prompt: drafts, draft_tokens, accepted, accepted_per_pos, from vLLM's own counters)},
+logprobs), "spec" (per prompt: drafts, draft_tokens, accepted, accepted_per_pos from vLLM's own counters, and
+per_step_accepted / per_step_drafted from its per-request metrics)},
 or {"error": {"type", "message", "full_message", "traceback"}} with exit status 3.
 Prompts run one at a time (batch size 1, the latency speculative decoding is for), each prompt's plain and
 speculative runs back to back in alternating order, as `eagle3-hf evaluate` times them.
@@ -81,6 +82,7 @@ def run(request: dict) -> dict:
             if request.get("drafter_revision"):
                 speculative["revision"] = request["drafter_revision"]
             kwargs["speculative_config"] = speculative
+            kwargs["per_request_spec_decode_metrics"] = "detailed"  # accepted drafts per verify step
         engines[mode] = LLM(**common, **kwargs)
         load_seconds[mode] = time.perf_counter() - start
     temperature = float(request.get("temperature", 0.0))
@@ -106,7 +108,11 @@ def run(request: dict) -> dict:
             if request.get("logprobs"):  # top-1 minus top-2 logprob per token: tells numerical ties apart
                 out["margins"].append([_gap(entry) for entry in result.logprobs or []])
             if mode == "spec":
-                out["spec"].append(delta(spec_counters(llm), before))
+                counts = delta(spec_counters(llm), before)
+                steps = getattr(result, "spec_decode_metrics", None)
+                counts["per_step_accepted"] = list(getattr(steps, "per_step_accepted", None) or [])
+                counts["per_step_drafted"] = list(getattr(steps, "per_step_drafted", None) or [])
+                out["spec"].append(counts)
     for mode, out in runs.items():
         out["load_seconds"] = load_seconds[mode]
         out["margins"] = out["margins"] or None
