@@ -28,8 +28,16 @@ def test_prepacked_linears_match_torch_and_are_restored():
     torch.testing.assert_close(doubled, 2 * reference, rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_still_flow_inside_the_block():
+def test_gradients_inside_the_block_equal_torch_gradients():
+    torch.manual_seed(0)
     layer = nn.Linear(4, 2)
+    x, w = torch.randn(3, 4), torch.randn(3, 2)
+    (layer(x) * w).sum().backward()
+    expected = layer.weight.grad.clone(), layer.bias.grad.clone()
+    layer.zero_grad()
     with prepacked_linears(layer):
-        layer(torch.randn(3, 4)).sum().backward()
-    assert layer.weight.grad is not None
+        assert "forward" in vars(layer)  # the packed forward is in place, and must still train correctly
+        (layer(x) * w).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, expected[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(expected[0], w.T @ x)  # and torch's own gradient is the analytic one

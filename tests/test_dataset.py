@@ -93,7 +93,13 @@ def test_split_deterministic_and_disjoint(features):
     assert 150 < len(val) < 250
     train = select_split(ids, "train", 0.1)
     assert sorted(train + val) == list(range(2000))
-    assert in_validation("sample-7", 0.1) == in_validation("sample-7", 0.1)
+    # pinned: the split must not change across processes, machines or releases (a salted hash() or another
+    # digest would move samples between train and validation and leak validation into training)
+    assert [i for i in range(60) if in_validation(f"sample-{i}", 0.1)] == [1, 19, 25, 26, 32, 39, 54, 55]
+    at_03 = {i for i in range(60) if in_validation(f"sample-{i}", 0.3)}
+    assert {1, 19, 25, 26, 32, 39, 54, 55} < at_03 and len(at_03) == 22  # a larger fraction only adds samples
+    assert not any(in_validation(f"sample-{i}", 0.0) for i in range(200))
+    assert all(in_validation(f"sample-{i}", 1.0) for i in range(200))
     tr = FeatureDataset(features / "f32", split="train", validation_fraction=0.3)
     va = FeatureDataset(features / "f32", split="validation", validation_fraction=0.3)
     assert sorted(tr.sample_ids + va.sample_ids) == FeatureDataset(features / "f32", split="all").sample_ids
