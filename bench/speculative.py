@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/speculative.py [--drafter DIR_OR_REPO] [--num-prompts 3] [--k 3] [--max-new-tokens 32]
     .venv/bin/python bench/speculative.py --oracle 1.0    # the ceiling: drafts are the verifier's own tokens
-    .venv/bin/python bench/speculative.py --cycle-costs   # one cycle's pieces -> predicted speedup at each tau
+    .venv/bin/python bench/speculative.py --cycle-costs   # one cycle's pieces -> predicted speedup at each tau;
+                                                          # tree verify (N = 4 .. 16) and K-wide draft costs
 
 Runs on the embedded SmolLM2-135M-Instruct and the first N MT-bench questions (first turn). Plain and
 speculative decoding of each prompt are timed back to back in one run, so the speedup is a ratio on the
@@ -116,6 +117,52 @@ def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, rep
           + f" | verify/t1 {med['verify'] / med['t1']:.2f}, cycle/t1 {cycle / med['t1']:.2f}")
     print("predicted speedup: " + ", ".join(f"tau {tau}: {tau * med['t1'] / cycle:.2f}x" for tau in (1.2, 1.5, 2.0, 2.5, 3.0))
           + f" | break-even tau {cycle / med['t1']:.2f}")
+    tree_costs(verifier, drafter, ids, clock, reps)
+
+
+def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), widths=(2, 4, 8)) -> None:
+    """The tree's pieces at the same context (tree.py, SGLang's --speculative-eagle-topk > 1): the verify
+    forward over N tree tokens with the tree mask and the aux states, and one drafting step over K nodes with the
+    drafter's tree mask; each relative to the one-token forward t1, interleaved like the chain's pieces.
+    Predicted speedup of (S, K, N) at tau: tau t1 / (verify_N + (S - 1) draft_K + update)."""
+    from eagle3_hf.cpu_linear import prepacked_linears
+    from eagle3_hf.speculative import _crop, _new_cache, _rollbackable, _verifier_forward
+    from eagle3_hf.tree import _cost_tree, tree_attention_mask
+
+    aux_indices = list(drafter.config.aux_hidden_state_indices)
+    n, dtype = ids.shape[1], next(verifier.parameters()).dtype
+    times: dict[str, list[float]] = {"t1": [], **{f"verify{s}": [] for s in sizes}, **{f"draft{k}": [] for k in widths}}
+    with torch.inference_mode(), prepacked_linears(verifier, drafter):
+        cache = _new_cache(verifier)
+        _, aux = _verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
+        _rollbackable(cache)
+        _, hidden, d_cache = drafter.draft_step(ids, aux, torch.arange(n)[None], logits_to_keep=1)
+        tok = ids[:, -1:]
+        trees = {s: _cost_tree(s) for s in sizes}
+        masks = {s: tree_attention_mask(verifier, t, n, dtype, verifier.device) for s, t in trees.items()}
+        for rep in range(reps + 2):
+            start = clock()
+            _verifier_forward(verifier, tok, cache, None, last_only=True)
+            lap = {"t1": clock() - start}
+            _crop(cache, n)
+            for s in sizes:
+                start = clock()
+                _verifier_forward(verifier, tok.repeat(1, s), cache, aux_indices, attention_mask=masks[s],
+                                  position_ids=(n + torch.tensor(trees[s].depths))[None])
+                lap[f"verify{s}"] = clock() - start
+                _crop(cache, n)
+            for k in widths:
+                allowed = torch.cat([torch.ones(k, n, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], dim=1)
+                start = clock()
+                drafter.draft_step(tok.repeat(1, k), hidden[:, -1:].expand(1, k, -1), torch.full((1, k), n), d_cache,
+                                   attention_mask=allowed)
+                lap[f"draft{k}"] = clock() - start
+            if rep >= 2:
+                for key, value in lap.items():
+                    times[key].append(value)
+    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    print("tree verify/t1: " + ", ".join(f"N={s} {med[f'verify{s}'] / med['t1']:.2f}" for s in sizes)
+          + " | tree draft step/t1: " + ", ".join(f"K={k} {med[f'draft{k}'] / med['t1']:.2f}" for k in widths))
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .constants import EVALUATION_FILE, TRAINING_FILE
+from .sweep import SWEEP_FILE, card_section
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
     root = Path(checkpoint_dir)
     config = _read_json(root / "config.json")
     training, evaluation = _read_json(root / TRAINING_FILE), _read_json(root / EVALUATION_FILE)
+    sweep = _read_json(root / SWEEP_FILE)  # `evaluate --sweep --write-to-drafter`: the configuration to serve
     verifier = training.get("verifier") or config.get("verifier_name_or_path")
     drafter = repo_id or "ORG/DRAFTER"
     data_name = (training.get("data") or {}).get("name")
@@ -188,6 +190,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         "The algorithm must be `EAGLE3` (SGLang) / `eagle3` (vLLM): `EAGLE` / `eagle` expect a different "
         "(EAGLE-1/2) draft model.",
         _evaluation_section(evaluation),
+        *([card_section(sweep)] if sweep else []),
         _metrics_section(training.get("metrics") or {}),
         _training_section(training),
     ])

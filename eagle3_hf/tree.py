@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import torch
 
-from .configuration_eagle3 import text_config
 from .speculative import (_crop, _draft_step, _eos_ids, _margins, _new_cache, _prepacked, _probs, _rollbackable,
                           _sample, _verifier_forward, speculative_generate)
 
@@ -131,14 +130,14 @@ def draft_tree(drafter, logits: torch.Tensor, hidden: torch.Tensor, cache, root:
 
 
 def _layer_types(verifier) -> list[str]:
-    cfg = text_config(verifier)
+    cfg = verifier.config.get_text_config()
     return list(getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers))
 
 
 def tree_attention_mask(verifier, tree: DraftTree, cached: int, dtype: torch.dtype, device) -> Any:
     """The additive 4D mask of a tree read after `cached` positions: a tensor, or per layer type a dict
     (what Gemma 3 / Qwen 3 take) when sliding-window layers keep only their last window - 1 positions."""
-    cfg = text_config(verifier)
+    cfg = verifier.config.get_text_config()
     window = getattr(cfg, "sliding_window", None)
     anc = tree.ancestry()
     q_pos = cached + torch.tensor(tree.depths)  # [N]

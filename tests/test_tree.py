@@ -304,3 +304,8 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
     assert f"--speculative-num-steps {best['steps']} --speculative-eagle-topk {best['topk']}" in data["sglang_flags"]
     assert data["vllm_num_speculative_tokens"] == 2
     assert "--speculative-algorithm EAGLE3" in card_section(data)
+
+    from eagle3_hf.model_card import build_model_card  # the card of a drafter directory holding the sweep
+
+    (tmp_path / "config.json").write_text("{}")
+    assert data["sglang_flags"] in str(build_model_card(tmp_path, "org/drafter"))
