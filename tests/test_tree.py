@@ -309,3 +309,30 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     assert data["sglang_flags"] in str(build_model_card(tmp_path, "org/drafter"))
+
+
+def test_evaluate_cli_tree_and_sweep(tmp_path, tiny_verifier_dir, capsys):
+    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.cli import main
+    from eagle3_hf.sweep import SWEEP_FILE
+
+    verifier = load_verifier(str(tiny_verifier_dir))
+    drafter_dir = tmp_path / "drafter"
+    random_drafter(verifier, draft_vocab_size=300).save_pretrained(drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q1", "prompt": "Hi!"}\n{"id": "q2", "prompt": "Name a color."}\n')
+    common = ["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
+              str(prompts), "--max-new-tokens", "6", "--no-progress", "--device", "cpu"]
+    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "5", "--output", str(tmp_path / "t")]) == 0
+    summary = json.loads((tmp_path / "t" / "eagle3_evaluation.json").read_text())
+    assert (summary["k"], summary["topk"], summary["num_draft_tokens"], summary["lossless"]) == (2, 2, 5, True)
+    assert "steps=2, topk=2, N=5" in capsys.readouterr().out
+    assert main(common + ["--topk", "2", "--output", str(tmp_path / "x")]) != 0
+    assert "--num-draft-tokens is required" in capsys.readouterr().err
+    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "9", "--output", str(tmp_path / "x")]) != 0
+    assert "must lie in 2..7" in capsys.readouterr().err
+    assert main(common + ["--sweep", "--sweep-steps", "2", "--sweep-topk", "1", "2", "--sweep-num-draft-tokens", "4",
+                          "--output", str(tmp_path / "s"), "--write-to-drafter"]) == 0
+    data = json.loads((drafter_dir / SWEEP_FILE).read_text())
+    assert [(c["steps"], c["topk"], c["num_draft_tokens"]) for c in data["configs"]] == [(2, 1, 3), (2, 2, 4)]
+    assert data["sglang_flags"] in capsys.readouterr().out
