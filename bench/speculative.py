@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/speculative.py [--drafter DIR_OR_REPO] [--num-prompts 3] [--k 3] [--max-new-tokens 32]
     .venv/bin/python bench/speculative.py --oracle 1.0    # the ceiling: drafts are the verifier's own tokens
+    .venv/bin/python bench/speculative.py --drafter DIR --first-hits   # top-1/2/4/8 hit rate of the first draft
     .venv/bin/python bench/speculative.py --cycle-costs   # one cycle's pieces -> predicted speedup at each tau;
                                                           # tree verify (N = 4 .. 16) and K-wide draft costs
 
@@ -165,6 +166,31 @@ def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), w
           + " | tree draft step/t1: " + ", ".join(f"K={k} {med[f'draft{k}'] / med['t1']:.2f}" for k in widths))
 
 
+@torch.inference_mode()
+def first_draft_hits(verifier, drafter, tokenizer, prompts, max_new_tokens: int, ks=(1, 2, 4, 8)) -> None:
+    """How often the verifier's next token is among the drafter's top-k at the first draft position (what a
+    tree's depth 1 with top-K can accept), over each prompt's plain greedy answer, teacher-forced: the drafter
+    reads the verifier's features of every answer token, as after a verify. Top-1 is the chain's first draft."""
+    from eagle3_hf.speculative import _new_cache, _verifier_forward
+
+    aux_indices = list(drafter.config.aux_hidden_state_indices)
+    hits, total = {k: 0 for k in ks}, 0
+    for prompt in prompts:
+        ids = render_prompt(tokenizer, [{"role": "user", "content": prompt["turns"][0]}])
+        seq = torch.tensor([ids + greedy_generate(verifier, ids, max_new_tokens)["tokens"]], device=verifier.device)
+        _, aux = _verifier_forward(verifier, seq, _new_cache(verifier), aux_indices)  # [1, L, 3H]
+        length = seq.shape[1]
+        logits, _, _ = drafter.draft_step(seq[:, 1:], aux[:, :-1], torch.arange(length - 1, device=seq.device)[None])
+        first = len(ids) - 1  # drafter position t predicts token t + 2: answer tokens after the first one
+        top = drafter.draft_to_target(logits[0, first: length - 2].topk(max(ks), -1).indices)  # [M, K]
+        targets = seq[0, first + 2:, None]
+        for k in ks:
+            hits[k] += int((top[:, :k] == targets).any(-1).sum())
+        total += targets.shape[0]
+    print(f"first-position top-k hit rate over {total} answer tokens of {len(prompts)} prompts: "
+          + ", ".join(f"top-{k} {hits[k] / max(total, 1):.3f}" for k in ks))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", default=None, help="drafter directory or repo id (default: random drafter)")
@@ -178,6 +204,8 @@ def main() -> None:
                         help="time the pieces of one draft+verify cycle and predict the speedup at a given tau")
     parser.add_argument("--draft-vocab-size", type=int, default=4096, help="random drafter's, for --cycle-costs")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--first-hits", action="store_true",
+                        help="the drafter's top-1/2/4/8 hit rate at the first draft position (needs --drafter)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; 1 (default) is steadier and faster on a shared CPU, 0 = torch's")
     args = parser.parse_args()
@@ -192,6 +220,9 @@ def main() -> None:
           f"prompts x {args.max_new_tokens} new tokens, k={args.k}")
     if args.cycle_costs:
         return cycle_costs(verifier, tokenizer, prompts, args.k, args.draft_vocab_size)
+    if args.first_hits:
+        drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, device=device)
+        return first_draft_hits(verifier, drafter, tokenizer, prompts, args.max_new_tokens)
     if args.oracle is not None:
         return oracle_bench(verifier, tokenizer, prompts, args.k, args.max_new_tokens, args.oracle)
     if args.drafter:
