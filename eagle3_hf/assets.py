@@ -7,6 +7,7 @@ unrelated CLI plugin system. Where the Hub is reachable, `load_verifier` accepts
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -241,6 +242,55 @@ def instruction_sources() -> dict[str, Iterator[dict]]:
             "writingbench": writingbench()}
 
 
+# Training-pool prompts that overlap an MT-bench question (eagle3_hf.overlap: equal after normalising, or a shared
+# 8-word run; Vicuna-era prompts in AlpacaEval)"alpaca-eval-788", . No training pool draws them; tests/test_overlap.py recomputes this
+# over every source in full, so a changed wheel that adds an overlap fails there.
+MTBENCH_OVERLAPS = frozenset({"alpaca-eval-786", "alpaca-eval-791", "alpaca-eval-801",
+                              "writingbench-497"})
+DEV_SOURCES = ("healthbench", "alpaca-eval", "arena-hard", "ifeval", "chitchat")
+DEV_PER_SOURCE = 8
+
+
+def _fits(conv: dict, max_chars: int = 400) -> bool:
+    return 8 <= len(conv["messages"][0]["content"]) <= max_chars
+
+
+def _openers() -> Iterator[dict]:
+    """Chitchat's first user messages as single-turn prompts."""
+    return (_user_prompt(c["id"], c["messages"][0]["content"])
+            for c in chitchat_conversations() if c["messages"][0]["role"] == "user")
+
+
+@functools.lru_cache(maxsize=1)
+def _dev_rows() -> tuple[dict, ...]:
+    from .overlap import unique_rows
+
+    tails = []
+    for name in DEV_SOURCES:
+        rows = _openers() if name == "chitchat" else instruction_sources()[name]
+        kept = unique_rows([r for r in rows if _fits(r) and r["id"] not in MTBENCH_OVERLAPS])
+        tails.append(iter(kept[-DEV_PER_SOURCE:]))  # no dev prompt repeats (or nearly) one the pool may draw
+    return tuple(_round_robin(tails))
+
+
+def dev_prompts() -> list[dict]:
+    """The development set (`--prompts dev`): 40 short single-turn prompts for choosing mixes and recipes, so
+    that MT-bench stays the test set. The last 8 prompts of 8 to 400 characters of HealthBench, AlpacaEval,
+    Arena-Hard, IFEval and chitchat openers that repeat no other prompt of their source, interleaved: the end of
+    each source, which no demo size reaches, and excluded by id from every training pool here (`short_prompts`, `training_conversations`) whatever its size.
+    """
+    return [dict(row) for row in _dev_rows()]
+
+
+@functools.lru_cache(maxsize=1)
+def _not_for_training() -> frozenset[str]:
+    return MTBENCH_OVERLAPS | {row["id"] for row in _dev_rows()}
+
+
+def _in_training_pool(conv: dict) -> bool:
+    return conv["id"] not in _not_for_training()
+
+
 def _round_robin(sources: list[Iterator[dict]], keep=lambda conv: True) -> Iterator[dict]:
     """One item from each source in turn (exhausted ones drop out), so any prefix is a mix."""
     while sources:
@@ -257,9 +307,10 @@ def _round_robin(sources: list[Iterator[dict]], keep=lambda conv: True) -> Itera
 def training_conversations(limit: int | None = None) -> list[dict]:
     """The default training set: chitchat conversations interleaved with eval-framework prompts.
 
-    Interleaving makes any prefix a mix of chat and instruction data. MT-bench is never included.
+    Interleaving makes any prefix a mix of chat and instruction data. MT-bench, the prompts that overlap it
+    (`MTBENCH_OVERLAPS`) and the development set (`dev_prompts`) are never included.
     """
-    mixed = _round_robin([chitchat_conversations(), eval_framework_prompts()])
+    mixed = _round_robin([chitchat_conversations(), eval_framework_prompts()], _in_training_pool)
     return list(itertools.islice(mixed, limit))
 
 
@@ -271,11 +322,9 @@ def short_prompts(limit: int, max_chars: int = 400) -> list[dict]:
     batch. Chitchat is one source among eight: a drafter trained on a chat-heavy mix did much worse on
     instruction prompts (MT-bench) than on prompts like its training data.
     """
-    openers = (_user_prompt(c["id"], c["messages"][0]["content"])
-               for c in chitchat_conversations() if c["messages"][0]["role"] == "user")
-    sources = [*instruction_sources().values(), openers]
-    fits = lambda conv: 8 <= len(conv["messages"][0]["content"]) <= max_chars  # noqa: E731
-    return list(itertools.islice(_round_robin(sources, fits), limit))
+    sources = [*instruction_sources().values(), _openers()]
+    keep = lambda conv: _fits(conv, max_chars) and _in_training_pool(conv)  # noqa: E731
+    return list(itertools.islice(_round_robin(sources, keep), limit))
 
 
 def mtbench_questions(limit: int | None = None) -> list[dict]:

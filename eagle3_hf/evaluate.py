@@ -35,15 +35,20 @@ def _turns(row: dict | str) -> list[str] | None:
 
 
 def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str]:
-    """`mt-bench` (the embedded 80 questions) or a JSONL file whose rows carry `turns` (user messages),
-    `messages` (OpenAI form; its user turns) or `prompt`. -> ([{"id", "turns"}], name for the summary)."""
+    """`mt-bench` (the embedded 80 questions, the test set), `dev` (the development set: 40 prompts no training
+    pool draws) or a JSONL file whose rows carry `turns` (user messages), `messages` (OpenAI form; its user turns)
+    or `prompt`. -> ([{"id", "turns"}], name for the summary)."""
     if source in ("mt-bench", "mtbench"):
         from .assets import mtbench_questions
 
         return mtbench_questions(limit), "mt-bench"
+    if source == "dev":  # the development set: choose on it, keep MT-bench for the final numbers
+        from .assets import dev_prompts
+
+        return [{"id": row["id"], "turns": _turns(row)} for row in dev_prompts()][:limit], "dev"
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench)")
+        raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench or dev)")
     from .data.conversations import iter_jsonl
 
     rows: list[dict] = []
@@ -201,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="drafter revision (Hub)")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="verifier name or path (default: %(default)s)")
     parser.add_argument("--verifier-revision", default=None)
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench or a JSONL file (turns / messages / prompt)")
+    parser.add_argument("--prompts", default="mt-bench", help="mt-bench (test set), dev (development set) or a JSONL file (turns / messages / "
+                        "prompt)")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: all)")
     parser.add_argument("--chat-template", default=None,
                         help="the template the data was prepared with, when not the tokenizer's (see prepare)")
