@@ -309,10 +309,13 @@ def _cost_tree(size: int) -> DraftTree:
     return DraftTree([0] * size, parents, depths)
 
 
+@_prepacked
 @torch.inference_mode()
-def verify_costs(verifier, input_ids, sizes: Sequence[int], reps: int = 9) -> dict[int, float]:
+def verify_costs(verifier, input_ids, sizes: Sequence[int], reps: int = 15) -> dict[int, float]:
     """Median seconds of a verifier forward over a tree of each size after the prompt's cache, divided by the
-    median seconds of a one-token forward at the same context; interleaved so that load drifts evenly."""
+    median seconds of a one-token forward at the same context; interleaved so that load drifts evenly. With one
+    CPU thread, CPU seconds (other processes on a shared machine do not inflate them); else wall seconds."""
+    clock = time.process_time if verifier.device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     device = verifier.device
     prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
     n, dtype = prompt.shape[1], next(verifier.parameters()).dtype
@@ -325,10 +328,10 @@ def verify_costs(verifier, input_ids, sizes: Sequence[int], reps: int = 9) -> di
             tree = _cost_tree(size)
             mask = tree_attention_mask(verifier, tree, n, dtype, device)
             positions = (n + torch.tensor(tree.depths, device=device))[None]
-            began = time.perf_counter()
+            began = clock()
             _verifier_forward(verifier, torch.full((1, size), int(prompt[0, -1]), device=device), cache, None,
                               attention_mask=mask, position_ids=positions)
-            times[size].append(time.perf_counter() - began)
+            times[size].append(clock() - began)
             _crop(cache, n)
     median = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
     return {s: median[s] / median[1] for s in sizes}
