@@ -63,7 +63,8 @@ class DataArguments:
     overlong: str = field(default="truncate", metadata={"choices": ["truncate", "split", "error"]})
     validation_fraction: float = field(default=0.05)
     max_train_tokens: int | None = field(
-        default=None, metadata={"help": "train on the first training samples up to this many tokens (offline; the "
+        default=None, metadata={"help": "train on whole training samples up to this many tokens, a seeded shuffle "
+                                        "stratified by prompt source, nested across budgets (offline; the "
                                         "validation split is unchanged) — for data-scaling curves"}
     )
     config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})

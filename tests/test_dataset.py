@@ -195,12 +195,19 @@ def test_online_equals_offline(features, verifier, fingerprint):
     assert torch.equal(rounded["aux_hidden_states"], off["aux_hidden_states"][:1].bfloat16().float())
 
 
-def test_max_tokens_takes_nested_prefixes_and_leaves_validation_alone(features):
+def test_max_tokens_takes_nested_stratified_subsets_and_leaves_validation_alone(features):
+    from eagle3_hf.data.subsets import token_subset
+
     full = FeatureDataset(features / "f32", split="train", validation_fraction=0.3)
-    budget = sum(full.lengths[:3])
+    order = token_subset(full.sample_ids, full.lengths, sum(full.lengths))
+    assert order == list(range(len(full)))  # the whole budget keeps every sample
+    budget = sum(full.lengths) // 2
     small = FeatureDataset(features / "f32", split="train", validation_fraction=0.3, max_tokens=budget)
-    smaller = FeatureDataset(features / "f32", split="train", validation_fraction=0.3, max_tokens=budget - 1)
-    assert small.sample_ids == full.sample_ids[:3] and smaller.sample_ids == full.sample_ids[:2]
-    assert sum(small.lengths) == budget
+    smaller = FeatureDataset(features / "f32", split="train", validation_fraction=0.3, max_tokens=budget // 2)
+    want = [full.sample_ids[i] for i in token_subset(full.sample_ids, full.lengths, budget)]
+    assert small.sample_ids == want and 0 < sum(small.lengths) <= budget
+    assert set(smaller.sample_ids) < set(small.sample_ids) < set(full.sample_ids)
     val = FeatureDataset(features / "f32", split="validation", validation_fraction=0.3)
+    assert val.sample_ids == FeatureDataset(features / "f32", split="validation", validation_fraction=0.3,
+                                            max_tokens=budget).sample_ids  # validation unchanged
     assert not set(val.sample_ids) & set(small.sample_ids)

@@ -10,7 +10,6 @@ PackedDataset plans rows from lengths alone (first-fit-decreasing) and PackedCol
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import random
 import struct
@@ -99,7 +98,7 @@ class FeatureDataset(Dataset):
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 verify: str = "shard", max_tokens: int | None = None):
+                 verify: str = "shard", max_tokens: int | None = None, subset_seed: int = 0):
         if verify not in ("shard", "sample", "none"):
             raise ValueError(f"verify must be 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
@@ -123,9 +122,12 @@ class FeatureDataset(Dataset):
         samples = self.manifest["samples"]
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]
-        if max_tokens is not None:  # the first whole samples of the split: nested subsets for data scaling
-            total = itertools.accumulate(int(s["length"]) for s in self._samples)
-            self._samples = [s for s, upto in zip(self._samples, total) if upto <= max_tokens]
+        if max_tokens is not None:  # nested, source-stratified, seeded subsets for data scaling (data/subsets.py)
+            from .subsets import token_subset
+
+            chosen = token_subset([s["id"] for s in self._samples], [int(s["length"]) for s in self._samples],
+                                  max_tokens, subset_seed)
+            self._samples = [self._samples[i] for i in chosen]
         self.lengths: list[int] = [int(s["length"]) for s in self._samples]
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
         self._open: OrderedDict[str, np.memmap] = OrderedDict()
