@@ -1,12 +1,15 @@
 """How much data does a drafter need? Train the same recipe on nested subsets of one dataset and measure.
 
-Every point trains on the first N training tokens of the same features (`--max-train-tokens`, whole
-samples in manifest order, so each subset contains the smaller ones), validates on the same held-out split,
-and is decoded for real on MT-bench prompts (never trained on). Prints and writes a table and a PNG of
-simulated τ (validation) and real τ against training tokens. Finished points are reused on a rerun.
+Every point trains on N training tokens of the same features (`--max-train-tokens`: whole samples, a seeded
+shuffle stratified by prompt source, so each subset contains the smaller ones and keeps the full mix), validates
+on the same validation split, and is decoded for real on the development set (`--prompts dev`) and on MT-bench
+(the test set; no training pool draws either). Prints and writes a table (with each point's source mix and
+mean sample length) and a PNG of simulated τ (validation) and real τ against training tokens. Finished points
+are reused on a rerun. `--predict-largest` leaves the largest point out of the fit and sets the fit's
+prediction for it against its measurement.
 
-    python -m experiments.data_scaling --data-dir demo_out/small/features --output-dir runs/scaling --parallel 2 \
-        --points 5000,10000,20000,40000,0 --table docs/data_scaling.md --plot docs/data_scaling.png
+    python -m experiments.data_scaling --data-dir demo_out/small/features --output-dir runs/scaling --parallel 1 \
+        --points 0,51200,25600,12800 --eval dev=40 mt-bench=80 --table docs/data_scaling.md --plot docs/data_scaling.png
 """
 
 from __future__ import annotations
@@ -58,6 +61,31 @@ def extrapolation(rows: list[dict], fit_points: int = 4) -> str:
     return text
 
 
+def prediction(rows: list[dict], fit_points: int = 4) -> str:
+    """The fit over the points below the largest against the largest point's measured τ (the prediction tested)."""
+    fit, last = rows[:-1][-fit_points:], rows[-1]
+    if len(fit) < 2:
+        return ""
+    tokens = [r["tokens"] for r in fit]
+    lines = [f"Prediction tested: the fit over the {len(fit)} points below {last['tokens']:,} tokens, extended to "
+             f"{last['tokens']:,} tokens, against the measurement there.", "",
+             "| τ | fit's prediction | measured |", "|---|---|---|"]
+    for key, label in (("sim_tau", "simulated (validation)"), *((f"real_tau:{n}", f"real ({n})")
+                                                                for n in last.get("eval_sets", []))):
+        a, b = per_doubling(tokens, [r[key] for r in fit])
+        lines.append(f"| {label} | {a + b * math.log2(last['tokens']):.3f} | {last[key]:.3f} |")
+    return "\n".join(lines)
+
+
+def subset_make_up(data_dir: str, point: int, validation_fraction: float) -> dict:
+    """Source mix and mean length of the training subset a point trains on (what --max-train-tokens selects)."""
+    from eagle3_hf.data.dataset import FeatureDataset
+    from eagle3_hf.data.subsets import describe
+
+    ds = FeatureDataset(data_dir, "train", validation_fraction, verify="none", max_tokens=point or None)
+    return describe(ds.sample_ids, ds.lengths)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", required=True, help="features (with vocab.safetensors) of the largest dataset")
@@ -69,7 +97,11 @@ def main() -> None:
                    "--max-seq-len 256 --per-device-train-batch-size 1 --validation-fraction 0.05 --seed 0 "
                    "--eval-strategy epoch --save-strategy epoch --save-total-limit 1 --load-best-model-at-end true "
                    "--logging-steps 20")
-    p.add_argument("--eval-prompts", type=int, default=10)
+    p.add_argument("--eval", nargs="+", default=["dev=40", "mt-bench=80"], metavar="PROMPTS=N",
+                   help="prompt sets to decode each point on (`evaluate --prompts`), N prompts each (0: all); the "
+                        "last one is the fit's real τ")
+    p.add_argument("--predict-largest", action="store_true",
+                   help="fit without the largest point and report its predicted against its measured τ")
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--parallel", type=int, default=1, help="points at once (one thread each)")
     p.add_argument("--table", default=None)
@@ -80,6 +112,10 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", "1")
     cli = [sys.executable, "-m", "eagle3_hf.cli"]
+    eval_sets = [(name, int(n)) for name, n in (spec.split("=", 1) for spec in args.eval)]
+    vf_parser = argparse.ArgumentParser(add_help=False)
+    vf_parser.add_argument("--validation-fraction", type=float, default=0.05)
+    validation_fraction = vf_parser.parse_known_args(shlex.split(args.train_args))[0].validation_fraction
 
     def train_and_evaluate(point: int) -> dict:
         name = f"tokens-{point or 'all'}"
@@ -88,16 +124,23 @@ def main() -> None:
             sh([*cli, "train", "--verifier", args.verifier, "--data-dir", args.data_dir, "--output-dir", str(run_dir),
                 "--num-train-epochs", str(args.epochs), *shlex.split(args.train_args),
                 *(["--max-train-tokens", str(point)] if point else [])], out / f"{name}.log", env)
-        if not (run_dir / "eval" / "eagle3_evaluation.json").is_file():
-            sh([*cli, "evaluate", "--drafter", str(run_dir), "--verifier", args.verifier, "--prompts", "mt-bench",
-                "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens), "--k", "3",
-                "--temperature", "0", "--output", str(run_dir / "eval")], out / f"{name}.eval.log", env)
         summary = json.loads((run_dir / "eagle3_training.json").read_text())
-        evaluation = json.loads((run_dir / "eval" / "eagle3_evaluation.json").read_text())
         row = {"tokens": summary["data"]["num_tokens"], "samples": summary["data"]["num_samples"],
                "sim_tau": summary["metrics"]["simulated_acceptance_length"],
-               "acc0": summary["metrics"]["step_accuracy"][0],
-               "real_tau": evaluation["acceptance_length"], "lossless": evaluation["lossless"]}
+               "acc0": summary["metrics"]["step_accuracy"][0], "lossless": True, "eval_sets": [],
+               "make_up": subset_make_up(args.data_dir, point, validation_fraction)}
+        for prompts, n in eval_sets:
+            eval_dir = run_dir / f"eval-{prompts}-{n or 'all'}-{args.eval_tokens}"
+            if not (eval_dir / "eagle3_evaluation.json").is_file():
+                sh([*cli, "evaluate", "--drafter", str(run_dir), "--verifier", args.verifier, "--prompts", prompts,
+                    *(["--num-prompts", str(n)] if n else []), "--max-new-tokens", str(args.eval_tokens), "--k", "3",
+                    "--temperature", "0", "--output", str(eval_dir)], out / f"{name}.eval-{prompts}.log", env)
+            evaluation = json.loads((eval_dir / "eagle3_evaluation.json").read_text())
+            label = f"{prompts} ×{evaluation.get('num_prompts', n)}" if n else prompts
+            row["eval_sets"].append(label)
+            row[f"real_tau:{label}"] = evaluation["acceptance_length"]
+            row["lossless"] = row["lossless"] and evaluation["lossless"]
+        row["real_tau"] = row[f"real_tau:{row['eval_sets'][-1]}"]
         print(json.dumps(row), flush=True)
         return row
 
@@ -105,15 +148,29 @@ def main() -> None:
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         rows = sorted(pool.map(train_and_evaluate, points), key=lambda r: r["tokens"])
 
+    sets = rows[-1]["eval_sets"]
     lines = ["# How much data does a drafter need?", "",
-             f"Same recipe ({args.epochs} epochs, `{args.train_args}`) on nested subsets of `{args.data_dir}`; "
-             f"real τ on {args.eval_prompts} MT-bench questions × {args.eval_tokens} tokens, k = 3, greedy.", "",
-             "```bash", "python " + shlex.join(sys.argv), "```", "",
-             "| training tokens | samples | step-0 acc (val) | simulated τ (val) | real τ (MT-bench) | lossless |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']:,} | {r['samples']} | {r['acc0']:.3f} | {r['sim_tau']:.3f} | {r['real_tau']:.3f} | "
-              f"{r['lossless']} |" for r in rows]
-    lines += ["", extrapolation(rows)]
+             f"Same recipe ({args.epochs} epochs, `{args.train_args}`) on nested subsets of `{args.data_dir}`: whole "
+             "samples, a seeded shuffle stratified by prompt source (`--max-train-tokens`), the same validation "
+             f"split. Real τ by speculative decoding, {args.eval_tokens} new tokens per prompt, k = 3, greedy, on "
+             "the development set (`dev`, 40 prompts no training pool draws) and on MT-bench (the test set, "
+             "first turn).", "",
+             "```bash", "python -m experiments.data_scaling " + shlex.join(sys.argv[1:]), "```", "",
+             "| training tokens | samples | mean length | step-0 acc (val) | simulated τ (val) | "
+             + " | ".join(f"real τ ({s})" for s in sets) + " | lossless |",
+             "|---|---|---|---|---|" + "---|" * len(sets) + "---|"]
+    lines += [f"| {r['tokens']:,} | {r['samples']} | {r['make_up']['mean_length']:.0f} | {r['acc0']:.3f} | "
+              f"{r['sim_tau']:.3f} | " + " | ".join(f"{r[f'real_tau:{s}']:.3f}" for s in sets)
+              + f" | {r['lossless']} |" for r in rows]
+    names = sorted({n for r in rows for n in r["make_up"]["sources"]})
+    lines += ["", "Source mix of each training subset (share of samples):", "",
+              "| training tokens | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {r['tokens']:,} | " + " | ".join(f"{100 * r['make_up']['sources'].get(n, 0):.0f} %" for n in names)
+              + " |" for r in rows]
+    fit_rows = rows[:-1] if args.predict_largest else rows
+    lines += ["", extrapolation(fit_rows) + f" (Real τ here: {sets[-1]}.)"]
+    if args.predict_largest:
+        lines += ["", prediction(rows)]
     table = "\n".join(lines) + "\n"
     print(table)
     (out / "scaling.json").write_text(json.dumps(rows, indent=2))
@@ -128,7 +185,8 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         tokens = [r["tokens"] for r in rows]
         ax.plot(tokens, [r["sim_tau"] for r in rows], "o-", label="simulated τ (validation)")
-        ax.plot(tokens, [r["real_tau"] for r in rows], "s-", label="real τ (MT-bench)")
+        for marker, s in zip("s^dv", sets):
+            ax.plot(tokens, [r[f"real_tau:{s}"] for r in rows], f"{marker}-", label=f"real τ ({s})")
         ax.set_xscale("log")
         ax.set_xlabel("training tokens")
         ax.set_ylabel("acceptance length τ (k = 3)")
