@@ -75,7 +75,7 @@ def main() -> None:
     import datasets
 
     from eagle3_hf.assets import load_tokenizer, load_verifier
-    from eagle3_hf.data.capture import default_aux_indices
+    from eagle3_hf.verifier_family import default_aux_indices
     from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from .check_rules import (ENGINES, LEVELS, Finding, Report, check_config, check_names_and_shapes, check_values,
                           check_verifier, check_vocab_mapping)
-from .configuration_eagle3 import text_config
+from .verifier_family import text_config
 
 __all__ = ["Finding", "check_drafter"]
 

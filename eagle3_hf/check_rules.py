@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 from .checkpoint import (BIAS_WEIGHTS, EMBED_KEY, LAYER_WEIGHTS, VOCAB_BUFFERS, expected_shapes,
                          vocab_mapping_issues)
-from .configuration_eagle3 import engine_config_problems
+from .verifier_family import engine_config_problems
 
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")

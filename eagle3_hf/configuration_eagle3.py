@@ -1,19 +1,12 @@
 """Eagle3Config: a Llama config for a one-layer EAGLE-3 drafter, written the way SGLang and vLLM read it.
 
 The saved `config.json` is a plain Llama config (`model_type "llama"`,
-`architectures ["LlamaForCausalLMEagle3"]`, one hidden layer) plus the EAGLE-3 keys the engines look for.
-The aux-layer convention lives in exactly one place, `engine_aux_layer_ids`, because engines disagree:
-
-- eagle3_hf trains on transformers `output_hidden_states` indices (0 = embeddings, k = output of decoder
-  layer k-1); the drafter reads three of them, `aux_hidden_state_indices`.
-- vLLM (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`) reads only the top-level
-  `eagle_aux_hidden_state_layer_ids` and captures the residual stream *entering* layer id, which is the same
-  number as the `output_hidden_states` index.
-- SGLang (`model_runner.py` reads `eagle_config.eagle_aux_hidden_state_layer_ids`; the target model's
-  `set_eagle3_layers_to_capture`, e.g. `python/sglang/srt/models/llama.py`, adds 1: its id names a layer
-  *output*). Without ids both engines default to indices (2, N//2, N-3).
-- `norm_before_residual`: SGLang's `llama_eagle3.py` hard-codes the un-normed residual (false); vLLM honours
-  the key and defaults it to true for the speculators layout, so it is always written explicitly.
+`architectures ["LlamaForCausalLMEagle3"]`, one hidden layer) plus the EAGLE-3 keys the engines look for:
+the aux-layer ids where each engine reads them (`verifier_family.engine_aux_layer_ids`), the draft
+vocabulary size, and `norm_before_residual` written explicitly (SGLang's `llama_eagle3.py` hard-codes the
+un-normed residual; vLLM honours the key and defaults it to true for the speculators layout).
+How a verifier's own config is read (its text config, aux layers, RoPE, logit soft-cap) lives in
+verifier_family.py; this file holds the drafter's config alone.
 """
 
 from __future__ import annotations
@@ -23,149 +16,11 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-# rope types Llama attention in transformers (and the engines' Llama drafter) can apply
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+from .verifier_family import (aux_indices_from_config, check_aux_indices, default_aux_indices, drafter_rope,
+                              engine_aux_layer_ids, text_config_dict)
+
 DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PREFERRED_HEAD_DIM = 128
-
-
-def engine_aux_layer_ids(indices: list[int] | tuple[int, ...]) -> dict[str, list[int]]:
-    """The aux-layer ids each engine must read for a drafter trained on `output_hidden_states` indices."""
-    indices = [int(i) for i in indices]
-    if any(i < 1 for i in indices):
-        raise ValueError(f"aux hidden-state indices must be >= 1 (0 is the embedding output): {indices}")
-    return {"vllm": list(indices), "sglang": [i - 1 for i in indices]}
-
-
-def aux_indices_from_config(config: dict[str, Any]) -> list[int] | None:
-    """Recover training indices from a published config: top-level (vLLM) ids win, else SGLang's + 1."""
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    if top:
-        return [int(i) for i in top]
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested:
-        return [int(i) + 1 for i in nested]
-    return None
-
-
-def default_aux_indices(num_layers: int) -> list[int]:
-    """(2, N//2, N-3): low, middle and high layers, the EAGLE-3 paper's and both engines' default.
-
-    Below 7 layers (tiny test models) that triple collides, so (1, N//2, N-1) is used instead.
-    """
-    if num_layers < 4:
-        raise ValueError(f"a verifier needs at least 4 layers for three distinct aux indices, got {num_layers}")
-    if num_layers >= 7:
-        return [2, num_layers // 2, num_layers - 3]
-    return [1, num_layers // 2, num_layers - 1]
-
-
-def check_aux_indices(aux_indices, num_layers: int) -> list[int]:
-    """Three distinct indices in 1..N-1 (0 is the embedding; N is post-norm and no engine can capture it)."""
-    indices = [int(i) for i in aux_indices]
-    if len(indices) != 3:
-        raise ValueError(f"expected 3 aux layer indices, got {indices}")
-    if len(set(indices)) != 3:
-        raise ValueError(f"aux layer indices must be distinct, got {indices}")
-    bad = [i for i in indices if not 1 <= i <= num_layers - 1]
-    if bad:
-        raise ValueError(
-            f"aux indices {bad} are outside 1..{num_layers - 1} for a {num_layers}-layer verifier: they are "
-            f"output_hidden_states indices (0 is the embedding; {num_layers} is post-norm and no engine can capture it)"
-        )
-    return indices
-
-
-def text_config(verifier: Any) -> Any:
-    """The language-model part of a verifier's config: the one lookup every stage uses.
-
-    Kimi-K2.5, Gemma 3 and other VLMs nest it under `text_config`; sizes, layer count, vocabulary and the
-    logit soft-cap must all be read there. `verifier` is a model, a `PretrainedConfig` (-> transformers'
-    `get_text_config()`) or a `config.json` dict (-> a dict).
-    """
-    config = getattr(verifier, "config", verifier)
-    if isinstance(config, dict):
-        inner = config.get("text_config")
-        return dict(inner) if isinstance(inner, dict) and "hidden_size" in inner else dict(config)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def text_config_dict(verifier: Any) -> dict[str, Any]:
-    """`text_config(verifier)` as a plain dict."""
-    config = text_config(verifier)
-    return config if isinstance(config, dict) else config.to_dict()
-
-
-def logit_softcap(verifier: Any) -> float | None:
-    """The verifier's final logit soft-cap (Gemma 2/3), from its text config; None when it has none."""
-    config = text_config(verifier)
-    value = config.get("final_logit_softcapping") if isinstance(config, dict) else getattr(
-        config, "final_logit_softcapping", None)
-    return float(value) if value else None
-
-
-# per-layer-type RoPE (Gemma 2/3, ...): the layer type whose RoPE the drafter takes, in order of preference
-DRAFTER_ROPE_LAYER_TYPES = ("full_attention", "global_attention")
-
-
-def drafter_rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The one flat Llama `rope_parameters` a drafter gets from a verifier text config.
-
-    Per family: Llama / Qwen3 / DeepSeek-V3 / Kimi have one RoPE, kept with its scaling (YaRN, llama3, ...)
-    because the drafter sees the same positions as the verifier. Gemma 3 (and other verifiers with
-    per-layer-type `rope_parameters`, nested `{"full_attention": {...}, "sliding_attention": {...}}`)
-    gives the full-attention layers' RoPE: the drafter attends over the whole context, as those layers do,
-    and it is the long-context one (the sliding layers' short-range base would alias at long distances).
-    A nested dict cannot be passed on: transformers' Llama config drops the per-type keys with a warning
-    and both engines' Llama drafter read a single RoPE (`rope_scaling`/`rope_theta` in SGLang's
-    `LlamaDecoderLayer`), so what they would apply is not what training used. Types Llama attention cannot
-    apply (multimodal mrope) become plain RoPE at the same base: the drafter sees text positions only.
-    """
-    params = dict(cfg.get("rope_parameters") or {})
-    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
-    if nested:
-        layer_type = next((t for t in DRAFTER_ROPE_LAYER_TYPES if t in nested), sorted(nested)[0])
-        params = dict(nested[layer_type])
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        params = {"rope_type": "default", "rope_theta": params["rope_theta"]}
-    return params
-
-
-def engine_config_problems(cfg: dict[str, Any]) -> list[tuple[str, str]]:
-    """(code, message) for each field of a drafter config.json an engine's Llama-EAGLE-3 loader cannot parse.
-
-    What the engines read (their source): SGLang's `LlamaDecoderLayer` (`python/sglang/srt/models/llama.py`)
-    takes the legacy `rope_theta` / `rope_scaling` and its `LlamaMLP` raises unless `hidden_act` is "silu";
-    vLLM builds the drafter from the same Llama config through transformers, whose RoPE validation keeps
-    only the flat keys of its `rope_type`. `check` reports these as errors.
-    """
-    problems: list[tuple[str, str]] = []
-    for key in ("rope_parameters", "rope_scaling"):
-        value = cfg.get(key) or {}
-        if not isinstance(value, dict):
-            problems.append(("rope-unparsable", f"{key} is {type(value).__name__}, not a dict"))
-            continue
-        nested = sorted(k for k, v in value.items() if isinstance(v, dict))
-        if nested:
-            problems.append(("rope-per-layer-type", f"{key} mixes per-layer-type RoPE {nested} into a Llama "
-                             "config: the engines' one-layer Llama drafter has a single RoPE, transformers drops "
-                             "the nested keys with a warning, so serving would not apply the RoPE training used "
-                             "(re-export: from_verifier writes the full-attention RoPE flat)"))
-        rope_type = value.get("rope_type", value.get("type", "default"))
-        if value and rope_type not in SUPPORTED_ROPE_TYPES:
-            problems.append(("rope-type", f"{key} rope_type {rope_type!r} is not one the Llama drafter can "
-                             f"apply ({', '.join(SUPPORTED_ROPE_TYPES)})"))
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(("hidden-act", f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only "
-                         "'silu' and refuses to load the drafter"))
-    return problems
 
 
 @strict

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .assets import cache_dir, chitchat_conversations, load_tokenizer, load_verifier, resolve_verifier
-from .configuration_eagle3 import check_aux_indices, default_aux_indices, text_config
+from .verifier_family import check_aux_indices, default_aux_indices, text_config
 from .data.capture import capture_layer_outputs
 
 RECIPE_FILE = "eagle3_drift.json"

@@ -83,7 +83,7 @@ def read_launch(accelerate_config: str | None, recipe: dict) -> Launch:
 def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str, Any]:
     """The verifier's language-model config: from `--verifier-config`, else the recipe's verifier
     (a local directory or a cached Hub id)."""
-    from .configuration_eagle3 import text_config_dict
+    from .verifier_family import text_config_dict
 
     if verifier_config:
         return text_config_dict(_load(verifier_config))

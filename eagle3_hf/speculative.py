@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .configuration_eagle3 import text_config
+from .verifier_family import text_config
 from .cpu_linear import prepacked_linears
 from .data.capture import aux_from, capture_layer_outputs
 

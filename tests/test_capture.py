@@ -7,7 +7,8 @@ import torch
 from conftest import make_tiny_verifier
 
 from eagle3_hf.data import capture
-from eagle3_hf.data.capture import capture_features, check_aux_indices, default_aux_indices
+from eagle3_hf.data.capture import capture_features
+from eagle3_hf.verifier_family import check_aux_indices, default_aux_indices
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-# the aux-layer and text-config contracts live in the configuration
-from ..configuration_eagle3 import check_aux_indices, default_aux_indices, logit_softcap, text_config
+from ..verifier_family import check_aux_indices, logit_softcap, softcap_logits, text_config
 
 # Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
 _LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
@@ -73,9 +72,7 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
     chunk = max(1, _LOGIT_ELEMENTS_PER_CHUNK // vocab)
     out = []
     for start in range(0, last_hidden_state.shape[0], chunk):
-        logits = head(last_hidden_state[start : start + chunk])  # [c, V]
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = softcap_logits(head(last_hidden_state[start : start + chunk]), softcap)  # [c, V]
         out.append(logits.argmax(dim=-1).to(last_hidden_state.device))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
 

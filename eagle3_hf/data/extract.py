@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..configuration_eagle3 import text_config
-from .capture import capture_features, check_aux_indices, default_aux_indices
+from ..verifier_family import check_aux_indices, default_aux_indices, text_config
+from .capture import capture_features
 from .prepare import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 

@@ -27,7 +27,8 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..cpu_linear import prepacked_linears
-from .capture import aux_from, capture_layer_outputs, decoder_of, text_config
+from ..verifier_family import logit_softcap, softcap_logits, text_config
+from .capture import aux_from, capture_layer_outputs, decoder_of
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -83,9 +84,7 @@ class _Row:
 
 
 def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(h)
-    softcap = getattr(text_config(model), "final_logit_softcapping", None)
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
+    return softcap_logits(model.get_output_embeddings()(h), logit_softcap(model))
 
 
 class FeatureGenerator:

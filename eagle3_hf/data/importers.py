@@ -30,8 +30,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..configuration_eagle3 import logit_softcap, text_config
-from .capture import check_aux_indices, default_aux_indices, final_norm, greedy_tokens
+from ..verifier_family import check_aux_indices, default_aux_indices, logit_softcap, text_config
+from .capture import final_norm, greedy_tokens
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
