@@ -34,8 +34,9 @@ from transformers.utils import ModelOutput
 
 from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
 from .configuration_eagle3 import Eagle3Config
-from .configuration_eagle3 import logit_softcap as verifier_logit_softcap
 from .constants import PAD_DOCUMENT
+from .verifier_family import logit_softcap as verifier_logit_softcap
+from .verifier_family import softcap_logits
 
 
 def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):
@@ -395,7 +396,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         last_hidden_state: torch.Tensor | None = None,
         logits_mask: tuple[torch.Tensor, ...] | None = None,
         teacher_mask: torch.Tensor | None = None,
-        **unused,
     ) -> Eagle3Output:
         """TTT unroll over packed rows.
 
@@ -459,9 +459,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         flat = probs.view(-1, probs.shape[-1])
         block = max(1, (1 << 23) // flat.shape[1])
         for start in range(0, flat.shape[0], block):
-            rows = flat[start : start + block]
-            if self.teacher_logit_softcap:
-                rows = torch.tanh(rows / self.teacher_logit_softcap) * self.teacher_logit_softcap
+            rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
             flat[start : start + block] = torch.softmax(rows, dim=-1)
         return probs
 

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.configuration_eagle3 import aux_indices_from_config, engine_aux_layer_ids
 from eagle3_hf.modeling_eagle3 import _causal_with_diagonals, shift_within_documents
+from eagle3_hf.verifier_family import aux_indices_from_config, engine_aux_layer_ids
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 1000, 64, 100
 
@@ -191,6 +191,14 @@ def test_no_leakage_between_packed_documents():
         second = doc[0] == 1
         torch.testing.assert_close(base.logits[i][0, second], changed.logits[i][0, second])
         assert not torch.allclose(base.logits[i][0, ~second], changed.logits[i][0, ~second])
+
+
+def test_a_misspelt_forward_argument_is_an_error_not_ignored():
+    """`ttt_step=5` (for ttt_steps) once ran silently with the default unroll."""
+    model = tiny_model()
+    ids, aux, pos, doc = packed_batch([[6, 8]], 14)
+    with pytest.raises(TypeError, match="ttt_step"):
+        model(ids, aux, pos, doc, ttt_step=5)
 
 
 def test_missing_embeddings_are_an_error_not_a_random_layer(tmp_path):
