@@ -1,6 +1,7 @@
-"""The pieces `examples/train.py` is composed of, and `eagle3-hf train`, which runs that script.
+"""The pieces the training script (eagle3_hf/scripts/train.py) is composed of.
 
-`examples/train.py` is the training script (read it top to bottom); this module holds what it calls:
+The script is what a user reads top to bottom (`eagle3-hf train` and `accelerate launch examples/train.py`
+both run it); this module holds what it calls:
 the arguments (HfArgumentParser dataclasses; `--config FILE.yaml|json` supplies defaults that the command
 line overrides), the packed datasets (offline shards, or `--online` with the verifier producing features
 in-process), the vocabulary, and the drafter (from scratch, or `--finetune-from` a directory / Hub repo in
@@ -9,8 +10,6 @@ any supported layout, its mismatches reported loudly).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import logging
 import math
@@ -22,10 +21,11 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from .configuration_eagle3 import Eagle3Config, text_config
+from .configuration_eagle3 import Eagle3Config
 from .constants import VOCAB_FILE
 from .modeling_eagle3 import Eagle3DraftModel
 from .trainer import Eagle3TrainingArguments
+from .verifier_family import text_config
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -218,34 +218,6 @@ def default_vocab_path(data_args: DataArguments) -> str:
         if base and (Path(base) / VOCAB_FILE).is_file():
             return str(Path(base) / VOCAB_FILE)
     raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
-
-
-# ---------------------------------------------------------------- `eagle3-hf train`: runs examples/train.py
-
-TRAINING_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train.py"
-
-
-@functools.cache
-def training_script():
-    """examples/train.py as a module: the one training script, which `eagle3-hf train` runs."""
-    if not TRAINING_SCRIPT.is_file():
-        raise SystemExit(f"{TRAINING_SCRIPT} not found: `eagle3-hf train` runs the repository's examples/train.py "
-                         "(install from a source checkout: pip install -e .)")
-    spec = importlib.util.spec_from_file_location("eagle3_hf_train_script", TRAINING_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Run examples/train.py's `main` with these arguments; returns its training summary."""
-    return training_script().main(argv)
-
-
-def main_argv(argv: list[str]) -> int:
-    """`eagle3-hf train ...`: the same arguments as examples/train.py."""
-    main(argv)
-    return finish_process(0)
 
 
 def finish_process(code: int) -> int:

@@ -1,105 +1,14 @@
 #!/usr/bin/env python
-"""Train an EAGLE-3 drafter for a verifier, on hidden states extracted with `eagle3-hf extract`.
+"""Train an EAGLE-3 drafter: `accelerate launch examples/train.py --data-dir feats/ --output-dir runs/drafter`.
 
-This is the training script: read it top to bottom. `eagle3-hf train` runs this same file. The same script
-runs in every setting; only the launcher changes:
-
-    # one CPU or GPU
-    accelerate launch examples/train.py --data-dir feats/ --output-dir runs/drafter
-    # 8 GPUs with DeepSpeed ZeRO-3 (configs in accelerate_configs/ and ds_configs/)
-    accelerate launch --config_file accelerate_configs/8gpu_zero3.yaml examples/train.py \
-        --config examples/recipes/kimi_k25_8gpu_zero3.yaml
-    # from an existing drafter instead of from scratch (a directory or a Hub repo id, any layout)
-    accelerate launch examples/train.py --data-dir feats/ --finetune-from org/some-eagle3 --output-dir runs/ft
-    # no features on disk: the verifier runs in the training process
-    accelerate launch examples/train.py --online --prepared-dir prepared/ --output-dir runs/online
-
-Arguments are transformers' TrainingArguments plus TTT (`--ttt-steps`, `--ttt-step-weight`) and the model
-and data arguments of `eagle3_hf.training`; `--config FILE.yaml` gives defaults that the command line
-overrides; `--help` lists them all. The machinery (trainer, loss, metrics, checkpoint layout) lives in the
-package; docs/contracts.md describes what the drafter is trained to match.
+The training script ships inside the package, so that `eagle3-hf train` works from an installed wheel; read
+it at eagle3_hf/scripts/train.py (one page, top to bottom: arguments, datasets, drafter, teacher, Trainer,
+save). This file runs it, so every `accelerate launch examples/train.py ...` command in the docs keeps working.
 """
 
-from __future__ import annotations
+import sys
 
-import logging
-import os
-
-from transformers import AutoConfig, set_seed
-
-from eagle3_hf.assets import resolve_verifier, verifier_io_weights
-from eagle3_hf.configuration_eagle3 import logit_softcap
-from eagle3_hf.constants import TRAINING_FILE
-from eagle3_hf.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.training import (build_datasets, build_drafter, check_features_fit, finetune_advice, finish_process,
-                                load_vocabulary, parse_args)
-
-logger = logging.getLogger("eagle3_hf.train")
-
-
-def main(argv: list[str] | None = None) -> dict:
-    # 1. Arguments: model, data, and transformers' TrainingArguments with the TTT knobs.
-    model_args, data_args, args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
-                                                 revision=model_args.verifier_revision)
-
-    # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
-    #    each), read from the feature shards (or computed by the verifier with --online); the draft vocabulary.
-    train, evals, collator, info = build_datasets(data_args, model_args)
-    check_features_fit(info, verifier_config, data_args, model_args)
-    d2t, t2d = load_vocabulary(data_args, info, verifier_config)
-
-    # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
-    #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly).
-    set_seed(args.seed)
-    model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
-                                info["tokenizer_fingerprint"])
-
-    # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
-    #    draft vocabulary, read by tensor name so a huge verifier is never instantiated.
-    embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
-    model.load_verifier_embeddings(embed)
-    model.attach_teacher(head, logit_softcap(verifier_config))
-    logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
-                model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
-
-    # 5. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
-    #    rest (accelerate / DeepSpeed, accumulation, checkpoints, best model by simulated τ) is transformers'.
-    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
-    if model_args.finetune_from and len(evals):
-        before = trainer.evaluate(metric_key_prefix="source")
-        init["source_metrics"] = before
-        init["advice"] = finetune_advice(before.get("source_acc_0", float("nan")))
-        logger.warning("finetune source before training: step-0 acc %.3f, simulated τ %.2f. %s",
-                       before.get("source_acc_0", float("nan")),
-                       before.get("source_simulated_acceptance_length", float("nan")), init["advice"])
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    final = trainer.evaluate() if len(evals) else {}
-
-    # 6. Save the standard EAGLE-3 layout (what SGLang and vLLM load) and the summary the model card reports.
-    trainer.save_model(args.output_dir)
-    summary = training_summary(
-        trainer, final, verifier=model_args.verifier, init=init,
-        data={"name": info["source_dir"], "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
-              "num_train_rows": len(train), "packing": train.stats},
-        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online},
-    )
-    summary["log_history"] = trainer.state.log_history
-    if trainer.is_world_process_zero():
-        write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
-    # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
-    #    interpreter shutdown, turning a finished run into a failed one.
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
-    return summary
-
+from eagle3_hf.scripts.train import run_script
 
 if __name__ == "__main__":
-    import sys
-
-    from eagle3_hf.errors import run_reporting_user_errors
-
-    # bad input: one `error:` line, no traceback; a distributed rank then skips interpreter finalization
-    sys.exit(finish_process(run_reporting_user_errors(main, sys.argv[1:])))
+    sys.exit(run_script(sys.argv[1:]))

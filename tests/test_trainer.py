@@ -19,7 +19,7 @@ from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
 from eagle3_hf.data.vocab import load_vocab, vocab_from_target_ids
 from eagle3_hf.step_metrics import drafter_step_accuracies
-from eagle3_hf.training import main as train_main
+from eagle3_hf.scripts.train import main as train_main
 from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from test_export import STANDARD_KEYS
 from train_fixtures import FINGERPRINT, SYN_VOCAB, build_offline_data, save_verifier
