@@ -72,6 +72,7 @@ def vllm_environment(venv: Path, threads: int, offline: bool, debug: bool = Fals
     return env
 
 
+MAX_LINE = 240
 _NOISE = re.compile(r"^\s*(\d+ validation errors? for \w+|For further information.*|See root cause above.*)$")
 
 
@@ -81,13 +82,18 @@ def one_line(error: dict[str, Any]) -> str:
     text = error.get("full_message") or error.get("message") or ""
     value = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.M)
     if value:
-        return value.group(1).strip()
+        return value.group(1).strip()[:MAX_LINE]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not _NOISE.match(ln)]
     found = lines[0] if lines else ""
     if not found:  # fall back to the last line of the traceback ("KeyError: 'x'")
         tail = [ln for ln in (error.get("traceback") or "").splitlines() if ln.strip()]
         found = tail[-1].strip() if tail else ""
-    return f"{error.get('type', 'Error')}: {found}" if found else str(error.get("type", "unknown error"))
+    if len(found) > MAX_LINE:  # vLLM lists every parameter name of the model in some messages
+        found = found[:MAX_LINE].rstrip() + " ..."
+    kind = str(error.get("type") or "Error")
+    if not found:
+        return kind
+    return found if found.startswith(kind + ":") else f"{kind}: {found}"
 
 
 def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, timeout: float | None = None) -> dict:
