@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import draft_to_target
-from .modeling_eagle3 import shift_within_documents
+from .ttt_attention import shift_within_documents
 
 
 @dataclass
