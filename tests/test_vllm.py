@@ -218,3 +218,27 @@ def test_one_line_of_vllm_exceptions():
         "KeyError: 'd2t'")
     long = one_line({"type": "ValueError", "full_message": "There is no parameter named 'x'. " + "y" * 1000})
     assert long.startswith("ValueError: There is no parameter named 'x'.") and len(long) < 300
+
+
+@pytest.mark.slow
+def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_path):
+    """`eagle3-hf push` to the loopback Hub, then vLLM downloads the drafter by repo id through HF_ENDPOINT
+    into an empty cache (HF_HUB_OFFLINE=0 for the vLLM process only; the verifier stays a local path)."""
+    from hub_server import READ_TOKEN, WRITE_TOKEN
+
+    vllm_or_fail()
+    verifier, drafter = served_pair
+    pushed = subprocess.run([EAGLE3_HF, "push", str(drafter), "--repo-id", "tester/chain-eagle3"], cwd=ROOT,
+                            env=hub.client_env(WRITE_TOKEN), capture_output=True, text=True, timeout=300)
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-2000:]
+    env = dict(hub.client_env(READ_TOKEN), HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    out = tmp_path / "eval"
+    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", "vllm", "--drafter", "tester/chain-eagle3",
+                             "--verifier", str(verifier), "--num-prompts", "2", "--max-new-tokens", "24",
+                             "--skip-transformers", "--no-progress", "--output", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    served = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
+    assert served["drafter"] == "tester/chain-eagle3" and served["lossless"] is True
+    assert served["acceptance_length"] > 1.2 and "gap" not in served
+    assert list((tmp_path / "hf" / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))

@@ -7,7 +7,8 @@ library and vllm: never eagle3_hf, whose torch and transformers pins differ from
 
 Request: {"verifier", "drafter" (path or repo id; null: plain decoding), "drafter_revision", "k",
 "prompts" (token ids per prompt, already rendered with the chat template), "max_new_tokens",
-"temperature", "seed", "dtype", "max_model_len", "warmup", "logprobs" (2: return top-2 gaps)}.
+"temperature", "seed", "dtype", "max_model_len", "warmup", "logprobs" (2: return top-2 gaps),
+"plain" (false: skip plain decoding)}.
 Result: {"vllm_version", "plain": RUN, "spec": RUN (with a drafter)}, RUN = {"outputs" (token ids per
 prompt), "seconds" (per prompt), "load_seconds", "margins" (top-1 minus top-2 logprob per token, with
 logprobs), "spec" (per prompt: drafts, draft_tokens, accepted, accepted_per_pos from vLLM's own counters, and
@@ -72,7 +73,7 @@ def run(request: dict) -> dict:
                   dtype=request.get("dtype", "float32"), enforce_eager=True, disable_log_stats=False,
                   seed=int(request.get("seed", 0)), max_model_len=int(request.get("max_model_len", 2048)))
     engines, load_seconds = {}, {}
-    modes = ["plain"] + (["spec"] if request.get("drafter") else [])
+    modes = (["plain"] if request.get("plain", True) else []) + (["spec"] if request.get("drafter") else [])
     for mode in modes:  # both engines live in this process (in-process engine core), so each prompt's
         start = time.perf_counter()  # two runs are timed back to back under the same machine load
         kwargs = {}
