@@ -8,6 +8,7 @@ directory:
   "step_conditional_accuracy": [...], "simulated_acceptance_length": x}}
 - `eagle3_evaluation.json`: {"engine", "k", "temperature", "prompts", "num_prompts", "acceptance_length",
   "per_position_acceptance": [...], "speedup", "lossless"}
+- `eagle3_evaluation_vllm.json` (`evaluate --engine vllm`): τ as vLLM served it, beside ours.
 
 Whatever is missing is written as "not measured" (or "not recorded"), never filled in: a τ without its
 engine, k and temperature is not comparable to anyone else's, so those are always stated next to it.
@@ -25,6 +26,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .constants import EVALUATION_FILE, TRAINING_FILE
+from .engines.vllm_eval import VLLM_EVALUATION_FILE
 from .sweep import SWEEP_FILE, card_section
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,23 @@ def _evaluation_section(ev: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _vllm_section(ev: dict[str, Any]) -> str:
+    """τ as vLLM served this drafter (its own counters), beside our decoder's τ on the same prompts."""
+    prompts = ev.get("prompts") or NOT_RECORDED
+    if ev.get("num_prompts") is not None:
+        prompts = f"{prompts} ({ev['num_prompts']} prompts x {ev.get('max_new_tokens', '?')} tokens)"
+    lines = ["## Served by vLLM", "",
+             f"In vLLM {ev.get('vllm_version') or NOT_RECORDED} (`speculative_config` method eagle3, "
+             f"num_speculative_tokens = {ev.get('k', NOT_RECORDED)}, temperature {ev.get('temperature', NOT_RECORDED)}; "
+             f"prompts: {prompts}): τ = **{_num(ev.get('acceptance_length'))}** from vLLM's own metrics, "
+             f"speedup {_num(ev.get('speedup'))}× over plain vLLM on the same machine, token-identical to plain "
+             f"vLLM: {'yes' if ev.get('lossless') else NOT_MEASURED if ev.get('lossless') is None else 'NO'}."]
+    if ev.get("gap") is not None:
+        lines += ["", f"eagle3_hf's own decoder on the same prompts: τ = {_num(ev.get('transformers_acceptance_length'))}; "
+                  f"train/serve gap (vLLM − ours, final step counted alike) {ev['gap']:+.3f}."]
+    return "\n".join(lines)
+
+
 def _training_section(training: dict[str, Any]) -> str:
     data, recipe = training.get("data") or {}, training.get("recipe") or {}
     rows = [("data", data.get("name") or NOT_RECORDED)]
@@ -149,6 +168,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
     root = Path(checkpoint_dir)
     config = _read_json(root / "config.json")
     training, evaluation = _read_json(root / TRAINING_FILE), _read_json(root / EVALUATION_FILE)
+    served = _read_json(root / VLLM_EVALUATION_FILE)  # `evaluate --engine vllm --write-to-drafter`
     sweep = _read_json(root / SWEEP_FILE)  # `evaluate --sweep --write-to-drafter`: the configuration to serve
     verifier = training.get("verifier") or config.get("verifier_name_or_path")
     drafter = repo_id or "ORG/DRAFTER"
@@ -190,6 +210,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         "The algorithm must be `EAGLE3` (SGLang) / `eagle3` (vLLM): `EAGLE` / `eagle` expect a different "
         "(EAGLE-1/2) draft model.",
         _evaluation_section(evaluation),
+        *([_vllm_section(served)] if served else []),
         *([card_section(sweep)] if sweep else []),
         _metrics_section(training.get("metrics") or {}),
         _training_section(training),

@@ -242,3 +242,19 @@ def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_pa
     assert served["drafter"] == "tester/chain-eagle3" and served["lossless"] is True
     assert served["acceptance_length"] > 1.2 and "gap" not in served
     assert list((tmp_path / "hf" / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))
+
+
+def test_model_card_states_the_tau_measured_in_vllm(tmp_path):
+    from fixtures.drafters import write_drafter
+
+    from eagle3_hf.model_card import build_model_card
+
+    path = write_drafter(tmp_path / "drafter")
+    assert "Served by vLLM" not in str(build_model_card(path))
+    (path / "eagle3_evaluation_vllm.json").write_text(json.dumps({
+        "engine": "vllm", "vllm_version": "0.32.0", "k": 3, "temperature": 0.0, "prompts": "mt-bench",
+        "num_prompts": 80, "max_new_tokens": 64, "acceptance_length": 1.4123, "speedup": 0.93, "lossless": True,
+        "transformers_acceptance_length": 1.4101, "gap": 0.0022}))
+    card = str(build_model_card(path))
+    assert "## Served by vLLM" in card and "In vLLM 0.32.0" in card and "τ = **1.41** from vLLM's own metrics" in card
+    assert "mt-bench (80 prompts x 64 tokens)" in card and "train/serve gap (vLLM − ours, final step counted alike) +0.002" in card
