@@ -1,9 +1,9 @@
 """Should I finetune an existing drafter or train from scratch? Both on our data, at the same target-side budget.
 
-    python -m experiments.compare_finetune_vs_scratch --data-dir feats/ --source pub=org/existing-eagle3 --output-dir cmp/
+    python -m experiments.compare_finetune_vs_scratch --data-dir feats/ --source pub=org/eagle3 --output-dir cmp/
     # on the embedded default, building the sources here (docs/finetune_vs_scratch.md has the measured run):
     python -m experiments.compare_finetune_vs_scratch --data-dir runs/cmp/ours/features \\
-        --prepared-dir runs/cmp/ours/prepared --build-sources --drift-steps 8 --other-vocab-size 1024 \\
+        --prepared-dir runs/cmp/ours/prepared --conversations runs/cmp/ours/conversations.jsonl --build-sources --drift-steps 8 --other-vocab-size 1024 \\
         --output-dir runs/cmp/out --epochs 2 --long-epochs 8
 
 --build-sources makes the drafters a user would find published for the previous version of their model: each
@@ -64,13 +64,11 @@ def source_prompts(args) -> list[dict]:
 
     ours = {s["id"] for s in load_manifest(args.data_dir)["samples"]}
     pool = [p for p in short_prompts(len(ours) + 2 * args.source_prompts) if p["id"] not in ours]
-    if args.prepared_dir:  # nor a retyped one of ours
+    if args.conversations:  # nor a retyped one of ours (chat openers repeat: "hi, how are you?")
         from eagle3_hf.data.conversations import iter_jsonl
 
-        theirs = Path(args.prepared_dir).parent / "conversations.jsonl"
-        if theirs.is_file():
-            overlapping = {f["id"] for f in find_overlaps(pool, (row for _, row in iter_jsonl(theirs)))}
-            pool = [p for p in pool if p["id"] not in overlapping]
+        overlapping = {f["id"] for f in find_overlaps(pool, (row for _, row in iter_jsonl(args.conversations)))}
+        pool = [p for p in pool if p["id"] not in overlapping]
     if len(pool) < args.source_prompts:
         raise SystemExit(f"--source-prompts {args.source_prompts}: only {len(pool)} short prompts outside the data")
     return pool[: args.source_prompts]
@@ -112,7 +110,7 @@ def source_vocab(args, data: Path, size: int | None) -> Path:
 def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -> dict:
     """How far the drifted verifier is from ours on our prepared samples (cached: a few forwards of both)."""
     from eagle3_hf.assets import load_verifier
-    from eagle3_hf.data.prepare import load_prepared
+    from eagle3_hf.data.prepared_format import load_prepared
     from eagle3_hf.drift import measure_drift, weight_change
 
     cached = out / f"drift-s{steps}.json"
@@ -222,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True, type=Path)
     parser.add_argument("--prepared-dir", help="needed with --build-sources (drift measured on it)")
+    parser.add_argument("--conversations", type=Path,
+                        help="our conversations (JSONL): source prompts overlapping them are skipped")
     parser.add_argument("--source", action="append", default=[], help="NAME=DIR_OR_REPO (repeatable)")
     parser.add_argument("--build-sources", action="store_true")
     parser.add_argument("--source-prompts", type=int, default=96, help="other short prompts the sources train on")
