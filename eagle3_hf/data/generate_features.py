@@ -1,4 +1,5 @@
-"""Batched generation that keeps the verifier's EAGLE-3 features of every token it reads.
+"""Batched generation that keeps the verifier's EAGLE-3 features of every token it reads: the project's one
+generation loop (plain `regenerate` runs it with features off, `aux_indices=None`).
 
 `extract` runs the verifier once more over answers that generation already ran it over. Here the hidden
 states of the generation itself are kept: the prefill gives the prompt's features, each decode step the
@@ -20,6 +21,7 @@ prepacked oneDNN weights (cpu_linear.py: about 2x the default GEMM at 16-128 row
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -70,9 +72,9 @@ class Generated:
     input_ids: list[int]
     answer: list[int]  # generated answer tokens (no stopping eos)
     finish_reason: str  # "stop" (eos) or "length" (max_new_tokens)
-    aux_hidden_states: torch.Tensor  # [T, 3H]
-    last_hidden_state: torch.Tensor  # [T, H]
-    verifier_greedy: torch.Tensor  # int64 [T]
+    aux_hidden_states: torch.Tensor | None  # [T, 3H]; None with features off
+    last_hidden_state: torch.Tensor | None  # [T, H]
+    verifier_greedy: torch.Tensor | None  # int64 [T]
 
 
 @dataclass
@@ -88,13 +90,14 @@ def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 class FeatureGenerator:
-    """Greedy (or sampled) batched generation of a causal LM that returns each row's features."""
+    """Greedy (or sampled) batched generation of a causal LM that returns each row's features
+    (`aux_indices=None`: answers only, no hooks and no feature buffers)."""
 
     def __init__(self, model: nn.Module, aux_indices, eos: set[int], pad_token_id: int, max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, compact_fraction: float = 0.125):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.model, self.indices = model, list(aux_indices)
+        self.model, self.indices = model, None if aux_indices is None else list(aux_indices)
         self.decoder = decoder_of(model)
         self.eos, self.pad, self.max_new_tokens = set(eos), int(pad_token_id), max_new_tokens
         self.sample = None
@@ -136,11 +139,13 @@ class FeatureGenerator:
             raise ValueError("empty prompt")
         width = max(len(p) for p in prompts)
         capacity = width + self.max_new_tokens + max(len(t) for t in tails) + 1
-        h = text_config(self.model).hidden_size
-        dtype = self.decoder.get_input_embeddings().weight.dtype
-        aux_buf = torch.empty(b, capacity, 3 * h, dtype=dtype, device=self.device)
-        last_buf = torch.empty(b, capacity, h, dtype=dtype, device=self.device)
-        greedy_buf = torch.empty(b, capacity, dtype=torch.long, device=self.device)
+        features = self.indices is not None
+        if features:
+            h = text_config(self.model).hidden_size
+            dtype = self.decoder.get_input_embeddings().weight.dtype
+            aux_buf = torch.empty(b, capacity, 3 * h, dtype=dtype, device=self.device)
+            last_buf = torch.empty(b, capacity, h, dtype=dtype, device=self.device)
+            greedy_buf = torch.empty(b, capacity, dtype=torch.long, device=self.device)
         ids = torch.full((b, width), self.pad, dtype=torch.long)
         mask = torch.zeros(b, capacity, dtype=torch.long)  # [B, width + steps]: left padding, then ones
         for i, p in enumerate(prompts):
@@ -152,21 +157,26 @@ class FeatureGenerator:
         cache = Cache(layers=[PreallocatedLayer(capacity) for _ in range(self.num_layers)])
         kw = {self._cache_kw: cache}
         rows = [_Row(fed=list(p)) for p in prompts]
-        with prepacked_linears(self.model), capture_layer_outputs(self.model, self.indices) as captured:
+        hooks = capture_layer_outputs(self.model, self.indices) if features else nullcontext({})
+        with prepacked_linears(self.model), hooks as captured:
             out = self.decoder(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                                use_cache=True, **kw)
-            real = mask[:, :width].bool()  # left padding is never computed past the decoder
-            last = out.last_hidden_state[real]  # [N, H], row by row
-            aux = aux_from(captured, self.indices)[real]  # [N, 3H]
-            greedy = torch.cat([_logits(self.model, chunk).argmax(-1) for chunk in last.split(4096)])
-            start = 0
-            for i, p in enumerate(prompts):
-                n = len(p)
-                aux_buf[i, :n], last_buf[i, :n] = aux[start:start + n], last[start:start + n]
-                greedy_buf[i, :n] = greedy[start:start + n]
-                start += n
-            del out, last, aux, greedy
-            step_logits = _logits(self.model, last_buf[torch.arange(b), [len(p) - 1 for p in prompts]])
+            if features:
+                real = mask[:, :width].bool()  # left padding is never computed past the decoder
+                last = out.last_hidden_state[real]  # [N, H], row by row
+                aux = aux_from(captured, self.indices)[real]  # [N, 3H]
+                greedy = torch.cat([_logits(self.model, chunk).argmax(-1) for chunk in last.split(4096)])
+                start = 0
+                for i, p in enumerate(prompts):
+                    n = len(p)
+                    aux_buf[i, :n], last_buf[i, :n] = aux[start:start + n], last[start:start + n]
+                    greedy_buf[i, :n] = greedy[start:start + n]
+                    start += n
+                del out, last, aux, greedy
+                step_logits = _logits(self.model, last_buf[torch.arange(b), [len(p) - 1 for p in prompts]])
+            else:  # left padding: every row's last prompt token sits in the last column
+                step_logits = _logits(self.model, out.last_hidden_state[:, -1])
+                del out
             _, chosen = self._next(step_logits)
             for row, tail, tok in zip(rows, tails, chosen):
                 self._advance(row, tok, tail)
@@ -196,20 +206,22 @@ class FeatureGenerator:
                                    **kw)
                 step += 1
                 last = out.last_hidden_state[:, 0]  # [B', H]
-                aux = aux_from(captured, self.indices)[:, 0]
                 greedy, chosen = self._next(_logits(self.model, last))
-                live = torch.tensor([k for k, go in enumerate(feeding) if go], device=self.device)
-                src_rows = torch.tensor([active[k] for k, go in enumerate(feeding) if go], device=self.device)
-                src_pos = torch.tensor([where[k] for k, go in enumerate(feeding) if go], device=self.device)
-                aux_buf[src_rows, src_pos] = aux[live]
-                last_buf[src_rows, src_pos] = last[live]
-                greedy_buf[src_rows, src_pos] = greedy[live]
+                if features:
+                    aux = aux_from(captured, self.indices)[:, 0]
+                    live = torch.tensor([k for k, go in enumerate(feeding) if go], device=self.device)
+                    src_rows = torch.tensor([active[k] for k, go in enumerate(feeding) if go], device=self.device)
+                    src_pos = torch.tensor([where[k] for k, go in enumerate(feeding) if go], device=self.device)
+                    aux_buf[src_rows, src_pos] = aux[live]
+                    last_buf[src_rows, src_pos] = last[live]
+                    greedy_buf[src_rows, src_pos] = greedy[live]
                 for k, i in enumerate(active):
                     if feeding[k]:
                         self._advance(rows[i], chosen[k], tails[i])
         results = []
         for i, row in enumerate(rows):
             n = len(row.fed)
-            results.append(Generated(row.fed, row.answer, row.finish or "length", aux_buf[i, :n].clone(),
-                                     last_buf[i, :n].clone(), greedy_buf[i, :n].clone()))
+            kept = (aux_buf[i, :n].clone(), last_buf[i, :n].clone(), greedy_buf[i, :n].clone()) if features else \
+                (None, None, None)
+            results.append(Generated(row.fed, row.answer, row.finish or "length", *kept))
         return results

@@ -38,7 +38,7 @@ class EndpointError(Eagle3Error, RuntimeError):
     """The endpoint refused, or stayed down past the retries: the message says which and how to resume."""
 
 
-class _Conversation:
+class ConversationTurns:
     """Walks one conversation: hands out the prompt of each turn to (re)generate, takes the answers."""
 
     def __init__(self, conv: dict, max_turns: int | None = None):
@@ -114,24 +114,22 @@ class TransformersBackend:
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
-    def generate(self, prompts: list[tuple[list[dict], list | None]]) -> list[Completion]:
-        import torch
+    def generator(self, aux_indices=None):
+        """The project's one batched generation loop on this verifier; `aux_indices` keeps the features too."""
+        from .generate_features import FeatureGenerator
 
+        return FeatureGenerator(self.model, aux_indices, set(self.eos), self.pad, self.max_new_tokens,
+                                self.temperature, self.top_p)
+
+    def generate(self, prompts: list[tuple[list[dict], list | None]]) -> list[Completion]:
+        """One answer per (messages, tools), through the same loop as `regenerate --features-out`, features off."""
         texts = [self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False)
                  for m, t in prompts]
-        enc = self.tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(self.device)
-        sampling = {"do_sample": False}
-        if self.temperature > 0:
-            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
-        with torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                      pad_token_id=self.pad, **sampling)
+        ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         results = []
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            stop = next((k for k, tok in enumerate(row) if tok in self.eos), None)
-            tokens = row if stop is None else row[:stop]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            results.append((text, None, None, "length" if stop is None else "stop", len(tokens) + (stop is not None)))
+        for r in self.generator().generate(ids, [[] for _ in ids]):
+            text = self.tokenizer.decode(r.answer, skip_special_tokens=True)
+            results.append((text, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
         return results
 
 
@@ -250,7 +248,7 @@ class _Writer:
 def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable,
                   max_turns: int | None) -> None:
     def one(conv: dict) -> tuple[dict, int]:
-        state, tokens = _Conversation(conv, max_turns), 0
+        state, tokens = ConversationTurns(conv, max_turns), 0
         while (prompt := state.next_prompt()) is not None:
             completion = backend.complete(prompt, conv.get("tools"))
             tokens += completion[4]
@@ -298,7 +296,7 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
                 conv = next(pending, None)
                 exhausted = conv is None
                 if conv is not None:
-                    active.append(_Conversation(conv, max_turns))
+                    active.append(ConversationTurns(conv, max_turns))
             needing, prompts = [], []
             for state in active:
                 prompt = state.next_prompt()

@@ -40,9 +40,10 @@ import torch
 
 from ..verifier_family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
-from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, save_prepared
+from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
+from .prepared_format import save_prepared
 from . import regenerate as plain
-from .regenerate import TransformersBackend, _Conversation, completed_ids
+from .regenerate import ConversationTurns, TransformersBackend, completed_ids
 from .shards import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
 
 _MARK = "EAGLE3ANSWERMARK"
@@ -69,7 +70,7 @@ class _Template:
         tail = full[len(text) + len(_MARK):]
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         tail_enc = self.tok(tail, add_special_tokens=False, return_offsets_mapping=True)
-        end = len(tail.rstrip())  # prepare: the turn ends before the template's trailing whitespace
+        end = turn_end(tail)  # where prepare ends the turn's loss
         tail_mask = [int(s < end) for s, _ in tail_enc["offset_mapping"]]
         return text, list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]], list(tail_enc["input_ids"]), tail_mask
 
@@ -80,7 +81,7 @@ def _run_batch(convs: list[dict], backend: TransformersBackend, gen, template: _
                max_seq_len: int | None) -> tuple[list[tuple[dict, Any]], int]:
     """(regenerated row, sample dict or refusal reason) per conversation, turn by turn as `regenerate`,
     and the number of tokens generated."""
-    states = [_Conversation(c, max_turns) for c in convs]
+    states = [ConversationTurns(c, max_turns) for c in convs]
     last: dict[int, tuple] = {}
     generated = 0
     while True:
@@ -140,10 +141,7 @@ def _pending_path(output: Path, rank: int) -> Path:
 
 def _work(rank: int, backend: TransformersBackend, job: dict, next_batch, report) -> None:
     """Process batches until next_batch() returns None; report(dict) after each."""
-    from .generate_features import FeatureGenerator
-
-    gen = FeatureGenerator(backend.model, job["aux"], set(backend.eos), backend.pad, backend.max_new_tokens,
-                           backend.temperature, backend.top_p)
+    gen = backend.generator(job["aux"])
     template = _Template(backend.tokenizer)
     writer = ShardWriter(job["features_out"], job["header"], rank=rank, samples_per_shard=job["samples_per_shard"])
     pending = open(_pending_path(Path(job["output"]), rank), "ab")
@@ -297,7 +295,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     template = _Template(backend.tokenizer)
     length = {}
     for c in todo:
-        first = _Conversation(c, max_turns).next_prompt()
+        first = ConversationTurns(c, max_turns).next_prompt()
         length[str(c["id"])] = len(template.prompt(first, c.get("tools"))[1]) if first else 0
     todo.sort(key=lambda c: -length[str(c["id"])])
     if num_workers > 1:  # two batches per process at least: none idles long while another finishes a big one
