@@ -74,7 +74,8 @@ def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) ->
 def _before(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int]:
     from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
-    from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations, save_prepared
+    from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
+    from eagle3_hf.data.prepared_format import save_prepared
     from eagle3_hf.data.regenerate import regenerate
 
     from eagle3_hf.data.conversations import load_conversations

@@ -167,7 +167,7 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
     if data_args.online:
         from .assets import load_verifier
         from .data.online import OnlineFeatureCollator, PreparedDataset
-        from .data.prepare import read_prepared_meta
+        from .data.prepared_format import read_prepared_meta
 
         if not data_args.prepared_dir:
             raise SystemExit("--online needs --prepared-dir")

@@ -3,8 +3,8 @@
     python -m experiments.compare_finetune_vs_scratch --data-dir feats/ --source pub=org/eagle3 --output-dir cmp/
     # on the embedded default, building the sources here (docs/finetune_vs_scratch.md has the measured run):
     python -m experiments.compare_finetune_vs_scratch --data-dir runs/cmp/ours/features \\
-        --prepared-dir runs/cmp/ours/prepared --conversations runs/cmp/ours/conversations.jsonl --build-sources --drift-steps 8 --other-vocab-size 1024 \\
-        --output-dir runs/cmp/out --epochs 2 --long-epochs 8
+        --prepared-dir runs/cmp/ours/prepared --conversations runs/cmp/ours/conversations.jsonl \\
+        --build-sources --drift-steps 8 --other-vocab-size 1024 --output-dir runs/cmp/out --epochs 2 --long-epochs 8
 
 --build-sources makes the drafters a user would find published for the previous version of their model: each
 is trained on *other conversations* (`--source-prompts` short prompts that are not in our data, checked by id

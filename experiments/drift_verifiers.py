@@ -22,7 +22,7 @@ from eagle3_hf.drift import DriftRecipe, build_drifted_verifiers, drift_texts, m
 
 def held_out(args) -> list:
     if args.prepared_dir:
-        from eagle3_hf.data.prepare import load_prepared
+        from eagle3_hf.data.prepared_format import load_prepared
 
         ds, _meta = load_prepared(args.prepared_dir)
         return [row for row in ds["input_ids"][: args.held_out]]

@@ -12,7 +12,8 @@ import pytest
 from eagle3_hf import cli
 from eagle3_hf.constants import PREPARE_META
 from eagle3_hf.data.conversations import load_conversations, read_jsonl_conversations, write_jsonl
-from eagle3_hf.data.prepare import load_prepared, new_stats, prepare_conversations, render_with_mask
+from eagle3_hf.data.prepare import new_stats, prepare_conversations, render_with_mask
+from eagle3_hf.data.prepared_format import load_prepared
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"

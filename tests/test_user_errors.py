@@ -89,7 +89,8 @@ def test_prepare_with_nothing_left_exits_nonzero(tmp_path, capsys):
 @pytest.fixture
 def empty_prepared(tmp_path, tokenizer):
     """A prepared dataset with no rows (written by an older prepare or by hand)."""
-    from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations, save_prepared
+    from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
+    from eagle3_hf.data.prepared_format import save_prepared
 
     stats = new_stats()
     ds = prepare_conversations([{"id": "q0", "messages": LONELY}], tokenizer, stats=stats)
@@ -112,7 +113,7 @@ def test_every_reader_of_an_empty_prepared_dataset_names_it(empty_prepared, tmp_
 
 
 def test_prepare_records_the_ids_it_skipped(tmp_path):
-    from eagle3_hf.data.prepare import load_prepared
+    from eagle3_hf.data.prepared_format import load_prepared
 
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [{"id": "c0", "messages": CHAT}, {"id": "lonely-1", "messages": LONELY},

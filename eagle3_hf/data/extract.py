@@ -22,7 +22,7 @@ import torch
 
 from ..verifier_family import check_aux_indices, default_aux_indices, text_config
 from .capture import capture_features
-from .prepare import open_prepared, prepared_lengths
+from .prepared_format import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 def verifier_info(verifier, name: str | None = None, revision: str | None = None) -> dict:

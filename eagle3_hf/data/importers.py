@@ -90,7 +90,7 @@ def _token_key(ids: torch.Tensor) -> str:
 
 def _ids_from_prepared(prepared) -> dict[str, list[str]]:
     """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
-    from .prepare import open_prepared
+    from .prepared_format import open_prepared
 
     ds = open_prepared(prepared)
     rows = ds.with_format("torch", columns=["input_ids"])

@@ -24,7 +24,7 @@ class PreparedDataset(Dataset):
 
     def __init__(self, prepared, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None):
-        from .prepare import open_prepared, prepared_lengths
+        from .prepared_format import open_prepared, prepared_lengths
 
         ds = open_prepared(prepared, tokenizer_fingerprint)
         ids = list(ds["id"])

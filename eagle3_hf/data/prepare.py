@@ -19,16 +19,16 @@ import argparse
 import hashlib
 import json
 import re
-import shutil
 import sys
 from array import array
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from ..constants import PREPARE_META
+from .prepared_format import save_prepared, skipped_text
 
 FORMAT = "eagle3_hf.prepare/1"
 _THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
@@ -114,6 +114,13 @@ def apply_policies(messages: list[dict], reasoning: str = "keep", tool_calls: st
     return out
 
 
+def turn_end(rendered_turn: str) -> int:
+    """Where an assistant turn's loss ends in its rendered text: before the template's trailing whitespace (the
+    end token, e.g. ChatML's `<|im_end|>`, carries loss; the newline after it does not). The one rule, shared by
+    `prepare` and `regenerate --features-out`."""
+    return len(rendered_turn.rstrip())
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools, template_kwargs) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
                                          tokenize=False, **template_kwargs)
@@ -140,7 +147,7 @@ def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = Non
             raise ValueError(
                 f"sample {sample_id}: assistant message {i}: the chat template's generation prompt is not a prefix "
                 f"of the rendered turn ({_diff(prompt, upto)}); try --template-kwargs (e.g. thinking flags)")
-        end = len(upto.rstrip())
+        end = turn_end(upto)
         if not text.startswith(upto[:end]):
             raise ValueError(
                 f"sample {sample_id}: assistant message {i} renders differently once later messages follow "
@@ -290,99 +297,6 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
     return datasets.Dataset(InMemoryTable(table), info=datasets.DatasetInfo(features=features))
 
 
-def save_prepared(ds, out_dir: str | Path, meta: dict) -> Path:
-    """`save_to_disk` + meta, replacing an earlier prepare output atomically; refuses to clobber other dirs."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / PREPARE_META).is_file():
-        raise FileExistsError(f"{out} exists, is not empty and is not a prepare output; choose another --output")
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    ds.save_to_disk(str(tmp))
-    (tmp / PREPARE_META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    if out.exists():
-        shutil.rmtree(out)  # an older dataset (and any vocab built from it) is stale now
-    tmp.rename(out)
-    return out
-
-
-# ---------------------------------------------------------------- reading the format (its only reader)
-
-def read_prepared_meta(path: str | Path) -> dict:
-    """The meta of a prepared dataset directory; a directory without it is refused by name."""
-    meta_path = Path(path) / PREPARE_META
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path}: not a prepared dataset (no {PREPARE_META}); run `eagle3-hf prepare`")
-    return json.loads(meta_path.read_text(encoding="utf-8"))
-
-
-def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) -> tuple[Any, dict]:
-    """The prepared Dataset and its meta, checked: refuses a directory without meta or samples, one made
-    with another tokenizer (when `tokenizer_fingerprint` is given), missing columns and repeated ids."""
-    import datasets
-
-    meta = read_prepared_meta(path)
-    found = meta.get("tokenizer_fingerprint")
-    if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
-        raise ValueError(
-            f"{Path(path) / PREPARE_META}: prepared with tokenizer {found}, but the verifier's tokenizer is "
-            f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
-        )
-    refuse_empty(path, meta)
-    ds = datasets.load_from_disk(str(path))
-    refuse_empty(path, meta, len(ds))
-    check_prepared(ds, str(path))
-    return ds, meta
-
-
-def open_prepared(prepared, tokenizer_fingerprint: str | None = None):
-    """A prepared `datasets.Dataset` given as itself or as its directory (then `load_prepared` checks it)."""
-    from datasets import Dataset
-
-    if not isinstance(prepared, Dataset):
-        return load_prepared(prepared, tokenizer_fingerprint)[0]
-    if len(prepared) == 0:
-        raise ValueError("the prepared dataset has 0 samples")
-    check_prepared(prepared, "the prepared dataset")
-    return prepared
-
-
-def check_prepared(ds, where: str) -> None:
-    """The columns every reader needs, and sample ids that are unique (splits and shards key on them)."""
-    missing = [c for c in ("id", "input_ids", "loss_mask") if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{where}: missing column(s) {missing} (has {ds.column_names})")
-    ids = ds["id"]
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        dup = next(i for i in ids if i in seen or seen.add(i))
-        raise ValueError(f"{where}: sample id {dup!r} appears more than once")
-
-
-def prepared_lengths(ds) -> list[int]:
-    """Token count of every row, read from the Arrow list offsets (no row is decoded)."""
-    import pyarrow.compute as pc
-
-    if getattr(ds, "_indices", None) is not None:
-        ds = ds.flatten_indices()
-    return pc.list_value_length(ds.data.column("input_ids")).to_numpy(zero_copy_only=False).tolist()
-
-
-def refuse_empty(path: str | Path, meta: dict, num_rows: int | None = None) -> None:
-    """An empty prepared dataset is refused by name (datasets itself fails on one with an IndexError)."""
-    samples = meta.get("counts", {}).get("samples") if num_rows is None else num_rows
-    state = Path(path) / "state.json"
-    no_files = num_rows is None and state.is_file() and not json.loads(state.read_text()).get("_data_files")
-    if samples == 0 or no_files:
-        skipped = meta.get("counts", {}).get("skipped") or {}
-        why = f" (skipped: {_skipped_text(skipped)})" if skipped else ""
-        raise ValueError(f"prepared dataset {path} has 0 samples{why}; re-run `eagle3-hf prepare` with other input")
-
-
-def _skipped_text(skipped: dict) -> str:
-    return ", ".join(f"{n} {reason}" for reason, n in skipped.items())
-
-
 def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> dict:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 
@@ -447,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
                                                              chat_template=args.chat_template))
     c = meta["counts"]
     if c["samples"] == 0:
-        skipped = f"; skipped: {_skipped_text(c['skipped'])}" if c["skipped"] else ""
+        skipped = f"; skipped: {skipped_text(c['skipped'])}" if c["skipped"] else ""
         raise ValueError(f"prepare: 0 samples from {c['input']} conversations in {args.input}{skipped}; "
                          f"nothing written to {args.output}")
     out = save_prepared(ds, args.output, meta)

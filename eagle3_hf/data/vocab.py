@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eagle3_hf.data.prepare import load_prepared
+    from eagle3_hf.data.prepared_format import load_prepared
 
     ds, meta = load_prepared(args.data)
     vocab_size = args.vocab_size or int(meta["tokenizer_vocab_size"])
