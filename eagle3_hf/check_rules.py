@@ -208,6 +208,11 @@ def check_names_and_shapes(cfg: dict, w, rep: Report) -> None:
     if "d2t" not in have and d2t_needed:
         rep.add("error", "missing-d2t", "draft_vocab_size < vocab_size but no d2t: engines map draft id i to "
                 "verifier id i, so every proposal is the wrong token")
+    if "d2t" in have and not d2t_needed:  # served by vLLM 0.32: docs/contracts.md, broken exports
+        rep.add("error", "d2t-without-draft-vocab", f"d2t is present but draft_vocab_size "
+                f"({cfg.get('draft_vocab_size', 'missing')}) is not smaller than vocab_size ({cfg.get('vocab_size')}): "
+                "vLLM then builds no draft-to-target map and refuses the checkpoint (\"no module or parameter named "
+                "'draft_id_to_target_id'\"); drop d2t and t2d, or keep a smaller draft vocabulary", ("vllm",))
     if "t2d" not in have:
         rep.add("info", "missing-t2d", "no t2d (the engines don't read it; eagle3_hf uses it to check d2t)")
     t_hidden = cfg.get("target_hidden_size")

@@ -299,3 +299,18 @@ def test_constant_rows_rope_mismatch_and_own_embedding_size(tmp_path):
     cfg = standard_config(target_hidden_size=2 * HIDDEN)
     found = check_drafter(write_checkpoint(tmp_path / "c", cfg, standard_tensors(cfg)))
     assert "missing-embed-tokens" in errors(found) and "target-hidden-size" in codes(found, "warning")
+
+
+def test_d2t_with_a_full_draft_vocabulary_is_refused_by_vllm(tmp_path):
+    """vLLM 0.32 refuses a d2t when draft_vocab_size is the whole vocabulary or missing (it builds no map for
+    it): measured by scripts/vllm_broken_exports.py, docs/contracts.md "What vLLM does with broken exports"."""
+    full = write_drafter(tmp_path / "full", draft_vocab_size=VOCAB)
+    assert "d2t-without-draft-vocab" in errors(check_drafter(full, engine="vllm"))
+    assert "d2t-without-draft-vocab" not in codes(check_drafter(full, engine="sglang"))
+    missing = write_drafter(tmp_path / "missing", draft_vocab_size=VOCAB)
+    cfg = json.loads((missing / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (missing / "config.json").write_text(json.dumps(cfg))
+    assert {"draft-vocab-size", "d2t-without-draft-vocab"} <= errors(check_drafter(missing, engine="vllm"))
+    no_map = write_drafter(tmp_path / "no_map", draft_vocab_size=VOCAB, drop=("d2t", "t2d"))
+    assert "d2t-without-draft-vocab" not in codes(check_drafter(no_map, engine="vllm"))
