@@ -150,6 +150,10 @@ def run_engine(args: argparse.Namespace) -> int:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
     if args.turns != 1:
         raise SystemExit("--engine vllm evaluates single-turn prompts: use --turns 1")
+    if getattr(args, "topk", 1) != 1 or getattr(args, "sweep", False):
+        raise SystemExit("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
+    if getattr(args, "steps", None) not in (None, args.k):
+        raise SystemExit(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
     verifier_path = resolve_verifier(args.verifier)
@@ -175,8 +179,8 @@ def run_engine(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if not args.skip_transformers:
-        from ..evaluate import evaluate_drafter
         from ..assets import load_verifier
+        from ..evaluate import evaluate_drafter
 
         verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
         drafter.load_verifier_embeddings(verifier)
