@@ -58,7 +58,7 @@ def run_sweep(verifier, drafter, tokenizer, prompts: Sequence[dict | str], grid:
     first = prompts[0] if isinstance(prompts[0], str) else (prompts[0].get("turns") or [prompts[0].get("prompt")])[0]
     costs = verify_costs(verifier, render_prompt(tokenizer, [{"role": "user", "content": first}]),
                          sorted({c["num_draft_tokens"] for c in grid}))
-    rows = []
+    rows: list[dict] = []
     for config in tqdm(grid, desc="sweep", unit="config", disable=not progress):
         summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=config["steps"], topk=config["topk"],
                                    num_draft_tokens=config["num_draft_tokens"], max_new_tokens=max_new_tokens,
@@ -68,18 +68,23 @@ def run_sweep(verifier, drafter, tokenizer, prompts: Sequence[dict | str], grid:
                      "verify_cost": costs[config["num_draft_tokens"]], "speedup": summary["speedup"],
                      "tokens_per_second": summary["tokens_per_second"], "lossless": summary["lossless"],
                      "mismatches": summary["mismatches"], "numerical_ties": summary["numerical_ties"]})
+        result = _summarise(rows, prompts_name, len(prompts), max_new_tokens, temperature, str(verifier.device))
+        if output is not None:  # after every configuration: an interrupted sweep keeps what it measured
+            out = Path(output)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / SWEEP_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def _summarise(rows: list[dict], prompts_name: str, num_prompts: int, max_new_tokens: int, temperature: float,
+               device: str) -> dict[str, Any]:
     best, chain = _fastest(rows), _fastest([r for r in rows if r["topk"] == 1])
-    result = {
-        "prompts": prompts_name, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "device": str(verifier.device), "configs": rows, "best": best,
+    return {
+        "prompts": prompts_name, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "device": device, "configs": rows, "best": best,
         "best_chain": chain, "sglang_flags": sglang_flags(best) if best else None,
         "vllm_num_speculative_tokens": chain["steps"] if chain else None,
     }
-    if output is not None:
-        out = Path(output)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / SWEEP_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return result
 
 
 def _num(x: Any, fmt: str = ".2f") -> str:
