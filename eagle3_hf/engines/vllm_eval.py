@@ -193,11 +193,9 @@ def run_engine(args: argparse.Namespace) -> int:
     json_path = out / VLLM_EVALUATION_FILE
     json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     written.append(json_path)
-    if args.write_to_drafter:
+    if args.write_to_drafter:  # only vLLM's file: the drafter's own eagle3_evaluation.json stays evaluate's
         if Path(args.drafter).is_dir():
-            for path in written:
-                if path.suffix == ".json":
-                    shutil.copyfile(path, Path(args.drafter) / path.name)
+            shutil.copyfile(json_path, Path(args.drafter) / VLLM_EVALUATION_FILE)
         else:
             print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
     print(f"{format_vllm_summary(summary)}\nwrote {', '.join(str(p) for p in written)}")
