@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole pipeline on the embedded default (SmolLM2-135M-Instruct, offline), with real CLI commands:
-# regenerate (answers + features in one pass) -> vocab -> train (accelerate launch) -> evaluate (speculative decoding
-# on held-out MT-bench) -> export -> check -> summary [-> push when HF_REPO_ID is set].
+# regenerate (answers + features in one pass) -> vocab -> train (accelerate launch) -> evaluate (chain speculative
+# decoding on MT-bench) -> tree (a short SGLang-style sweep on development prompts, the fastest tree on the same
+# MT-bench questions) -> export -> check [-> vllm: the export served by vLLM, when `make vllm` installed it]
+# -> summary [-> push when HF_REPO_ID is set].
 #
 #   make demo                      # small: about 12 minutes on 2 CPU cores
 #   DEMO_SIZE=large make demo      # more data, longer training, all 80 MT-bench questions
@@ -13,9 +15,9 @@ SIZE="${DEMO_SIZE:-small}"
 OUT="${DEMO_OUT:-demo_out/$SIZE}"
 VERIFIER="smollm2-135m-instruct"
 case "$SIZE" in
-  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1; LR=1e-3; VAL=0.3; EVAL_Q=2;  EVAL_TOKENS=12 ;;
-  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=10; EVAL_TOKENS=64 ;;
-  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=80; EVAL_TOKENS=64 ;;
+  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1; LR=1e-3; VAL=0.3; EVAL_Q=2;  EVAL_TOKENS=12; SWEEP_Q=2; SWEEP_TOKENS=12 ;;
+  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=10; EVAL_TOKENS=64; SWEEP_Q=5; SWEEP_TOKENS=48 ;;
+  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=80; EVAL_TOKENS=64; SWEEP_Q=10; SWEEP_TOKENS=64 ;;
   *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
 esac
 # Rows per optimizer step: 512 tokens (2 processes x one 256-token row), the winner of experiments/recipe.py
@@ -56,14 +58,39 @@ timed train accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --
   --validation-fraction "$VAL" --logging-steps 10 --eval-strategy epoch --save-strategy epoch --save-total-limit 1 \
   --load-best-model-at-end true --seed 0
 
-stage "evaluate: speculative decoding on $EVAL_Q held-out MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy)"
+stage "evaluate: chain speculative decoding on $EVAL_Q MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy)"
 timed evaluate eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts mt-bench \
   --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 --output "$OUT/eval" --write-to-drafter
 
+# SGLang serves trees (--speculative-eagle-topk > 1): a short sweep picks one on development prompts (never
+# MT-bench, never trained on), then the fastest tree decodes the same MT-bench questions as the chain above.
+stage "tree: sweep (steps 3, top-k 1/4, draft tokens 4/8) on $SWEEP_Q development prompts, the fastest tree on MT-bench"
+timed sweep eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts dev --num-prompts "$SWEEP_Q" \
+  --max-new-tokens "$SWEEP_TOKENS" --temperature 0 --sweep --sweep-steps 3 --sweep-topk 1 4 \
+  --sweep-num-draft-tokens 4 8 --output "$OUT/sweep" --no-progress
+read -r S K N < <(python -c "import json; rows = json.load(open('$OUT/sweep/eagle3_sweep.json'))['configs']
+best = max((r for r in rows if r['topk'] > 1), key=lambda r: (r['speedup'], r['acceptance_length']))
+print(best['steps'], best['topk'], best['num_draft_tokens'])")
+timed evaluate_tree eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts mt-bench \
+  --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --steps "$S" --topk "$K" --num-draft-tokens "$N" \
+  --temperature 0 --output "$OUT/eval_tree" --no-progress
+cp "$OUT/sweep/eagle3_sweep.json" "$OUT/drafter/"
+
 stage "export the standard layout and check it for SGLang and vLLM"
 timed export eagle3-hf export "$OUT/drafter" --output "$OUT/export" --format standard
-cp "$OUT/drafter/eagle3_training.json" "$OUT/drafter/eagle3_evaluation.json" "$OUT/export/"
+cp "$OUT/drafter/eagle3_training.json" "$OUT/drafter/eagle3_evaluation.json" "$OUT/drafter/eagle3_sweep.json" "$OUT/export/"
 timed check eagle3-hf check "$OUT/export" --verifier "$VERIFIER" --engine all
+
+# A real engine: vLLM's CPU build serves the export on the same questions (token-identical to plain vLLM at
+# temperature 0, τ from vLLM's own metrics). Runs when `make vllm` installed it (DEMO_VLLM=0 skips it).
+if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm_env import vllm_python; vllm_python()" 2>/dev/null; then
+  stage "vllm: the export served by vLLM on the same $EVAL_Q MT-bench questions (k=3, greedy)"
+  timed vllm eagle3-hf evaluate --engine vllm --skip-transformers --drafter "$OUT/export" --verifier "$VERIFIER" \
+    --prompts mt-bench --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 \
+    --output "$OUT/eval_vllm" --write-to-drafter --no-progress
+else
+  echo; echo "(vLLM not installed: \`make vllm\` adds a stage that serves the drafter in vLLM)"
+fi
 
 if [ -n "${HF_REPO_ID:-}" ]; then
   stage "push to the Hub as $HF_REPO_ID"

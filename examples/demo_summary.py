@@ -11,6 +11,10 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def _optional_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def summarize(out: Path, seconds: int | None = None) -> dict:
     manifest = json.loads((out / "features" / "manifest.json").read_text())
     training = json.loads((out / "drafter" / "eagle3_training.json").read_text())
@@ -39,7 +43,29 @@ def summarize(out: Path, seconds: int | None = None) -> dict:
         "speedup": evaluation["speedup"],
         "lossless": evaluation["lossless"],
         "eval": {k: evaluation[k] for k in ("engine", "k", "temperature", "prompts", "num_prompts")},
+        "tree": _tree(out),
+        "vllm": _vllm(out),
     }
+
+
+def _tree(out: Path) -> dict | None:
+    """The fastest tree of the sweep (development prompts) and its run on the evaluation questions."""
+    sweep, ev = _optional_json(out / "sweep" / "eagle3_sweep.json"), _optional_json(out / "eval_tree" / "eagle3_evaluation.json")
+    if not sweep or not ev:
+        return None
+    return {"steps": ev.get("k"), "topk": ev.get("topk"), "num_draft_tokens": ev.get("num_draft_tokens"),
+            "acceptance_length": ev["acceptance_length"], "per_position_acceptance": ev["per_position_acceptance"],
+            "speedup": ev["speedup"], "lossless": ev["lossless"], "sglang_flags": sweep.get("sglang_flags"),
+            "sweep": [{k: r[k] for k in ("steps", "topk", "num_draft_tokens", "acceptance_length", "speedup")}
+                      for r in sweep["configs"]], "sweep_prompts": f"{sweep['num_prompts']} {sweep['prompts']}"}
+
+
+def _vllm(out: Path) -> dict | None:
+    ev = _optional_json(out / "eval_vllm" / "eagle3_evaluation_vllm.json")
+    if not ev:
+        return None
+    return {k: ev.get(k) for k in ("acceptance_length", "acceptance_length_as_evaluate_counts", "per_position_acceptance",
+                                   "speedup", "lossless", "vllm_version")}
 
 
 def as_markdown(s: dict) -> str:
@@ -62,6 +88,25 @@ def as_markdown(s: dict) -> str:
         ("speedup vs greedy decoding", f"{s['speedup']:.2f}x (same machine)"),
         ("lossless", str(s["lossless"])),
     ]
+    tree = s.get("tree")
+    if tree:
+        sweep = "; ".join(f"S{r['steps']} K{r['topk']} N{r['num_draft_tokens']}: τ {r['acceptance_length']:.2f}, "
+                          f"{r['speedup']:.2f}x" for r in tree["sweep"])
+        rows += [
+            ("tree sweep (dev prompts)", f"{sweep} ({tree['sweep_prompts']} prompts)"),
+            ("τ, best tree", f"{tree['acceptance_length']:.3f}  (S={tree['steps']} K={tree['topk']} "
+                             f"N={tree['num_draft_tokens']}, same {s['eval']['num_prompts']} prompts as the chain)"),
+            ("speedup, best tree", f"{tree['speedup']:.2f}x, lossless {tree['lossless']}"),
+        ]
+    served = s.get("vllm")
+    if served and served["acceptance_length"] is not None:
+        gap = served["acceptance_length_as_evaluate_counts"] - s["acceptance_length"]
+        rows += [
+            ("τ served by vLLM", f"{served['acceptance_length']:.3f}  (vLLM {served['vllm_version']}, chain k=3; "
+                                  f"counted as evaluate counts: {served['acceptance_length_as_evaluate_counts']:.3f}, "
+                                  f"{gap:+.3f} against transformers)"),
+            ("vLLM speedup, lossless", f"{served['speedup']:.2f}x over plain vLLM, token-identical {served['lossless']}"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| what | value |", "|---|---|"] + [f"| {k:<{width}} | {v} |" for k, v in rows])
 

@@ -48,3 +48,10 @@ def test_demo_pipeline_tiny(tmp_path):
     assert 1.0 <= summary["acceptance_length"] <= 4.0 and len(summary["step_accuracy"]) == 3
     assert summary["bytes_per_token"] > 0 and summary["tokens"] == sum(s["length"] for s in manifest["samples"])
     assert "| τ (real speculative decoding)" in (out / "summary.md").read_text()
+    # the tree stage: a sweep on development prompts, then its fastest tree on the chain's questions, lossless
+    sweep = json.loads((out / "sweep" / "eagle3_sweep.json").read_text())
+    assert sweep["prompts"] == "dev" and {c["topk"] for c in sweep["configs"]} == {1, 4}
+    assert summary["tree"]["topk"] == 4 and summary["tree"]["lossless"] is True
+    assert json.loads((out / "export" / "eagle3_sweep.json").read_text()) == sweep  # the model card reads it
+    if summary["vllm"] is not None:  # `make test` installs vLLM: the demo then serves the export in it
+        assert summary["vllm"]["lossless"] is True and summary["vllm"]["acceptance_length"] >= 1.0
