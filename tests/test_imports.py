@@ -76,4 +76,7 @@ def test_the_walk_finds_a_cycle_through_function_level_imports():
 
 
 def test_checkpoint_is_at_the_bottom_of_the_house():
-    assert import_graph()["eagle3_hf.checkpoint"] <= {"eagle3_hf.configuration_eagle3"}
+    graph = import_graph()
+    assert graph["eagle3_hf.checkpoint"] <= {"eagle3_hf.configuration_eagle3", "eagle3_hf.verifier_family"}
+    assert graph["eagle3_hf.configuration_eagle3"] <= {"eagle3_hf.verifier_family"}
+    assert not graph["eagle3_hf.verifier_family"]  # the family helpers sit below everything
