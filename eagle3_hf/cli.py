@@ -27,7 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),
     "plan": ("eagle3_hf.plan", "GPU memory, feature disk, FLOPs and time of a training run, before it runs"),
     "train": ("eagle3_hf.scripts.train", "train a drafter: runs the training script (eagle3_hf/scripts/train.py)"),
-    "evaluate": ("eagle3_hf.evaluate", "speculative decoding with the verifier: acceptance length, lossless check"),
+    "evaluate": ("eagle3_hf.engines.command",  # eagle3_hf.evaluate, or --engine vllm beside it
+                 "speculative decoding with the verifier: acceptance length, lossless check"),
     "check": ("eagle3_hf.check", "lint a drafter checkpoint for silent serving failures"),
     "export": ("eagle3_hf.export", "export a drafter to the standard or speculators layout"),
     "push": ("eagle3_hf.hub", "check a drafter and push it to the Hub with a model card"),

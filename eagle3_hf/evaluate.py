@@ -232,9 +232,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-to-drafter", action="store_true",
                         help="also copy eagle3_evaluation.json into the drafter directory (the model card reads it)")
     parser.add_argument("--no-progress", action="store_true")
-    from .engines.vllm_eval import add_engine_arguments
-
-    add_engine_arguments(parser)  # --engine vllm: the drafter served by vLLM, beside this decoder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,10 +239,6 @@ def run(args: argparse.Namespace) -> int:
     from .errors import NonFiniteError, describe_non_finite, non_finite_names
     from .modeling_eagle3 import Eagle3DraftModel
 
-    if getattr(args, "engine", "transformers") == "vllm":
-        from .engines.vllm_eval import run_engine
-
-        return run_engine(args)
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
     steps = args.steps if args.steps is not None else args.k

@@ -26,7 +26,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .constants import EVALUATION_FILE, TRAINING_FILE
-from .engines.vllm_eval import VLLM_EVALUATION_FILE
+from .engines import VLLM_EVALUATION_FILE
 from .sweep import SWEEP_FILE, card_section
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import VLLM_EVALUATION_FILE  # the model card reads it
 from .vllm_env import run_vllm
-
-VLLM_EVALUATION_FILE = "eagle3_evaluation_vllm.json"  # beside eagle3_evaluation.json; the model card reads it
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
