@@ -12,7 +12,6 @@ import torch
 from families import family_model
 from test_speculative import chi_square_p_value, lively_verifier, random_drafter
 
-from eagle3_hf.configuration_eagle3 import Eagle3Config
 from eagle3_hf.speculative import compare_to_greedy, greedy_generate, speculative_generate
 from eagle3_hf.tree import (DraftTree, accept_greedy, accept_sampled, config_problem, draft_tree, num_candidates,
                             speculative_decode, tree_speculative_generate)
