@@ -27,10 +27,32 @@ from eagle3_hf.engines.vllm_env import vllm_environment, vllm_python, vllm_venv
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+
+
 def cpu_seconds(pid: int) -> float:
-    """user + system CPU of a live process (all its threads) and of its waited-for children."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK  # utime stime cutime cstime
+    """user + system CPU of a process tree: the process, its live descendants (vLLM's engine core runs in a
+    child) and their waited-for children."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(_stat(int(entry.name))[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0.0
+    for p in tree:
+        try:
+            total += sum(int(_stat(p)[i]) for i in (11, 12, 13, 14)) / TICK  # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def children_cpu() -> float:
@@ -63,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--skip-in-process", action="store_true", help="measure the endpoint only")
     args = parser.parse_args(argv)
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"
+    for old in ("endpoint.jsonl", "in_process.jsonl"):  # regenerate appends and skips ids already written
+        (out / old).unlink(missing_ok=True)
     prompts.write_text("".join(Path(args.prompts).read_text().splitlines(keepends=True)[: args.num_prompts]))
     tokenizer = load_tokenizer(args.verifier)
     results = {}
@@ -108,16 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     tokens = new_tokens(out / "endpoint.jsonl", tokenizer)
     results["vllm_serve_endpoint"] = {"new_tokens": tokens, "wall_seconds": wall, "cpu_seconds": served + client,
                                       "server_cpu_seconds": served, "client_cpu_seconds": client}
-    wall, cpu = regenerate(["--input", str(prompts), "--output", str(out / "in_process.jsonl"), "--verifier",
-                            args.verifier, "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "64"])
-    results["in_process"] = {"new_tokens": new_tokens(out / "in_process.jsonl", tokenizer), "wall_seconds": wall,
-                             "cpu_seconds": cpu}
+    if not args.skip_in_process:
+        wall, cpu = regenerate(["--input", str(prompts), "--output", str(out / "in_process.jsonl"), "--verifier",
+                                args.verifier, "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "64"])
+        results["in_process"] = {"new_tokens": new_tokens(out / "in_process.jsonl", tokenizer),
+                                 "wall_seconds": wall, "cpu_seconds": cpu}
     for r in results.values():
         r["tokens_per_cpu_second"] = r["new_tokens"] / r["cpu_seconds"]
         r["tokens_per_wall_second"] = r["new_tokens"] / r["wall_seconds"]
     results["setting"] = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                           "vllm_threads": args.threads, "in_process_threads": os.environ.get("OMP_NUM_THREADS")}
-    (out / "throughput.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / ("throughput_endpoint.json" if args.skip_in_process else "throughput.json")).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
 
