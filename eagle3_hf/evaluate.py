@@ -234,22 +234,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
+def load_for_evaluation(args: argparse.Namespace):
+    """(verifier, drafter, tokenizer, prompts, prompts name) from the command's arguments, checked: a drafter
+    with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
     from .assets import load_tokenizer, load_verifier
+    from .data.prepare import use_chat_template
     from .errors import NonFiniteError, describe_non_finite, non_finite_names
     from .modeling_eagle3 import Eagle3DraftModel
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
-    steps = args.steps if args.steps is not None else args.k
-    num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None or args.topk > 1 else steps + 1
-    if not args.sweep and (num_draft_tokens is None or config_problem(steps, args.topk, num_draft_tokens)):
-        raise SystemExit("--num-draft-tokens is required with --topk > 1" if num_draft_tokens is None else
-                         f"--steps/--topk/--num-draft-tokens: {config_problem(steps, args.topk, num_draft_tokens)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype).to(device)
-    from .data.prepare import use_chat_template
-
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype, device=device)
     bad = non_finite_names(drafter.state_dict())
@@ -260,8 +256,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"WARNING: {warning}", file=sys.stderr)
     drafter.load_verifier_embeddings(verifier)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
-    if args.sweep:
-        return _run_sweep(args, verifier, drafter, tokenizer, prompts, name)
+    return verifier, drafter, tokenizer, prompts, name
+
+
+def run(args: argparse.Namespace) -> int:
+    """One configuration (`--sweep` is sweep.run_cli, dispatched by engines/command.py)."""
+    steps = args.steps if args.steps is not None else args.k
+    num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None or args.topk > 1 else steps + 1
+    if num_draft_tokens is None or config_problem(steps, args.topk, num_draft_tokens):
+        raise SystemExit("--num-draft-tokens is required with --topk > 1" if num_draft_tokens is None else
+                         f"--steps/--topk/--num-draft-tokens: {config_problem(steps, args.topk, num_draft_tokens)}")
+    verifier, drafter, tokenizer, prompts, name = load_for_evaluation(args)
     summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=steps, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, turns=args.turns, seed=args.seed, prompts_name=name,
                                progress=not args.no_progress, topk=args.topk, num_draft_tokens=num_draft_tokens)
@@ -274,21 +279,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
     print(f"{format_summary(summary)}\nwrote {csv_path} and {json_path}")
     return 1 if summary["lossless"] is False else 0
-
-
-def _run_sweep(args: argparse.Namespace, verifier, drafter, tokenizer, prompts: list[dict], name: str) -> int:
-    """`evaluate --sweep`: every valid configuration of the grid (sweep.py), the fastest as SGLang flags."""
-    from .sweep import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_STEPS, DEFAULT_TOPK, SWEEP_FILE, format_sweep, run_sweep, sweep_grid
-
-    grid = sweep_grid(args.sweep_steps or DEFAULT_STEPS, args.sweep_topk or DEFAULT_TOPK,
-                      args.sweep_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
-    if not grid:
-        raise SystemExit("--sweep-steps/--sweep-topk/--sweep-num-draft-tokens: no valid configuration in the grid")
-    result = run_sweep(verifier, drafter, tokenizer, prompts, grid, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, seed=args.seed, prompts_name=name, output=args.output,
-                       progress=not args.no_progress)
-    path = Path(args.output) / SWEEP_FILE
-    if args.write_to_drafter and Path(args.drafter).is_dir():
-        shutil.copyfile(path, Path(args.drafter) / SWEEP_FILE)
-    print(f"{format_sweep(result)}\nwrote {path}")
-    return 1 if any(r["lossless"] is False for r in result["configs"]) else 0

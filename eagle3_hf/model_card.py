@@ -25,9 +25,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .constants import EVALUATION_FILE, TRAINING_FILE
+from .constants import EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE
 from .engines import VLLM_EVALUATION_FILE
-from .sweep import SWEEP_FILE, card_section
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +162,33 @@ def _training_section(training: dict[str, Any]) -> str:
     return "## Training\n\n| | |\n|---|---|\n" + table
 
 
+def _fmt(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def sweep_section(data: dict[str, Any]) -> str:
+    """The model card's section on the serving configuration, from eagle3_sweep.json."""
+    best, chain = data.get("best"), data.get("best_chain")
+    if not best:
+        return "## Serving configuration (sweep)\n\nNo configuration was timed."
+    rows = "\n".join(f"| {r['steps']} | {r['topk']} | {r['num_draft_tokens']} | {_fmt(r['acceptance_length'])} | "
+                     f"{_fmt(r['speedup'])}× |" for r in data.get("configs", []))
+    lines = [
+        "## Serving configuration (sweep)", "",
+        f"Measured with eagle3_hf's transformers decoder on {data.get('prompts')} ({data.get('num_prompts')} prompts × "
+        f"{data.get('max_new_tokens')} tokens, temperature {data.get('temperature')}, device {data.get('device')}): "
+        f"the fastest configuration is S = {best['steps']} steps, top-K = {best['topk']}, N = "
+        f"{best['num_draft_tokens']} draft tokens (τ = {_fmt(best['acceptance_length'])}, speedup "
+        f"{_fmt(best['speedup'])}×). SGLang flags:", "",
+        f"```\n{data.get('sglang_flags')}\n```", "",
+    ]
+    if chain:
+        lines += [f"Fastest chain (vLLM drafts chains): `num_speculative_tokens` {chain['steps']} "
+                  f"(τ = {_fmt(chain['acceptance_length'])}, {_fmt(chain['speedup'])}×).", ""]
+    lines += ["| S | K | N | τ | speedup |", "|---|---|---|---|---|", rows]
+    return "\n".join(lines)
+
+
 def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = None) -> ModelCard:
     """The card for the checkpoint in `checkpoint_dir`, to be published as `repo_id`."""
     root = Path(checkpoint_dir)
@@ -211,7 +237,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         "(EAGLE-1/2) draft model.",
         _evaluation_section(evaluation),
         *([_vllm_section(served)] if served else []),
-        *([card_section(sweep)] if sweep else []),
+        *([sweep_section(sweep)] if sweep else []),
         _metrics_section(training.get("metrics") or {}),
         _training_section(training),
     ])

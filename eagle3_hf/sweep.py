@@ -5,7 +5,7 @@ prompt, timed back to back; K = 1 is the chain, K > 1 the tree of tree.py). The 
 acceptance, the verify cost (median seconds of a verifier forward over N tokens relative to a one-token
 forward at the same context) and the speedup; the fastest configuration is printed as SGLang flags, the fastest
 chain as vLLM's num_speculative_tokens (vLLM drafts chains), and both go to eagle3_sweep.json, which the model
-card reads. Importing this module costs no torch: the card needs only `card_section`.
+card reads (model_card.sweep_section).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-SWEEP_FILE = "eagle3_sweep.json"  # `eagle3-hf evaluate --sweep`: every configuration's figures and the best one
+from .constants import SWEEP_FILE
+
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_NUM_DRAFT_TOKENS = (2, 3, 5), (1, 2, 4, 8), (4, 8, 16)
 
 
@@ -111,24 +112,22 @@ def format_sweep(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def card_section(data: dict[str, Any]) -> str:
-    """The model card's section on the serving configuration, from eagle3_sweep.json."""
-    best, chain = data.get("best"), data.get("best_chain")
-    if not best:
-        return "## Serving configuration (sweep)\n\nNo configuration was timed."
-    rows = "\n".join(f"| {r['steps']} | {r['topk']} | {r['num_draft_tokens']} | {_num(r['acceptance_length'])} | "
-                     f"{_num(r['speedup'])}× |" for r in data.get("configs", []))
-    lines = [
-        "## Serving configuration (sweep)", "",
-        f"Measured with eagle3_hf's transformers decoder on {data.get('prompts')} ({data.get('num_prompts')} prompts × "
-        f"{data.get('max_new_tokens')} tokens, temperature {data.get('temperature')}, device {data.get('device')}): "
-        f"the fastest configuration is S = {best['steps']} steps, top-K = {best['topk']}, N = "
-        f"{best['num_draft_tokens']} draft tokens (τ = {_num(best['acceptance_length'])}, speedup "
-        f"{_num(best['speedup'])}×). SGLang flags:", "",
-        f"```\n{data.get('sglang_flags')}\n```", "",
-    ]
-    if chain:
-        lines += [f"Fastest chain (vLLM drafts chains): `num_speculative_tokens` {chain['steps']} "
-                  f"(τ = {_num(chain['acceptance_length'])}, {_num(chain['speedup'])}×).", ""]
-    lines += ["| S | K | N | τ | speedup |", "|---|---|---|---|---|", rows]
-    return "\n".join(lines)
+def run_cli(args) -> int:
+    """`evaluate --sweep`: every valid configuration of the grid, the fastest as SGLang flags."""
+    import shutil
+
+    from .evaluate import load_for_evaluation
+
+    grid = sweep_grid(args.sweep_steps or DEFAULT_STEPS, args.sweep_topk or DEFAULT_TOPK,
+                      args.sweep_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
+    if not grid:
+        raise SystemExit("--sweep-steps/--sweep-topk/--sweep-num-draft-tokens: no valid configuration in the grid")
+    verifier, drafter, tokenizer, prompts, name = load_for_evaluation(args)
+    result = run_sweep(verifier, drafter, tokenizer, prompts, grid, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, seed=args.seed, prompts_name=name, output=args.output,
+                       progress=not args.no_progress)
+    path = Path(args.output) / SWEEP_FILE
+    if args.write_to_drafter and Path(args.drafter).is_dir():
+        shutil.copyfile(path, Path(args.drafter) / SWEEP_FILE)
+    print(f"{format_sweep(result)}\nwrote {path}")
+    return 1 if any(r["lossless"] is False for r in result["configs"]) else 0

@@ -287,7 +287,9 @@ def test_tree_sampling_matches_the_verifier_distribution():
 def test_sweep_writes_best_config_and_flags(tmp_path):
     from test_speculative import ToyTokenizer, plus_one_verifier
 
-    from eagle3_hf.sweep import SWEEP_FILE, card_section, run_sweep, sweep_grid
+    from eagle3_hf.constants import SWEEP_FILE
+    from eagle3_hf.model_card import sweep_section
+    from eagle3_hf.sweep import run_sweep, sweep_grid
 
     verifier = plus_one_verifier()
     drafter = random_drafter(verifier, draft_vocab_size=32, aux=[1, 2, 3])
@@ -302,7 +304,7 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
     assert best["speedup"] == max(c["speedup"] for c in data["configs"])
     assert f"--speculative-num-steps {best['steps']} --speculative-eagle-topk {best['topk']}" in data["sglang_flags"]
     assert data["vllm_num_speculative_tokens"] == 2
-    assert "--speculative-algorithm EAGLE3" in card_section(data)
+    assert "--speculative-algorithm EAGLE3" in sweep_section(data)
 
     from eagle3_hf.model_card import build_model_card  # the card of a drafter directory holding the sweep
 
@@ -313,7 +315,7 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
 def test_evaluate_cli_tree_and_sweep(tmp_path, tiny_verifier_dir, capsys):
     from eagle3_hf.assets import load_verifier
     from eagle3_hf.cli import main
-    from eagle3_hf.sweep import SWEEP_FILE
+    from eagle3_hf.constants import SWEEP_FILE
 
     verifier = load_verifier(str(tiny_verifier_dir))
     drafter_dir = tmp_path / "drafter"

@@ -1,11 +1,12 @@
-"""`eagle3-hf evaluate`: our own decoder (eagle3_hf/evaluate.py), or with `--engine vllm` the drafter served by
-vLLM beside it (vllm_eval.py). Kept apart from evaluate.py so that the engines depend on it, never it on them."""
+"""`eagle3-hf evaluate`: our own decoder (eagle3_hf/evaluate.py), `--sweep` over SGLang configurations
+(eagle3_hf/sweep.py), or with `--engine vllm` the drafter served by vLLM beside it (vllm_eval.py). Kept apart
+from evaluate.py so that the sweep and the engines depend on it, never it on them."""
 
 from __future__ import annotations
 
 import argparse
 
-from .. import evaluate
+from .. import evaluate, sweep
 from .vllm_eval import add_engine_arguments, run_engine
 
 
@@ -15,4 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_engine(args) if args.engine == "vllm" else evaluate.run(args)
+    if args.engine == "vllm":
+        return run_engine(args)
+    return sweep.run_cli(args) if args.sweep else evaluate.run(args)
