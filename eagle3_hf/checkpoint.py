@@ -190,6 +190,8 @@ def standard_state_dict(
         out[key] = tensor
     validate_vocab_mapping(out["d2t"], out["t2d"], config.draft_vocab_size, config.vocab_size)
     out["d2t"], out["t2d"] = out["d2t"].long(), out["t2d"].bool()
+    if config.draft_vocab_size == config.vocab_size:  # the whole vocabulary: no mapping, and vLLM refuses one
+        del out["d2t"], out["t2d"]
     if include_embed_tokens:
         embed = state_dict.get(EMBED_KEY)
         if embed is None or tuple(embed.shape) != (config.vocab_size, config.hidden_size):

@@ -66,6 +66,21 @@ def test_round_trip_gives_identical_logits(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_full_vocabulary_drafter_is_saved_without_a_mapping_and_passes_check(tmp_path):
+    """vLLM refuses d2t when the draft vocabulary is the whole vocabulary; the export leaves both tensors out,
+    and loading restores the identity mapping."""
+    from eagle3_hf.check import check_drafter
+
+    config = tiny_model().config
+    config.draft_vocab_size = VOCAB
+    model = Eagle3DraftModel(config)
+    model.save_pretrained(tmp_path)
+    assert set(read(tmp_path)) == STANDARD_KEYS - {"d2t", "t2d"}
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.draft_to_target(torch.arange(VOCAB)), torch.arange(VOCAB))
+    assert not [f for f in check_drafter(tmp_path) if f.level == "error"]
+
+
 def test_published_standard_and_speculators_layouts_give_the_same_logits(tmp_path):
     model = with_vocab(tiny_model())
     state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
