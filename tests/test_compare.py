@@ -71,7 +71,8 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
         assert results[run]["tau"]["lossless"] is True
     assert results["finetune:disjoint"]["source_training"]["verifier"] == "same"
     drifted = results["finetune:disjoint-drift-s1"]["source_training"]
-    assert drifted["verifier"] == "drift-s1" and drifted["data"] != results["finetune:disjoint"]["source_training"]["data"]
+    assert drifted["verifier"] == "drift-s1"
+    assert drifted["data"] != results["finetune:disjoint"]["source_training"]["data"]
     vocab = results["finetune:disjoint-drift-s1-vocab128"]["source_training"]
     assert vocab["draft_vocab_size"] == 128 and vocab["data"] == drifted["data"]
     source_config = json.loads((Path(results["finetune:disjoint-drift-s1-vocab128"]["source"]) / "config.json")
@@ -92,8 +93,8 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
 
 
 def _result(acc0, sim, steps, source=True):
-    return {"source_before": {"source_acc_0": acc0} if source else None, "tau": None, "budget": {"optimizer_steps": steps},
-            "metrics": {"simulated_acceptance_length": sim}}
+    return {"source_before": {"source_acc_0": acc0} if source else None, "tau": None,
+            "budget": {"optimizer_steps": steps}, "metrics": {"simulated_acceptance_length": sim}}
 
 
 def test_threshold_is_the_lowest_accuracy_above_every_loser():
