@@ -149,15 +149,20 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
 # ---------------------------------------------------------------- lossless (greedy)
 
 
-def assert_lossless(verifier, drafter, prompt, k, max_new_tokens):
-    reference = greedy_generate(verifier, prompt, max_new_tokens)
-    spec = speculative_generate(verifier, drafter, prompt, k=k, max_new_tokens=max_new_tokens)
+def assert_matches_greedy(verifier, prompt, max_new_tokens, spec, **greedy_kwargs):
+    """`spec` (a speculative decoder's output, chain or tree) equals plain greedy decoding of `prompt`."""
+    reference = greedy_generate(verifier, prompt, max_new_tokens, **greedy_kwargs)
     assert compare_to_greedy(spec["tokens"], spec["margins"], reference["tokens"], reference["margins"]) == (
         "match", None)
     # stronger than tokens: the verifier computed the same distribution at every position (caches right)
     torch.testing.assert_close(torch.tensor(spec["margins"]), torch.tensor(reference["margins"]), atol=1e-4, rtol=1e-4)
     assert len(spec["tokens"]) - 1 == sum(spec["accepted_per_step"]) + spec["num_verifier_forwards"]
     return spec
+
+
+def assert_lossless(verifier, drafter, prompt, k, max_new_tokens):
+    spec = speculative_generate(verifier, drafter, prompt, k=k, max_new_tokens=max_new_tokens)
+    return assert_matches_greedy(verifier, prompt, max_new_tokens, spec)
 
 
 def test_lossless_on_tiny_verifier_with_every_acceptance_length():
