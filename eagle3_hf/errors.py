@@ -39,7 +39,7 @@ def describe_non_finite(names: list[str]) -> str:
 
 def run_reporting_user_errors(run: Callable[[list[str]], Any], argv: list[str], debug: bool = False) -> int:
     """`run(argv)` with a user error printed as one line `error: ...` (exit status 1); other exceptions propagate.
-    The shared entry of `eagle3-hf` and examples/train.py; `debug` or EAGLE3_HF_DEBUG=1 re-raises everything."""
+    The shared entry of `eagle3-hf` and the training script; `debug` or EAGLE3_HF_DEBUG=1 re-raises everything."""
     if debug or os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"):
         result = run(argv)
         return result if isinstance(result, int) else 0

@@ -382,7 +382,7 @@ def format_plan(plan: dict, title: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="training recipe YAML (what examples/train.py takes as --config)")
+    parser.add_argument("recipe", help="training recipe YAML (what the training script takes as --config)")
     parser.add_argument("--accelerate-config", default=None, help="accelerate config YAML (default: 1 process)")
     parser.add_argument("--verifier-config", default=None, help="verifier config.json (default: the recipe's verifier)")
     parser.add_argument("--dataset-tokens", type=float, default=None,
