@@ -234,6 +234,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def copy_to_drafter(path: Path, drafter: str) -> None:
+    """`--write-to-drafter`: the file beside the drafter's weights, where the model card reads it."""
+    if Path(drafter).is_dir():
+        shutil.copyfile(path, Path(drafter) / Path(path).name)
+    else:
+        print(f"WARNING: --write-to-drafter ignored: {drafter} is not a local directory", file=sys.stderr)
+
+
 def load_for_evaluation(args: argparse.Namespace):
     """(verifier, drafter, tokenizer, prompts, prompts name) from the command's arguments, checked: a drafter
     with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
@@ -273,9 +281,6 @@ def run(args: argparse.Namespace) -> int:
     summary.update(verifier=args.verifier, drafter=args.drafter)
     csv_path, json_path = write_outputs(args.output, summary)
     if args.write_to_drafter:
-        if Path(args.drafter).is_dir():
-            shutil.copyfile(json_path, Path(args.drafter) / EVALUATION_FILE)
-        else:
-            print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
+        copy_to_drafter(json_path, args.drafter)
     print(f"{format_summary(summary)}\nwrote {csv_path} and {json_path}")
     return 1 if summary["lossless"] is False else 0

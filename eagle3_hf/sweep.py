@@ -114,9 +114,7 @@ def format_sweep(result: dict[str, Any]) -> str:
 
 def run_cli(args) -> int:
     """`evaluate --sweep`: every valid configuration of the grid, the fastest as SGLang flags."""
-    import shutil
-
-    from .evaluate import load_for_evaluation
+    from .evaluate import copy_to_drafter, load_for_evaluation
 
     grid = sweep_grid(args.sweep_steps or DEFAULT_STEPS, args.sweep_topk or DEFAULT_TOPK,
                       args.sweep_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
@@ -127,7 +125,7 @@ def run_cli(args) -> int:
                        temperature=args.temperature, seed=args.seed, prompts_name=name, output=args.output,
                        progress=not args.no_progress)
     path = Path(args.output) / SWEEP_FILE
-    if args.write_to_drafter and Path(args.drafter).is_dir():
-        shutil.copyfile(path, Path(args.drafter) / SWEEP_FILE)
+    if args.write_to_drafter:
+        copy_to_drafter(path, args.drafter)
     print(f"{format_sweep(result)}\nwrote {path}")
     return 1 if any(r["lossless"] is False for r in result["configs"]) else 0

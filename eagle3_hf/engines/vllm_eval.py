@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,7 +139,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
     from ..assets import load_tokenizer, resolve_verifier
     from ..data.prepare import use_chat_template
-    from ..evaluate import _turns, load_prompts, render_prompt, write_outputs
+    from ..evaluate import _turns, copy_to_drafter, load_prompts, render_prompt, write_outputs
     from ..modeling_eagle3 import Eagle3DraftModel
     from ..speculative import check_pair
     from .vllm_env import vllm_python
@@ -193,9 +192,6 @@ def run_engine(args: argparse.Namespace) -> int:
     json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     written.append(json_path)
     if args.write_to_drafter:  # only vLLM's file: the drafter's own eagle3_evaluation.json stays evaluate's
-        if Path(args.drafter).is_dir():
-            shutil.copyfile(json_path, Path(args.drafter) / VLLM_EVALUATION_FILE)
-        else:
-            print(f"WARNING: --write-to-drafter ignored: {args.drafter} is not a local directory", file=sys.stderr)
+        copy_to_drafter(json_path, args.drafter)
     print(f"{format_vllm_summary(summary)}\nwrote {', '.join(str(p) for p in written)}")
     return 1 if summary["lossless"] is False else 0
