@@ -19,16 +19,11 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
-def sh(cmd: list[str], log: Path, env: dict) -> None:
-    with open(log, "w", encoding="utf-8") as f:
-        if subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env):
-            raise SystemExit(f"failed: {shlex.join(cmd)} (log: {log})")
+from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
 
 def per_doubling(tokens: list[int], values: list[float]) -> tuple[float, float]:
@@ -111,8 +106,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cli = [sys.executable, "-m", "eagle3_hf.cli"]
-    eval_sets = [(name, int(n)) for name, n in (spec.split("=", 1) for spec in args.eval)]
+    eval_sets = parse_eval_sets(args.eval)
     vf_parser = argparse.ArgumentParser(add_help=False)
     vf_parser.add_argument("--validation-fraction", type=float, default=0.05)
     validation_fraction = vf_parser.parse_known_args(shlex.split(args.train_args))[0].validation_fraction
@@ -121,21 +115,17 @@ def main() -> None:
         name = f"tokens-{point or 'all'}"
         run_dir = out / name
         if not (run_dir / "eagle3_training.json").is_file():
-            sh([*cli, "train", "--verifier", args.verifier, "--data-dir", args.data_dir, "--output-dir", str(run_dir),
-                "--num-train-epochs", str(args.epochs), *shlex.split(args.train_args),
-                *(["--max-train-tokens", str(point)] if point else [])], out / f"{name}.log", env)
+            run_logged([*CLI, "train", "--verifier", args.verifier, "--data-dir", args.data_dir,
+                        "--output-dir", str(run_dir), "--num-train-epochs", str(args.epochs),
+                        *shlex.split(args.train_args), *(["--max-train-tokens", str(point)] if point else [])],
+                       out / f"{name}.log", env)
         summary = json.loads((run_dir / "eagle3_training.json").read_text())
         row = {"tokens": summary["data"]["num_tokens"], "samples": summary["data"]["num_samples"],
                "sim_tau": summary["metrics"]["simulated_acceptance_length"],
                "acc0": summary["metrics"]["step_accuracy"][0], "lossless": True, "eval_sets": [],
                "make_up": subset_make_up(args.data_dir, point, validation_fraction)}
         for prompts, n in eval_sets:
-            eval_dir = run_dir / f"eval-{prompts}-{n or 'all'}-{args.eval_tokens}"
-            if not (eval_dir / "eagle3_evaluation.json").is_file():
-                sh([*cli, "evaluate", "--drafter", str(run_dir), "--verifier", args.verifier, "--prompts", prompts,
-                    *(["--num-prompts", str(n)] if n else []), "--max-new-tokens", str(args.eval_tokens), "--k", "3",
-                    "--temperature", "0", "--output", str(eval_dir)], out / f"{name}.eval-{prompts}.log", env)
-            evaluation = json.loads((eval_dir / "eagle3_evaluation.json").read_text())
+            evaluation = evaluate_drafter_cli(run_dir, args.verifier, prompts, n, args.eval_tokens, out, env)
             label = f"{prompts} ×{evaluation.get('num_prompts', n)}" if n else prompts
             row["eval_sets"].append(label)
             row[f"real_tau:{label}"] = evaluation["acceptance_length"]

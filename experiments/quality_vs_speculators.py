@@ -9,14 +9,16 @@ same packed batches for the same steps from the same seed, both evaluated by our
    those batches with its recipe (see that file) and saves the speculators layout;
 4. both checkpoints are read by `Eagle3DraftModel.from_pretrained` (ours: our layout; theirs: the
    speculators reader) and measured the same way: validation per-step accuracy and simulated τ on the same
-   validation split, then `eagle3-hf evaluate` on MT-bench (real τ, k=3, greedy, lossless check).
+   validation split, then `eagle3-hf evaluate` on each `--eval` prompt set (real τ, k=3, greedy, lossless).
 
     .venv/bin/python -m bench.train_step --setup-speculators          # once: .bench-venv/speculators
-    .venv/bin/python -m experiments.quality_vs_speculators --data-dir FEATURES [--epochs 3] [--eval-prompts 10]
+    .venv/bin/python -m experiments.quality_vs_speculators --data-dir demo_out/small/features \
+        --max-train-tokens 25600 [--epochs 3] [--lr 2e-3 --spec-lr 1e-3] [--eval dev=40 mt-bench=0]
 
-FEATURES is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors.
-Stages whose output exists are reused with `--reuse` (e.g. to re-evaluate). Writes a table to stdout and
-`results.json` under --output-dir.
+FEATURES is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors
+(`make demo` writes one). Stages whose output exists are reused with `--reuse` (e.g. to re-evaluate). Writes a
+table to stdout and `results.json` under --output-dir. `experiments/speculators_lr_sweep.py` runs this at
+several learning rates and sets each side's best against the other's.
 """
 
 from __future__ import annotations
@@ -25,15 +27,14 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from eagle3_hf.constants import EVALUATION_FILE, TRAINING_FILE
 from bench.train_step import REPO, SPEC_PYTHON, speculators_available
+from eagle3_hf.constants import TRAINING_FILE
+from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
 SPEC_TRAINER = "experiments.speculators_train"  # run as a module by the speculators venv
 
@@ -45,18 +46,9 @@ def our_train_argv(args: argparse.Namespace, output_dir: Path) -> list[str]:
             "--max-seq-len", str(args.max_seq_len), "--per-device-train-batch-size", str(args.batch_size),
             "--warmup-steps", "0.05", "--lr-scheduler-type", "cosine",
             "--validation-fraction", str(args.validation_fraction), "--logging-steps", "10",
-            "--eval-strategy", "no", "--save-strategy", "no", "--seed", str(args.seed), *shlex.split(args.ours_args)]
-
-
-def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
-    """Run a stage, its output to `log`; seconds. A failure shows the log's tail."""
-    t0 = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    if proc.returncode:
-        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); end of {log}:\n{tail}")
-    return time.perf_counter() - t0
+            "--eval-strategy", "no", "--save-strategy", "no", "--seed", str(args.seed),
+            *(["--max-train-tokens", str(args.max_train_tokens)] if args.max_train_tokens else []),
+            *shlex.split(args.ours_args)]
 
 
 def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path, work: Path) -> int:
@@ -166,6 +158,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2, help="packed rows per optimizer step")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--validation-fraction", type=float, default=0.1)
+    parser.add_argument("--max-train-tokens", type=int, default=0,
+                        help="train on a seeded, source-stratified subset of this many tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ours-args", default="", help="more `eagle3-hf train` arguments for ours (an ablation, "
                         "e.g. \"--init-lm-head verifier --freeze-lm-head --ttt-step-weight 1.0\")")
@@ -174,7 +168,8 @@ def main() -> None:
     parser.add_argument("--spec-lr", type=float, default=1e-3, help="speculators' lr (its CLI default)")
     parser.add_argument("--spec-step-weight", type=float, default=1.0,
                         help="speculators' ttt_step_loss_decay (its default 1.0)")
-    parser.add_argument("--eval-prompts", type=int, default=10, help="MT-bench questions")
+    parser.add_argument("--eval", nargs="+", default=["mt-bench=0"], metavar="PROMPTS=N",
+                        help="prompt sets to decode both drafters on (`evaluate --prompts`), N prompts each (0: all)")
     parser.add_argument("--eval-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse", action="store_true", help="skip stages whose output exists")
@@ -194,8 +189,7 @@ def main() -> None:
     train_argv = our_train_argv(args, ours_dir)
     if not (args.reuse and (ours_dir / "model.safetensors").is_file()):
         print(f"ours: eagle3-hf train {' '.join(train_argv)}", flush=True)
-        seconds["train_ours"] = run([sys.executable, "-m", "eagle3_hf.cli", "train", *train_argv],
-                                    out / "train_ours.log", env)
+        seconds["train_ours"] = run_logged([*CLI, "train", *train_argv], out / "train_ours.log", env, REPO)
     if not (args.reuse and (spec_dir / "model.safetensors").is_file()):
         steps = dump_batches(args, train_argv, ours_dir, work)
         ours_steps = json.loads((ours_dir / TRAINING_FILE).read_text())["log_history"][-1].get("step")
@@ -203,36 +197,36 @@ def main() -> None:
             raise SystemExit(f"dumped {steps} batches but our Trainer ran {ours_steps} steps")
         print(f"speculators: {steps} steps on the dumped batches", flush=True)
         spec_env = dict(env, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-        seconds["train_speculators"] = run([str(SPEC_PYTHON), "-m", SPEC_TRAINER, "--work", str(work),
-                                            "--out", str(spec_dir)], out / "train_speculators.log", spec_env)
+        seconds["train_speculators"] = run_logged([str(SPEC_PYTHON), "-m", SPEC_TRAINER, "--work", str(work),
+                                                   "--out", str(spec_dir)], out / "train_speculators.log", spec_env,
+                                                  REPO)
         for f in sorted(work.glob("batch-*.safetensors"))[1:]:  # the first one stays for the agreement check
             f.unlink()
 
     agreement = reader_agreement(spec_dir, work, args.verifier)
     print(f"their proposals reproduced by our reader + forward, per TTT step: {agreement}", flush=True)
+    eval_sets = parse_eval_sets(args.eval)
     results = {}
     for name, d in (("ours", ours_dir), ("speculators", spec_dir)):
-        row = {"validation": validation_metrics(args, d)}
-        eval_dir = out / f"eval_{name}"
-        if not (args.reuse and (eval_dir / EVALUATION_FILE).is_file()):
-            seconds[f"evaluate_{name}"] = run(
-                [sys.executable, "-m", "eagle3_hf.cli", "evaluate", "--drafter", str(d), "--verifier", args.verifier,
-                 "--prompts", "mt-bench", "--num-prompts", str(args.eval_prompts), "--max-new-tokens",
-                 str(args.eval_tokens), "--k", "3", "--temperature", "0", "--output", str(eval_dir),
-                 "--no-progress"], out / f"evaluate_{name}.log", env)
-        row["mt_bench"] = json.loads((eval_dir / EVALUATION_FILE).read_text(encoding="utf-8"))
+        row = {"validation": validation_metrics(args, d), "eval": {}}
+        for prompts, n in eval_sets:
+            row["eval"][f"{prompts}={n}"] = evaluate_drafter_cli(d, args.verifier, prompts, n, args.eval_tokens,
+                                                                 out, env)
         results[name] = row
 
-    print(f"\n{'drafter':12s} {'layout':12s} {'val acc0/1/2':>17s} {'val sim τ':>9s} {'MT-bench τ':>10s} "
+    print(f"\n{'drafter':12s} {'layout':12s} {'val acc0/1/2':>17s} {'val sim τ':>9s} {'prompts':>12s} {'real τ':>7s} "
           f"{'per-position acceptance':>24s} {'lossless':>8s}")
     for name, row in results.items():
-        v, e = row["validation"], row["mt_bench"]
+        v = row["validation"]
         accs = "/".join(f"{v[f'acc_{i}']:.3f}" for i in range(3))
-        pos = "/".join(f"{a:.3f}" for a in e["per_position_acceptance"])
-        print(f"{name:12s} {v['layout']:12s} {accs:>17s} {v['simulated_acceptance_length']:9.3f} "
-              f"{e['acceptance_length']:10.3f} {pos:>24s} {str(e['lossless']):>8s}")
-    ratio = results["ours"]["mt_bench"]["acceptance_length"] / results["speculators"]["mt_bench"]["acceptance_length"]
-    print(f"ours / speculators real τ: {ratio:.3f} (goal ≥ 1.1); stage seconds {json.dumps(seconds)}")
+        for label, e in row["eval"].items():
+            pos = "/".join(f"{a:.3f}" for a in e["per_position_acceptance"])
+            print(f"{name:12s} {v['layout']:12s} {accs:>17s} {v['simulated_acceptance_length']:9.3f} {label:>12s} "
+                  f"{e['acceptance_length']:7.3f} {pos:>24s} {str(e['lossless']):>8s}")
+    last = list(results["ours"]["eval"])[-1]
+    ratio = (results["ours"]["eval"][last]["acceptance_length"]
+             / results["speculators"]["eval"][last]["acceptance_length"])
+    print(f"ours / speculators real τ ({last}): {ratio:.3f}; stage seconds {json.dumps(seconds)}")
     (out / "results.json").write_text(json.dumps({"args": vars(args), "seconds": seconds, "results": results,
                                                   "reader_agreement": agreement,
                                                   "ours_over_speculators_tau": ratio}, indent=1), encoding="utf-8")
