@@ -9,8 +9,7 @@ bests, and each side's default lr (ours 2e-3, speculators 1e-3), are decoded on 
 MT-bench questions by default). Both sides get the same grid: the same tuning effort.
 
     .venv/bin/python -m experiments.speculators_lr_sweep --data-dir demo_out/small/features \\
-        --max-train-tokens 25600 --epochs 3 --lrs 1e-3 2e-3 4e-3 8e-3 --output-dir runs/spec_sweep \\
-        --table docs/quality_vs_speculators_sweep.md
+        --max-train-tokens 25600 --epochs 3 --lrs 1e-3 2e-3 4e-3 --output-dir runs/spec_sweep
 
 Finished runs are reused on a rerun. Writes `sweep.json` under --output-dir and, with --table, a Markdown table.
 """
@@ -63,13 +62,13 @@ def main() -> None:
     p.add_argument("--data-dir", required=True, help="features directory with vocab.safetensors")
     p.add_argument("--output-dir", default="runs/spec_sweep")
     p.add_argument("--verifier", default="smollm2-135m-instruct")
-    p.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3, 8e-3])
+    p.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-train-tokens", type=int, default=25600)
     p.add_argument("--select", nargs="+", default=["dev=40"], metavar="PROMPTS=N", help="development set(s)")
     p.add_argument("--select-tokens", type=int, default=32)
     p.add_argument("--test", default="mt-bench=0", metavar="PROMPTS=N", help="test set (0: all prompts)")
-    p.add_argument("--test-tokens", type=int, default=64)
+    p.add_argument("--test-tokens", type=int, default=32)
     p.add_argument("--parallel", type=int, default=2, help="learning rates at once (one thread each)")
     p.add_argument("--table", default=None)
     args = p.parse_args()
