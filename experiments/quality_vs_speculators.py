@@ -184,7 +184,9 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     torch.set_num_threads(args.threads)
-    seconds: dict[str, float] = {}
+    previous = out / "results.json"  # a rerun keeps the seconds of the stages it reuses
+    seconds: dict[str, float] = (json.loads(previous.read_text(encoding="utf-8"))["seconds"]
+                                 if args.reuse and previous.is_file() else {})
 
     train_argv = our_train_argv(args, ours_dir)
     if not (args.reuse and (ours_dir / "model.safetensors").is_file()):
