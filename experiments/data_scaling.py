@@ -26,6 +26,10 @@ from pathlib import Path
 from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
 
+SET_NAMES = {"dev": "the development set (`dev`: prompts no training pool draws)",
+             "mt-bench": "MT-bench (the test set, first turn)"}
+
+
 def per_doubling(tokens: list[int], values: list[float]) -> tuple[float, float]:
     """Least-squares fit value = a + b * log2(tokens) -> (a, b): b is the gain per doubling of data."""
     xs = [math.log2(t) for t in tokens]
@@ -143,8 +147,8 @@ def main() -> None:
              f"Same recipe ({args.epochs} epochs, `{args.train_args}`) on nested subsets of `{args.data_dir}`: whole "
              "samples, a seeded shuffle stratified by prompt source (`--max-train-tokens`), the same validation "
              f"split. Real τ by speculative decoding, {args.eval_tokens} new tokens per prompt, k = 3, greedy, on "
-             "the development set (`dev`, 40 prompts no training pool draws) and on MT-bench (the test set, "
-             "first turn).", "",
+             + " and ".join(SET_NAMES.get(name, f"`{name}`") + f", {n or 'all'} prompts" for name, n in eval_sets)
+             + ".", "",
              "```bash", "python -m experiments.data_scaling " + shlex.join(sys.argv[1:]), "```", "",
              "| training tokens | samples | mean length | step-0 acc (val) | simulated τ (val) | "
              + " | ".join(f"real τ ({s})" for s in sets) + " | lossless |",
