@@ -15,7 +15,7 @@ same packed batches for the same steps from the same seed, both evaluated by our
     .venv/bin/python -m experiments.quality_vs_speculators --data-dir demo_out/small/features \
         --max-train-tokens 25600 [--epochs 3] [--lr 2e-3 --spec-lr 1e-3] [--eval dev=40 mt-bench=0]
 
-FEATURES is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors
+--data-dir is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors
 (`make demo` writes one). Stages whose output exists are reused with `--reuse` (e.g. to re-evaluate). Writes a
 table to stdout and `results.json` under --output-dir. `experiments/speculators_lr_sweep.py` runs this at
 several learning rates and sets each side's best against the other's.
