@@ -37,6 +37,7 @@ from eagle3_hf.constants import TRAINING_FILE
 from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
 SPEC_TRAINER = "experiments.speculators_train"  # run as a module by the speculators venv
+DEFAULT_LR = {"ours": 2e-3, "speculators": 1e-3}  # ours: the small demo's; speculators: its CLI default
 
 
 def our_train_argv(args: argparse.Namespace, output_dir: Path) -> list[str]:
@@ -154,7 +155,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default=str(REPO / "bench" / "out" / "quality_vs_speculators"))
     parser.add_argument("--verifier", default="smollm2-135m-instruct")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=2e-3, help="our learning rate (the small demo's)")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR["ours"], help="our learning rate (the small demo's)")
     parser.add_argument("--batch-size", type=int, default=2, help="packed rows per optimizer step")
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--validation-fraction", type=float, default=0.1)
@@ -165,7 +166,8 @@ def main() -> None:
                         "e.g. \"--init-lm-head verifier --freeze-lm-head --ttt-step-weight 1.0\")")
     parser.add_argument("--spec-optimizer", default="muon", choices=["muon", "adamw"],
                         help="speculators' optimizer (its 0.9.0 CLI default: muon)")
-    parser.add_argument("--spec-lr", type=float, default=1e-3, help="speculators' lr (its CLI default)")
+    parser.add_argument("--spec-lr", type=float, default=DEFAULT_LR["speculators"],
+                        help="speculators' lr (its CLI default)")
     parser.add_argument("--spec-step-weight", type=float, default=1.0,
                         help="speculators' ttt_step_loss_decay (its default 1.0)")
     parser.add_argument("--eval", nargs="+", default=["mt-bench=0"], metavar="PROMPTS=N",

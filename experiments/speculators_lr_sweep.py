@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.train_step import REPO
+from experiments.quality_vs_speculators import DEFAULT_LR
 from experiments.runs import evaluate_drafter_cli, parse_eval_sets, run_logged
 
-SIDES = {"ours": ("ours", 2e-3), "speculators": ("speculators", 1e-3)}  # checkpoint folder, its default lr
+SIDES = tuple(DEFAULT_LR)  # each side's checkpoint folder under lr-X/ is its name
 
 
 def run_lr(args: argparse.Namespace, lr: float, env: dict) -> dict:
@@ -51,9 +52,9 @@ def dev_score(row: dict) -> tuple[float, float]:
 def pick_lrs(by_lr: dict[float, dict]) -> dict[str, dict[str, float]]:
     """Per side, the lr with the best development score (the first of the grid on a tie) and its default lr."""
     picks = {}
-    for side, (_folder, default) in SIDES.items():
+    for side in SIDES:
         best = max(by_lr, key=lambda lr: dev_score(by_lr[lr]["results"][side]))
-        picks[side] = {"best": best, "default": default}
+        picks[side] = {"best": best, "default": DEFAULT_LR[side]}
     return picks
 
 
@@ -72,9 +73,9 @@ def main() -> None:
     p.add_argument("--parallel", type=int, default=2, help="learning rates at once (one thread each)")
     p.add_argument("--table", default=None)
     args = p.parse_args()
-    for lr in (default for _folder, default in SIDES.values()):
-        if lr not in args.lrs:
-            raise SystemExit(f"--lrs must include both defaults (2e-3 and 1e-3); missing {lr:g}")
+    missing = [f"{lr:g}" for lr in DEFAULT_LR.values() if lr not in args.lrs]
+    if missing:
+        raise SystemExit(f"--lrs must include each side's default lr; missing {', '.join(missing)}")
     parse_eval_sets(args.select)
     (test_prompts, test_n), = parse_eval_sets([args.test])
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -88,7 +89,7 @@ def main() -> None:
     tests = {(side, lr) for side, pick in picks.items() for lr in pick.values()}
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         measured = dict(zip(tests, pool.map(
-            lambda t: evaluate_drafter_cli(out / f"lr-{t[1]:g}" / SIDES[t[0]][0], args.verifier, test_prompts,
+            lambda t: evaluate_drafter_cli(out / f"lr-{t[1]:g}" / t[0], args.verifier, test_prompts,
                                            test_n, args.test_tokens, out, env), tests)))
 
     dev_label = list(by_lr[args.lrs[0]]["results"]["ours"]["eval"])[-1]
