@@ -27,7 +27,7 @@ import torch
 
 
 def _samples(tokenizer, n: int, max_len: int) -> list[list[int]]:
-    from eagle3_hf.assets import training_conversations
+    from eagle3_hf.demo_data.prompts import training_conversations
 
     out = []
     for conv in training_conversations(limit=4 * n):
@@ -74,8 +74,8 @@ def main() -> None:
 
     import datasets
 
-    from eagle3_hf.assets import load_tokenizer, load_verifier
-    from eagle3_hf.verifier_family import default_aux_indices
+    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
+    from eagle3_hf.verifier.family import default_aux_indices
     from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 

@@ -42,7 +42,7 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
     import torch
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import count_loss_tokens, drafter_loss
+    from eagle3_hf.train.loss import count_loss_tokens, drafter_loss
 
     hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
     torch.set_num_threads(1)
@@ -89,8 +89,8 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
 
 
 def predicted(shape: tuple, measured: dict, ttt_steps: int = 3) -> int:
-    from eagle3_hf.configuration_eagle3 import Eagle3Config
-    from eagle3_hf.plan import step_peak_bytes
+    from eagle3_hf.model.configuration_eagle3 import Eagle3Config
+    from eagle3_hf.train.plan import step_peak_bytes
 
     hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
     config = Eagle3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,

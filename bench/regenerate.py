@@ -54,7 +54,7 @@ def _features_pass(prompts, backend, work: Path, batch_size: int) -> tuple[Clock
 
 
 def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) -> Clock:
-    from eagle3_hf.cpu_linear import prepacked_linears
+    from eagle3_hf.verifier.cpu_linear import prepacked_linears
 
     order = sorted(samples, key=len, reverse=True)
     with torch.inference_mode(), prepacked_linears(model):
@@ -113,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from eagle3_hf.assets import short_prompts
+    from eagle3_hf.demo_data.prompts import short_prompts
     from eagle3_hf.data.regenerate import TransformersBackend
 
     prompts = short_prompts(args.prompts)

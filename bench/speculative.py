@@ -23,9 +23,9 @@ import time
 import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.assets import DEFAULT_VERIFIER, load_tokenizer, load_verifier
-from eagle3_hf.evaluate import evaluate_drafter, format_summary, load_prompts, render_prompt
-from eagle3_hf.speculative import acceptance_stats, greedy_generate, speculative_generate
+from eagle3_hf.verifier.loading import DEFAULT_VERIFIER, load_tokenizer, load_verifier
+from eagle3_hf.evaluation.evaluate import evaluate_drafter, format_summary, load_prompts, render_prompt
+from eagle3_hf.decoding.chain import acceptance_stats, greedy_generate, speculative_generate
 
 
 def random_drafter(verifier, draft_vocab_size: int = 32000, seed: int = 0) -> Eagle3DraftModel:
@@ -83,8 +83,8 @@ def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, rep
     given draft vocabulary. Predicted speedup S(tau) = tau t1 / (t_verify + (k - 1) t_draft + t_update), the
     other per-cycle work (argmax, crop, margins) being measured as negligible. One thread: CPU seconds, which
     other processes on a shared machine do not inflate; more threads: wall seconds."""
-    from eagle3_hf.cpu_linear import prepacked_linears
-    from eagle3_hf.speculative import _crop, _new_cache, _verifier_forward
+    from eagle3_hf.verifier.cpu_linear import prepacked_linears
+    from eagle3_hf.decoding.chain import _crop, _new_cache, _verifier_forward
 
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     drafter = random_drafter(verifier, draft_vocab_size).to(verifier.device)
@@ -126,9 +126,9 @@ def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), w
     forward over N tree tokens with the tree mask and the aux states, and one drafting step over K nodes with the
     drafter's tree mask; each relative to the one-token forward t1, interleaved like the chain's pieces.
     Predicted speedup of (S, K, N) at tau: tau t1 / (verify_N + (S - 1) draft_K + update)."""
-    from eagle3_hf.cpu_linear import prepacked_linears
-    from eagle3_hf.speculative import _crop, _new_cache, _rollbackable, _verifier_forward
-    from eagle3_hf.tree import _cost_tree, tree_attention_mask
+    from eagle3_hf.verifier.cpu_linear import prepacked_linears
+    from eagle3_hf.decoding.chain import _crop, _new_cache, _rollbackable, _verifier_forward
+    from eagle3_hf.decoding.tree import _cost_tree, tree_attention_mask
 
     aux_indices = list(drafter.config.aux_hidden_state_indices)
     n, dtype = ids.shape[1], next(verifier.parameters()).dtype
@@ -171,7 +171,7 @@ def first_draft_hits(verifier, drafter, tokenizer, prompts, max_new_tokens: int,
     """How often the verifier's next token is among the drafter's top-k at the first draft position (what a
     tree's depth 1 with top-K can accept), over each prompt's plain greedy answer, teacher-forced: the drafter
     reads the verifier's features of every answer token, as after a verify. Top-1 is the chain's first draft."""
-    from eagle3_hf.speculative import _new_cache, _verifier_forward
+    from eagle3_hf.decoding.chain import _new_cache, _verifier_forward
 
     aux_indices = list(drafter.config.aux_hidden_state_indices)
     hits, total = {k: 0 for k in ks}, 0

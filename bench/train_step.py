@@ -197,7 +197,8 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.step_metrics import StepStats, count_loss_tokens, drafter_loss
+    from eagle3_hf.train.metrics import StepStats
+    from eagle3_hf.train.loss import count_loss_tokens, drafter_loss
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)

@@ -23,15 +23,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "rewrite assistant turns with the verifier (in-process or endpoint); --features-out: + features"),
     "extract": ("eagle3_hf.data.extract", "run the verifier and write hidden states to sharded safetensors"),
     "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
-    "diff-features": ("eagle3_hf.data.diff", "compare two extractions of the same samples"),
+    "diff-features": ("eagle3_hf.evaluation.feature_diff", "compare two extractions of the same samples"),
     "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),
-    "plan": ("eagle3_hf.plan", "GPU memory, feature disk, FLOPs and time of a training run, before it runs"),
+    "plan": ("eagle3_hf.train.plan", "GPU memory, feature disk, FLOPs and time of a training run, before it runs"),
     "train": ("eagle3_hf.scripts.train", "train a drafter: runs the training script (eagle3_hf/scripts/train.py)"),
-    "evaluate": ("eagle3_hf.engines.command",  # eagle3_hf.evaluate, or --engine vllm beside it
+    "evaluate": ("eagle3_hf.evaluation.command",  # eagle3_hf.evaluation.evaluate, or --engine vllm beside it
                  "speculative decoding with the verifier: acceptance length, lossless check"),
-    "check": ("eagle3_hf.check", "lint a drafter checkpoint for silent serving failures"),
-    "export": ("eagle3_hf.export", "export a drafter to the standard or speculators layout"),
-    "push": ("eagle3_hf.hub", "check a drafter and push it to the Hub with a model card"),
+    "check": ("eagle3_hf.publish.check", "lint a drafter checkpoint for silent serving failures"),
+    "export": ("eagle3_hf.publish.export", "export a drafter to the standard or speculators layout"),
+    "push": ("eagle3_hf.publish.hub", "check a drafter and push it to the Hub with a model card"),
 }
 
 

@@ -16,3 +16,5 @@ ACCEPTANCE_FILE = "acceptance.csv"  # `eagle3-hf evaluate`: one row per prompt a
 
 # ---------------------------------------------------------------- packed batches
 PAD_DOCUMENT = -1  # document id of padding positions in a packed row
+
+VLLM_EVALUATION_FILE = "eagle3_evaluation_vllm.json"  # `evaluate --engine vllm`, beside eagle3_evaluation.json

@@ -34,7 +34,7 @@ timed() { local name=$1; shift; local t0; t0=$(date +%s); "$@"; echo "$name $(( 
 : > "$OUT/timings.txt"
 
 stage "regenerate: the verifier answers $PROMPTS training prompts (never MT-bench); the same pass keeps its hidden states"
-python -c "import json, sys; from eagle3_hf.assets import short_prompts
+python -c "import json, sys; from eagle3_hf.demo_data.prompts import short_prompts
 [print(json.dumps(p)) for p in short_prompts($PROMPTS)]" > "$OUT/prompts.jsonl"
 # One verifier pass for answers and features (replaces prepare + extract): aux hidden states (2, N//2, N-3),
 # post-norm final state and greedy tokens of prompt + answer -> sharded safetensors, plus the prepared dataset

@@ -11,7 +11,7 @@ is trained on *other conversations* (`--source-prompts` short prompts that are n
 and by text overlap) answered by *its own verifier version*, for `--source-epochs`:
   disjoint              our verifier answered the other prompts (other data, same model version);
   disjoint-drift-sN     a previous version of the model (our verifier continued-trained N steps on other text,
-                        eagle3_hf.drift) regenerated the other prompts' answers, its features, our vocabulary;
+                        experiments.drift) regenerated the other prompts' answers, its features, our vocabulary;
   disjoint-drift-sN-vocabM  the same source data with its own draft vocabulary of M tokens built from it (as a
                         published drafter would have); finetuning remaps lm_head rows to ours (--finetune-vocab
                         dataset).
@@ -22,7 +22,7 @@ scratch's validation curve has flattened (the report shows its curve). For each 
 our data before training (the diagnosis `--finetune-from` logs), curves, final per-step and conditional
 accuracy, simulated τ and τ by real speculative decoding (`--eval-set`, MT-bench by default). Writes
 report.md, report.json, curves.png and tau_vs_drift.png; the threshold line of report.md is what
-eagle3_hf/training.py's SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH states.
+eagle3_hf/train/setup.py's SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH states.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def optimizer_steps(summary: dict) -> int:
 # ---------------------------------------------------------------- sources on other data, by their own version
 
 def source_prompts(args) -> list[dict]:
-    """`--source-prompts` short prompts that are not in our data, by id and by text (eagle3_hf.overlap)."""
-    from eagle3_hf.assets import short_prompts
+    """`--source-prompts` short prompts that are not in our data, by id and by text (eagle3_hf.demo_data.overlap)."""
+    from eagle3_hf.demo_data.prompts import short_prompts
     from eagle3_hf.data.shards import load_manifest
-    from eagle3_hf.overlap import find_overlaps
+    from eagle3_hf.demo_data.overlap import find_overlaps
 
     ours = {s["id"] for s in load_manifest(args.data_dir)["samples"]}
     pool = [p for p in short_prompts(len(ours) + 2 * args.source_prompts) if p["id"] not in ours]
@@ -109,9 +109,9 @@ def source_vocab(args, data: Path, size: int | None) -> Path:
 
 def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -> dict:
     """How far the drifted verifier is from ours on our prepared samples (cached: a few forwards of both)."""
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
     from eagle3_hf.data.prepared_format import load_prepared
-    from eagle3_hf.drift import measure_drift, weight_change
+    from experiments.drift import measure_drift, weight_change
 
     cached = out / f"drift-s{steps}.json"
     if cached.is_file() and json.loads(cached.read_text()).get("dir") == str(path):
@@ -127,7 +127,7 @@ def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -
 def build_sources(args, out: Path, wanted=lambda name: True) -> dict[str, dict]:
     """Drafters trained on other conversations, each answered and extracted by its own verifier version."""
     from eagle3_hf.data.shards import load_manifest
-    from eagle3_hf.drift import DriftRecipe, build_drifted_verifiers
+    from experiments.drift import DriftRecipe, build_drifted_verifiers
 
     aux = list(load_manifest(args.data_dir)["aux_layer_indices"])
     plan = {"disjoint": ("same", args.verifier, None, None)}
@@ -175,8 +175,8 @@ def curves(summary: dict) -> dict[str, list]:
 
 def measure_tau(args, drafter_dir: str) -> dict:
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.assets import load_tokenizer, load_verifier
-    from eagle3_hf.evaluate import evaluate_drafter, load_prompts
+    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
+    from eagle3_hf.evaluation.evaluate import evaluate_drafter, load_prompts
 
     verifier = load_verifier(args.verifier)
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir, verifier=verifier)

@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3_hf.assets import DEFAULT_VERIFIER, load_tokenizer, load_verifier
-from eagle3_hf.drift import DriftRecipe, build_drifted_verifiers, drift_texts, measure_drift, weight_change
+from eagle3_hf.verifier.loading import DEFAULT_VERIFIER, load_tokenizer, load_verifier
+from experiments.drift import DriftRecipe, build_drifted_verifiers, drift_texts, measure_drift, weight_change
 
 
 def held_out(args) -> list:

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import torch
@@ -60,8 +59,9 @@ def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path
     from transformers import Trainer
 
     from eagle3_hf import Eagle3Config
-    from eagle3_hf.assets import verifier_io_weights
-    from eagle3_hf.training import build_datasets, load_vocabulary, parse_args
+    from eagle3_hf.verifier.loading import verifier_io_weights
+    from eagle3_hf.train.setup import build_datasets, load_vocabulary
+    from eagle3_hf.train.arguments import parse_args
 
     model_args, data_args, targs = parse_args(train_argv)
     train, _evals, collator, info = build_datasets(data_args, model_args)
@@ -106,8 +106,8 @@ def validation_metrics(args: argparse.Namespace, drafter_dir: Path) -> dict:
     """Per-step accuracy and simulated τ on the validation split, through our model and our metrics."""
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.data.dataset import FeatureDataset
-    from eagle3_hf.step_metrics import drafter_step_accuracies
-    from eagle3_hf.assets import verifier_io_weights
+    from eagle3_hf.train.metrics import drafter_step_accuracies
+    from eagle3_hf.verifier.loading import verifier_io_weights
 
     model = Eagle3DraftModel.from_pretrained(drafter_dir)
     embed, _head = verifier_io_weights(args.verifier)
@@ -126,7 +126,7 @@ def reader_agreement(spec_dir: Path, work: Path, verifier: str, ttt_steps: int =
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.assets import verifier_io_weights
+    from eagle3_hf.verifier.loading import verifier_io_weights
 
     theirs = load_file(str(work / "speculators_drafts.safetensors"))
     batch = {k: v.unsqueeze(0) for k, v in load_file(str(sorted(work.glob("batch-*.safetensors"))[0])).items()}

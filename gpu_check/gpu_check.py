@@ -5,7 +5,7 @@ tiny extraction + speculative decoding run on the device. Run through `gpu_check
    vocabulary 32 000, verifier vocabulary 163 840) on one 2048-token packed row (4 documents of 512), TTT 3,
    for each attention implementation (`sdpa`, `flex_attention`): as the 1-GPU recipe trains (fp32 weights, bf16
    autocast, `drafter_loss`, clip, fused AdamW; on the CPU fp32). Reports tokens/s, MFU = model FLOPs
-   (`eagle3_hf.plan.train_flops_per_token`) / step time / the chip's dense bf16 peak, and peak memory beside
+   (`eagle3_hf.train.plan.train_flops_per_token`) / step time / the chip's dense bf16 peak, and peak memory beside
    the plan's prediction (model states + step peak, and the step alone).
 2. Extraction + speculative decoding: a tiny learnable verifier on the device, its features captured and
    written with the project's shard writer, a tiny drafter trained on them for a few hundred steps, then
@@ -31,9 +31,15 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
-from eagle3_hf.plan import (  # noqa: E402
-    GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token)
-from eagle3_hf.step_metrics import drafter_loss  # noqa: E402
+from eagle3_hf.train.plan import (
+    GIB,
+    Launch,
+    model_state_bytes,
+    param_counts,
+    step_peak_bytes,
+    train_flops_per_token,
+)
+from eagle3_hf.train.loss import drafter_loss  # noqa: E402
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
 TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -203,12 +209,12 @@ def learnable_verifier(device: str, vocab: int = 256, hidden: int = 64, layers: 
 
 
 def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> dict:
-    from eagle3_hf.data.capture import capture_features
+    from eagle3_hf.verifier.capture import capture_features
     from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
     from eagle3_hf.data.extract import verifier_info
     from eagle3_hf.data.shards import ShardWriter, make_header, merge_manifests
     from eagle3_hf.data.vocab import vocab_from_target_ids
-    from eagle3_hf.speculative import compare_to_greedy, greedy_generate, speculative_generate
+    from eagle3_hf.decoding.chain import compare_to_greedy, greedy_generate, speculative_generate
 
     verifier = learnable_verifier(device)
     aux = [1, 3, 4]

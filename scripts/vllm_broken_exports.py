@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_hf.assets import load_tokenizer, resolve_verifier
-from eagle3_hf.check import check_drafter
+from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
+from eagle3_hf.publish.check import check_drafter
 from eagle3_hf.engines.vllm_env import VllmError, run_vllm
-from eagle3_hf.engines.vllm_eval import cut_final_step
-from eagle3_hf.evaluate import load_prompts, render_prompt
+from eagle3_hf.evaluation.vllm_engine import cut_final_step
+from eagle3_hf.evaluation.evaluate import load_prompts, render_prompt
 
 Edit = Callable[[dict, dict], None]
 

@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def default_verifier_dir():
     """The embedded default verifier, converted from its GGUF once and cached (about 35 s the first time)."""
-    from eagle3_hf.assets import default_verifier_dir
+    from eagle3_hf.verifier.loading import default_verifier_dir
 
     return default_verifier_dir()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_hf.assets import mtbench_questions, short_prompts
+from eagle3_hf.demo_data.prompts import mtbench_questions, short_prompts
 
 
 def test_training_prompts_are_instruction_weighted_and_never_mt_bench():

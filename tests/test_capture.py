@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import make_tiny_verifier
 
-from eagle3_hf.data import capture
-from eagle3_hf.data.capture import capture_features
-from eagle3_hf.verifier_family import check_aux_indices, default_aux_indices
+from eagle3_hf.verifier import capture
+from eagle3_hf.verifier.capture import capture_features
+from eagle3_hf.verifier.family import check_aux_indices, default_aux_indices
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_greedy_chunked_and_softcap(tiny, monkeypatch):
 
 
 def test_real_default_verifier(default_verifier_dir):
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
 
     model = load_verifier(str(default_verifier_dir))
     assert model.config.num_hidden_layers == 30

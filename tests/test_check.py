@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_hf import check
-from eagle3_hf.check import check_drafter
+from eagle3_hf.publish import check
+from eagle3_hf.publish.check import check_drafter
 from fixtures.drafters import (
     DRAFT_VOCAB, HIDDEN, VOCAB, kimi_k2_config, kimi_k2_verifier_config, standard_config, standard_tensors,
     vocab_mapping, write_checkpoint, write_drafter, write_speculators_drafter, write_verifier_config,

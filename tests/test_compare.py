@@ -9,7 +9,7 @@ import math
 import re
 from pathlib import Path
 
-from eagle3_hf.assets import chitchat_conversations
+from eagle3_hf.demo_data.prompts import chitchat_conversations
 from eagle3_hf.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +112,8 @@ def test_threshold_is_the_lowest_accuracy_above_every_loser():
 
 
 def test_finetune_advice_states_the_measured_bound():
-    from eagle3_hf.training import SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH as bound
-    from eagle3_hf.training import finetune_advice
+    from eagle3_hf.train.setup import SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH as bound
+    from eagle3_hf.train.setup import finetune_advice
 
     doc = (ROOT / "docs" / "finetune_vs_scratch.md").read_text()
     stated = re.findall(r"SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = ([0-9.]+|none)", doc)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from eagle3_hf.cpu_linear import _PACKED, available, prepacked_linears
+from eagle3_hf.verifier.cpu_linear import _PACKED, available, prepacked_linears
 
 pytestmark = pytest.mark.skipif(not available(), reason="oneDNN linear ops not available in this torch build")
 

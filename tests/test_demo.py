@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from eagle3_hf.assets import mtbench_questions
-from eagle3_hf.overlap import find_overlaps
+from eagle3_hf.demo_data.prompts import mtbench_questions
+from eagle3_hf.demo_data.overlap import find_overlaps
 
 from test_export import STANDARD_KEYS
 
@@ -32,7 +32,7 @@ def test_demo_pipeline_tiny(tmp_path):
     regenerated = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
     assert len(regenerated) == 12 and all(r["messages"][-1]["role"] == "assistant" for r in regenerated)
     # what the demo trained on shares no text with the questions it is evaluated on (all 80, both turns):
-    # not equal after normalising, no shared 8-word run (eagle3_hf/overlap.py)
+    # not equal after normalising, no shared 8-word run (eagle3_hf/demo_data/overlap.py)
     assert find_overlaps(regenerated, mtbench_questions()) == []
     manifest = json.loads((out / "features" / "manifest.json").read_text())
     assert len(manifest["samples"]) == 12 and manifest["aux_layer_indices"] == [2, 15, 27]

@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_verifier
 from test_extract import make_prepared
 
-from eagle3_hf.data.diff import diff_features, format_report
+from eagle3_hf.evaluation.feature_diff import diff_features, format_report
 from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 

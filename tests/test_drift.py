@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle3_hf.assets import load_verifier
+from eagle3_hf.verifier.loading import load_verifier
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
-from eagle3_hf.drift import DriftRecipe, build_drifted_verifiers, measure_drift, weight_change
+from experiments.drift import DriftRecipe, build_drifted_verifiers, measure_drift, weight_change
 
 RECIPE = DriftRecipe(lr=1e-2, warmup=1, seq_len=16, batch_size=2)
 AUX = [2, 3, 4]

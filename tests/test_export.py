@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.checkpoint import save_speculators
+from eagle3_hf.model.checkpoint import save_speculators
 from test_modeling import DRAFT_VOCAB, HIDDEN, VOCAB, packed_batch, tiny_model
 
 STANDARD_KEYS = {
@@ -69,7 +69,7 @@ def test_round_trip_gives_identical_logits(tmp_path):
 def test_a_full_vocabulary_drafter_is_saved_without_a_mapping_and_passes_check(tmp_path):
     """vLLM refuses d2t when the draft vocabulary is the whole vocabulary; the export leaves both tensors out,
     and loading restores the identity mapping."""
-    from eagle3_hf.check import check_drafter
+    from eagle3_hf.publish.check import check_drafter
 
     config = tiny_model().config
     config.draft_vocab_size = VOCAB

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import make_tiny_verifier
 
-from eagle3_hf.data.capture import capture_features
+from eagle3_hf.verifier.capture import capture_features
 from eagle3_hf.data.dataset import FeatureDataset
 from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint

@@ -15,8 +15,8 @@ import torch
 from families import FAMILIES, family_model, save_family_verifier
 
 from eagle3_hf import cli
-from eagle3_hf.check import check_drafter
-from eagle3_hf.configuration_eagle3 import Eagle3Config
+from eagle3_hf.publish.check import check_drafter
+from eagle3_hf.model.configuration_eagle3 import Eagle3Config
 
 
 @contextmanager
@@ -51,10 +51,10 @@ def _fresh_margins(verifier, ids: list[int]) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_end_to_end(family, tmp_path, tokenizer):
-    from eagle3_hf.assets import load_verifier
-    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
-    from eagle3_hf.evaluate import render_prompt
-    from eagle3_hf.speculative import speculative_generate
+    from eagle3_hf.verifier.loading import load_verifier
+    from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.evaluation.evaluate import render_prompt
+    from eagle3_hf.decoding.chain import speculative_generate
 
     verifier_dir = tmp_path / "verifier"
     save_family_verifier(family, verifier_dir, tokenizer)
@@ -107,7 +107,7 @@ def test_family_end_to_end(family, tmp_path, tokenizer):
 def test_per_layer_type_rope_is_written_flat_and_is_the_one_training_used():
     """Gemma 3: the drafter gets the full-attention RoPE (linear x2, theta 1e6), flat, as rope_parameters and
     as the legacy keys; the rotary embedding the drafter trains with equals the verifier's full-attention one."""
-    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
 
     from transformers import LlamaConfig
 
@@ -158,7 +158,7 @@ def test_device_map_extraction_over_two_devices_equals_one_device(tmp_path, toke
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
 
     verifier_dir = tmp_path / "verifier"
     save_family_verifier("deepseek_v3", verifier_dir, tokenizer)
@@ -194,7 +194,7 @@ def test_device_map_extraction_over_two_devices_equals_one_device(tmp_path, toke
 def test_aux_features_are_the_residual_stream_every_family(family):
     """The hooked layer outputs are the `output_hidden_states` entries (the stream entering the next layer,
     what the engines capture), and the final state is post-norm, for MoE/MLA, nested and sliding layers."""
-    from eagle3_hf.data.capture import capture_features
+    from eagle3_hf.verifier.capture import capture_features
 
     verifier = family_model(family)
     ids = torch.randint(3, 5000, (24,), generator=torch.Generator().manual_seed(0))
@@ -207,7 +207,7 @@ def test_aux_features_are_the_residual_stream_every_family(family):
 
 
 def test_drafter_embeds_with_the_raw_verifier_embedding_not_gemmas_scaled_one():
-    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
 
     verifier = family_model("gemma3")
     drafter = Eagle3DraftModel(Eagle3Config.from_verifier(verifier.config, draft_vocab_size=64))
@@ -224,8 +224,8 @@ def test_speculative_greedy_is_lossless_with_rejections_every_family(family):
     """A random drafter is rejected at almost every step, so the verifier's cache is cropped all the time:
     for Gemma 3 that crosses its 8-token sliding window, which must be rolled back, not lost."""
     from eagle3_hf.data.vocab import vocab_from_target_ids
-    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
-    from eagle3_hf.speculative import greedy_generate, speculative_generate
+    from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.decoding.chain import greedy_generate, speculative_generate
 
     verifier = family_model(family)
     torch.manual_seed(0)

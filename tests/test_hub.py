@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_hf.check import check_drafter
-from eagle3_hf.hub import DrafterCheckError, HubError, hub_errors, push_drafter
-from eagle3_hf.model_card import CARD_MARKER, build_model_card, serve_commands, write_model_card
+from eagle3_hf.publish.check import check_drafter
+from eagle3_hf.publish.hub import DrafterCheckError, HubError, hub_errors, push_drafter
+from eagle3_hf.publish.model_card import CARD_MARKER, build_model_card, serve_commands, write_model_card
 from fixtures.drafters import write_drafter
 from hub_server import READ_TOKEN as READ
 from hub_server import WRITE_TOKEN as WRITE

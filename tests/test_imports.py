@@ -1,5 +1,6 @@
-"""The package's import graph has no cycle, counting imports inside functions too: a cycle means two
-modules each own half of a rule, which is how a contract ends up written twice."""
+"""The package's import graph: no cycle (counting imports inside functions too: a cycle means two modules each
+own half of a rule, which is how a contract ends up written twice), and the subpackages in layers, each
+importing only those below it, so the folder names read as the architecture."""
 
 from __future__ import annotations
 
@@ -39,6 +40,36 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def imported_top_levels(path: Path) -> set[str]:
+    """Top-level names of every absolute import in a file, function-level imports included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+# bottom to top: a subpackage may import itself and those before it, never one after it
+LAYERS = ["constants", "errors", "engines", "verifier", "model", "publish", "demo_data", "data", "train", "decoding",
+          "evaluation", "scripts", "cli"]
+# the one upward edge: `Eagle3DraftModel.push_to_hub` (transformers' API, on the model) runs the publish step,
+# imported inside that method
+ALLOWED_UPWARD = {("eagle3_hf.model.modeling_eagle3", "eagle3_hf.publish.hub")}
+# old import paths, kept as aliases of the moved modules: above everything
+ALIASES = {"eagle3_hf", "eagle3_hf.configuration_eagle3", "eagle3_hf.modeling_eagle3"}
+
+
+def layer_of(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
+
+
+def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, d) for m, deps in graph.items() if m not in ALIASES for d in deps
+            if d not in ALIASES and layer_of(d) > layer_of(m)}
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
@@ -63,7 +94,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
-    assert "eagle3_hf.checkpoint" in graph["eagle3_hf.modeling_eagle3"]  # the walk sees real edges
+    assert "eagle3_hf.model.checkpoint" in graph["eagle3_hf.model.modeling_eagle3"]  # the walk sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -77,6 +108,35 @@ def test_the_walk_finds_a_cycle_through_function_level_imports():
 
 def test_checkpoint_is_at_the_bottom_of_the_house():
     graph = import_graph()
-    assert graph["eagle3_hf.checkpoint"] <= {"eagle3_hf.configuration_eagle3", "eagle3_hf.verifier_family"}
-    assert graph["eagle3_hf.configuration_eagle3"] <= {"eagle3_hf.verifier_family"}
-    assert not graph["eagle3_hf.verifier_family"]  # the family helpers sit below everything
+    assert graph["eagle3_hf.model.checkpoint"] <= {"eagle3_hf.model.configuration_eagle3", "eagle3_hf.verifier.family"}
+    assert graph["eagle3_hf.model.configuration_eagle3"] <= {"eagle3_hf.verifier.family"}
+    assert not graph["eagle3_hf.verifier.family"]  # the family helpers sit below everything
+
+
+def test_every_module_lives_in_a_known_layer():
+    unplaced = [m for m in import_graph() if m not in ALIASES and m.split(".")[1] not in LAYERS]
+    assert not unplaced, f"modules outside the layers (add their subpackage to LAYERS): {unplaced}"
+
+
+def test_subpackages_import_only_the_layers_below():
+    edges = upward_edges(import_graph())
+    assert edges == ALLOWED_UPWARD, f"imports against the layering: {sorted(edges - ALLOWED_UPWARD)}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"eagle3_hf.data.prepare": {"eagle3_hf.train.trainer"}, "eagle3_hf.train.trainer": set()}
+    assert upward_edges(graph) == {("eagle3_hf.data.prepare", "eagle3_hf.train.trainer")}
+
+
+def test_the_package_never_imports_experiments_or_bench():
+    offenders = {str(p.relative_to(PACKAGE.parent)): sorted(found) for p in PACKAGE.rglob("*.py")
+                 if (found := imported_top_levels(p) & {"experiments", "bench", "gpu_check", "tests"})}
+    assert not offenders, offenders
+
+
+def test_old_import_paths_are_the_moved_modules():
+    from eagle3_hf import Eagle3Config, Eagle3DraftModel
+    from eagle3_hf.configuration_eagle3 import Eagle3Config as OldConfig
+    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel as OldModel
+
+    assert OldConfig is Eagle3Config and OldModel is Eagle3DraftModel

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.ttt_attention import _causal_with_diagonals, shift_within_documents
-from eagle3_hf.verifier_family import aux_indices_from_config, engine_aux_layer_ids
+from eagle3_hf.model.ttt_attention import _causal_with_diagonals, shift_within_documents
+from eagle3_hf.verifier.family import aux_indices_from_config, engine_aux_layer_ids
 
 VOCAB, HIDDEN, DRAFT_VOCAB = 1000, 64, 100
 

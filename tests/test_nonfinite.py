@@ -14,7 +14,8 @@ from eagle3_hf import Eagle3Config, Eagle3DraftModel, cli
 from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
 from eagle3_hf.data.shards import MANIFEST, sample_sha256, sha256_file
 from eagle3_hf.data.vocab import load_vocab
-from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments
+from eagle3_hf.train.trainer import Eagle3Trainer
+from eagle3_hf.train.arguments import Eagle3TrainingArguments
 from train_fixtures import FINGERPRINT, SYN_VOCAB, build_offline_data, save_verifier
 
 COMMON = ["--max-seq-len", "128", "--per-device-train-batch-size", "2", "--disable-tqdm", "true",
@@ -107,7 +108,7 @@ def test_trainer_never_saves_non_finite_weights(synthetic, tmp_path):
 
 
 def test_evaluate_refuses_a_non_finite_drafter(tmp_path, tiny_verifier_dir, capsys):
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
     from test_speculative import random_drafter
 
     drafter = random_drafter(load_verifier(str(tiny_verifier_dir)), draft_vocab_size=300)
@@ -127,7 +128,7 @@ def test_evaluate_refuses_a_non_finite_drafter(tmp_path, tiny_verifier_dir, caps
 
 
 def test_check_on_an_all_nan_lm_head_reports_only_that(tmp_path):
-    from eagle3_hf.check import check_drafter
+    from eagle3_hf.publish.check import check_drafter
     from fixtures.drafters import DRAFT_VOCAB, HIDDEN, write_drafter
 
     nan_head = torch.full((DRAFT_VOCAB, HIDDEN), float("nan"))

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from eagle3_hf.optim import HybridMuonAdamW, build_hybrid_optimizer, muon_param_names
+from eagle3_hf.train.optim import HybridMuonAdamW, build_hybrid_optimizer, muon_param_names
 
 
 class _Toy(torch.nn.Module):

@@ -14,7 +14,7 @@ import torch
 
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.data.shards import ShardWriter, make_header
-from eagle3_hf.plan import GIB, feature_bytes_per_token, verifier_params
+from eagle3_hf.train.plan import GIB, feature_bytes_per_token, verifier_params
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI = str(ROOT / "examples/recipes/kimi_k25_text_config.json")

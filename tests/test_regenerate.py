@@ -197,7 +197,7 @@ def test_llama_cpp_server(tmp_path):
     """A real OpenAI-compatible server (llama-cpp-python) serving the default SmolLM2 GGUF on loopback."""
     import importlib.util
 
-    from eagle3_hf.assets import default_verifier_gguf
+    from eagle3_hf.verifier.loading import default_verifier_gguf
 
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.fail("EAGLE3_INTEGRATION=1 needs llama-cpp-python with its server: pip install 'llama-cpp-python[server]'")

@@ -21,7 +21,7 @@ import torch
 
 from eagle3_hf.data.conversations import write_jsonl
 from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.diff import diff_features
+from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.data.prepare import prepare_conversations

@@ -14,8 +14,8 @@ from conftest import make_tiny_verifier
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.evaluate import evaluate_drafter, load_prompts
-from eagle3_hf.speculative import (
+from eagle3_hf.evaluation.evaluate import evaluate_drafter, load_prompts
+from eagle3_hf.decoding.chain import (
     acceptance_metric_path,
     acceptance_stats,
     compare_to_greedy,
@@ -178,8 +178,9 @@ def test_lossless_on_tiny_verifier_with_every_acceptance_length():
 
 
 def test_lossless_on_default_verifier(default_verifier_dir, tokenizer):
-    from eagle3_hf.assets import load_verifier, mtbench_questions
-    from eagle3_hf.evaluate import render_prompt
+    from eagle3_hf.verifier.loading import load_verifier
+    from eagle3_hf.demo_data.prompts import mtbench_questions
+    from eagle3_hf.evaluation.evaluate import render_prompt
 
     verifier = load_verifier(str(default_verifier_dir))
     question = mtbench_questions()[0]["turns"][0]
@@ -249,7 +250,7 @@ def test_tau_near_k_plus_one_for_trained_drafter_and_near_one_for_random():
 def test_accept_reject_core_is_exact():
     """verify_sampled with drafts from q: first token ~ p[0]; after an accepted draft, second ~ p[1]. A
     variant resampling from p instead of norm(max(0, p - q)) is rejected by the same test."""
-    import eagle3_hf.speculative as spec_module
+    import eagle3_hf.decoding.chain as spec_module
 
     g = torch.Generator().manual_seed(0)
     vocab = 6
@@ -359,7 +360,7 @@ def test_load_prompts(tmp_path):
 
 
 def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir, monkeypatch):
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
     from eagle3_hf.cli import main
 
     verifier = load_verifier(str(tiny_verifier_dir))
@@ -385,7 +386,7 @@ def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir, monkey
     assert json.loads((drafter_dir / "eagle3_evaluation.json").read_text()) == summary
 
     # a decoder that changes one token is caught: non-zero exit, lossless false in the summary
-    import eagle3_hf.evaluate as evaluate_module
+    import eagle3_hf.evaluation.evaluate as evaluate_module
 
     real = evaluate_module.speculative_generate
 

@@ -18,9 +18,10 @@ from safetensors import safe_open
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
 from eagle3_hf.data.vocab import load_vocab, vocab_from_target_ids
-from eagle3_hf.step_metrics import drafter_step_accuracies
+from eagle3_hf.train.metrics import drafter_step_accuracies
 from eagle3_hf.scripts.train import main as train_main
-from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments
+from eagle3_hf.train.trainer import Eagle3Trainer
+from eagle3_hf.train.arguments import Eagle3TrainingArguments
 from test_export import STANDARD_KEYS
 from train_fixtures import FINGERPRINT, SYN_VOCAB, build_offline_data, save_verifier
 
@@ -255,7 +256,7 @@ def test_online_mode_trains_with_nothing_on_disk(synthetic, tmp_path):
 def test_soft_cross_entropy_blocks_equal_plain_autograd(monkeypatch):
     """The blockwise loss (teacher softmax once, gradient without gathered copies) gives the plain formula's
     loss and gradient, whatever the block size."""
-    from eagle3_hf import step_metrics
+    from eagle3_hf.train import loss as step_metrics
 
     g = torch.Generator().manual_seed(0)
     student = torch.randn(2, 9, 13, generator=g, dtype=torch.float64).float().requires_grad_(True)
@@ -277,7 +278,7 @@ def test_soft_cross_entropy_blocks_equal_plain_autograd(monkeypatch):
 def test_frozen_verifier_lm_head_stays_bit_identical_and_has_no_optimizer_state(synthetic, tmp_path):
     """--init-lm-head verifier --freeze-lm-head: the head starts as the verifier's draft rows and ends as them,
     bit for bit, while the rest trains; the summary records both options."""
-    from eagle3_hf.trainer import training_summary
+    from eagle3_hf.train.trainer import training_summary
 
     model = fresh_drafter(synthetic)
     rows = synthetic["verifier"].lm_head.weight[model.draft_to_target(torch.arange(model.config.draft_vocab_size))]
@@ -300,7 +301,8 @@ def test_frozen_verifier_lm_head_stays_bit_identical_and_has_no_optimizer_state(
 def test_heads_on_read_positions_only_give_the_same_loss_gradient_and_metrics(synthetic):
     """The trainer computes lm_head only where the loss or the metrics read it and the teacher only where the
     loss reads it; the full-logits forward gives the same loss, gradients and step statistics."""
-    from eagle3_hf.step_metrics import StepStats, drafter_loss
+    from eagle3_hf.train.metrics import StepStats
+    from eagle3_hf.train.loss import drafter_loss
 
     model = fresh_drafter(synthetic, seed=2)
     batch = a_batch(synthetic["features"])

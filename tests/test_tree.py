@@ -12,9 +12,17 @@ import torch
 from families import family_model
 from test_speculative import assert_matches_greedy, chi_square_p_value, lively_verifier, random_drafter
 
-from eagle3_hf.speculative import greedy_generate, speculative_generate
-from eagle3_hf.tree import (DraftTree, accept_greedy, accept_sampled, config_problem, draft_tree, num_candidates,
-                            speculative_decode, tree_speculative_generate)
+from eagle3_hf.decoding.chain import greedy_generate, speculative_generate
+from eagle3_hf.decoding.tree import (
+    DraftTree,
+    accept_greedy,
+    accept_sampled,
+    config_problem,
+    draft_tree,
+    num_candidates,
+    speculative_decode,
+    tree_speculative_generate,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -113,8 +121,9 @@ def test_tree_greedy_lossless_every_family(family):
 
 
 def test_tree_greedy_lossless_on_default_verifier(default_verifier_dir, tokenizer):
-    from eagle3_hf.assets import load_verifier, mtbench_questions
-    from eagle3_hf.evaluate import render_prompt
+    from eagle3_hf.verifier.loading import load_verifier
+    from eagle3_hf.demo_data.prompts import mtbench_questions
+    from eagle3_hf.evaluation.evaluate import render_prompt
 
     verifier = load_verifier(str(default_verifier_dir))
     prompt = render_prompt(tokenizer, [{"role": "user", "content": mtbench_questions()[0]["turns"][0]}])
@@ -284,8 +293,8 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
     from test_speculative import ToyTokenizer, plus_one_verifier
 
     from eagle3_hf.constants import SWEEP_FILE
-    from eagle3_hf.model_card import sweep_section
-    from eagle3_hf.sweep import run_sweep, sweep_grid
+    from eagle3_hf.publish.model_card import sweep_section
+    from eagle3_hf.evaluation.sweep import run_sweep, sweep_grid
 
     verifier = plus_one_verifier()
     drafter = random_drafter(verifier, draft_vocab_size=32, aux=[1, 2, 3])
@@ -302,14 +311,14 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
     assert data["vllm_num_speculative_tokens"] == 2
     assert "--speculative-algorithm EAGLE3" in sweep_section(data)
 
-    from eagle3_hf.model_card import build_model_card  # the card of a drafter directory holding the sweep
+    from eagle3_hf.publish.model_card import build_model_card  # the card of a drafter directory holding the sweep
 
     (tmp_path / "config.json").write_text("{}")
     assert data["sglang_flags"] in str(build_model_card(tmp_path, "org/drafter"))
 
 
 def test_evaluate_cli_tree_and_sweep(tmp_path, tiny_verifier_dir, capsys):
-    from eagle3_hf.assets import load_verifier
+    from eagle3_hf.verifier.loading import load_verifier
     from eagle3_hf.cli import main
     from eagle3_hf.constants import SWEEP_FILE
 

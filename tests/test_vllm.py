@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.cli import main
 from eagle3_hf.engines.vllm_env import STAMP, one_line, vllm_venv
-from eagle3_hf.engines.vllm_eval import compare_engines, cut_final_step
+from eagle3_hf.evaluation.vllm_engine import compare_engines, cut_final_step
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
@@ -247,7 +247,7 @@ def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_pa
 def test_model_card_states_the_tau_measured_in_vllm(tmp_path):
     from fixtures.drafters import write_drafter
 
-    from eagle3_hf.model_card import build_model_card
+    from eagle3_hf.publish.model_card import build_model_card
 
     path = write_drafter(tmp_path / "drafter")
     assert "Served by vLLM" not in str(build_model_card(path))

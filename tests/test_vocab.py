@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf import cli
-from eagle3_hf.checkpoint import draft_to_target
+from eagle3_hf.model.checkpoint import draft_to_target
 from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
 from eagle3_hf.data.prepared_format import load_prepared, save_prepared
 from eagle3_hf.data.vocab import (build_vocab, load_vocab, save_vocab, select_top_ids,

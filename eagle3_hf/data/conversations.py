@@ -211,7 +211,7 @@ def load_conversations(source: str, limit: int | None = None, split: str = "trai
     if source == "default":
         if text:
             raise ValueError("--input default is a set of conversations; plain-text mode needs a file or dataset")
-        from eagle3_hf.assets import training_conversations
+        from eagle3_hf.demo_data.prompts import training_conversations
 
         return training_conversations(limit)
     path = Path(source)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..verifier_family import check_aux_indices, default_aux_indices, text_config
-from .capture import capture_features
+from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from ..verifier.capture import capture_features
 from .prepared_format import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
@@ -155,7 +155,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..assets import load_tokenizer, load_verifier
+    from ..verifier.loading import load_tokenizer, load_verifier
     from .fingerprint import tokenizer_fingerprint
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None

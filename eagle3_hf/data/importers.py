@@ -30,8 +30,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..verifier_family import check_aux_indices, default_aux_indices, logit_softcap, text_config
-from .capture import final_norm, greedy_tokens
+from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap, text_config
+from ..verifier.capture import final_norm, greedy_tokens
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
@@ -51,7 +51,7 @@ def load_verifier_head(verifier, revision: str | None = None) -> tuple[nn.Module
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..assets import load_verifier, resolve_verifier
+    from ..verifier.loading import load_verifier, resolve_verifier
 
     path = Path(resolve_verifier(str(verifier)))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -272,7 +272,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..assets import load_tokenizer
+    from ..verifier.loading import load_tokenizer
     from .fingerprint import tokenizer_fingerprint
 
     if args.aux_layers and args.engine_layer_ids:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from ..verifier_family import check_aux_indices, default_aux_indices, text_config
-from .capture import capture_features
+from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from ..verifier.capture import capture_features
 from .dataset import PackedCollator, select_split
 from .shards import canonical_dtype, dequantize, quantize
 

@@ -343,7 +343,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eagle3_hf.assets import load_tokenizer
+    from eagle3_hf.verifier.loading import load_tokenizer
     from eagle3_hf.data.conversations import load_conversations
 
     if args.chat_template and (args.template_kwargs or {}).get("chat_template"):

@@ -92,7 +92,7 @@ class TransformersBackend:
                  max_new_tokens: int = 1024, temperature: float = 0.0, top_p: float = 1.0):
         import torch
 
-        from eagle3_hf.assets import load_tokenizer, load_verifier
+        from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
 
         # what a worker process needs to build the same backend (regenerate --num-workers)
         self.spec = {"verifier": verifier, "revision": revision, "device": device, "dtype": dtype,
@@ -116,7 +116,7 @@ class TransformersBackend:
 
     def generator(self, aux_indices=None):
         """The project's one batched generation loop on this verifier; `aux_indices` keeps the features too."""
-        from .generate_features import FeatureGenerator
+        from ..verifier.generation import FeatureGenerator
 
         return FeatureGenerator(self.model, aux_indices, set(self.eos), self.pad, self.max_new_tokens,
                                 self.temperature, self.top_p)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..verifier_family import check_aux_indices, default_aux_indices
+from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
 from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from .prepared_format import save_prepared

@@ -13,7 +13,7 @@ import random
 import re
 from collections import Counter
 
-# the embedded default's prompt sources (eagle3_hf.assets); other ids fall back to their leading words
+# the embedded default's prompt sources (eagle3_hf.verifier.loading); other ids fall back to their leading words
 KNOWN_SOURCES = ("alpaca-eval", "arena-hard", "chitchat", "healthbench", "humaneval", "ifbench", "ifeval",
                  "mt-bench", "writingbench")
 _LEADING_WORDS = re.compile(r"^[A-Za-z_]+(?:-[A-Za-z_]+)*(?=-|$)")

@@ -2,7 +2,7 @@
 
 Kept ids are the N most frequent *assistant* tokens (loss_mask = 1), ties broken by lower id so the
 choice is deterministic, then sorted ascending, and turned into `d2t` / `t2d` by
-`eagle3_hf.checkpoint.vocab_from_target_ids` (the mapping's one definition). The file carries the
+`eagle3_hf.model.checkpoint.vocab_from_target_ids` (the mapping's one definition). The file carries the
 tokenizer fingerprint and vocab size, and `load_vocab` refuses a mapping built for another tokenizer: an id map from the
 wrong tokenizer trains and serves without error and is just quietly useless.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import validate_vocab_mapping, vocab_from_target_ids
+from ..model.checkpoint import validate_vocab_mapping, vocab_from_target_ids
 from ..constants import VOCAB_FILE
 
 

@@ -4,5 +4,3 @@ vLLM lives in its own venv (`make vllm`, scripts/install_vllm.sh): it pins anoth
 than ours. `vllm_runner.py` runs inside that venv (stdlib + vllm only, executed by path), `vllm_env.py`
 finds the venv and starts the runner, `vllm_eval.py` is `eagle3-hf evaluate --engine vllm`.
 """
-
-VLLM_EVALUATION_FILE = "eagle3_evaluation_vllm.json"  # `evaluate --engine vllm`, beside eagle3_evaluation.json

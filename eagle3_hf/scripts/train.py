@@ -17,7 +17,7 @@ file only calls this one). The same script runs in every setting; only the launc
     accelerate launch examples/train.py --online --prepared-dir prepared/ --output-dir runs/online
 
 Arguments are transformers' TrainingArguments plus TTT (`--ttt-steps`, `--ttt-step-weight`) and the model
-and data arguments of `eagle3_hf.training`; `--config FILE.yaml` gives defaults that the command line
+and data arguments of `eagle3_hf.train.setup`; `--config FILE.yaml` gives defaults that the command line
 overrides; `--help` lists them all. The machinery (trainer, loss, metrics, checkpoint layout) lives in the
 package; docs/contracts.md describes what the drafter is trained to match.
 """
@@ -29,12 +29,19 @@ import os
 
 from transformers import AutoConfig, set_seed
 
-from eagle3_hf.assets import resolve_verifier, verifier_io_weights
-from eagle3_hf.verifier_family import logit_softcap
+from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
+from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.constants import TRAINING_FILE
-from eagle3_hf.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.training import (build_datasets, build_drafter, check_features_fit, finetune_advice, finish_process,
-                                load_vocabulary, parse_args)
+from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
+from eagle3_hf.train.setup import (
+    build_datasets,
+    build_drafter,
+    check_features_fit,
+    finetune_advice,
+    finish_process,
+    load_vocabulary,
+)
+from eagle3_hf.train.arguments import parse_args
 
 logger = logging.getLogger("eagle3_hf.train")
 

@@ -1,0 +1,197 @@
+"""`eagle3-hf evaluate --engine vllm`: the drafter served by vLLM, beside our own decoder on the same prompts.
+
+The prompts are rendered with the verifier's chat template here, exactly as `evaluate` renders them, and
+passed to vLLM as token ids, so both engines read identical inputs. vLLM runs twice in its own venv
+(vllm_env.py): plain, then with the drafter (`speculative_config` method eagle3). τ and per-position
+acceptance come from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the
+lossless check compares token ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless
+--skip-transformers, `evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed
+as one number: vLLM τ minus transformers τ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
+from ..engines.vllm_env import run_vllm
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `evaluate` takes for engines other than its own decoder."""
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                        help="transformers: our in-process decoder; vllm: serve the drafter in vLLM (`make vllm`) "
+                             "and print our decoder's τ beside it (default: %(default)s)")
+    parser.add_argument("--skip-transformers", action="store_true",
+                        help="--engine vllm: measure vLLM only (no train/serve gap)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="--engine vllm: vLLM's context length")
+
+
+def _margins(run: dict, i: int, n: int) -> list[float]:
+    """Top-1 minus top-2 logprob per generated token of prompt i (a logit gap: log-softmax shifts both
+    equally); infinite (never a tie) where vLLM returned none."""
+    found = (run.get("margins") or [[]] * (i + 1))[i]
+    return [float("inf") if m is None else m for m in found] + [float("inf")] * (n - len(found))
+
+
+def cut_final_step(steps: list[int], output_len: int, max_new_tokens: int) -> list[int]:
+    """vLLM's accepted drafts per verify step, counted as `evaluate` counts them.
+
+    vLLM drafts k tokens at every step and counts the accepted ones even past max_tokens (or an eos), where
+    they are cut from the output; evaluate drafts only what can be kept. So the final step keeps at most
+    the drafts it emitted: all of them when it ended on an eos draft, else all but its bonus token.
+    """
+    if not steps:
+        return []
+    emitted = output_len - (1 + sum(a + 1 for a in steps[:-1]))  # the prefill emits the first token
+    cap = emitted if output_len < max_new_tokens else emitted - 1
+    return steps[:-1] + [max(0, min(steps[-1], cap))]
+
+
+def summarize(plain: dict, spec: dict, k: int, temperature: float, max_new_tokens: int) -> dict[str, Any]:
+    """vLLM's two runs -> τ, per-position acceptance, speedup, lossless (greedy), one row per prompt."""
+    from ..decoding.chain import compare_to_greedy
+
+    rows, statuses = [], []
+    for i, (base, fast, counts) in enumerate(zip(plain["outputs"], spec["outputs"], spec["spec"])):
+        status = where = None
+        if temperature <= 0:
+            status, where = compare_to_greedy(fast, _margins(spec, i, len(fast)), base, _margins(plain, i, len(base)))
+            statuses.append(status)
+        drafts = counts["drafts"]
+        rows.append({"prompt": i, "new_tokens": len(fast), "drafts": drafts, "accepted": counts["accepted"],
+                     "accepted_per_pos": counts["accepted_per_pos"], "tokens": fast,
+                     "accepted_per_step": counts.get("per_step_accepted") or [],
+                     "accepted_per_step_cut": cut_final_step(counts.get("per_step_accepted") or [], len(fast),
+                                                             max_new_tokens),
+                     "tau": 1 + counts["accepted"] / drafts if drafts else None, "lossless": status,
+                     "first_divergence": where, "baseline_seconds": plain["seconds"][i],
+                     "speculative_seconds": spec["seconds"][i]})
+    drafts = sum(r["drafts"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    per_pos = [sum((r["accepted_per_pos"] + [0] * k)[j] for r in rows) for j in range(k)]
+    cut = [a for r in rows for a in r["accepted_per_step_cut"]]
+    base_tps = sum(len(o) for o in plain["outputs"]) / sum(plain["seconds"]) if sum(plain["seconds"]) else None
+    spec_tps = sum(len(o) for o in spec["outputs"]) / sum(spec["seconds"]) if sum(spec["seconds"]) else None
+    greedy = temperature <= 0
+    return {
+        "engine": "vllm", "vllm_version": spec.get("vllm_version"), "k": k, "temperature": temperature,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_length_as_evaluate_counts": 1 + sum(cut) / len(cut) if cut else None,
+        "per_position_acceptance": [a / drafts if drafts else None for a in per_pos],
+        "num_drafts": drafts, "num_accepted_tokens": accepted, "new_tokens": sum(len(o) for o in spec["outputs"]),
+        "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
+        "tokens_per_second": {"baseline": base_tps, "speculative": spec_tps},
+        "seconds": {"baseline": sum(plain["seconds"]), "speculative": sum(spec["seconds"]),
+                    "load_baseline": plain.get("load_seconds"), "load_speculative": spec.get("load_seconds")},
+        "lossless": (statuses.count("mismatch") == 0) if greedy else None,
+        "numerical_ties": statuses.count("tie") if greedy else None,
+        "mismatches": statuses.count("mismatch") if greedy else None,
+        "per_prompt": rows,
+    }
+
+
+def compare_engines(vllm: dict[str, Any], transformers: dict[str, Any]) -> dict[str, Any]:
+    """The train/serve gap and where it comes from, prompt by prompt.
+
+    gap = vLLM τ counted as evaluate counts it (final step cut, `cut_final_step`) minus evaluate's τ: zero
+    when vLLM accepts exactly what our decoder accepts. Per prompt: "equal" (same tokens, same accepted
+    drafts at every step), "numerics" (the two engines' greedy outputs differ, at a near-tie of their
+    different kernels: the steps are not comparable), "differ" (same tokens, different acceptance: a real
+    train/serve mismatch).
+    """
+    tau_v, tau_t = vllm["acceptance_length_as_evaluate_counts"], transformers["acceptance_length"]
+    kinds = []
+    for v, t in zip(vllm["per_prompt"], transformers["per_prompt"]):
+        if v["tokens"] != t.get("tokens", v["tokens"]):
+            kinds.append("numerics")
+        else:
+            kinds.append("equal" if v["accepted_per_step_cut"] == list(t["accepted_per_step"]) else "differ")
+    return {"transformers_acceptance_length": tau_t,
+            "gap": tau_v - tau_t if tau_v is not None and tau_t is not None else None,
+            "prompts_equal": kinds.count("equal"), "prompts_numerics": kinds.count("numerics"),
+            "prompts_differ": kinds.count("differ"), "num_compared": len(kinds), "prompt_agreement": kinds}
+
+
+def format_vllm_summary(summary: dict[str, Any]) -> str:
+    """Lines for the terminal: vLLM's numbers, then transformers' τ and the gap when measured."""
+    from .evaluate import format_summary
+
+    text = f"vLLM {summary.get('vllm_version')}: {format_summary(summary)}"
+    if summary.get("gap") is not None:
+        text += (f"\ntransformers (eagle3-hf evaluate): tau {summary['transformers_acceptance_length']:.3f}; vLLM counted "
+                 f"the same way (final step cut at max tokens): {summary['acceptance_length_as_evaluate_counts']:.3f}; "
+                 f"prompts with equal accepted drafts at every step {summary['prompts_equal']}/{summary['num_compared']}"
+                 f" (outputs differ by engine numerics: {summary['prompts_numerics']}, acceptance differs: "
+                 f"{summary['prompts_differ']})\ntrain/serve gap (vLLM tau - transformers tau): {summary['gap']:+.3f}")
+    return text
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """`eagle3-hf evaluate --engine vllm`."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ..data.prepare import use_chat_template
+    from .evaluate import _turns, copy_to_drafter, load_prompts, render_prompt, write_outputs
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+    from ..decoding.chain import check_pair
+    from ..engines.vllm_env import vllm_python
+
+    if args.k < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--k and --max-new-tokens must be >= 1")
+    if args.turns != 1:
+        raise SystemExit("--engine vllm evaluates single-turn prompts: use --turns 1")
+    if getattr(args, "topk", 1) != 1 or getattr(args, "sweep", False):
+        raise SystemExit("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
+    if getattr(args, "steps", None) not in (None, args.k):
+        raise SystemExit(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
+    vllm_python()  # fail first, in one line, when vLLM is not installed
+    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
+    verifier_path = resolve_verifier(args.verifier)
+    tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype)
+    vconfig = AutoConfig.from_pretrained(verifier_path, revision=args.verifier_revision)
+    for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
+        print(f"WARNING: {warning}", file=sys.stderr)
+    prompts, name = load_prompts(args.prompts, args.num_prompts)
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": _turns(p)[0]}]) for p in prompts]
+    threads = torch.get_num_threads()
+    request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
+               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+               "dtype": args.dtype, "max_model_len": args.max_model_len, "k": args.k,
+               "logprobs": 2 if args.temperature <= 0 else None}
+    print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}) ...", file=sys.stderr)
+    result = run_vllm(dict(request, drafter=args.drafter, drafter_revision=args.revision), threads=threads, debug=debug)
+    plain, spec = result["plain"], dict(result["spec"], vllm_version=result["vllm_version"])
+    summary = summarize(plain, spec, args.k, args.temperature, args.max_new_tokens)
+    summary.update(prompts=name, num_prompts=len(ids), max_new_tokens=args.max_new_tokens, verifier=args.verifier,
+                   drafter=args.drafter, threads=threads)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if not args.skip_transformers:
+        from ..verifier.loading import load_verifier
+        from .evaluate import evaluate_drafter
+
+        verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
+        drafter.load_verifier_embeddings(verifier)
+        ours = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, seed=args.seed, prompts_name=name,
+                                progress=not args.no_progress)
+        ours.update(verifier=args.verifier, drafter=args.drafter)
+        written += list(write_outputs(out, ours))
+        summary.update(compare_engines(summary, ours))
+    json_path = out / VLLM_EVALUATION_FILE
+    json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    written.append(json_path)
+    if args.write_to_drafter:  # only vLLM's file: the drafter's own eagle3_evaluation.json stays evaluate's
+        copy_to_drafter(json_path, args.drafter)
+    print(f"{format_vllm_summary(summary)}\nwrote {', '.join(str(p) for p in written)}")
+    return 1 if summary["lossless"] is False else 0

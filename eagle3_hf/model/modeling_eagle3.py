@@ -1,0 +1,407 @@
+"""Eagle3DraftModel: the EAGLE-3 drafter as a transformers PreTrainedModel.
+
+Reads top to bottom in the order data flows: features -> fc -> the one decoder layer ("midlayer", whose
+attention sees cat(embedding, hidden)) -> norm -> lm_head over the draft vocabulary. Two entry points:
+
+- `forward`: the training-time-test (TTT) unroll over a *packed* batch (several documents per row), as
+  docs/contracts.md defines it: at step i every position reads the token i places later in its document, feeds
+  back its own step i-1 output, attends causally to step-0 keys of its own document plus its own keys of
+  steps 1..i (the diagonal), at RoPE position t + i. Attention runs per document, so no compute is spent
+  on blocks the mask would throw away.
+- `draft_step`: one incremental step with a KV cache, as an engine runs the drafter (decoding/).
+
+Attention over packed documents lives in ttt_attention.py; checkpoints are the standard layout SGLang and
+vLLM load (see `eagle3_hf/model/checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils import ModelOutput
+
+from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
+from .configuration_eagle3 import Eagle3Config
+from .ttt_attention import Eagle3Attention, document_spans, shift_within_documents
+from ..verifier.family import logit_softcap as verifier_logit_softcap
+from ..verifier.family import softcap_logits
+
+
+@dataclass
+class Eagle3Output(ModelOutput):
+    """Per TTT step: draft-vocabulary logits [B, L, Vd], pre-norm layer outputs [B, L, H] (what the next
+    step feeds back) and which positions exist at that step (their input token lies in the document).
+
+    When the forward was given `logits_mask` / `teacher_mask`, step i's logits are the rows [N_i, Vd] at
+    `logits_mask[i]` and the teacher's the rows [M, Vd] at `teacher_mask`, in row-major order."""
+
+    logits: tuple[torch.Tensor, ...] | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    step_valid: tuple[torch.Tensor, ...] | None = None
+    teacher_probs: torch.Tensor | None = None  # [B, L, Vd] fp32: the verifier's distribution on the draft vocabulary
+    logits_mask: tuple[torch.Tensor, ...] | None = None
+    teacher_mask: torch.Tensor | None = None
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The drafter's one layer. Input cat(input_layernorm(embed), hidden_norm(h)); residual = h."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """-> (x [B, L, 2H], residual [B, L, H]); embedding first, as SGLang and vLLM concatenate."""
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj + residual, then the MLP block; returns the pre-norm output fed back at the next step. With
+        `rows` ([B, L] bool) the MLP runs there only: elsewhere the output is never read (see forward)."""
+        hidden = residual + self.self_attn.o_proj(attn_out)
+        if rows is None:
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        kept = hidden[rows]
+        return hidden.index_put((rows,), kept + self.mlp(self.post_attention_layernorm(kept)))
+
+
+class Eagle3PreTrainedModel(PreTrainedModel):
+    config_class = Eagle3Config
+    config: Eagle3Config
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["Eagle3DecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear, Embedding, RMSNorm, rotary buffers as in every HF model
+        if isinstance(module, Eagle3DraftModel):  # identity mapping until a real vocabulary is installed
+            module.d2t.zero_()
+            module.t2d.zero_()
+            module.t2d[: module.config.draft_vocab_size] = True
+
+
+class Eagle3DraftModel(Eagle3PreTrainedModel):
+    """EAGLE-3 drafter. Buffers `d2t` (offsets: target id = i + d2t[i]) and `t2d` (mask over the verifier
+    vocabulary) are saved with the weights; `embed_tokens` is the verifier's, frozen, and only saved on
+    request (engines take the verifier's own)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.embed_tokens_loaded = True  # set False by from_pretrained when the checkpoint had none
+        self.verifier_lm_head: nn.Linear | None = None  # frozen teacher rows, attached for training only
+        self.teacher_logit_softcap: float | None = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ vocabulary mapping
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary (from eagle3_hf.data.vocab), checking it is self-consistent."""
+        validate_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t.to(torch.long))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> verifier ids (d2t holds offsets)."""
+        return draft_to_target(self.d2t, draft_ids)
+
+    def remap_lm_head(self, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
+        """Switch to another draft vocabulary, moving each lm_head row to its token's new index (tokens this
+        drafter never drafted get a fresh row), so a finetune can use the dataset's vocabulary. Returns how many
+        rows carried over."""
+        new_targets = draft_to_target(d2t)
+        old_rows = target_to_draft(self.d2t.cpu(), new_targets).tolist()
+        old_weight = self.lm_head.weight.detach().clone()
+        new_head = nn.Linear(old_weight.shape[1], len(old_rows), bias=False, dtype=old_weight.dtype)
+        nn.init.normal_(new_head.weight, std=self.config.initializer_range)
+        carried = 0
+        with torch.no_grad():
+            for j, row in enumerate(old_rows):
+                if row >= 0:
+                    new_head.weight[j] = old_weight[row]
+                    carried += 1
+        self.lm_head = new_head
+        self.config.draft_vocab_size = len(old_rows)
+        self.register_buffer("d2t", torch.zeros(len(old_rows), dtype=torch.long))
+        self.set_vocab_mapping(d2t, t2d)
+        return carried
+
+    def load_verifier_embeddings(self, verifier: nn.Module | torch.Tensor) -> None:
+        """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving.
+
+        The drafter looks tokens up in the verifier's raw `embed_tokens.weight`, never through the
+        verifier's embedding forward: Gemma's sqrt(hidden_size) scale is NOT applied. This matches both
+        engines: vLLM's `load_eagle_model` shares the target's `embed_tokens` module, whose forward is a plain
+        `VocabParallelEmbedding` lookup (its Gemma 3 applies the normalizer outside it, in
+        `embed_input_ids`), and `llama_eagle3.py` embeds with `self.embed_tokens(input_ids)`; SGLang copies
+        the target's embedding *weight* into the drafter's own `VocabParallelEmbedding` (`set_embed`).
+        `train` reads the same raw tensor by name (`verifier_io_weights`). The drafter's `input_layernorm`
+        follows, so a constant scale would barely matter anyway (RMSNorm is scale-invariant up to eps).
+        """
+        weight = verifier if torch.is_tensor(verifier) else verifier.get_input_embeddings().weight  # raw, unscaled
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "
+                f"{tuple(self.embed_tokens.weight.shape)} (vocab_size x hidden_size)"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+        self.embed_tokens_loaded = True
+
+    def attach_teacher(self, verifier: nn.Module | torch.Tensor, logit_softcap: float | None = None) -> None:
+        """Keep the verifier's lm_head rows for the draft vocabulary (frozen): the teacher distribution is
+        lm_head(h_last) restricted to the draft vocabulary — never full-vocabulary logits. Attach after the
+        vocabulary mapping is final. Never saved (not part of the checkpoint contract)."""
+        if torch.is_tensor(verifier):
+            weight = verifier  # [V, H]
+        else:
+            weight = verifier.get_output_embeddings().weight
+            logit_softcap = logit_softcap or verifier_logit_softcap(verifier)
+        if weight.shape[0] < self.config.vocab_size or weight.shape[1] != self.config.target_hidden_size:
+            raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
+                             f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")
+        targets = draft_to_target(self.d2t)
+        rows = weight.detach()[targets.to(weight.device)]  # [Vd, H]
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.lm_head.weight.device,
+                         dtype=self.lm_head.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(rows)
+        head.requires_grad_(False)
+        self.verifier_lm_head = head
+        self.teacher_logit_softcap = logit_softcap
+
+    def init_lm_head_from_verifier(self) -> None:
+        """lm_head rows = the verifier's lm_head rows for the draft vocabulary, in d2t order (its embedding rows
+        when it ties them): the teacher's own rows (`attach_teacher` first), so step 0 starts from the
+        verifier's distribution restricted to the draft vocabulary."""
+        if self.verifier_lm_head is None:
+            raise RuntimeError("init_lm_head_from_verifier needs the verifier's rows: call attach_teacher first")
+        if self.config.hidden_size != self.config.target_hidden_size:
+            raise ValueError(f"the verifier's lm_head rows have size {self.config.target_hidden_size}, this drafter's "
+                             f"lm_head {self.config.hidden_size}: initialise it at random instead")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.verifier_lm_head.weight.to(self.lm_head.weight.dtype))
+
+    def freeze_lm_head(self, frozen: bool = True) -> None:
+        """Train without lm_head (as speculators does): no gradient for it, so the optimizer holds no state for
+        it and its backward skips the weight gradient (the largest matmul of the step)."""
+        self.lm_head.weight.requires_grad_(not frozen)
+
+    def _check_embeddings(self) -> None:
+        if not self.embed_tokens_loaded:
+            raise RuntimeError(
+                "this drafter's checkpoint has no embed_tokens (engines share the verifier's); call "
+                "model.load_verifier_embeddings(verifier) or pass verifier=... to from_pretrained first"
+            )
+
+    # ------------------------------------------------------------------ training: the TTT unroll
+
+    def project_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Verifier features [.., 3 x target_hidden] -> drafter hidden [.., H]; drafter states pass as is."""
+        expected = 3 * self.config.target_hidden_size
+        if aux_hidden_states.shape[-1] == expected:
+            return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        if aux_hidden_states.shape[-1] == self.config.hidden_size:
+            return aux_hidden_states
+        raise ValueError(
+            f"features have size {aux_hidden_states.shape[-1]}; this drafter expects 3 x target_hidden_size = "
+            f"{expected} (verifier aux states) or hidden_size = {self.config.hidden_size}"
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        ttt_steps: int | None = None,
+        last_hidden_state: torch.Tensor | None = None,
+        logits_mask: tuple[torch.Tensor, ...] | None = None,
+        teacher_mask: torch.Tensor | None = None,
+    ) -> Eagle3Output:
+        """TTT unroll over packed rows.
+
+        input_ids [B, L], aux_hidden_states [B, L, 3 x target_hidden] aligned per position (feature of token t
+        sits at t); position_ids [B, L] restart at 0 per document; document_ids [B, L] (-1 = padding). Step i's
+        output at t predicts token t + 2 + i; `step_valid[i]` marks where token t + 1 + i is in t's document.
+        With `last_hidden_state` [B, L, H] (the verifier's, post-norm) and a teacher attached, also returns the
+        teacher distribution — computed here so that ZeRO-3 gathers the frozen head like any other weight.
+        `logits_mask` (per step, [B, L] bool) and `teacher_mask` ([B, L] bool) restrict both heads, the largest
+        matmuls of the step, to the positions the loss and the metrics read (see `Eagle3Output`); the MLP then
+        runs only where step i or a later one reads the output (a position's step-i output feeds only its own
+        later steps; the keys every position attends to are step 0's, computed before any MLP), so
+        `hidden_states` elsewhere lack the MLP term.
+        """
+        self._check_embeddings()
+        steps = int(ttt_steps or self.config.ttt_steps)
+        batch, length = input_ids.shape
+        if document_ids is None:
+            document_ids = torch.zeros_like(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+        spans = document_spans(document_ids)
+        read = None  # per step: where step i or a later one reads the output
+        if logits_mask is not None:
+            read = list(logits_mask)
+            for step in reversed(range(steps - 1)):
+                read[step] = read[step] | read[step + 1]
+
+        hidden = self.project_features(aux_hidden_states)  # [B, L, H]
+        cached_k, cached_v = [], []  # per step: [B, nkv, L, hd]
+        all_logits, all_hidden, all_valid = [], [], []
+        attn = self.midlayer.self_attn
+        for step in range(steps):
+            tokens, valid = shift_within_documents(input_ids, document_ids, step + 1)  # token t+1+i
+            embeds = self.embed_tokens(tokens)  # [B, L, H]
+            x, residual = self.midlayer.attention_input(embeds, hidden)  # [B, L, 2H], [B, L, H]
+            rope = self.rotary_emb(x, position_ids + step)  # the i-th draft sits i places later
+            q, k, v = attn.project(x, rope)
+            cached_k.append(k)
+            cached_v.append(v)
+            attn_out = self._attend_per_document(q, cached_k, cached_v, spans)  # [B, L, nh * hd]
+            hidden = self.midlayer.finish(attn_out, residual, None if read is None else read[step])  # [B, L, H]
+            kept = hidden if logits_mask is None else hidden[logits_mask[step]]  # [B, L, H] or [N_i, H]
+            all_logits.append(self.lm_head(self.norm(kept)))  # [B, L, Vd] or [N_i, Vd]
+            all_hidden.append(hidden)
+            all_valid.append(valid)
+        teacher = None
+        if last_hidden_state is not None and self.verifier_lm_head is not None:
+            teacher = self.teacher_distribution(last_hidden_state if teacher_mask is None else last_hidden_state[teacher_mask])
+        return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
+                            teacher_probs=teacher, logits_mask=None if logits_mask is None else tuple(logits_mask),
+                            teacher_mask=teacher_mask)
+
+    @torch.no_grad()
+    def teacher_distribution(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [.., Vd]: computed once per batch;
+        step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
+        softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
+        head = self.verifier_lm_head
+        probs = head(last_hidden_state.to(head.weight.dtype)).float()
+        flat = probs.view(-1, probs.shape[-1])
+        block = max(1, (1 << 23) // flat.shape[1])
+        for start in range(0, flat.shape[0], block):
+            rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
+            flat[start : start + block] = torch.softmax(rows, dim=-1)
+        return probs
+
+    def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
+        """Step i = len(keys) - 1: per document, causal over its step-0 keys plus its diagonal keys of steps
+        1..i (the mask `ttt_attention._causal_with_diagonals` draws), computed without the diagonal blocks' waste
+        (`Eagle3Attention._attend_with_diagonals`). Padding rows stay zero (never read by a valid position).
+        Each tensor is split once into documents: a backward through per-document slices would fill a
+        full-size zero gradient per slice."""
+        attn = self.midlayer.self_attn
+        batch, heads, length, head_dim = q.shape
+        rows = []
+        for b in range(batch):
+            sizes, docs, cursor = [], [], 0
+            for start, end in spans[b]:
+                if start > cursor:
+                    sizes.append(start - cursor)
+                docs.append(len(sizes))
+                sizes.append(end - start)
+                cursor = end
+            if cursor < length:
+                sizes.append(length - cursor)
+            q_parts = q[b : b + 1].split(sizes, dim=2)
+            k_parts = [k[b : b + 1].split(sizes, dim=2) for k in keys]
+            v_parts = [v[b : b + 1].split(sizes, dim=2) for v in values]
+            pieces = [q.new_zeros(n, heads * head_dim) for n in sizes]
+            for d in docs:
+                out = attn._attend_with_diagonals(q_parts[d], k_parts[0][d], v_parts[0][d],
+                                                 [k[d] for k in k_parts[1:]], [v[d] for v in v_parts[1:]])
+                pieces[d] = out.reshape(sizes[d], heads * head_dim)  # [n, nh * hd]
+            rows.append(torch.cat(pieces, dim=0))
+        return torch.stack(rows, dim=0)
+
+    # ------------------------------------------------------------------ inference: one step with a KV cache
+
+    @torch.no_grad()
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+    ):
+        """Process q new positions causally after a cache, as an engine does.
+
+        input_ids [1, q] (the token after each feature), hidden_states [1, q, 3 x target_hidden] (verifier aux
+        states) or [1, q, H] (the drafter's own previous output), position_ids [1, q]. Returns
+        (logits [1, q, Vd], hidden [1, q, H] pre-norm, (k, v) cache [1, nkv, S + q, hd]). Crop the cache to
+        drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`. `logits_to_keep` N > 0 computes the lm_head for
+        the last N positions only (logits [1, N, Vd]), as in transformers' causal LMs. `attention_mask` bool
+        [q, S + q] (True: may attend) replaces the causal mask, for a draft tree (cache + ancestors + itself).
+        """
+        self._check_embeddings()
+        attn = self.midlayer.self_attn
+        hidden = self.project_features(hidden_states)
+        x, residual = self.midlayer.attention_input(self.embed_tokens(input_ids), hidden)
+        q, k, v = attn.project(x, self.rotary_emb(x, position_ids))
+        if past_key_values is not None:
+            k = torch.cat([past_key_values[0], k], dim=2)
+            v = torch.cat([past_key_values[1], v], dim=2)
+        new, total = q.shape[2], k.shape[2]
+        allowed = (torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+                   if attention_mask is None else attention_mask.to(q.device))
+        mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        out = attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
+        hidden = self.midlayer.finish(out, residual)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        return self.lm_head(self.norm(kept)), hidden, (k, v)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_pretrained(self, save_directory, *args, include_embed_tokens: bool = False, **kwargs):
+        """Write the standard EAGLE-3 layout (eagle3_hf/model/checkpoint.py); refuses an unservable checkpoint."""
+        state_dict = kwargs.pop("state_dict", None)
+        if state_dict is None:
+            state_dict = self.state_dict()
+        state_dict = standard_state_dict(state_dict, self.config, include_embed_tokens=include_embed_tokens)
+        kwargs.setdefault("max_shard_size", "100GB")  # one model.safetensors, the layout engines expect
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, verifier=None, **kwargs):
+        """Load our layout, the standard layout other tools publish, or the speculators layout, from a
+        directory or a Hub repo id. `verifier` (a model) fills embed_tokens when the checkpoint has none."""
+        return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, token=None, private: bool | None = None, revision: str | None = None,
+                    commit_message: str | None = None, run_check: bool = True, **unused):
+        """Check the drafter (eagle3_hf.publish.check), write our model card and upload the standard layout.
+        transformers' own push would replace the card with a generic one and skip the check."""
+        from ..publish.hub import push_drafter
+
+        return push_drafter(self, repo_id, token=token, private=bool(private), revision=revision,
+                            commit_message=commit_message, run_check=run_check)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

