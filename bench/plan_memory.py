@@ -70,7 +70,7 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
 
     def loss_of(b: dict):  # Eagle3Trainer.compute_loss's loss, with the default step weight
         step = drafter_loss(model, b, model.t2d, ttt_steps, config.ttt_step_weight)
-        return step.total / step.loss_tokens.clamp(min=1)
+        return step.normalised()
 
     def step(b: dict) -> None:
         loss_of(b).backward()

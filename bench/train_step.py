@@ -197,8 +197,8 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.train.metrics import StepStats
     from eagle3_hf.train.loss import count_loss_tokens, drafter_loss
+    from eagle3_hf.train.metrics import StepStats
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
@@ -246,7 +246,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
         for b in batches:
             loss = drafter_loss(model, b, model.t2d, spec["ttt_steps"], spec["step_weight"])
             stats.update(loss.outputs.logits, b, model.d2t, model.t2d, loss.step_losses, logits_mask=loss.logits_mask)
-            (loss.total / items.clamp(min=1)).backward()
+            loss.normalised(items).backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
 

@@ -31,7 +31,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel  # noqa: E402
-from eagle3_hf.train.plan import (
+from eagle3_hf.train.loss import drafter_loss  # noqa: E402
+from eagle3_hf.train.plan import (  # noqa: E402
     GIB,
     Launch,
     model_state_bytes,
@@ -39,7 +40,6 @@ from eagle3_hf.train.plan import (
     step_peak_bytes,
     train_flops_per_token,
 )
-from eagle3_hf.train.loss import drafter_loss  # noqa: E402
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
 TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -123,7 +123,7 @@ def make_train_step(model: Eagle3DraftModel, device: str, bf16: bool, steps: int
     def step(batch: dict) -> float:
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
             step_loss = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight)
-            loss = step_loss.total / step_loss.loss_tokens.clamp(min=1)
+            loss = step_loss.normalised()
         del step_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
@@ -209,12 +209,12 @@ def learnable_verifier(device: str, vocab: int = 256, hidden: int = 64, layers: 
 
 
 def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> dict:
-    from eagle3_hf.verifier.capture import capture_features
     from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
     from eagle3_hf.data.extract import verifier_info
     from eagle3_hf.data.shards import ShardWriter, make_header, merge_manifests
     from eagle3_hf.data.vocab import vocab_from_target_ids
     from eagle3_hf.decoding.chain import compare_to_greedy, greedy_generate, speculative_generate
+    from eagle3_hf.verifier.capture import capture_features
 
     verifier = learnable_verifier(device)
     aux = [1, 3, 4]

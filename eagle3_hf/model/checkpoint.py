@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .configuration_eagle3 import Eagle3Config
 from ..verifier.family import aux_indices_from_config, text_config
+from .configuration_eagle3 import Eagle3Config
 
 EMBED_KEY = "embed_tokens.weight"
 LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors list them

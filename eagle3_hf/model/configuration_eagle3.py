@@ -129,7 +129,7 @@ class Eagle3Config(LlamaConfig):
         verifier_revision: str | None = None,
         tokenizer_fingerprint: str | None = None,
         **overrides: Any,
-    ) -> "Eagle3Config":
+    ) -> Eagle3Config:
         """Derive a drafter config from any HF causal-LM config (Llama, Qwen, DeepSeek-V3, Kimi-K2/K2.5).
 
         Choices: hidden size = the verifier's (engines share its embedding); head_dim 128 where the

@@ -24,11 +24,11 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
-from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
-from .configuration_eagle3 import Eagle3Config
-from .ttt_attention import Eagle3Attention, document_spans, shift_within_documents
 from ..verifier.family import logit_softcap as verifier_logit_softcap
 from ..verifier.family import softcap_logits
+from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
+from .configuration_eagle3 import Eagle3Config
+from .ttt_attention import DraftKeys, Eagle3Attention, PackedDocumentKeys, document_spans, shift_within_documents
 
 
 @dataclass
@@ -59,20 +59,22 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor):
-        """-> (x [B, L, 2H], residual [B, L, H]); embedding first, as SGLang and vLLM concatenate."""
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], keys: PackedDocumentKeys | DraftKeys,
+                mlp_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds [B, L, H] (the next tokens' embeddings), hidden [B, L, H] (projected verifier features or the
+        previous step's output) -> the pre-norm output [B, L, H] that the next step feeds back.
+
+        With `mlp_rows` ([B, L] bool) the MLP runs there only: elsewhere the output is never read (see the
+        model's forward)."""
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
-
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """o_proj + residual, then the MLP block; returns the pre-norm output fed back at the next step. With
-        `rows` ([B, L] bool) the MLP runs there only: elsewhere the output is never read (see forward)."""
-        hidden = residual + self.self_attn.o_proj(attn_out)
-        if rows is None:
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [B, L, 2H], embedding first
+        hidden = residual + self.self_attn(x, position_embeddings, keys)  # [B, L, H]
+        if mlp_rows is None:
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        kept = hidden[rows]
-        return hidden.index_put((rows,), kept + self.mlp(self.post_attention_layernorm(kept)))
+        kept = hidden[mlp_rows]  # [N, H]
+        return hidden.index_put((mlp_rows,), kept + self.mlp(self.post_attention_layernorm(kept)))
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -263,7 +265,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             document_ids = torch.zeros_like(input_ids)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        spans = document_spans(document_ids)
         read = None  # per step: where step i or a later one reads the output
         if logits_mask is not None:
             read = list(logits_mask)
@@ -271,26 +272,21 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 read[step] = read[step] | read[step + 1]
 
         hidden = self.project_features(aux_hidden_states)  # [B, L, H]
-        cached_k, cached_v = [], []  # per step: [B, nkv, L, hd]
+        keys = PackedDocumentKeys(document_spans(document_ids))  # grows by one step's keys per step
         all_logits, all_hidden, all_valid = [], [], []
-        attn = self.midlayer.self_attn
         for step in range(steps):
             tokens, valid = shift_within_documents(input_ids, document_ids, step + 1)  # token t+1+i
             embeds = self.embed_tokens(tokens)  # [B, L, H]
-            x, residual = self.midlayer.attention_input(embeds, hidden)  # [B, L, 2H], [B, L, H]
-            rope = self.rotary_emb(x, position_ids + step)  # the i-th draft sits i places later
-            q, k, v = attn.project(x, rope)
-            cached_k.append(k)
-            cached_v.append(v)
-            attn_out = self._attend_per_document(q, cached_k, cached_v, spans)  # [B, L, nh * hd]
-            hidden = self.midlayer.finish(attn_out, residual, None if read is None else read[step])  # [B, L, H]
+            rope = self.rotary_emb(embeds, position_ids + step)  # the i-th draft sits i places later
+            hidden = self.midlayer(embeds, hidden, rope, keys, None if read is None else read[step])  # [B, L, H]
             kept = hidden if logits_mask is None else hidden[logits_mask[step]]  # [B, L, H] or [N_i, H]
             all_logits.append(self.lm_head(self.norm(kept)))  # [B, L, Vd] or [N_i, Vd]
             all_hidden.append(hidden)
             all_valid.append(valid)
         teacher = None
         if last_hidden_state is not None and self.verifier_lm_head is not None:
-            teacher = self.teacher_distribution(last_hidden_state if teacher_mask is None else last_hidden_state[teacher_mask])
+            read_at = last_hidden_state if teacher_mask is None else last_hidden_state[teacher_mask]
+            teacher = self.teacher_distribution(read_at)
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
                             teacher_probs=teacher, logits_mask=None if logits_mask is None else tuple(logits_mask),
                             teacher_mask=teacher_mask)
@@ -308,36 +304,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
             flat[start : start + block] = torch.softmax(rows, dim=-1)
         return probs
-
-    def _attend_per_document(self, q, keys: list, values: list, spans) -> torch.Tensor:
-        """Step i = len(keys) - 1: per document, causal over its step-0 keys plus its diagonal keys of steps
-        1..i (the mask `ttt_attention._causal_with_diagonals` draws), computed without the diagonal blocks' waste
-        (`Eagle3Attention._attend_with_diagonals`). Padding rows stay zero (never read by a valid position).
-        Each tensor is split once into documents: a backward through per-document slices would fill a
-        full-size zero gradient per slice."""
-        attn = self.midlayer.self_attn
-        batch, heads, length, head_dim = q.shape
-        rows = []
-        for b in range(batch):
-            sizes, docs, cursor = [], [], 0
-            for start, end in spans[b]:
-                if start > cursor:
-                    sizes.append(start - cursor)
-                docs.append(len(sizes))
-                sizes.append(end - start)
-                cursor = end
-            if cursor < length:
-                sizes.append(length - cursor)
-            q_parts = q[b : b + 1].split(sizes, dim=2)
-            k_parts = [k[b : b + 1].split(sizes, dim=2) for k in keys]
-            v_parts = [v[b : b + 1].split(sizes, dim=2) for v in values]
-            pieces = [q.new_zeros(n, heads * head_dim) for n in sizes]
-            for d in docs:
-                out = attn._attend_with_diagonals(q_parts[d], k_parts[0][d], v_parts[0][d],
-                                                 [k[d] for k in k_parts[1:]], [v[d] for v in v_parts[1:]])
-                pieces[d] = out.reshape(sizes[d], heads * head_dim)  # [n, nh * hd]
-            rows.append(torch.cat(pieces, dim=0))
-        return torch.stack(rows, dim=0)
 
     # ------------------------------------------------------------------ inference: one step with a KV cache
 
@@ -361,21 +327,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         [q, S + q] (True: may attend) replaces the causal mask, for a draft tree (cache + ancestors + itself).
         """
         self._check_embeddings()
-        attn = self.midlayer.self_attn
-        hidden = self.project_features(hidden_states)
-        x, residual = self.midlayer.attention_input(self.embed_tokens(input_ids), hidden)
-        q, k, v = attn.project(x, self.rotary_emb(x, position_ids))
-        if past_key_values is not None:
-            k = torch.cat([past_key_values[0], k], dim=2)
-            v = torch.cat([past_key_values[1], v], dim=2)
-        new, total = q.shape[2], k.shape[2]
-        allowed = (torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
-                   if attention_mask is None else attention_mask.to(q.device))
-        mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
-        out = attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
-        hidden = self.midlayer.finish(out, residual)
+        hidden = self.project_features(hidden_states)  # [1, q, H]
+        embeds = self.embed_tokens(input_ids)  # [1, q, H]
+        keys = DraftKeys(past_key_values, attention_mask)
+        hidden = self.midlayer(embeds, hidden, self.rotary_emb(embeds, position_ids), keys)  # [1, q, H]
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        return self.lm_head(self.norm(kept)), hidden, (k, v)
+        return self.lm_head(self.norm(kept)), hidden, keys.present
 
     # ------------------------------------------------------------------ checkpoints
 

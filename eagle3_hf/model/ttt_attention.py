@@ -4,12 +4,13 @@ Several documents share a packed row and must never see each other; at TTT step 
 i places later *in its own document* (`shift_within_documents`) and attends causally to its document's step-0
 keys plus only its own keys of steps 1..i (the diagonal, `_causal_with_diagonals`). `Eagle3Attention` is
 Llama's GQA attention with q/k/v over cat(embedding, hidden); it computes the diagonal pattern without
-building the mask. The drafter (modeling_eagle3.py) is built from these pieces.
+building the mask. What a query may see is the `keys` object the attention is called with:
+`PackedDocumentKeys` during the unroll, `DraftKeys` (a KV cache, causal or a tree mask) at inference.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from .configuration_eagle3 import Eagle3Config
 from ..constants import PAD_DOCUMENT
+from .configuration_eagle3 import Eagle3Config
 
 
 def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):
@@ -76,6 +77,13 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                keys: PackedDocumentKeys | DraftKeys) -> torch.Tensor:
+        """x [B, L, 2H] -> [B, L, H]: project, attend to what `keys` holds (the TTT unroll's per-document keys,
+        or an inference cache), o_proj."""
+        q, k, v = self.project(x, position_embeddings)
+        return self.o_proj(keys.attend(self, q, k, v))  # [B, L, nh * hd] -> [B, L, H]
+
     def project(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """x [B, L, 2H] -> q [B, nh, L, hd], k and v [B, nkv, L, hd], RoPE applied."""
         batch, length, _ = x.shape
@@ -100,7 +108,7 @@ class Eagle3Attention(nn.Module):
         out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, is_causal=mask is None)
         return out  # [B, Lq, nh, hd]
 
-    def _attend_with_diagonals(self, q, k0, v0, diag_keys: list, diag_values: list) -> torch.Tensor:
+    def attend_with_diagonals(self, q, k0, v0, diag_keys: list, diag_values: list) -> torch.Tensor:
         """One document at TTT step i = len(diag_keys): query t attends causally to k0[:t+1] and to its own
         diagonal keys diag_keys[j][t] (steps 1..i). q [1, nh, n, hd], k0/v0 and each diagonal [1, nkv, n, hd].
         Returns [1, n, nh, hd]. Exact, in one causal call of the attention interface, without the i n x n
@@ -147,6 +155,67 @@ class Eagle3Attention(nn.Module):
         return out[..., :head_dim] + (diag_v * probs).sum(-1)
 
 
+class PackedDocumentKeys:
+    """What a query sees during the TTT unroll: per document, causal over the step-0 keys plus its own keys of
+    steps 1..i (the diagonal). Each step appends its keys; padding rows stay zero (never read)."""
+
+    def __init__(self, spans: list[list[tuple[int, int]]]):
+        self.spans = spans  # per row: (start, end) of each document (`document_spans`)
+        self.keys: list[torch.Tensor] = []  # per step: [B, nkv, L, hd]
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, attn: Eagle3Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, nh, L, hd] of step i = the number of steps seen before -> [B, L, nh * hd].
+
+        Each tensor is split once into documents: a backward through per-document slices would fill a
+        full-size zero gradient per slice."""
+        self.keys.append(k)
+        self.values.append(v)
+        batch, heads, length, head_dim = q.shape
+        rows = []
+        for b in range(batch):
+            sizes, docs, cursor = [], [], 0
+            for start, end in self.spans[b]:
+                if start > cursor:
+                    sizes.append(start - cursor)
+                docs.append(len(sizes))
+                sizes.append(end - start)
+                cursor = end
+            if cursor < length:
+                sizes.append(length - cursor)
+            q_parts = q[b : b + 1].split(sizes, dim=2)
+            k_parts = [key[b : b + 1].split(sizes, dim=2) for key in self.keys]
+            v_parts = [value[b : b + 1].split(sizes, dim=2) for value in self.values]
+            pieces = [q.new_zeros(n, heads * head_dim) for n in sizes]
+            for d in docs:
+                out = attn.attend_with_diagonals(q_parts[d], k_parts[0][d], v_parts[0][d],
+                                                 [key[d] for key in k_parts[1:]], [value[d] for value in v_parts[1:]])
+                pieces[d] = out.reshape(sizes[d], heads * head_dim)  # [n, nh * hd]
+            rows.append(torch.cat(pieces, dim=0))
+        return torch.stack(rows, dim=0)
+
+
+class DraftKeys:
+    """What a query sees at inference: a KV cache plus the new positions, causally, or as `attention_mask`
+    (bool [q, S + q], True: may attend) says for a draft tree. After `attend`, `present` is the grown cache."""
+
+    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None, attention_mask: torch.Tensor | None):
+        self.past, self.attention_mask = past, attention_mask
+        self.present: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attend(self, attn: Eagle3Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, nh, q, hd], k/v [1, nkv, q, hd] -> [1, q, nh * hd]."""
+        if self.past is not None:
+            k = torch.cat([self.past[0], k], dim=2)  # [1, nkv, S + q, hd]
+            v = torch.cat([self.past[1], v], dim=2)
+        self.present = (k, v)
+        new, total = q.shape[2], k.shape[2]
+        allowed = (torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
+                   if self.attention_mask is None else self.attention_mask.to(q.device))
+        mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        return attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
+
+
 def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive top-left-aligned causal mask [n_q, n_k]: row r sees keys 0..r."""
     allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
@@ -157,7 +226,7 @@ def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device) -> t
     """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others.
 
     The pattern a document's queries see at step blocks - 1 over keys [k_0 | k_1 .. k_i]; the unroll computes
-    exactly this without building it (`Eagle3Attention._attend_with_diagonals`)."""
+    exactly this without building it (`Eagle3Attention.attend_with_diagonals`)."""
     allowed = torch.zeros(n, blocks * n, dtype=torch.bool, device=device)
     allowed[:, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     eye = torch.arange(n, device=device)

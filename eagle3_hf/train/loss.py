@@ -139,6 +139,19 @@ class DrafterLoss:
     outputs: object  # the model's Eagle3DraftOutput
     logits_mask: tuple | None  # where each step's logits were computed (None: every position)
 
+    def normalised(self, num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The loss the optimizer sees: `total` over the step-0 loss tokens of the whole optimizer step.
+
+        `num_items_in_batch` is that global count (summed over gradient-accumulation batches and, with
+        `average_tokens_across_devices`, over processes); without it, this batch's own count. Dividing every
+        step's sum by the same step-0 count keeps the γ^i weights as the recipe states them, and makes the
+        loss independent of packing and process count.
+        """
+        if self.total is None:
+            raise ValueError("no teacher attached: the loss needs model.attach_teacher(verifier)")
+        count = self.loss_tokens if num_items_in_batch is None else num_items_in_batch
+        return self.total / torch.clamp(torch.as_tensor(count, device=self.total.device), min=1)
+
 
 def drafter_loss(model, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int, step_weight: float,
                  feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:

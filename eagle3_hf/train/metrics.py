@@ -39,7 +39,7 @@ class StepStats:
                              self.loss_tokens], dtype=torch.float64, device=device)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "StepStats":
+    def from_tensor(cls, t: torch.Tensor) -> StepStats:
         stats = cls(t.shape[1])
         rows = t.double().cpu().tolist()
         stats.scored, stats.correct, stats.cond_scored, stats.cond_correct, stats.loss_sum, stats.loss_tokens = rows
@@ -69,6 +69,11 @@ class StepStats:
             if step_losses is not None:
                 self.loss_sum[i] += float(step_losses[i][0])
                 self.loss_tokens[i] += float(step_losses[i][1])
+
+    def weighted_loss(self, step_weight: float) -> float:
+        """Σ_i γ^i S_i / N_0: the training loss (`DrafterLoss.normalised`) over everything accumulated, where
+        S_i is step i's summed cross-entropy and N_0 the step-0 loss tokens."""
+        return sum(step_weight**i * s for i, s in enumerate(self.loss_sum)) / max(self.loss_tokens[0], 1.0)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}

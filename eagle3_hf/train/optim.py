@@ -9,7 +9,8 @@ AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning rate serves both
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..model.configuration_eagle3 import Eagle3Config
 from ..constants import VOCAB_FILE
+from ..model.configuration_eagle3 import Eagle3Config
 from ..model.modeling_eagle3 import Eagle3DraftModel
-from .arguments import DataArguments, ModelArguments
 from ..verifier.family import text_config
+from .arguments import DataArguments, ModelArguments
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -53,7 +53,8 @@ def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_ind
         model.set_vocab_mapping(d2t, t2d)
         return model, info
 
-    source = Eagle3DraftModel.from_pretrained(model_args.finetune_from, attn_implementation=model_args.attn_implementation)
+    source = Eagle3DraftModel.from_pretrained(model_args.finetune_from,
+                                              attn_implementation=model_args.attn_implementation)
     src = source.config
     info = {"init": f"finetune:{model_args.finetune_from}", "warnings": []}
     for name in ("hidden_size", "target_hidden_size", "vocab_size"):
@@ -104,9 +105,9 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
     vf = data_args.validation_fraction
     pack = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing, overlong=data_args.overlong)
     if data_args.online:
-        from ..verifier.loading import load_verifier
         from ..data.online import OnlineFeatureCollator, PreparedDataset
         from ..data.prepared_format import read_prepared_meta
+        from ..verifier.loading import load_verifier
 
         if not data_args.prepared_dir:
             raise SystemExit("--online needs --prepared-dir")

@@ -17,8 +17,8 @@ from transformers import Trainer
 
 from ..constants import TRAINING_ARGS_FILE
 from ..errors import NonFiniteError, describe_non_finite, non_finite_names
-from .metrics import StepStats
 from .loss import count_loss_tokens, drafter_loss
+from .metrics import StepStats
 
 
 class Eagle3Trainer(Trainer):
@@ -79,9 +79,7 @@ class Eagle3Trainer(Trainer):
         outputs = step.outputs
         stats = self._train_stats if model.training else self._eval_stats
         stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask)
-        if num_items_in_batch is None:
-            num_items_in_batch = step.loss_tokens
-        loss = step.total / torch.clamp(torch.as_tensor(num_items_in_batch, device=step.total.device), min=1)
+        loss = step.normalised(num_items_in_batch)
         if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
         return (loss, outputs) if return_outputs else loss
@@ -99,10 +97,13 @@ class Eagle3Trainer(Trainer):
     # ------------------------------------------------------------------ metrics
 
     def _reduced(self, stats: StepStats) -> dict[str, float]:
+        return self._reduced_stats(stats).metrics()
+
+    def _reduced_stats(self, stats: StepStats) -> StepStats:
         tensor = stats.as_tensor(self.args.device)
         if self.args.world_size > 1:
             tensor = self.accelerator.reduce(tensor, reduction="sum")
-        return StepStats.from_tensor(tensor).metrics()
+        return StepStats.from_tensor(tensor)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
@@ -120,9 +121,10 @@ class Eagle3Trainer(Trainer):
                         metric_key_prefix="eval"):
         self._eval_stats = StepStats(self.args.ttt_steps)
         output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
-        metrics = self._reduced(self._eval_stats)
-        weighted = [self.args.ttt_step_weight**i * metrics.get(f"loss_{i}", 0.0) for i in range(self.args.ttt_steps)]
-        metrics["loss"] = sum(weighted)  # per loss token, independent of how batches were packed
+        reduced = self._reduced_stats(self._eval_stats)
+        metrics = reduced.metrics()
+        # the training loss's quantity over the whole evaluation set: Σ_i γ^i S_i / N_0, per step-0 loss token
+        metrics["loss"] = reduced.weighted_loss(self.args.ttt_step_weight)
         output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in metrics.items()})
         return output
 
