@@ -72,6 +72,24 @@ def vllm_environment(venv: Path, threads: int, offline: bool, debug: bool = Fals
     return env
 
 
+# Every call to vLLM has a deadline: a hung engine must end as an error, not a process that waits forever.
+# One run of `evaluate --engine vllm` (both engines, all prompts) or one extraction batch must finish within it.
+DEFAULT_TIMEOUT_S = 4 * 3600.0
+TIMEOUT_ENV = "EAGLE3_HF_VLLM_TIMEOUT_S"
+
+
+def default_timeout() -> float:
+    """Seconds a vLLM call may take: $EAGLE3_HF_VLLM_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise VllmError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise VllmError(f"{TIMEOUT_ENV}={value!r} must be positive")
+    return seconds
+
+
 MAX_LINE = 240
 _NOISE = re.compile(r"^\s*(\d+ validation errors? for \w+|For further information.*|See root cause above.*)$")
 
@@ -97,17 +115,25 @@ def one_line(error: dict[str, Any]) -> str:
 
 
 def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, timeout: float | None = None) -> dict:
-    """Run one vllm_runner.py request in the vLLM venv; its JSON result, or VllmError with one line."""
+    """Run one vllm_runner.py request in the vLLM venv; its JSON result, or VllmError with one line.
+
+    The runner is killed after `timeout` seconds (default `default_timeout()`), which is a VllmError too."""
     python = vllm_python()
+    timeout = default_timeout() if timeout is None else timeout
     names = [request.get("verifier"), request.get("drafter")]
     offline = all(n is None or Path(str(n)).exists() for n in names)  # repo ids: this process only goes online
     with tempfile.TemporaryDirectory(prefix="eagle3_vllm_") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request), encoding="utf-8")
         env = vllm_environment(vllm_venv(), threads, offline, debug)
-        proc = subprocess.run([str(python), str(RUNNER), str(req), str(res)], env=env,
-                              stdout=None if debug else subprocess.PIPE, stderr=None if debug else subprocess.STDOUT,
-                              text=True, timeout=timeout)
+        try:
+            proc = subprocess.run([str(python), str(RUNNER), str(req), str(res)], env=env,
+                                  stdout=None if debug else subprocess.PIPE,
+                                  stderr=None if debug else subprocess.STDOUT, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            raise VllmError(f"vLLM ({python}) did not finish within {timeout:.0f} s and was stopped "
+                            f"({TIMEOUT_ENV} sets the limit)", details=out) from None
         log = proc.stdout or ""
         if not res.is_file():
             tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or [f"exit status {proc.returncode}"]
@@ -121,3 +147,135 @@ def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, tim
         raise VllmError(f"vLLM refused {what} {name}: {one_line(result['error'])}",
                         details=log + "\n" + result["error"].get("traceback", ""))
     return result
+
+
+# ---------------------------------------------------------------- extraction: a runner that streams files
+
+EXTRACT_RUNNER = Path(__file__).resolve().parent / "vllm_extract_runner.py"
+
+
+class VllmExtraction:
+    """vllm_extract_runner.py in the vLLM venv, as a context manager that yields each request's file.
+
+    `prompts` are (key, token ids). The runner prefills them in batches and appends one progress line per
+    finished request; `records()` yields them ({"key", "path", "prompt_tokens"}) as they appear. The reader
+    deletes each file once it holds it: the runner waits while more than `max_pending` lie in its storage
+    directory, so the temporary files never accumulate. No progress for `timeout` seconds (model load
+    included) stops the runner and raises VllmError, as does an error inside it (one line). Leaving the
+    block stops a runner still running (its process group, which this class started) and removes the
+    temporary directory with any file still in it.
+    """
+
+    def __init__(self, request: dict[str, Any], prompts, threads: int = 1, debug: bool = False,
+                 timeout: float | None = None, storage_dir: str | Path | None = None):
+        self.request, self.prompts, self.threads, self.debug = dict(request), prompts, threads, debug
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.storage_dir = storage_dir
+        self.result: dict[str, Any] | None = None
+        self.peak_pending_bytes = 0
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> VllmExtraction:
+        python = vllm_python()
+        self._tmp = tempfile.TemporaryDirectory(prefix="eagle3_vllm_extract_")
+        tmp = Path(self._tmp.name)
+        self.storage = Path(self.storage_dir) if self.storage_dir else tmp / "states"
+        self.storage.mkdir(parents=True, exist_ok=True)
+        with open(tmp / "prompts.jsonl", "w", encoding="utf-8") as f:
+            for key, ids in self.prompts:
+                f.write(json.dumps({"key": key, "ids": [int(t) for t in ids]}) + "\n")
+        self._progress, self._result, self._log = tmp / "progress.jsonl", tmp / "result.json", tmp / "vllm.log"
+        self._progress.touch()
+        request = dict(self.request, storage=str(self.storage), prompts_file=str(tmp / "prompts.jsonl"),
+                       progress_file=str(self._progress))
+        (tmp / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        names = [request.get("verifier")]
+        offline = all(n is None or Path(str(n)).exists() for n in names)
+        env = vllm_environment(vllm_venv(), self.threads, offline, self.debug)
+        env["PYTHONPATH"] = str(EXTRACT_RUNNER.parent)  # vLLM imports our connector by module name
+        self._python = python
+        log = None if self.debug else open(self._log, "w", encoding="utf-8")
+        try:
+            self._proc = subprocess.Popen([str(python), str(EXTRACT_RUNNER), str(tmp / "request.json"),
+                                           str(self._result)], env=env, stdout=log,
+                                          stderr=None if log is None else subprocess.STDOUT, start_new_session=True)
+        finally:
+            if log is not None:
+                log.close()
+        return self
+
+    def _pending_bytes(self) -> int:
+        total = 0
+        for entry in os.scandir(self.storage):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # taken meanwhile
+                pass
+        return total
+
+    def records(self):
+        """Each finished request's progress record, in submission order; VllmError on a failure or a stall."""
+        import time
+
+        assert self._proc is not None, "use VllmExtraction as a context manager"
+        offset, last = 0, time.monotonic()
+        buffer = b""
+        while True:
+            with open(self._progress, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    last = time.monotonic()
+                    self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes())
+                    yield json.loads(line)
+            if lines:
+                continue
+            status = self._proc.poll()
+            if status is not None:
+                with open(self._progress, "rb") as f:
+                    f.seek(offset)
+                    if f.read().strip():
+                        continue  # lines written just before the exit
+                self._finish(status)
+                return
+            if time.monotonic() - last > self.timeout:
+                self._stop()
+                raise VllmError(f"vLLM ({self._python}) made no progress for {self.timeout:.0f} s and was stopped "
+                                f"({TIMEOUT_ENV} sets the limit)", details=self._log_text())
+            time.sleep(0.02)
+
+    def _log_text(self) -> str:
+        return self._log.read_text(encoding="utf-8", errors="replace") if self._log.is_file() else ""
+
+    def _finish(self, status: int) -> None:
+        log = self._log_text()
+        if not self._result.is_file():
+            tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or [f"exit status {status}"]
+            raise VllmError(f"vLLM ({self._python}) ended without a result: {tail[0].strip()}", details=log)
+        result = json.loads(self._result.read_text(encoding="utf-8"))
+        if "error" in result:
+            if self.debug:
+                print(result["error"].get("traceback", ""), file=sys.stderr)
+            raise VllmError(f"vLLM refused the verifier {self.request.get('verifier')}: {one_line(result['error'])}",
+                            details=log + "\n" + result["error"].get("traceback", ""))
+        self.result = result
+
+    def _stop(self) -> None:
+        import signal
+
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the runner's own session: it and its workers
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._stop()
+        finally:
+            self._tmp.cleanup()

@@ -1,0 +1,169 @@
+"""Extract hidden states with vLLM: prefill each prompt, let the connector write its states, report each file.
+
+Runs inside the vLLM venv, executed by path (standard library, torch and vllm; never eagle3_hf), like
+vllm_runner.py. vLLM's `extract_hidden_states` speculative method caches the requested layer ids (an id k
+is the residual stream entering layer k; id N, the layer count, is the last layer's output *before* the
+final norm), and a hidden-states connector writes one safetensors file per finished request:
+`hidden_states` [T, len(ids), hidden] in ascending id order, `token_ids` [T]. On CUDA that is vLLM's stock
+`ExampleHiddenStatesConnector`; on the CPU backend our `CpuHiddenStatesConnector` (vllm_hidden_states.py,
+next to this file), whose write does not need CUDA.
+
+    python vllm_extract_runner.py REQUEST.json RESULT.json
+
+Request: {"verifier", "verifier_revision", "dtype", "max_model_len", "layer_ids" (ascending), "storage" (the
+connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "progress_file" (JSONL this
+runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
+runner waits before its next batch while more lie in storage), "tensor_parallel_size", "seed",
+"connector" ("auto", "cpu" or "stock")}.
+Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",
+"prompt_tokens"}, appended once the file is complete. Prefix caching is off (with it vLLM can save fewer
+rows than tokens) and chunked prefill too (one prefill per prompt). Result: {"vllm_version", "connector",
+"samples", "load_seconds", "seconds"}, or {"error": {...}} with exit status 3, as vllm_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPU_CONNECTOR_MODULE = "vllm_hidden_states"  # this directory is on sys.path (the script's own directory)
+
+
+def connector_config(storage: str, choice: str = "auto") -> dict:
+    """vLLM's kv_transfer_config: the stock connector where CUDA is present, ours otherwise."""
+    import torch
+
+    stock = choice == "stock" or (choice == "auto" and torch.cuda.is_available())
+    config = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": storage,
+                                            # offline: the file is complete when generate() returns it
+                                            "use_synchronization_lock": stock}}
+    if not stock:
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        config.update(kv_connector="CpuHiddenStatesConnector", kv_connector_module_path=CPU_CONNECTOR_MODULE)
+    return config
+
+
+def read_prompts(path: str):
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def wait_for_room(storage: str, max_pending: int, parent: int) -> None:
+    """Back-pressure: the reader deletes each file once a shard holds it; wait while too many lie here."""
+    while True:
+        pending = sum(1 for name in os.listdir(storage) if name.endswith(".safetensors"))
+        if pending <= max_pending:
+            return
+        if os.getppid() != parent:  # the reader is gone: nobody will take these files
+            raise RuntimeError("the reader process exited; stopping")
+        time.sleep(0.02)
+
+
+def wait_written(llm, path: str, stock: bool, in_process: bool, timeout_s: float = 600.0) -> None:
+    """Until the connector has written `path`. A finished request's save runs at the engine's next step,
+    after generate() returned it: the in-process engine is stepped here (a step with nothing scheduled
+    only flushes the pending saves); an engine in its own process steps by itself. The stock connector
+    writes in a thread and holds an exclusive lock on PATH.lock until the file is whole."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM did not write {path} within {timeout_s:.0f} s")
+        if in_process:
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.01)
+    lock = path + ".lock"
+    if stock and os.path.exists(lock):
+        import fcntl
+
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer thread releases LOCK_EX
+        os.remove(lock)
+
+
+def run(request: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    storage = request["storage"]
+    os.makedirs(storage, exist_ok=True)
+    layer_ids = [int(i) for i in request["layer_ids"]]
+    if layer_ids != sorted(set(layer_ids)):
+        raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
+    kv_config = connector_config(storage, request.get("connector", "auto"))
+    start = time.perf_counter()
+    llm = LLM(model=request["verifier"], revision=request.get("verifier_revision"),
+              dtype=request.get("dtype", "auto"), enforce_eager=True, seed=int(request.get("seed", 0)),
+              max_model_len=int(request["max_model_len"]), enable_prefix_caching=False,
+              enable_chunked_prefill=False, tensor_parallel_size=int(request.get("tensor_parallel_size", 1)),
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {
+                                      "eagle_aux_hidden_state_layer_ids": layer_ids}}},
+              kv_transfer_config=kv_config)
+    load_seconds = time.perf_counter() - start
+    stock = kv_config["kv_connector"] == "ExampleHiddenStatesConnector"
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    parent = os.getppid()
+    batch_size, max_pending = int(request.get("batch_size", 8)), int(request.get("max_pending", 32))
+    done, t0 = 0, time.perf_counter()
+    with open(request["progress_file"], "a", encoding="utf-8") as progress:
+        batch: list[dict] = []
+        prompts = read_prompts(request["prompts_file"])
+        while True:
+            item = next(prompts, None)
+            if item is not None:
+                batch.append(item)
+                if len(batch) < batch_size:
+                    continue
+            if not batch:
+                break
+            wait_for_room(storage, max_pending, parent)
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p["ids"])) for p in batch], params,
+                                   use_tqdm=False)
+            for prompt, out in zip(batch, outputs):
+                path = (out.kv_transfer_params or {}).get("hidden_states_path")
+                if not path:
+                    raise RuntimeError("vLLM returned no hidden_states_path: is the extract_hidden_states "
+                                       "connector configured?")
+                wait_written(llm, path, stock, in_process)
+                progress.write(json.dumps({"key": prompt["key"], "path": path,
+                                           "prompt_tokens": len(out.prompt_token_ids or [])}) + "\n")
+            progress.flush()
+            done += len(batch)
+            batch = []
+            if item is None:
+                break
+    return {"vllm_version": vllm.__version__, "connector": kv_config["kv_connector"], "samples": done,
+            "load_seconds": load_seconds, "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        request = json.load(f)
+    try:
+        result, status = run(request), 0
+    except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
+        message = str(exc).strip().splitlines()
+        result = {"error": {"type": type(exc).__name__, "message": message[0] if message else "",
+                            "full_message": str(exc), "traceback": traceback.format_exc()}}
+        status = 3
+    with open(argv[1], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
