@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from ..verifier.capture import capture_features
+from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .prepared_format import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+
 
 def verifier_info(verifier, name: str | None = None, revision: str | None = None) -> dict:
     config = text_config(verifier)
@@ -152,6 +153,40 @@ def add_arguments(parser) -> None:
     parser.add_argument("--samples-per-shard", type=int, default=64)
     parser.add_argument("--max-shard-mb", type=int, default=1024, help="a shard is closed at this size too")
     parser.add_argument("--no-progress", action="store_true")
+    engine = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
+    engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                        help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
+                             "its own venv, then the verifier's final norm and lm_head here (default: %(default)s)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="vLLM's context length (default: the longest sample + 1)")
+    engine.add_argument("--vllm-batch-size", type=int, default=8, help="prompts per vLLM generate call")
+    engine.add_argument("--vllm-timeout", type=float, default=None,
+                        help="seconds vLLM may go without finishing a batch, model load included, before it is "
+                             "stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
+    engine.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+
+
+def run_vllm_engine(args, aux) -> int:
+    """`extract --engine vllm`."""
+    from ..verifier.loading import load_tokenizer
+    from .fingerprint import tokenizer_fingerprint
+    from .vllm_extract import extract_features_vllm
+
+    if args.device_map or args.max_memory or args.offload_folder or args.device:
+        raise SystemExit("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
+                         "--device (use --tensor-parallel-size)")
+    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
+    summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
+                                    dtype=args.dtype, samples_per_shard=args.samples_per_shard,
+                                    max_shard_bytes=args.max_shard_mb << 20, verifier_name=args.verifier,
+                                    verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
+                                    max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                                    batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
+                                    debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
+                                    progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
 
 
 def run(args) -> int:
@@ -159,6 +194,8 @@ def run(args) -> int:
     from .fingerprint import tokenizer_fingerprint
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    if getattr(args, "engine", "transformers") == "vllm":
+        return run_vllm_engine(args, aux)
     kwargs: dict[str, Any] = {"dtype": args.torch_dtype}
     if (args.max_memory or args.offload_folder) and not args.device_map:
         raise SystemExit("--max-memory and --offload-folder need --device-map")
@@ -169,7 +206,7 @@ def run(args) -> int:
             kwargs["max_memory"] = parse_max_memory(args.max_memory)
         if args.offload_folder is None:
             offload_tmp = tempfile.TemporaryDirectory(prefix="eagle3_offload_")
-        kwargs["offload_folder"] = args.offload_folder or offload_tmp.name
+        kwargs["offload_folder"] = args.offload_folder or offload_tmp.name  # type: ignore[union-attr]
     verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
     placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
     if placement:

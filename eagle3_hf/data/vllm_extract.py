@@ -1,0 +1,213 @@
+"""`eagle3-hf extract --engine vllm`: the features of a prepared dataset, captured by vLLM, in our shard format.
+
+The engine that will serve the drafter computes the states it is trained on. vLLM (its own venv,
+engines/vllm_extract_runner.py) prefills each sample's token ids once (max_tokens=1) with its
+`extract_hidden_states` method at ids = the aux indices + [N]: vLLM's id k < N is transformers'
+`output_hidden_states` index k (the residual stream entering layer k), and id N is the last layer's output
+*before* the final norm. So the aux states are stored as vLLM wrote them, and here, in this venv, the
+verifier's own final norm turns id N into `last_hidden_state` (post-norm, as our shards define it) and its
+own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `import-features` uses
+(importers.load_verifier_head, capture.greedy_tokens). Only the norm and the head are read from the
+checkpoint, never the body. vLLM's runner only writes files; each is checked (token ids, rows, layers,
+hidden size, finite), taken into a shard and deleted at once.
+
+Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (shards.ShardWriter); the
+manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
+its own vLLM instance.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..verifier.capture import greedy_tokens
+from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from .importers import load_verifier_head
+from .prepared_format import open_prepared, prepared_lengths
+from .shards import ShardWriter, canonical_dtype, make_header
+
+SOURCE = "vllm"
+
+
+def vllm_layer_ids(aux_indices, num_layers: int) -> list[int]:
+    """What vLLM is asked to capture: the aux indices (same numbers in vLLM) and N, ascending (vLLM sorts)."""
+    indices = check_aux_indices(aux_indices, num_layers)
+    return sorted(indices) + [num_layers]
+
+
+def checkpoint_dtype(path: str | Path) -> str:
+    """The dtype a checkpoint's config.json names ("auto" when none): what transformers' dtype="auto" loads.
+    vLLM's own "auto" runs a float32 checkpoint in bfloat16 on the CPU, so `--torch-dtype auto` is resolved
+    here to mean the same in both engines; pass bfloat16 to get what vLLM serves by default."""
+    import json
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return "auto"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for where in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(where.get(key), str):
+                return str(where[key])
+    return "auto"
+
+
+def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer_ids: list[int],
+                hidden: int) -> torch.Tensor:
+    """One file vLLM's connector wrote -> its hidden_states [T, len(layer_ids), H] as float32, checked.
+
+    ValueError (one line naming the file and the sample) when its token_ids are not the sample's, its rows
+    differ from its token_ids (what prefix caching does, vLLM issue 44485), its layer or hidden size is not
+    the one asked for, or a state is NaN/Inf.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        data = load_file(str(path))
+    except Exception as exc:  # a truncated or foreign file
+        raise ValueError(f"{path}: not a readable hidden-states file for sample {sample_id!r}: {exc}") from None
+    for key in ("hidden_states", "token_ids"):
+        if key not in data:
+            raise ValueError(f"{path}: no {key!r} tensor (sample {sample_id!r}); found {sorted(data)}")
+    states, tokens = data["hidden_states"], data["token_ids"]
+    if not torch.equal(tokens.long(), input_ids.long()):
+        raise ValueError(f"{path}: its token_ids ({tokens.numel()}) are not sample {sample_id!r}'s input_ids "
+                         f"({input_ids.numel()})")
+    if states.dim() != 3 or states.shape[0] != tokens.shape[0]:
+        raise ValueError(f"{path}: hidden_states has shape {tuple(states.shape)} but token_ids has {tokens.shape[0]} "
+                         f"rows (sample {sample_id!r}); with prefix caching vLLM saves fewer rows: it must be off")
+    if states.shape[1:] != (len(layer_ids), hidden):
+        raise ValueError(f"{path}: hidden_states holds {states.shape[1]} layers x {states.shape[2]} for sample "
+                         f"{sample_id!r}, expected {len(layer_ids)} (vLLM ids {layer_ids}) x hidden {hidden}")
+    states = states.float()
+    finite = torch.isfinite(states).all(dim=(0, 2))
+    if not finite.all():
+        bad = [layer_ids[j] for j in range(len(layer_ids)) if not finite[j]]
+        raise ValueError(f"{path}: non-finite hidden states for sample {sample_id!r} at vLLM layer ids {bad}")
+    return states
+
+
+@torch.no_grad()
+def features_from_states(states: torch.Tensor, aux_indices, layer_ids: list[int], norm: nn.Module, head: nn.Module,
+                         softcap: float | None) -> dict[str, torch.Tensor]:
+    """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order), last_hidden_state [T, H]
+    (the final norm applied once to vLLM's id N) and verifier_greedy [T]."""
+    slot = {lid: j for j, lid in enumerate(layer_ids)}
+    aux = torch.cat([states[:, slot[int(i)]] for i in aux_indices], dim=-1)
+    last = norm(states[:, slot[layer_ids[-1]]])  # vLLM's id N is before the final norm
+    return {"aux_hidden_states": aux, "last_hidden_state": last,
+            "verifier_greedy": greedy_tokens(head, last, softcap)}
+
+
+def extract_features_vllm(
+    verifier: str,
+    tokenizer_fingerprint: str,
+    prepared_dataset,
+    out_dir: str | Path,
+    aux_indices=None,
+    dtype: str = "bfloat16",
+    samples_per_shard: int = 64,
+    max_shard_bytes: int = 1 << 30,
+    verifier_name: str | None = None,
+    verifier_revision: str | None = None,
+    vllm_dtype: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    batch_size: int = 8,
+    max_pending: int = 16,
+    threads: int = 1,
+    timeout: float | None = None,
+    connector: str = "auto",
+    debug: bool = False,
+    progress: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> dict[str, Any]:
+    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary."""
+    from tqdm.auto import tqdm
+
+    from ..engines.vllm_env import VllmExtraction, vllm_python
+    from ..verifier.loading import resolve_verifier
+    from .extract import _wait_and_merge, dist_env
+
+    vllm_python()  # vLLM missing: one line, before anything is written
+    env_rank, env_world = dist_env()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    out_dir = Path(out_dir)
+    path = resolve_verifier(str(verifier))
+    norm, head, config = load_verifier_head(path, verifier_revision)
+    if vllm_dtype == "auto":
+        vllm_dtype = checkpoint_dtype(path)
+    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
+    layer_ids = vllm_layer_ids(indices, n_layers)
+    info = {"name": str(verifier_name or verifier), "revision": verifier_revision, "num_hidden_layers": n_layers,
+            "hidden_size": hidden, "vocab_size": int(config.vocab_size)}
+    provenance = {"engine": "vllm", "vllm_layer_ids": layer_ids, "vllm_dtype": vllm_dtype,
+                  "last_hidden_state": f"the verifier's final norm applied to vLLM's id {n_layers} (pre-norm)",
+                  "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
+    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype), source=SOURCE,
+                         provenance=provenance)
+    ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
+    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=samples_per_shard,
+                         max_shard_bytes=max_shard_bytes)
+    all_ids = list(ds["id"])
+    mine = range(rank, len(ds), world_size)
+    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
+    lengths = prepared_lengths(ds)
+    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+    softcap = logit_softcap(config)
+    submit = [i for i in todo if lengths[i] > 0]
+    longest = max((lengths[i] for i in submit), default=0)
+    request = {"verifier": path, "verifier_revision": verifier_revision, "dtype": vllm_dtype,
+               "max_model_len": int(max_model_len or longest + 1), "layer_ids": layer_ids,
+               "batch_size": batch_size, "max_pending": max_pending, "tensor_parallel_size": tensor_parallel_size,
+               "connector": connector}
+    if max_model_len is not None and longest + 1 > max_model_len:
+        raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
+    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"extract vllm r{rank}",
+               disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    vllm_result: dict[str, Any] = {}
+    peak = 0
+    try:
+        for i in todo:
+            if lengths[i] == 0:
+                writer.skip(all_ids[i], "empty")
+        if submit:
+            prompts = ((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
+            with VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout) as run:
+                for record in run.records():
+                    i = submit[int(record["key"])]
+                    row, sample_id = rows[i], all_ids[i]
+                    input_ids = row["input_ids"].long()
+                    states = read_states(record["path"], sample_id, input_ids, layer_ids, hidden)
+                    feats = features_from_states(states, indices, layer_ids, norm, head, softcap)
+                    writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"],
+                               feats["last_hidden_state"], feats["verifier_greedy"])
+                    os.unlink(record["path"])  # the shard holds it now (a kill before its commit redoes it)
+                    bar.update(input_ids.numel())
+                vllm_result = run.result or {}
+                peak = run.peak_pending_bytes
+    finally:
+        writer.close()
+        bar.close()
+    elapsed = time.perf_counter() - start
+    summary = {"engine": "vllm", "vllm_version": vllm_result.get("vllm_version"), "vllm_dtype": vllm_dtype,
+               "connector": vllm_result.get("connector"), "rank": rank, "world_size": world_size,
+               "written_samples": writer.written_samples, "written_tokens": writer.written_tokens,
+               "resumed_past": len(mine) - len(todo), "skipped": dict(writer.skipped_counts),
+               "seconds": round(elapsed, 3), "vllm_load_seconds": vllm_result.get("load_seconds"),
+               "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None,
+               "peak_temporary_bytes": peak}
+    if rank == 0:
+        manifest = _wait_and_merge(out_dir, all_ids, 48 * 3600)
+        summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
+    return summary

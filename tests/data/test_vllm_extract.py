@@ -1,0 +1,273 @@
+"""`extract --engine vllm`: vLLM's states mapped to our shards (aux ids as they are, the final norm applied
+once to vLLM's id N, the greedy token from the verifier's own head), its one-line errors and its timeout,
+and (slow, vLLM's CPU build) the same features as `extract` within bf16 storage rounding, distinguishable
+from a last layer normed twice or not at all and from an id off by one, trained on for a few epochs.
+
+The slow test needs `make vllm`; without the vLLM venv it is skipped, saying so (EAGLE3_HF_SKIP_VLLM=1
+skips it too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf.cli import main
+from eagle3_hf.data.dataset import FeatureDataset
+from eagle3_hf.data.extract import extract_features
+from eagle3_hf.data.vllm_extract import features_from_states, read_states, vllm_layer_ids
+from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction, vllm_venv
+from eagle3_hf.evaluation.feature_diff import diff_features
+from eagle3_hf.verifier.capture import capture_features, final_norm
+from eagle3_hf.verifier.family import logit_softcap
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
+LAYERS, HIDDEN, VOCAB = 6, 128, 49152  # the SmolLM2 vocabulary: the real tokenizer renders, vLLM loads it
+BF16_STEP = 2.0**-8  # one rounding to bfloat16 moves a value by at most 2^-9 of it; two independent ones 2^-8
+
+
+def serveable_verifier(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama vLLM's CPU attention accepts (head_dim 64) whose greedy next token is mostly token + 1
+    (lm_head = the embedding rolled by one, layer outputs damped), so a drafter learns it in a few epochs.
+    Its final norm has a non-constant weight (normed twice != normed once) and its layers move the residual
+    stream enough that adjacent ids differ by far more than bf16 rounding."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.copy_(torch.roll(embed, shifts=1, dims=0))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(8.0)
+            layer.mlp.down_proj.weight.mul_(8.0)
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def walk_prepared(path: Path, fingerprint: str, n: int = 12, seed: int = 0) -> Path:
+    """Random walks over 200 even ids (greedy targets are then the odd ids next to them); the first 4 tokens
+    of each sample are the prompt (no loss)."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = torch.arange(1000, 1400, 2)
+    ids, tokens, masks = [], [], []
+    for i in range(n):
+        t = int(torch.randint(12, 41, (1,), generator=g))
+        tokens.append(alphabet[torch.randint(0, len(alphabet), (t,), generator=g)].tolist())
+        masks.append([0] * 4 + [1] * (t - 4))
+        ids.append(f"w{i:03d}")
+    features = datasets.Features({"id": datasets.Value("string"),
+                                  "input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    datasets.Dataset.from_dict({"id": ids, "input_ids": tokens, "loss_mask": masks},
+                               features=features).save_to_disk(str(path))
+    (path / "eagle3_prepare.json").write_text(json.dumps({"tokenizer_fingerprint": fingerprint}))
+    return path
+
+
+@torch.no_grad()
+def reference_states(model, input_ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """transformers' output_hidden_states [T, H] per index, and the last layer's output before the final norm."""
+    seen = {}
+    handle = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: seen.update(pre=out))
+    try:
+        out = model(input_ids[None], output_hidden_states=True)
+    finally:
+        handle.remove()
+    pre = seen["pre"][0] if isinstance(seen["pre"], tuple) else seen["pre"]
+    return tuple(h[0] for h in out.hidden_states), pre[0]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest per-token relative error ||a - b|| / ||b||."""
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+
+
+# ---------------------------------------------------------------- fast: the mapping and the errors
+
+
+def test_vllm_states_map_to_capture_features():
+    """What vLLM writes (ids ascending, id N before the final norm), mapped here, equals what `extract`
+    stores, for aux indices given in any order."""
+    model = serveable_verifier()
+    ids = torch.arange(1000, 1030)
+    aux = (5, 1, 3)
+    layer_ids = vllm_layer_ids(aux, LAYERS)
+    assert layer_ids == [1, 3, 5, 6]
+    hs, pre = reference_states(model, ids)
+    states = torch.stack([hs[i] for i in layer_ids[:-1]] + [pre], dim=1)  # [T, 4, H] as vLLM stores it
+    got = features_from_states(states, aux, layer_ids, final_norm(model), model.lm_head, logit_softcap(model))
+    ref = capture_features(model, ids, aux)
+    for key in ("aux_hidden_states", "last_hidden_state"):
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["verifier_greedy"], ref["verifier_greedy"])
+    # the mapping is not the identity: normed twice, not normed, or the ids read in ascending order all differ
+    twice = features_from_states(torch.cat([states[:, :3], final_norm(model)(pre)[:, None]], 1), aux, layer_ids,
+                                 final_norm(model), model.lm_head, None)
+    assert rel(twice["last_hidden_state"], ref["last_hidden_state"]) > 0.05
+    assert rel(pre, ref["last_hidden_state"]) > 0.05
+    ascending = features_from_states(states, (1, 3, 5), layer_ids, final_norm(model), model.lm_head, None)
+    assert not torch.allclose(ascending["aux_hidden_states"], ref["aux_hidden_states"])
+
+
+def test_layer_ids_out_of_range_refused():
+    with pytest.raises(ValueError, match="outside 1..5"):
+        vllm_layer_ids((1, 3, 6), LAYERS)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("short", "hidden_states has shape (9, 4, 16) but token_ids has 10 rows"),
+    ("tokens", "token_ids (10) are not sample 's0''s input_ids"),
+    ("layers", "holds 3 layers x 16"),
+    ("nan", "non-finite hidden states for sample 's0' at vLLM layer ids [3]"),
+])
+def test_a_bad_file_is_one_line_naming_file_and_sample(tmp_path, fault, message):
+    ids = torch.arange(10)
+    states, tokens = torch.randn(10, 4, 16), ids.clone()
+    if fault == "short":
+        states = states[:9]
+    elif fault == "tokens":
+        tokens[3] += 1
+    elif fault == "layers":
+        states = states[:, :3].contiguous()
+    elif fault == "nan":
+        states[4, 1, 2] = float("nan")
+    path = tmp_path / "req.safetensors"
+    save_file({"hidden_states": states, "token_ids": tokens}, str(path))
+    with pytest.raises(ValueError) as err:
+        read_states(path, "s0", ids, [1, 3, 5, 6], 16)
+    text = str(err.value)
+    assert message in text and str(path) in text and "\n" not in text
+
+
+def test_vllm_missing_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, tiny_verifier_dir, fingerprint):
+    from tests.helpers.data import make_prepared
+
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "nowhere"))
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=2)
+    capsys.readouterr()  # the dataset's own progress bar
+    code = main(["extract", "--engine", "vllm", "--verifier", str(tiny_verifier_dir), "--data", str(prepared),
+                 "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: vLLM is not installed: run `make vllm`") and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def hanging_vllm_venv(tmp_path, monkeypatch):
+    """A vLLM venv whose python never answers: the runner's stand-in sleeps."""
+    venv = tmp_path / "vllm-venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\necho $$ > \"$(dirname \"$0\")/pid\"\nexec sleep 120\n")
+    python.chmod(0o755)
+    (venv / STAMP).write_text("test")
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(venv))
+    return venv
+
+
+def test_a_hung_vllm_is_stopped_after_the_timeout(hanging_vllm_venv):
+    start = time.monotonic()
+    with pytest.raises(VllmError, match=r"made no progress for 2 s and was stopped"):
+        with VllmExtraction({"verifier": "x"}, [(0, [1, 2, 3])], timeout=2) as run:
+            list(run.records())
+    assert time.monotonic() - start < 30
+    pid = int((hanging_vllm_venv / "bin" / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # the stand-in was killed, not left behind
+        os.kill(pid, 0)
+
+
+# ---------------------------------------------------------------- slow: vLLM's CPU build against transformers
+
+
+def vllm_or_skip() -> None:
+    if os.environ.get("EAGLE3_HF_SKIP_VLLM", "").strip() not in ("", "0"):
+        pytest.skip("EAGLE3_HF_SKIP_VLLM is set")
+    if not (vllm_venv() / STAMP).is_file():
+        pytest.skip(f"vLLM is not installed in {vllm_venv()}: run `make vllm` (EAGLE3_HF_VLLM_VENV overrides)")
+
+
+@pytest.mark.slow
+def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint):
+    vllm_or_skip()
+    verifier = serveable_verifier()
+    vdir = tmp_path / "verifier"
+    verifier.save_pretrained(vdir)
+    tokenizer.save_pretrained(vdir)
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint)
+    by_transformers, by_vllm = tmp_path / "f_transformers", tmp_path / "f_vllm"
+    extract_features(verifier, fingerprint, prepared, by_transformers, samples_per_shard=4, verifier_name=str(vdir),
+                     progress=False)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
+                             "--output", str(by_vllm), "--samples-per-shard", "4", "--vllm-batch-size", "4",
+                             "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["connector"] == "CpuHiddenStatesConnector" and summary["vllm_version"] == "0.32.0"
+    assert summary["written_samples"] == summary["total_samples"] == 12 and summary["vllm_dtype"] == "float32"
+    assert 0 < summary["peak_temporary_bytes"] <= 16 * 40 * 4 * HIDDEN * 4 + 16 * 4096  # never more than 16 files
+
+    # the same shard format: keys, dtypes, shards, checksums (FeatureDataset verifies every shard's sha256)
+    a, b = FeatureDataset(by_transformers, split="all"), FeatureDataset(by_vllm, split="all")
+    assert b.manifest["source"] == "vllm" and a.manifest["source"] == "transformers"
+    for key in ("verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype"):
+        assert a.manifest[key] == b.manifest[key], key
+    assert [s["id"] for s in a.manifest["samples"]] == [s["id"] for s in b.manifest["samples"]]
+    assert len(b.manifest["shards"]) == 3
+    for sa, sb in zip(a.manifest["shards"], b.manifest["shards"]):
+        with safe_open(by_transformers / sa["file"], "pt") as fa, safe_open(by_vllm / sb["file"], "pt") as fb:
+            assert sorted(fa.keys()) == sorted(fb.keys())
+            for k in fa.keys():
+                assert fa.get_slice(k).get_dtype() == fb.get_slice(k).get_dtype()
+                assert fa.get_slice(k).get_shape() == fb.get_slice(k).get_shape()
+
+    # diff-features: every layer within bf16 storage rounding, the same greedy tokens
+    report = diff_features(by_transformers, by_vllm)
+    assert report["samples_compared"] == 12 and report["token_mismatch"] == 0
+    for name, stats in report["layers"].items():
+        assert stats["rel_err_max"] <= BF16_STEP + 1e-4 and stats["cos_min"] > 0.9999, (name, stats)
+    assert report["greedy_agreement"] == 1.0
+
+    # ... and far from what a wrong mapping would have stored
+    aux = b.aux_layer_indices
+    for i in range(len(b)):
+        item = b[i]
+        hs, pre = reference_states(verifier, item["input_ids"])
+        last = item["last_hidden_state"]
+        assert rel(last, verifier.model.norm(pre)) <= BF16_STEP + 1e-4
+        assert rel(last, pre) > 0.1 and rel(last, verifier.model.norm(verifier.model.norm(pre))) > 0.1
+        for k, index in enumerate(aux):
+            got = item["aux_hidden_states"][:, k * HIDDEN:(k + 1) * HIDDEN]
+            assert rel(got, hs[index]) <= BF16_STEP + 1e-4
+            assert rel(got, hs[index - 1]) > 0.1 and rel(got, hs[index + 1]) > 0.1, (index, i)
+
+    # trained on: a few epochs on vLLM's features lift step-0 accuracy
+    from eagle3_hf.data.vocab import save_vocab
+    from eagle3_hf.model.checkpoint import vocab_from_target_ids
+    from eagle3_hf.scripts.train import main as train_main
+
+    greedy = torch.cat([b[i]["verifier_greedy"] for i in range(len(b))]).unique()
+    d2t, t2d = vocab_from_target_ids(greedy, VOCAB)
+    save_vocab(by_vllm / "vocab.safetensors", d2t, t2d, fingerprint, coverage=1.0)
+    trained = train_main(["--verifier", str(vdir), "--data-dir", str(by_vllm), "--output-dir", str(tmp_path / "run"),
+                          "--num-train-epochs", "8", "--logging-steps", "1", "--save-strategy", "no",
+                          "--eval-strategy", "no",
+                          "--max-seq-len", "128", "--per-device-train-batch-size", "2", "--learning-rate", "1e-2",
+                          "--disable-tqdm", "true", "--seed", "7", "--warmup-steps", "2"])
+    logs = [h for h in trained["log_history"] if "acc_0" in h]
+    assert logs and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs if "loss" in h)
+    assert logs[0]["acc_0"] < 0.1 and logs[-1]["acc_0"] > 0.5, [h["acc_0"] for h in logs]  # measured 0 -> 0.81
