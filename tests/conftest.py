@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 tokenizer and tiny random Llama verifiers built around it."""
+"""Shared fixtures: the real SmolLM2 tokenizer and a tiny verifier saved with it, its fingerprint, the synthetic
+verifier with its offline features, and the loopback Hub. Their code lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 
 import pytest
 import torch
+
+pytest.register_assert_rewrite("tests.helpers")  # the shared assertions report like a test's own
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,32 +31,11 @@ def tokenizer(default_verifier_dir):
     return AutoTokenizer.from_pretrained(default_verifier_dir)
 
 
-def make_tiny_verifier(vocab_size: int = 49152, hidden_size: int = 64, num_layers: int = 6, seed: int = 0):
-    """A random Llama with the SmolLM2 vocabulary: real tokenizer, tiny compute."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny_verifier_dir(tmp_path_factory, tokenizer):
     """A saved tiny verifier + the SmolLM2 tokenizer, loadable by path like any Hub model."""
+    from tests.helpers.verifiers import make_tiny_verifier
+
     path = tmp_path_factory.mktemp("tiny_verifier")
     make_tiny_verifier().save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -62,9 +44,26 @@ def tiny_verifier_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """A loopback Hub-API server (tests/hub_server.py) per test module, stopped by pid afterwards."""
-    from hub_server import TEST_ORGS, TEST_TOKENS, HubServer
+    """A loopback Hub-API server (tests/helpers/hub_server.py) per test module, stopped by pid afterwards."""
+    from tests.helpers.hub_server import TEST_ORGS, TEST_TOKENS, HubServer
 
     server = HubServer(tmp_path_factory.mktemp("hub"), orgs=TEST_ORGS, tokens=TEST_TOKENS).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def fingerprint(tokenizer):
+    """The SmolLM2 tokenizer's fingerprint, as prepared datasets and features record it."""
+    from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """The learnable synthetic verifier and 48 samples of offline features for it (tests/helpers/data.py), per
+    module: {"root", "verifier", "verifier_dir", "features"}."""
+    from tests.helpers.data import synthetic_data
+
+    return synthetic_data(tmp_path_factory.mktemp("synthetic"), num_samples=48)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from eagle3_hf.demo_data.prompts import mtbench_questions
 from eagle3_hf.demo_data.overlap import find_overlaps
+from eagle3_hf.demo_data.prompts import mtbench_questions
 
-from test_export import STANDARD_KEYS
+from tests.helpers.drafters import STANDARD_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from eagle3_hf import cli
-
 from eagle3_hf.data import shards
 from eagle3_hf.data.dataset import FeatureDataset
-from test_extract import _extract_in_process, make_prepared
-from test_extract import fingerprint  # noqa: F401  (fixture)
+
+from tests.helpers.data import extract_in_process, make_prepared
 
 
 class _FullDisk(io.FileIO):
@@ -30,7 +29,7 @@ def test_enospc_mid_shard_keeps_complete_shards_and_rerun_resumes(tmp_path, tiny
                                                                     monkeypatch):
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=10)
     full, failed = tmp_path / "full", tmp_path / "failed"
-    _extract_in_process(tiny_verifier_dir, prepared, full, fingerprint)
+    extract_in_process(tiny_verifier_dir, prepared, full, fingerprint)
     real_open = open
 
     def open_filling_disk(path, mode="r", *args, **kwargs):
@@ -40,13 +39,13 @@ def test_enospc_mid_shard_keeps_complete_shards_and_rerun_resumes(tmp_path, tiny
 
     monkeypatch.setattr(shards, "open", open_filling_disk, raising=False)
     with pytest.raises(OSError, match="No space left on device") as info:
-        _extract_in_process(tiny_verifier_dir, prepared, failed, fingerprint)
+        extract_in_process(tiny_verifier_dir, prepared, failed, fingerprint)
     assert "shard-r000-00002" in str(info.value) and "rerun" in str(info.value)
     assert not list(failed.glob("*.tmp"))  # the partial file is removed: it only holds the space a user needs
     partial = FeatureDataset(failed, split="all")  # every committed shard is whole and checksummed
     assert len(partial) == 4
     monkeypatch.undo()
-    _extract_in_process(tiny_verifier_dir, prepared, failed, fingerprint)
+    extract_in_process(tiny_verifier_dir, prepared, failed, fingerprint)
     names = sorted(p.name for p in full.iterdir())
     assert names == sorted(p.name for p in failed.iterdir())
     for name in names:
@@ -63,7 +62,8 @@ def test_endpoint_dropping_and_restarting_mid_run_loses_and_duplicates_nothing(t
     import time
 
     from eagle3_hf.data.regenerate import EndpointBackend, regenerate
-    from openai_stub import OpenAIStub, reply_for
+
+    from tests.helpers.openai_stub import OpenAIStub, reply_for
 
     convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
     out = tmp_path / "out.jsonl"
@@ -125,8 +125,8 @@ def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(
     import time
     from pathlib import Path
 
-    from fixtures.drafters import write_drafter
-    from hub_server import TEST_ORGS, TEST_TOKENS, WRITE_TOKEN, HubServer, client_pointed_at
+    from tests.helpers.drafters import write_drafter
+    from tests.helpers.hub_server import TEST_ORGS, TEST_TOKENS, WRITE_TOKEN, HubServer, client_pointed_at
 
     root = Path(__file__).resolve().parents[1]
     src = write_drafter(tmp_path / "drafter")
@@ -161,15 +161,6 @@ def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(
 
 
 # ---------------------------------------------------------------- ZeRO-3 training killed and resumed
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    from train_fixtures import build_offline_data, save_verifier
-
-    root = tmp_path_factory.mktemp("zero3")
-    verifier = save_verifier(root / "verifier")
-    return {"verifier_dir": root / "verifier", "features": build_offline_data(root, verifier, num_samples=48)}
-
 
 @pytest.mark.slow
 def test_sigkill_during_two_process_zero3_training_then_resume_matches_uninterrupted(synthetic, tmp_path):

@@ -1,6 +1,7 @@
 """The package's import graph: no cycle (counting imports inside functions too: a cycle means two modules each
 own half of a rule, which is how a contract ends up written twice), and the subpackages in layers, each
-importing only those below it, so the folder names read as the architecture."""
+importing only those below it, so the folder names read as the architecture. The tests keep a rule of their own:
+no test module imports another, nor a conftest; what they share is in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle3_hf"
+TESTS = Path(__file__).resolve().parent
 
 
 def _module_name(path: Path) -> str:
@@ -140,3 +142,56 @@ def test_old_import_paths_are_the_moved_modules():
     from eagle3_hf.modeling_eagle3 import Eagle3DraftModel as OldModel
 
     assert OldConfig is Eagle3Config and OldModel is Eagle3DraftModel
+
+
+# ---------------------------------------------------------------- the tests' own imports
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports anywhere in its body; for `from m import a` both m and m.a (a may be a
+    module); relative imports keep their dots (`from . import test_x` gives `.test_x`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            stem = "." * node.level + (node.module or "")
+            if node.module:
+                names.add(stem)
+            names |= {f"{stem}.{alias.name}" if node.module else stem + alias.name for alias in node.names}
+    return names
+
+
+def is_test_module(name: str) -> bool:
+    last = name.rpartition(".")[2]
+    return last == "conftest" or last.startswith("test_")
+
+
+def imports_of_tests(root: Path) -> dict[str, list[str]]:
+    """File under `root` -> the test modules and conftests it imports (by any name: `test_x`, `tests.a.test_x`)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        if names := sorted(n for n in imported_modules(path) if is_test_module(n)):
+            found[path.relative_to(root).as_posix()] = names
+    return found
+
+
+def test_no_test_module_imports_another_test_module_or_conftest():
+    assert "tests.helpers.data.make_prepared" in imported_modules(TESTS / "data" / "test_extract.py")  # real edges
+    offenders = imports_of_tests(TESTS)
+    assert not offenders, f"shared code belongs in tests/helpers/, shared fixtures in a conftest.py: {offenders}"
+
+
+def test_the_test_import_check_finds_planted_violations(tmp_path):
+    """Clean files pass; then a test module imports two others (one inside a function) and a helper imports
+    conftest and, relatively, a test module: each is named."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "test_a.py").write_text(
+        "from tests.helpers.data import rows\n\n\ndef test_a():\n    import os\n")
+    (tmp_path / "helper.py").write_text("import json\nfrom tests.helpers.verifiers import make_tiny_verifier\n")
+    assert imports_of_tests(tmp_path) == {}
+    (tmp_path / "data" / "test_b.py").write_text(
+        "from tests.data.test_extract import make_prepared\n\n\ndef test_b():\n    from test_a import rows\n")
+    (tmp_path / "helper.py").write_text("from conftest import make_tiny_verifier\nfrom . import test_c\n")
+    assert imports_of_tests(tmp_path) == {"data/test_b.py": ["test_a", "tests.data.test_extract"],
+                                          "helper.py": [".test_c", "conftest"]}

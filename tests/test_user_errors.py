@@ -129,16 +129,6 @@ def test_prepare_records_the_ids_it_skipped(tmp_path):
 
 # ---------------------------------------------------------------- checkpoints that are not (this verifier's) drafters
 
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    from train_fixtures import build_offline_data, save_verifier
-
-    root = tmp_path_factory.mktemp("synthetic")
-    verifier = save_verifier(root / "verifier")
-    return {"verifier": verifier, "verifier_dir": root / "verifier",
-            "features": build_offline_data(root, verifier, num_samples=8)}
-
-
 def test_finetune_from_a_verifier_says_it_is_not_a_drafter(synthetic, tmp_path, capsys):
     verifier_dir = str(synthetic["verifier_dir"])
     rc = cli.main(["train", "--verifier", verifier_dir, "--data-dir", str(synthetic["features"]), "--output-dir",

@@ -1,0 +1,231 @@
+"""Regeneration: turn by turn, concurrent, resumable with nothing lost or duplicated, against a stub
+OpenAI-compatible server on loopback, in-process with the tiny verifier, and (opt-in) a real llama.cpp server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from eagle3_hf import cli
+from eagle3_hf.data.conversations import load_conversations, write_jsonl
+from eagle3_hf.data.regenerate import EndpointBackend, EndpointError, TransformersBackend, regenerate
+
+from tests.helpers.data import rows
+from tests.helpers.openai_stub import OpenAIStub, reply_for
+
+
+def U(text):
+    return {"role": "user", "content": text}
+
+
+def A(text):
+    return {"role": "assistant", "content": text}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CONVS = [
+    {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("u1"), A("old one"), U("u2"), A("old two")]},
+    {"id": "single", "messages": [U("only question")]},
+    {"id": "tail", "messages": [U("a"), A("old"), U("b")]},
+] + [{"id": f"c{i}", "messages": [U(f"q{i}"), A("old")]} for i in range(5)]
+
+
+def test_endpoint_turn_by_turn_concurrent(tmp_path, capsys):
+    out = tmp_path / "regen.jsonl"
+    with OpenAIStub(delay=0.05, api_key="sk-test-secret") as stub:
+        backend = EndpointBackend(stub.url, "stub-model", api_key="sk-test-secret", max_retries=0)
+        stats = regenerate(CONVS, out, backend, concurrency=4)
+    got = rows(out)
+    assert set(got) == {c["id"] for c in CONVS} and stats["written"] == 8 and stats["already_done"] == 0
+    assert got["multi"]["messages"] == [{"role": "system", "content": "Be brief."}, U("u1"), A("[2] re: u1"),
+                                        U("u2"), A("[4] re: u2")]
+    assert got["single"]["messages"] == [U("only question"), A("[1] re: only question")]
+    assert got["tail"]["messages"] == [U("a"), A("[1] re: a"), U("b"), A("[3] re: b")]
+    assert got["c3"]["messages"] == [U("q3"), A("[1] re: q3")]
+    assert got["multi"]["regenerated"] == {"model": "stub-model", "finish_reasons": ["stop", "stop"]}
+    # the second turn was asked with the *regenerated* first turn in its history
+    second = [r for r in stub.requests if r["messages"][-1]["content"] == "u2"]
+    assert len(second) == 1 and second[0]["messages"][2] == A("[2] re: u1") and second[0]["model"] == "stub-model"
+    assert len(stub.requests) == stats["turns"] == 10
+    assert stub.max_in_flight > 1  # requests really ran concurrently
+    assert "sk-test-secret" not in out.read_text() + capsys.readouterr().err
+    assert [c["id"] for c in load_conversations(str(out))] == list(got)  # the output is valid prepare input
+
+
+def test_max_turns_cuts_the_rest(tmp_path):
+    with OpenAIStub() as stub:
+        regenerate(CONVS[:1], tmp_path / "m.jsonl", EndpointBackend(stub.url, "m"), max_turns=1, progress=False)
+    assert rows(tmp_path / "m.jsonl")["multi"]["messages"] == [{"role": "system", "content": "Be brief."}, U("u1"),
+                                                                A("[2] re: u1")]
+
+
+def test_retries_and_clear_errors(tmp_path):
+    with OpenAIStub(fail_first=2) as stub:
+        backend = EndpointBackend(stub.url + "/v1", "m", max_retries=3, retry_backoff=0.01)
+        regenerate(CONVS[1:2], tmp_path / "a.jsonl", backend, progress=False)
+        assert len(stub.requests) == 3  # two 503s, then success
+    assert rows(tmp_path / "a.jsonl")["single"]["messages"][-1] == A("[1] re: only question")
+
+    with OpenAIStub(reject=lambda messages: True) as stub:
+        backend = EndpointBackend(stub.url, "m", max_retries=3, retry_backoff=0.01)
+        with pytest.raises(EndpointError, match=r"conversation single: .*HTTP 400: .*rejected by test"):
+            regenerate(CONVS[1:2], tmp_path / "b.jsonl", backend, progress=False)
+        assert len(stub.requests) == 1  # a 400 is not retried
+
+    with OpenAIStub(api_key="right-key") as stub:
+        backend = EndpointBackend(stub.url, "m", api_key="wrong-key", max_retries=0)
+        with pytest.raises(EndpointError, match="HTTP 401") as info:
+            regenerate(CONVS[1:2], tmp_path / "c.jsonl", backend, progress=False)
+        assert "wrong-key" not in str(info.value)
+
+    url = f"http://127.0.0.1:{free_port()}"
+    backend = EndpointBackend(url, "m", max_retries=1, retry_backoff=0.01, timeout=5)
+    with pytest.raises(EndpointError, match=rf"{url}/v1/chat/completions: gave up after 2 attempts"):
+        regenerate(CONVS[1:2], tmp_path / "d.jsonl", backend, progress=False)
+
+
+def test_resume_after_failure_and_torn_line(tmp_path):
+    convs = [{"id": f"r{i}", "messages": [U("poison" if i == 3 else f"q{i}")]} for i in range(8)]
+    out = tmp_path / "out.jsonl"
+    with OpenAIStub(delay=0.02, reject=lambda m: m[-1]["content"] == "poison") as stub:
+        backend = EndpointBackend(stub.url, "m", max_retries=0)
+        with pytest.raises(EndpointError, match="conversation r3: .*rerun to resume"):
+            regenerate(convs, out, backend, concurrency=2, progress=False)
+    first = rows(out)
+    assert "r3" not in first and 0 < len(first) < 8
+    with open(out, "a") as f:  # a run killed in the middle of a write
+        f.write('{"id": "r7", "messages": [{"role": "us')
+    with OpenAIStub() as stub:
+        stats = regenerate(convs, out, EndpointBackend(stub.url, "m"), concurrency=3, progress=False)
+        asked = sorted(r["messages"][-1]["content"] for r in stub.requests)
+    final = rows(out)  # asserts no duplicate ids
+    assert set(final) == {c["id"] for c in convs}
+    assert stats["already_done"] == len(first) and stats["written"] == 8 - len(first)
+    expected_asked = sorted(c["messages"][0]["content"] for c in convs if c["id"] not in first)
+    assert asked == expected_asked  # finished conversations were not asked again
+    for conv in convs:
+        assert final[conv["id"]]["messages"] == conv["messages"] + [A(reply_for(conv["messages"]))]
+
+
+def test_sigkill_and_resume(tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    convs = [{"id": f"k{i}", "messages": [U(f"q{i}")]} for i in range(10)]
+    write_jsonl(src, convs)
+    with OpenAIStub(delay=0.25) as stub:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3_hf.cli", "regenerate", "--input", str(src),
+                                 "--output", str(out), "--endpoint", stub.url, "--model", "m", "--concurrency", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        done = rows(out)
+        assert 2 <= len(done) < 10
+        before = len(stub.requests)
+        stub.delay = 0.0
+        regenerate(convs, out, EndpointBackend(stub.url, "m"), concurrency=4, progress=False)
+        assert len(stub.requests) - before == 10 - len(done)
+    final = rows(out)
+    assert sorted(final) == sorted(c["id"] for c in convs)
+    assert all(final[c["id"]]["messages"][-1] == A(reply_for(c["messages"])) for c in convs)
+
+
+def test_cli_endpoint_reads_key_from_env(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, CONVS)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env-secret")
+    with OpenAIStub(api_key="sk-env-secret") as stub:
+        argv = ["regenerate", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--endpoint", stub.url,
+                "--model", "m", "--concurrency", "3", "--limit", "3", "--max-new-tokens", "7", "--temperature", "0.5"]
+        assert cli.main(argv) == 0
+        assert {r["max_tokens"] for r in stub.requests} == {7} and {r["temperature"] for r in stub.requests} == {0.5}
+        assert cli.main(argv) == 0  # nothing left to do
+        assert len(stub.requests) == 5  # multi (2 turns) + single + tail (2 turns), once
+    assert set(rows(tmp_path / "o.jsonl")) == {"multi", "single", "tail"}
+    err = capsys.readouterr().err
+    assert "3 already done" in err and "sk-env-secret" not in err
+
+
+def test_in_process_batched_matches_single(tmp_path, tiny_verifier_dir):
+    import torch
+
+    backend = TransformersBackend(str(tiny_verifier_dir), device="cpu", max_new_tokens=4)
+    convs = CONVS[:3] + [{"id": "sys", "messages": [{"role": "system", "content": "S"}, U("hello there")]}]
+    stats = regenerate(convs, tmp_path / "b.jsonl", backend, batch_size=3, progress=False)
+    assert stats["written"] == 4 and stats["turns"] == 6 and stats["tokens"] > 0
+    regenerate(convs, tmp_path / "s.jsonl", backend, batch_size=1, progress=False)
+    batched, single = rows(tmp_path / "b.jsonl"), rows(tmp_path / "s.jsonl")
+    assert batched == single  # left padding changes nothing (greedy)
+    assert [m["role"] for m in batched["multi"]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert batched["multi"]["messages"][2]["content"] != "old one"
+    # the same as calling generate by hand on the rendered prompt
+    tok = backend.tokenizer
+    prompt = tok.apply_chat_template([U("only question")], add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")
+    with torch.inference_mode():
+        gen = backend.model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = [t for t in gen[0, ids["input_ids"].shape[1]:].tolist()]
+    new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+    assert batched["single"]["messages"][-1] == A(tok.decode(new, skip_special_tokens=True))
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(os.environ.get("EAGLE3_INTEGRATION") != "1", reason="opt-in: set EAGLE3_INTEGRATION=1")
+def test_llama_cpp_server(tmp_path):
+    """A real OpenAI-compatible server (llama-cpp-python) serving the default SmolLM2 GGUF on loopback."""
+    import importlib.util
+
+    from eagle3_hf.verifier.loading import default_verifier_gguf
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.fail("EAGLE3_INTEGRATION=1 needs llama-cpp-python with its server: pip install 'llama-cpp-python[server]'")
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_verifier_gguf()),
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--model_alias", "smollm2",
+                             "--interrupt_requests", "False"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "llama_cpp.server did not come up in 180 s"
+            time.sleep(1)
+        convs = [{"id": "t0", "messages": [U("What is the capital of France?")]},
+                 {"id": "t1", "messages": [U("Hi!"), A("old"), U("Name a colour.")]}]
+        for name in ("a.jsonl", "b.jsonl"):
+            backend = EndpointBackend(url, "smollm2", max_new_tokens=24, temperature=0.0, timeout=120)
+            stats = regenerate(convs, tmp_path / name, backend, concurrency=2, progress=False)
+            assert stats["written"] == 2 and stats["turns"] == 3
+        a, b = rows(tmp_path / "a.jsonl"), rows(tmp_path / "b.jsonl")
+        assert all(m["content"].strip() for r in a.values() for m in r["messages"] if m["role"] == "assistant")
+        assert a["t1"]["messages"][1]["content"] != "old"
+        assert {k: v["messages"] for k, v in a.items()} == {k: v["messages"] for k, v in b.items()}  # greedy
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -1,0 +1,260 @@
+"""vLLM's CPU build serves our drafters: `eagle3-hf evaluate --engine vllm`, its one-line errors, and (slow) a
+trained drafter served by vLLM, token-identical to plain vLLM and accepting what our own decoder accepts.
+
+The slow test needs `make vllm` (the `make test` target installs it, cached outside the clone); without it
+the test fails, unless EAGLE3_HF_SKIP_VLLM=1 is set (locally only, never in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf.cli import main
+from eagle3_hf.engines.vllm_env import STAMP, one_line, vllm_venv
+from eagle3_hf.evaluation.vllm_engine import compare_engines, cut_final_step
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
+
+
+# ---------------------------------------------------------------- a verifier vLLM can serve, a drafter for it
+
+
+def chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama with the SmolLM2 vocabulary (so the real tokenizer and chat template render prompts) and
+    head_dim 64 (vLLM's CPU attention supports it): its lm_head row j is the embedding of j - 1, so its greedy
+    next token is mostly (token + 1), and attention and MLP outputs are damped but not silenced, so the
+    context still matters a little. A drafter learns it in seconds; a random one scores τ ≈ 1."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.copy_(torch.roll(embed, shifts=1, dims=0))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return model
+
+
+def trained_drafter(verifier, draft_vocab_size: int = 4096, steps: int = 60, ttt_steps: int = 3, seed: int = 0):
+    """A few Adam steps of the TTT objective on the verifier's greedy continuations of random prompts over
+    the first `draft_vocab_size` ids (the draft vocabulary: vLLM refuses d2t when it is the whole vocabulary)."""
+    from tests.helpers.drafters import random_drafter
+
+    drafter = random_drafter(verifier, draft_vocab_size=draft_vocab_size, seed=seed).train()
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    aux = drafter.config.aux_hidden_state_indices
+    for _ in range(steps):
+        ids = torch.randint(0, draft_vocab_size - 128, (4, 96), generator=g)  # as long as the served prompts
+        ids[:, 40:] = ids[:, 39:40] + torch.arange(1, 57)  # a prompt, then a chain like the verifier's answers
+        with torch.no_grad():
+            out = verifier(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in aux], dim=-1)
+        greedy = out.logits.argmax(-1).clamp_max(draft_vocab_size - 1)  # kept ids are 0..N-1: draft id = id
+        result = drafter(ids, features, ttt_steps=ttt_steps)
+        loss = sum(0.8**i * torch.nn.functional.cross_entropy(logits[valid], torch.roll(greedy, -(1 + i), 1)[valid])
+                   for i, (logits, valid) in enumerate(zip(result.logits, result.step_valid)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory, tokenizer):
+    """(verifier dir with the SmolLM2 tokenizer, trained drafter dir in the standard layout)."""
+    root = tmp_path_factory.mktemp("vllm_pair")
+    verifier = chain_verifier()
+    verifier.save_pretrained(root / "verifier")
+    tokenizer.save_pretrained(root / "verifier")
+    drafter = trained_drafter(verifier)
+    drafter.save_pretrained(root / "drafter")
+    return root / "verifier", root / "drafter"
+
+
+def vllm_or_fail() -> None:
+    """The slow test runs where `make test` installed vLLM; a missing install fails it, loudly."""
+    if os.environ.get("EAGLE3_HF_SKIP_VLLM", "").strip() not in ("", "0"):
+        pytest.skip("EAGLE3_HF_SKIP_VLLM is set")
+    if not (vllm_venv() / STAMP).is_file():
+        pytest.fail(f"vLLM is not installed in {vllm_venv()}: run `make vllm` (or set EAGLE3_HF_SKIP_VLLM=1 locally)")
+
+
+def evaluate_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.run([EAGLE3_HF, "evaluate", *args, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- slow: a trained drafter served by vLLM
+
+# Greedy fp32: vLLM accepts exactly the drafts our decoder accepts, step by step, once vLLM's final step is
+# counted as evaluate counts it (cut at max tokens). A prompt may differ only where the two engines' different
+# kernels meet a near-tie of the verifier ("numerics"); at most one of these four, and the gap stays within:
+TAU_TOLERANCE = 0.02
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_trained_drafter_like_our_decoder(served_pair, tmp_path):
+    vllm_or_fail()
+    verifier, drafter = served_pair
+    out = tmp_path / "eval"
+    result = evaluate_cli("--engine", "vllm", "--drafter", str(drafter), "--verifier", str(verifier),
+                          "--prompts", "mt-bench", "--num-prompts", "4", "--max-new-tokens", "32", "--k", "3",
+                          "--output", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "train/serve gap (vLLM tau - transformers tau): " in result.stdout
+    served = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
+    ours = json.loads((out / "eagle3_evaluation.json").read_text())
+    assert served["engine"] == "vllm" and served["vllm_version"] == "0.32.0" and ours["engine"] == "transformers"
+    # token-identical to plain vLLM at temperature 0
+    assert served["lossless"] is True and served["mismatches"] == 0
+    assert all(r["lossless"] in ("match", "tie") for r in served["per_prompt"])
+    # τ from vLLM's own counters, above 1; the per-step record adds up to the same counters
+    assert served["acceptance_length"] > 1.2, served["acceptance_length"]
+    for row in served["per_prompt"]:
+        assert sum(row["accepted_per_step"]) == row["accepted"] and len(row["accepted_per_step"]) == row["drafts"]
+    assert served["num_drafts"] == sum(r["drafts"] for r in served["per_prompt"]) > 0
+    # the same acceptance as our decoder on the same prompts
+    assert served["prompts_equal"] + served["prompts_numerics"] == served["num_compared"] == 4
+    assert served["prompts_differ"] == 0 and served["prompts_numerics"] <= 1
+    assert abs(served["gap"]) <= TAU_TOLERANCE, served["gap"]
+    assert served["transformers_acceptance_length"] == ours["acceptance_length"]
+
+
+# ---------------------------------------------------------------- fast: the final-step accounting and the errors
+
+
+def test_cut_final_step_counts_like_evaluate():
+    # 16 tokens: the prefill's, then steps emitting 3, 1, 4, 4 (13 in all); the last step emitted 3 more
+    steps = [2, 0, 3, 3, 3]
+    assert cut_final_step(steps, output_len=16, max_new_tokens=16) == [2, 0, 3, 3, 2]  # 2 drafts + the bonus
+    assert cut_final_step(steps, output_len=16, max_new_tokens=20) == [2, 0, 3, 3, 3]  # ended on an eos draft
+    assert cut_final_step([2, 0, 1], output_len=7, max_new_tokens=16) == [2, 0, 1]  # eos as the bonus token
+    assert cut_final_step([1, 3], output_len=7, max_new_tokens=7) == [1, 3]  # nothing to cut
+    assert cut_final_step([], output_len=1, max_new_tokens=1) == []
+
+
+def test_compare_engines_tells_numerics_from_real_differences():
+    vllm = {"acceptance_length_as_evaluate_counts": 1.5, "per_prompt": [
+        {"tokens": [1, 2, 3], "accepted_per_step_cut": [1, 0]},
+        {"tokens": [4, 5, 6], "accepted_per_step_cut": [1, 0]},
+        {"tokens": [7, 8, 9], "accepted_per_step_cut": [0, 1]}]}
+    ours = {"acceptance_length": 1.25, "per_prompt": [
+        {"tokens": [1, 2, 3], "accepted_per_step": [1, 0]},
+        {"tokens": [4, 5, 0], "accepted_per_step": [0, 0]},
+        {"tokens": [7, 8, 9], "accepted_per_step": [0, 0]}]}
+    got = compare_engines(vllm, ours)
+    assert got["prompt_agreement"] == ["equal", "numerics", "differ"] and got["gap"] == pytest.approx(0.25)
+
+
+@pytest.fixture
+def fake_vllm_venv(tmp_path, monkeypatch):
+    """A venv whose python is ours (no vllm inside): enough to reach the checks that precede vLLM itself."""
+    venv = tmp_path / "vllm-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / STAMP).write_text("test")
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(venv))
+    return venv
+
+
+def test_vllm_missing_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "nowhere"))
+    code = main(["evaluate", "--engine", "vllm", "--drafter", str(tmp_path), "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: vLLM is not installed: run `make vllm`") and "\n" not in err
+
+
+def test_verifier_drafter_mismatch_is_one_line(fake_vllm_venv, tiny_verifier_dir, tmp_path, capsys):
+    from tests.helpers.drafters import write_drafter  # hidden and vocabulary of another verifier
+
+    drafter = write_drafter(tmp_path / "drafter")
+    code = main(["evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier", str(tiny_verifier_dir),
+                 "--num-prompts", "1", "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: drafter and verifier do not fit") and "vocab_size" in err[-1]
+
+
+def test_a_refusal_inside_the_vllm_venv_is_one_line(fake_vllm_venv, tiny_verifier_dir, tmp_path, capsys):
+    """The runner's exception crosses the process boundary as JSON and ends as one line; --debug (here
+    EAGLE3_HF_DEBUG) would print its traceback. Our venv has no vllm, so the runner fails at its import."""
+    from tests.helpers.drafters import random_drafter
+    from tests.helpers.verifiers import make_tiny_verifier
+
+    drafter = tmp_path / "drafter"
+    random_drafter(make_tiny_verifier(), draft_vocab_size=256).save_pretrained(drafter)
+    code = main(["evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier", str(tiny_verifier_dir),
+                 "--num-prompts", "1", "--max-new-tokens", "4", "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1] == f"error: vLLM refused the drafter {drafter}: ModuleNotFoundError: No module named 'vllm'"
+
+
+VLLM_VALIDATION_ERROR = """1 validation error for SpeculativeConfig
+  Value error, Eagle3 is only supported for ['llama', 'qwen'] models. Got self.target_model_config.hf_text_config.model_type='gpt2' [type=value_error, input_value=ArgsKwargs((), {...}), input_type=ArgsKwargs]
+    For further information visit https://errors.pydantic.dev/2.12/v/value_error"""
+
+
+def test_one_line_of_vllm_exceptions():
+    assert one_line({"type": "ValidationError", "full_message": VLLM_VALIDATION_ERROR}) == (
+        "Eagle3 is only supported for ['llama', 'qwen'] models. Got "
+        "self.target_model_config.hf_text_config.model_type='gpt2'")
+    wrapped = {"type": "RuntimeError", "full_message": "Engine core initialization failed. See root cause above.\n"}
+    assert one_line(wrapped) == "RuntimeError: Engine core initialization failed. See root cause above."
+    assert one_line({"type": "KeyError", "full_message": "", "traceback": "Traceback ...\nKeyError: 'd2t'\n"}) == (
+        "KeyError: 'd2t'")
+    long = one_line({"type": "ValueError", "full_message": "There is no parameter named 'x'. " + "y" * 1000})
+    assert long.startswith("ValueError: There is no parameter named 'x'.") and len(long) < 300
+
+
+@pytest.mark.slow
+def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_path):
+    """`eagle3-hf push` to the loopback Hub, then vLLM downloads the drafter by repo id through HF_ENDPOINT
+    into an empty cache (HF_HUB_OFFLINE=0 for the vLLM process only; the verifier stays a local path)."""
+    from tests.helpers.hub_server import READ_TOKEN, WRITE_TOKEN
+
+    vllm_or_fail()
+    verifier, drafter = served_pair
+    pushed = subprocess.run([EAGLE3_HF, "push", str(drafter), "--repo-id", "tester/chain-eagle3"], cwd=ROOT,
+                            env=hub.client_env(WRITE_TOKEN), capture_output=True, text=True, timeout=300)
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-2000:]
+    env = dict(hub.client_env(READ_TOKEN), HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    out = tmp_path / "eval"
+    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", "vllm", "--drafter", "tester/chain-eagle3",
+                             "--verifier", str(verifier), "--num-prompts", "2", "--max-new-tokens", "24",
+                             "--skip-transformers", "--no-progress", "--output", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    served = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
+    assert served["drafter"] == "tester/chain-eagle3" and served["lossless"] is True
+    assert served["acceptance_length"] > 1.2 and "gap" not in served
+    assert list((tmp_path / "hf" / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))
+
+
+def test_model_card_states_the_tau_measured_in_vllm(tmp_path):
+    from eagle3_hf.publish.model_card import build_model_card
+
+    from tests.helpers.drafters import write_drafter
+
+    path = write_drafter(tmp_path / "drafter")
+    assert "Served by vLLM" not in str(build_model_card(path))
+    (path / "eagle3_evaluation_vllm.json").write_text(json.dumps({
+        "engine": "vllm", "vllm_version": "0.32.0", "k": 3, "temperature": 0.0, "prompts": "mt-bench",
+        "num_prompts": 80, "max_new_tokens": 64, "acceptance_length": 1.4123, "speedup": 0.93, "lossless": True,
+        "transformers_acceptance_length": 1.4101, "gap": 0.0022}))
+    card = str(build_model_card(path))
+    assert "## Served by vLLM" in card and "In vLLM 0.32.0" in card and "τ = **1.41** from vLLM's own metrics" in card
+    assert "mt-bench (80 prompts x 64 tokens)" in card and "train/serve gap (vLLM − ours, final step counted alike) +0.002" in card

@@ -1,0 +1,84 @@
+"""`eagle3-hf plan`: the Kimi-K2.5 recipes' verdicts, the feature bytes the shard writer really stores, the
+verifier's parameter counts, and the activation model against a measured training step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_hf.cli import main as cli_main
+from eagle3_hf.data.shards import ShardWriter, make_header
+from eagle3_hf.train.plan import GIB, feature_bytes_per_token, verifier_params
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = str(ROOT / "examples/recipes/kimi_k25_text_config.json")
+
+
+def plan(capsys, tmp_path: Path, recipe: str, accelerate: str, *extra: str) -> tuple[int, str, dict]:
+    out_json = tmp_path / "plan.json"
+    rc = cli_main(["plan", str(ROOT / "examples/recipes" / recipe), "--accelerate-config",
+                   str(ROOT / "accelerate_configs" / accelerate), "--verifier-config", KIMI,
+                   "--dataset-tokens", "17.3e6", "--json", str(out_json), *extra])
+    return rc, capsys.readouterr().out, json.loads(out_json.read_text())
+
+
+def test_kimi_recipes_fit_on_80_gib_and_say_plainly_when_they_do_not(capsys, tmp_path):
+    rc, text, one = plan(capsys, tmp_path, "kimi_k25_1gpu.yaml", "1gpu.yaml")
+    assert rc == 0 and "verdict     fits" in text
+    assert one["launch"]["zero_stage"] == 0 and one["drafter"]["hidden_size"] == 7168
+    rc, text, eight = plan(capsys, tmp_path, "kimi_k25_8gpu_zero3.yaml", "8gpu_zero3.yaml")
+    assert rc == 0 and eight["launch"]["zero_stage"] == 3 and eight["launch"]["num_processes"] == 8
+    assert eight["memory"]["model_states"] < one["memory"]["model_states"] / 2  # ZeRO-3 partitions the states
+    rc, text, small = plan(capsys, tmp_path, "kimi_k25_1gpu.yaml", "1gpu.yaml", "--gpu-memory-gib", "16")
+    assert rc == 1 and "DOES NOT FIT" in text and not small["memory"]["fits"]
+
+
+def test_feature_disk_is_what_the_shard_writer_stores(tmp_path):
+    hidden, tokens = 64, 300
+    for dtype, name in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")):
+        out = tmp_path / dtype
+        writer = ShardWriter(out, make_header({"hidden_size": hidden, "num_hidden_layers": 6}, "fp", [1, 3, 4], name))
+        writer.add("s0", torch.arange(tokens), torch.ones(tokens), torch.randn(tokens, 3 * hidden),
+                   torch.randn(tokens, hidden), torch.arange(tokens))
+        writer.close()
+        stored = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        expected = feature_bytes_per_token(hidden, dtype) * tokens
+        assert expected <= stored <= expected + 2048  # + the safetensors header
+    assert feature_bytes_per_token(7168, "bf16") * 17.3e6 / GIB == pytest.approx(924, abs=1)  # the Kimi-K2.5 run
+
+
+def test_kimi_verifier_parameters_match_the_published_counts():
+    counts = verifier_params(json.loads(Path(KIMI).read_text()))
+    assert counts["total"] / 1e9 == pytest.approx(1030, rel=0.02)  # "1 T total parameters"
+    assert counts["active"] / 1e9 == pytest.approx(32, rel=0.03)  # "32 B activated"
+
+
+@pytest.mark.slow
+def test_activation_model_within_15_percent_of_a_measured_step():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/plan_memory.py"), "--shapes", "h256-L2048", "--json",
+                           "/dev/stdout"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout[proc.stdout.index("["):])[0]
+    assert 0.85 <= row["ratio"] <= 1.15, row
+
+
+def test_dataset_size_and_draft_vocabulary_come_from_the_recipes_features(tmp_path, capsys):
+    from tests.helpers.data import build_offline_data, save_verifier
+
+    verifier = save_verifier(tmp_path / "verifier")
+    features = build_offline_data(tmp_path, verifier, num_samples=12)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"verifier: {tmp_path / 'verifier'}\ndata_dir: {features}\nmax_seq_len: 128\n")
+    assert cli_main(["plan", str(recipe), "--json", str(tmp_path / "plan.json")]) == 0
+    got = json.loads((tmp_path / "plan.json").read_text())
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert got["data"]["tokens"] == sum(s["length"] for s in manifest["samples"])
+    assert got["drafter"]["draft_vocab_size"] == 128  # the fixture's vocab.safetensors, not the 32000 default
+    assert got["data"]["disk_bf16"] == feature_bytes_per_token(64, "bf16") * got["data"]["tokens"]
