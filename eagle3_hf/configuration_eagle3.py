@@ -1,4 +1,5 @@
-"""Old import path, kept working: `eagle3_hf.configuration_eagle3` is `eagle3_hf.model.configuration_eagle3` (the same module object)."""
+"""Old import path, kept working: `eagle3_hf.configuration_eagle3` is `eagle3_hf.model.configuration_eagle3`
+(the same module object)."""
 
 import sys
 

@@ -11,7 +11,8 @@ VOCAB_FILE = "vocab.safetensors"  # draft vocabulary (`eagle3-hf vocab`): d2t, t
 TRAINING_FILE = "eagle3_training.json"  # drafter directory: recipe and measured per-step metrics (model card)
 TRAINING_ARGS_FILE = "eagle3_training_args.json"  # drafter checkpoint: the TrainingArguments, as JSON
 EVALUATION_FILE = "eagle3_evaluation.json"  # `eagle3-hf evaluate`: acceptance length summary (model card)
-SWEEP_FILE = "eagle3_sweep.json"  # `eagle3-hf evaluate --sweep`: every configuration's figures and the best (model card)
+# `eagle3-hf evaluate --sweep`: every configuration's figures and the best (model card)
+SWEEP_FILE = "eagle3_sweep.json"
 ACCEPTANCE_FILE = "acceptance.csv"  # `eagle3-hf evaluate`: one row per prompt and turn
 
 # ---------------------------------------------------------------- packed batches

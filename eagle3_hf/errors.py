@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Eagle3Error(Exception):
@@ -25,7 +29,7 @@ class NonFiniteError(Eagle3Error):
     """NaN/Inf where a number must be finite (a loss, a weight about to be saved or served)."""
 
 
-def non_finite_names(tensors) -> list[str]:
+def non_finite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors of a state dict holding NaN or Inf (empty ZeRO-3 shards skipped)."""
     return [name for name, t in tensors.items()
             if t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]

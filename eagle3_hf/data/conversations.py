@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT speaker names seen in the wild -> OpenAI roles.
@@ -93,7 +94,7 @@ def normalize_conversation(row: Any, where: str, index: int) -> dict:
         speaker = msg.get(role_key)
         if speaker not in roles:
             raise ValueError(f"{at}: unknown {role_key} {speaker!r} (known: {', '.join(sorted(roles))})")
-        out = {"role": roles[speaker], "content": _text(msg.get(text_key), at)}
+        out: dict[str, Any] = {"role": roles[speaker], "content": _text(msg.get(text_key), at)}
         for key in _OPTIONAL_KEYS:  # keys absent or None stay absent: templates test `'tool_calls' in message`
             value = msg.get(key)
             if value is None:
@@ -176,7 +177,7 @@ def _iter_rows(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
 
 
 def read_jsonl_conversations(path: str | os.PathLike, limit: int | None = None,
-                             normalize=normalize_conversation) -> list[dict]:
+                             normalize: Callable[[Any, str, int], dict] = normalize_conversation) -> list[dict]:
     convs = []
     for index, (where, row) in enumerate(_iter_rows(path)):
         if limit is not None and index >= limit:
@@ -186,7 +187,7 @@ def read_jsonl_conversations(path: str | os.PathLike, limit: int | None = None,
 
 
 def read_dataset_conversations(source: str, split: str = "train", limit: int | None = None,
-                               normalize=normalize_conversation) -> list[dict]:
+                               normalize: Callable[[Any, str, int], dict] = normalize_conversation) -> list[dict]:
     """A `save_to_disk` directory or a Hub dataset id (a DatasetDict is indexed by `split`)."""
     import datasets
 

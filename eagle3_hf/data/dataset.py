@@ -14,7 +14,9 @@ import json
 import random
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -219,6 +221,15 @@ class FeatureDataset(Dataset):
 
 # ---------------------------------------------------------------- packing
 
+class SampleSource(Protocol):
+    """What `PackedDataset` packs: samples with their token counts (FeatureDataset, online.PreparedDataset)."""
+
+    @property
+    def lengths(self) -> Sequence[int]: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
 def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
     """Bins of item indices; items placed largest first into the lowest-numbered bin with room.
 
@@ -261,7 +272,7 @@ class PackedDataset(Dataset):
     `seed` shuffles the order of rows (None keeps first-fit order).
     """
 
-    def __init__(self, dataset, max_seq_len: int, packing: bool = True, overlong: str = "truncate",
+    def __init__(self, dataset: SampleSource, max_seq_len: int, packing: bool = True, overlong: str = "truncate",
                  seed: int | None = 0):
         if overlong not in ("truncate", "split", "error"):
             raise ValueError(f"overlong must be 'truncate', 'split' or 'error', got {overlong!r}")
@@ -270,7 +281,8 @@ class PackedDataset(Dataset):
         self.dataset, self.max_seq_len = dataset, max_seq_len
         lengths = list(dataset.lengths)
         ids = getattr(dataset, "sample_ids", None)
-        stats = {"samples": len(lengths), "empty": 0, "truncated": 0, "truncated_tokens": 0, "split": 0}
+        stats: dict[str, float] = {"samples": len(lengths), "empty": 0, "truncated": 0, "truncated_tokens": 0,
+                                   "split": 0}
         pieces: list[tuple[int, int, int]] = []
         for i, n in enumerate(lengths):
             if n == 0:

@@ -9,14 +9,16 @@ Killed at any point, the same command resumes (see shards.py for why nothing is 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +27,12 @@ from ..verifier.family import check_aux_indices, default_aux_indices, text_confi
 from .prepared_format import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
 
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedModel
 
-def verifier_info(verifier, name: str | None = None, revision: str | None = None) -> dict:
+
+def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict:
     config = text_config(verifier)
     name = name or getattr(verifier.config, "_name_or_path", None) or type(verifier).__name__
     return {"name": str(name), "revision": revision, "num_hidden_layers": int(config.num_hidden_layers),
@@ -61,11 +67,11 @@ def _wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, 
 
 
 def extract_features(
-    verifier,
+    verifier: PreTrainedModel,
     tokenizer_fingerprint: str,
-    prepared_dataset,
+    prepared_dataset: datasets.Dataset | str | Path,
     out_dir: str | Path,
-    aux_indices=None,
+    aux_indices: Sequence[int] | None = None,
     dtype: str = "bfloat16",
     samples_per_shard: int = 64,
     max_shard_bytes: int = 1 << 30,
@@ -132,7 +138,7 @@ def extract_features(
 
 # ---------------------------------------------------------------- CLI
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
     parser.add_argument("--revision", default=None, help="verifier revision (Hub)")
     parser.add_argument("--data", required=True, help="prepared dataset directory (from `eagle3-hf prepare`)")
@@ -167,7 +173,7 @@ def add_arguments(parser) -> None:
     engine.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
 
 
-def run_vllm_engine(args, aux) -> int:
+def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     """`extract --engine vllm`."""
     from ..verifier.loading import load_tokenizer
     from .fingerprint import tokenizer_fingerprint
@@ -189,7 +195,7 @@ def run_vllm_engine(args, aux) -> int:
     return 0
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..verifier.loading import load_tokenizer, load_verifier
     from .fingerprint import tokenizer_fingerprint
 
@@ -213,7 +219,7 @@ def run(args) -> int:
         print(f"[extract] verifier placed on {dict(placement)} (module groups per device)", file=sys.stderr)
     if not args.device_map:
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-        verifier.to(device)
+        verifier.to(device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self from mypy
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux, dtype=args.dtype,
                                samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_mb << 20,

@@ -20,26 +20,33 @@ the engine was given them). The manifest records where the features came from an
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap, text_config
 from ..verifier.capture import final_norm, greedy_tokens
+from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap, text_config
 from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedModel
 
 SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
 
 
 # ---------------------------------------------------------------- the verifier's head, without its body
 
-def load_verifier_head(verifier, revision: str | None = None) -> tuple[nn.Module, nn.Module, Any]:
+def load_verifier_head(verifier: PreTrainedModel | str | Path,
+                       revision: str | None = None) -> tuple[nn.Module, nn.Module, Any]:
     """(final norm, lm_head, text config) of a verifier, in float32 on the CPU.
 
     A loaded model is used as is. For a checkpoint directory of safetensors only those tensors are read
@@ -88,7 +95,7 @@ def _token_key(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _ids_from_prepared(prepared) -> dict[str, list[str]]:
+def _ids_from_prepared(prepared: datasets.Dataset | str | Path) -> dict[str, list[str]]:
     """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
     from .prepared_format import open_prepared
 
@@ -116,7 +123,7 @@ def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = Non
             yield {**base, "missing": True}
             continue
 
-        def load(path=path):
+        def load(path: Path = path) -> dict[str, Any]:
             with safe_open(path, framework="pt") as st:
                 keys = set(st.keys())
                 if not {"hidden_states", "token_ids"} <= keys:
@@ -134,8 +141,8 @@ def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = Non
 def _torch_load_safe(path: Path) -> dict:
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        with opener(path, "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+        with opener(path, "rb") as f:  # a GzipFile reads like any binary file
+            return torch.load(cast(IO[bytes], f), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - name the file, keep the reason
         reason = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(f"{path}: cannot be loaded with torch.load(weights_only=True) ({e.__class__.__name__}: "
@@ -152,7 +159,7 @@ def read_specforge(src: str | Path) -> Iterator[dict]:
     if not files:
         raise FileNotFoundError(f"{src}: no SpecForge files (rows_*/data_<i>.ckpt or .ckpt.gz)")
     for i, path in sorted(files):
-        def load(path=path):
+        def load(path: Path = path) -> dict[str, Any]:
             d = _torch_load_safe(path)
             missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
             if missing:
@@ -171,11 +178,11 @@ def import_features(
     fmt: str,
     src: str | Path,
     out_dir: str | Path,
-    verifier,
+    verifier: PreTrainedModel | str | Path,
     tokenizer_fingerprint: str,
-    aux_indices=None,
+    aux_indices: Sequence[int] | None = None,
     dtype: str = "bfloat16",
-    prepared=None,
+    prepared: datasets.Dataset | str | Path | None = None,
     hidden_states_dir: str | Path | None = None,
     verifier_name: str | None = None,
     verifier_revision: str | None = None,
@@ -254,7 +261,7 @@ def import_features(
 
 # ---------------------------------------------------------------- CLI
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("format", choices=sorted(SOURCES), help="which tool wrote the files")
     parser.add_argument("source", help="speculators: its prepared dataset dir; specforge: its output dir")
     parser.add_argument("--verifier", required=True, help="the verifier the features came from (final norm, lm_head)")
@@ -271,7 +278,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..verifier.loading import load_tokenizer
     from .fingerprint import tokenizer_fingerprint
 

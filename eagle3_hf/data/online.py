@@ -10,19 +10,27 @@ interchangeable and testable against each other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 from torch.utils.data import Dataset
 
-from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from ..verifier.capture import capture_features
+from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .dataset import PackedCollator, select_split
 from .shards import canonical_dtype, dequantize, quantize
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedModel
 
 
 class PreparedDataset(Dataset):
     """Prepared samples (input_ids, loss_mask) with `.lengths`, split by sample id exactly like FeatureDataset."""
 
-    def __init__(self, prepared, split: str = "train", validation_fraction: float = 0.05,
+    def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None):
         from .prepared_format import open_prepared, prepared_lengths
 
@@ -53,7 +61,8 @@ class OnlineFeatureCollator:
     is assembled on the CPU like an offline one; the trainer moves it to its device.
     """
 
-    def __init__(self, verifier, aux_indices=None, max_seq_len: int | None = None, pad_token_id: int = 0,
+    def __init__(self, verifier: PreTrainedModel, aux_indices: Sequence[int] | None = None,
+                 max_seq_len: int | None = None, pad_token_id: int = 0,
                  storage_dtype: str | None = None):
         num_layers = text_config(verifier).num_hidden_layers
         self.verifier = verifier

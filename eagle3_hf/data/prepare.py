@@ -22,13 +22,18 @@ import re
 import sys
 from array import array
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..constants import PREPARE_META
 from .prepared_format import save_prepared, skipped_text
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
 
 FORMAT = "eagle3_hf.prepare/1"
 _THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
@@ -47,7 +52,8 @@ class NoLossTokens(ValueError):
     """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
 
 
-def chat_template_source(tokenizer, tools: list | None = None, template_kwargs: dict | None = None) -> str:
+def chat_template_source(tokenizer: PreTrainedTokenizerBase, tools: list | None = None,
+                         template_kwargs: dict | None = None) -> str:
     """The template text actually used (a `chat_template` in template_kwargs overrides the tokenizer's)."""
     try:
         return tokenizer.get_chat_template((template_kwargs or {}).get("chat_template"), tools)
@@ -56,7 +62,7 @@ def chat_template_source(tokenizer, tools: list | None = None, template_kwargs: 
         raise ValueError(f"{name}: no chat template ({e})") from None
 
 
-def resolve_chat_template(tokenizer, spec: str) -> str:
+def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str) -> str:
     """The template text `spec` names: a file (Jinja text, or JSON with a `chat_template` key as in
     tokenizer_config.json), one of the tokenizer's named templates (e.g. `tool_use`), or a built-in one."""
     path = Path(spec)
@@ -76,10 +82,11 @@ def resolve_chat_template(tokenizer, spec: str) -> str:
     if spec in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[spec]
     raise ValueError(f"--chat-template {spec}: no such file, nor a template of this tokenizer "
-                     f"({', '.join(sorted(named)) or 'it has no named ones'}) or built in ({', '.join(BUILTIN_TEMPLATES)})")
+                     f"({', '.join(sorted(named)) or 'it has no named ones'}) or built in "
+                     f"({', '.join(BUILTIN_TEMPLATES)})")
 
 
-def use_chat_template(tokenizer, spec: str | None):
+def use_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str | None) -> PreTrainedTokenizerBase:
     """Install the template `spec` names on `tokenizer` (no-op for None); returns the tokenizer."""
     if spec:
         tokenizer.chat_template = resolve_chat_template(tokenizer, spec)
@@ -121,13 +128,15 @@ def turn_end(rendered_turn: str) -> int:
     return len(rendered_turn.rstrip())
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools, template_kwargs) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                         tokenize=False, **template_kwargs)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools: list | None,
+            template_kwargs: dict) -> str:
+    return cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                                   tokenize=False, **template_kwargs))  # tokenize=False: the text
 
 
-def assistant_spans(messages: list[dict], tokenizer, *, tools: list | None = None, last_turn_only: bool = False,
-                    template_kwargs: dict | None = None, sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
+                    last_turn_only: bool = False, template_kwargs: dict | None = None,
+                    sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans [start, end) that carry loss."""
     kw = template_kwargs or {}
     # an assistant message before any user/tool message answers nothing (a canned greeting): context only
@@ -163,7 +172,8 @@ def _diff(a: str, b: str) -> str:
     return f"first difference at character {n}: {a[n:n + 30]!r} vs {b[n:n + 30]!r}"
 
 
-def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = None, last_turn_only: bool = False,
+def render_with_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
+                     last_turn_only: bool = False,
                      reasoning: str = "keep", tool_calls: str = "keep", template_kwargs: dict | None = None,
                      sample_id: str = "sample") -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would."""
@@ -182,7 +192,8 @@ def render_with_mask(messages: list[dict], tokenizer, *, tools: list | None = No
     return list(enc["input_ids"]), mask.astype(np.int8).tolist()
 
 
-def render_completion(prompt: str, completion: str, tokenizer, sample_id: str = "sample") -> tuple[list[int], list[int]]:
+def render_completion(prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase,
+                      sample_id: str = "sample") -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of plain text: the tokenizer's own special tokens (BOS) as it adds them,
     loss on the tokens that start inside the completion (a token straddling the boundary is context)."""
     if not completion:
@@ -202,10 +213,11 @@ def new_stats() -> dict:
             "skipped_ids": defaultdict(list)}
 
 
-def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_len: int | None = None,
+def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *,
+                          max_seq_len: int | None = None,
                           overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "keep",
                           tool_calls: str = "keep", template_kwargs: dict | None = None, split_turns: bool = False,
-                          stats: dict | None = None, progress: bool = False, text: bool = False):
+                          stats: dict | None = None, progress: bool = False, text: bool = False) -> datasets.Dataset:
     """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
 
     `text=True`: the rows are plain text (`{"id", "prompt", "completion"}`), rendered by `render_completion`.
@@ -245,16 +257,17 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
         stats["skipped"][reason] += 1
         stats.setdefault("skipped_ids", defaultdict(list))[reason].append(sid)  # ids only: never text or tokens
 
-    def add_sample(sid: str, messages: list[dict] | dict, tools) -> None:
+    def add_sample(sid: str, messages: list[dict] | dict, tools: list | None) -> None:
         if sid in seen:
             raise ValueError(f"sample {sid}: id appears more than once; ids must be unique")
         seen.add(sid)
         try:
-            if text:
-                input_ids, loss_mask = render_completion(messages["prompt"], messages["completion"], tokenizer, sid)
-            else:
+            if text:  # the row itself
+                row = cast(dict, messages)
+                input_ids, loss_mask = render_completion(row["prompt"], row["completion"], tokenizer, sid)
+            else:  # its messages
                 input_ids, loss_mask = render_with_mask(
-                    messages, tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
+                    cast(list, messages), tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
                     reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
             skip(sid, str(e))
@@ -297,7 +310,7 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer, *, max_seq_l
     return datasets.Dataset(InMemoryTable(table), info=datasets.DatasetInfo(features=features))
 
 
-def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> dict:
+def build_meta(tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, stats: dict, options: dict) -> dict:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 
     counts = {k: v for k, v in stats.items() if k != "skipped_ids"}
@@ -319,7 +332,8 @@ def build_meta(tokenizer, tokenizer_name: str, stats: dict, options: dict) -> di
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="smollm2-135m-instruct", help="verifier name, Hub id or path")
     parser.add_argument("--revision", default=None)
-    parser.add_argument("--input", required=True, help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
+    parser.add_argument("--input", required=True,
+                        help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
     parser.add_argument("--split", default="train", help="split when --input is a dataset")
     parser.add_argument("--output", required=True, help="output directory (datasets save_to_disk)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
@@ -343,8 +357,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eagle3_hf.verifier.loading import load_tokenizer
     from eagle3_hf.data.conversations import load_conversations
+    from eagle3_hf.verifier.loading import load_tokenizer
 
     if args.chat_template and (args.template_kwargs or {}).get("chat_template"):
         raise SystemExit("pass the template either as --chat-template or in --template-kwargs, not both")
@@ -365,8 +379,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"prepare: 0 samples from {c['input']} conversations in {args.input}{skipped}; "
                          f"nothing written to {args.output}")
     out = save_prepared(ds, args.output, meta)
-    print(f"prepare: {c['samples']} samples from {c['input']} conversations, {c['tokens']} tokens, {c['loss_tokens']} loss tokens "
-          f"-> {out}", file=sys.stderr)
+    print(f"prepare: {c['samples']} samples from {c['input']} conversations, {c['tokens']} tokens, "
+          f"{c['loss_tokens']} loss tokens -> {out}", file=sys.stderr)
     if c["truncated"]:
         print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
     for reason, n in c["skipped"].items():

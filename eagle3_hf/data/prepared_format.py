@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..constants import PREPARE_META
 
+if TYPE_CHECKING:
+    import datasets
 
-def save_prepared(ds, out_dir: str | Path, meta: dict) -> Path:
+
+def save_prepared(ds: datasets.Dataset, out_dir: str | Path, meta: dict) -> Path:
     """`save_to_disk` + meta, replacing an earlier prepare output atomically; refuses to clobber other dirs."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / PREPARE_META).is_file():
@@ -38,7 +41,7 @@ def read_prepared_meta(path: str | Path) -> dict:
     return json.loads(meta_path.read_text(encoding="utf-8"))
 
 
-def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) -> tuple[Any, dict]:
+def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) -> tuple[datasets.Dataset, dict]:
     """The prepared Dataset and its meta, checked: refuses a directory without meta or samples, one made
     with another tokenizer (when `tokenizer_fingerprint` is given), missing columns and repeated ids."""
     import datasets
@@ -57,7 +60,8 @@ def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) ->
     return ds, meta
 
 
-def open_prepared(prepared, tokenizer_fingerprint: str | None = None):
+def open_prepared(prepared: datasets.Dataset | str | Path,
+                  tokenizer_fingerprint: str | None = None) -> datasets.Dataset:
     """A prepared `datasets.Dataset` given as itself or as its directory (then `load_prepared` checks it)."""
     from datasets import Dataset
 
@@ -69,7 +73,7 @@ def open_prepared(prepared, tokenizer_fingerprint: str | None = None):
     return prepared
 
 
-def check_prepared(ds, where: str) -> None:
+def check_prepared(ds: datasets.Dataset, where: str) -> None:
     """The columns every reader needs, and sample ids that are unique (splits and shards key on them)."""
     missing = [c for c in ("id", "input_ids", "loss_mask") if c not in ds.column_names]
     if missing:
@@ -77,11 +81,14 @@ def check_prepared(ds, where: str) -> None:
     ids = ds["id"]
     if len(set(ids)) != len(ids):
         seen: set[str] = set()
-        dup = next(i for i in ids if i in seen or seen.add(i))
+        for dup in ids:  # the first id seen before
+            if dup in seen:
+                break
+            seen.add(dup)
         raise ValueError(f"{where}: sample id {dup!r} appears more than once")
 
 
-def prepared_lengths(ds) -> list[int]:
+def prepared_lengths(ds: datasets.Dataset) -> list[int]:
     """Token count of every row, read from the Arrow list offsets (no row is decoded)."""
     import pyarrow.compute as pc
 

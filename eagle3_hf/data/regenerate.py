@@ -23,11 +23,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import Eagle3Error
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..verifier.generation import FeatureGenerator
 
 # (content, reasoning or None, tool_calls or None, finish_reason, generated tokens)
 Completion = tuple[str, "str | None", "list | None", str, int]
@@ -42,7 +48,8 @@ class ConversationTurns:
     """Walks one conversation: hands out the prompt of each turn to (re)generate, takes the answers."""
 
     def __init__(self, conv: dict, max_turns: int | None = None):
-        self.conv, self.src, self.pos, self.out = conv, conv["messages"], 0, []
+        self.conv, self.src, self.pos = conv, conv["messages"], 0
+        self.out: list[dict] = []  # the conversation as regenerated so far
         self.finish: list[str] = []
         self.answered_tail = False
         self.max_turns = max_turns
@@ -63,7 +70,7 @@ class ConversationTurns:
 
     def accept(self, completion: Completion) -> None:
         content, reasoning, tool_calls, finish, _ = completion
-        msg = {"role": "assistant", "content": content}
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             msg["reasoning_content"] = reasoning
         if tool_calls:
@@ -95,7 +102,7 @@ class TransformersBackend:
         from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
 
         # what a worker process needs to build the same backend (regenerate --num-workers)
-        self.spec = {"verifier": verifier, "revision": revision, "device": device, "dtype": dtype,
+        self.spec: dict[str, Any] = {"verifier": verifier, "revision": revision, "device": device, "dtype": dtype,
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
@@ -103,7 +110,9 @@ class TransformersBackend:
         self.name = verifier
         self.tokenizer = load_tokenizer(verifier, revision=revision)
         self.tokenizer.padding_side = "left"
-        self.model = load_verifier(verifier, revision=revision, dtype=getattr(torch, dtype)).to(self.device)
+        model = load_verifier(verifier, revision=revision, dtype=getattr(torch, dtype))
+        # PreTrainedModel.to is wrapped (functools.wraps), whose stub hides the bound self from mypy
+        self.model: PreTrainedModel = model.to(self.device)  # type: ignore[arg-type]
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -114,7 +123,7 @@ class TransformersBackend:
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
-    def generator(self, aux_indices=None):
+    def generator(self, aux_indices: Sequence[int] | None = None) -> FeatureGenerator:
         """The project's one batched generation loop on this verifier; `aux_indices` keeps the features too."""
         from ..verifier.generation import FeatureGenerator
 
@@ -126,9 +135,9 @@ class TransformersBackend:
         texts = [self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False)
                  for m, t in prompts]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        results = []
+        results: list[Completion] = []
         for r in self.generator().generate(ids, [[] for _ in ids]):
-            text = self.tokenizer.decode(r.answer, skip_special_tokens=True)
+            text = cast(str, self.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence: one str
             results.append((text, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
         return results
 
@@ -288,7 +297,8 @@ def _collect(futures: dict, write: Callable, tick: Callable) -> None:
 def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable, batch_size: int,
                  tick: Callable, max_turns: int | None) -> None:
     """Keep up to batch_size conversations in flight; each step generates one turn for each of them."""
-    pending, active, exhausted = iter(todo), [], False
+    pending, exhausted = iter(todo), False
+    active: list[ConversationTurns] = []
     tokens: Counter = Counter()
     while True:
         while True:  # fill the batch; finished conversations leave it and are written at once
@@ -317,7 +327,8 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
             state.accept(completion)
 
 
-def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, concurrency: int = 16,
+def regenerate(conversations: Iterable[dict], output: str | Path, backend: TransformersBackend | EndpointBackend, *,
+               concurrency: int = 16,
                batch_size: int = 8, max_turns: int | None = None, progress: bool = True) -> dict:
     """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts.
 
@@ -333,8 +344,8 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, co
         seen.add(conv["id"])
     done = completed_ids(output)
     todo = [c for c in conversations if c["id"] not in done]
-    stats = {"input": len(conversations), "already_done": len(conversations) - len(todo), "written": 0,
-             "turns": 0, "tokens": 0, "finish_reasons": Counter()}
+    stats: dict[str, Any] = {"input": len(conversations), "already_done": len(conversations) - len(todo),
+                             "written": 0, "turns": 0, "tokens": 0, "finish_reasons": Counter()}
     start = time.monotonic()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
 
@@ -360,7 +371,8 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend, *, co
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
+    parser.add_argument("--input", required=True,
+                        help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
     parser.add_argument("--split", default="train")
     parser.add_argument("--output", required=True, help="output JSONL (appended; existing ids are skipped)")
     parser.add_argument("--limit", type=int, default=None)
@@ -370,7 +382,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--verifier", help="in-process transformers verifier: name, Hub id or path")
     src.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
     parser.add_argument("--model", help="model name for --endpoint")
-    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="env var holding the API key (never printed)")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                        help="env var holding the API key (never printed)")
     parser.add_argument("--concurrency", type=int, default=16, help="parallel requests (--endpoint)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (--endpoint)")
     parser.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
@@ -388,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     from eagle3_hf.data.conversations import load_conversations
 
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    backend: TransformersBackend | EndpointBackend
     if args.endpoint:
         if not args.model:
             print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
@@ -398,7 +412,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.manual_seed(args.seed)
-        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype, **gen)
+        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype,
+                                      **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
                        max_turns=args.max_turns)
@@ -407,5 +422,6 @@ def run(args: argparse.Namespace) -> int:
           f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)
     cut = stats["finish_reasons"].get("length", 0)
     if cut:
-        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short", file=sys.stderr)
+        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short",
+              file=sys.stderr)
     return 0

@@ -26,6 +26,7 @@ that shard is; a kill at any point loses and duplicates nothing.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -33,18 +34,27 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..verifier.family import check_aux_indices, default_aux_indices
+from . import regenerate as plain
 from .extract import verifier_info
 from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from .prepared_format import save_prepared
-from . import regenerate as plain
 from .regenerate import ConversationTurns, TransformersBackend, completed_ids
 from .shards import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from transformers import PreTrainedTokenizerBase
+
+    from ..verifier.generation import FeatureGenerator, Generated
 
 _MARK = "EAGLE3ANSWERMARK"
 
@@ -52,19 +62,21 @@ _MARK = "EAGLE3ANSWERMARK"
 # ---------------------------------------------------------------- template pieces
 
 class _Template:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tok = tokenizer
         self.reasoning = "reasoning_content" in chat_template_source(tokenizer)
 
     def messages(self, messages: list[dict]) -> list[dict]:
         return apply_policies(messages, renders_reasoning=self.reasoning)  # what prepare renders
 
-    def prompt(self, messages: list[dict], tools) -> tuple[str, list[int], list[int], list[int], list[int]]:
+    def prompt(self, messages: list[dict],
+               tools: list | None) -> tuple[str, list[int], list[int], list[int], list[int]]:
         """(prompt text, its ids, token start offsets, tail ids, tail loss mask) for generating the next turn."""
         msgs = self.messages(messages)
-        text = self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
-        full = self.tok.apply_chat_template(msgs + [{"role": "assistant", "content": _MARK}], tools=tools,
-                                            tokenize=False)
+        # tokenize=False: the rendered text
+        text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
+        full = cast(str, self.tok.apply_chat_template(msgs + [{"role": "assistant", "content": _MARK}], tools=tools,
+                                                      tokenize=False))
         if not full.startswith(text + _MARK):
             raise ValueError("the chat template adds text between the generation prompt and the answer")
         tail = full[len(text) + len(_MARK):]
@@ -72,13 +84,14 @@ class _Template:
         tail_enc = self.tok(tail, add_special_tokens=False, return_offsets_mapping=True)
         end = turn_end(tail)  # where prepare ends the turn's loss
         tail_mask = [int(s < end) for s, _ in tail_enc["offset_mapping"]]
-        return text, list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]], list(tail_enc["input_ids"]), tail_mask
+        starts = [s for s, _ in enc["offset_mapping"]]
+        return text, list(enc["input_ids"]), starts, list(tail_enc["input_ids"]), tail_mask
 
 
 # ---------------------------------------------------------------- one batch of conversations
 
-def _run_batch(convs: list[dict], backend: TransformersBackend, gen, template: _Template, max_turns: int | None,
-               max_seq_len: int | None) -> tuple[list[tuple[dict, Any]], int]:
+def _run_batch(convs: list[dict], backend: TransformersBackend, gen: FeatureGenerator, template: _Template,
+               max_turns: int | None, max_seq_len: int | None) -> tuple[list[tuple[dict, dict | str]], int]:
     """(regenerated row, sample dict or refusal reason) per conversation, turn by turn as `regenerate`,
     and the number of tokens generated."""
     states = [ConversationTurns(c, max_turns) for c in convs]
@@ -96,7 +109,7 @@ def _run_batch(convs: list[dict], backend: TransformersBackend, gen, template: _
                 raise ValueError(f"conversation {convs[k]['id']}: {e}") from None
         results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][3] for k, _ in asks])
         for (k, p), r in zip(asks, results):
-            content = backend.tokenizer.decode(r.answer, skip_special_tokens=True)
+            content = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
             states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
             last[k] = (len(p), pieces[k], r)
             generated += len(r.answer)
@@ -107,7 +120,8 @@ def _run_batch(convs: list[dict], backend: TransformersBackend, gen, template: _
     return out, generated
 
 
-def _sample(row: dict, conv: dict, last, template: _Template, max_seq_len: int | None):
+def _sample(row: dict, conv: dict, last: tuple[int, tuple, Generated] | None, template: _Template,
+            max_seq_len: int | None) -> dict | str:
     if last is None:
         return "no_generated_turn"
     n_prompt, (_text, prompt_ids, starts, _tail, tail_mask), r = last
@@ -128,6 +142,8 @@ def _sample(row: dict, conv: dict, last, template: _Template, max_seq_len: int |
     n = len(ids) if max_seq_len is None else min(len(ids), max_seq_len)
     if not any(mask[:n]):
         return "no_loss_tokens"
+    # generated with features on
+    assert r.aux_hidden_states is not None and r.last_hidden_state is not None and r.verifier_greedy is not None
     return {"input_ids": torch.tensor(ids[:n]), "loss_mask": torch.tensor(mask[:n]),
             "aux_hidden_states": r.aux_hidden_states[:n].float(), "last_hidden_state": r.last_hidden_state[:n].float(),
             "verifier_greedy": r.verifier_greedy[:n]}
@@ -139,7 +155,8 @@ def _pending_path(output: Path, rank: int) -> Path:
     return output.with_name(f"{output.name}.r{rank:03d}.pending")
 
 
-def _work(rank: int, backend: TransformersBackend, job: dict, next_batch, report) -> None:
+def _work(rank: int, backend: TransformersBackend, job: dict, next_batch: Callable[[], list[dict] | None],
+          report: Callable[[dict], None]) -> None:
     """Process batches until next_batch() returns None; report(dict) after each."""
     gen = backend.generator(job["aux"])
     template = _Template(backend.tokenizer)
@@ -171,13 +188,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawned_worker(rank: int, spec: dict, job: dict, tasks, results, threads: int) -> None:
+def _spawned_worker(rank: int, spec: dict, job: dict, tasks: Queue[list[dict] | None], results: Queue[dict],
+                    threads: int) -> None:
     _die_with_parent()
     torch.set_num_threads(threads)
     try:
         backend = TransformersBackend(**spec)
 
-        def next_batch():
+        def next_batch() -> list[dict] | None:
             return tasks.get()
 
         _work(rank, backend, job, next_batch, results.put)
@@ -225,8 +243,8 @@ def _settle_answers(output: Path, features_out: Path) -> set[str]:
 
 # ---------------------------------------------------------------- the prepared dataset, from the shards
 
-def write_prepared(features_out: Path, out_dir: Path, tokenizer, tokenizer_name: str, order: list[str],
-                   options: dict) -> dict:
+def write_prepared(features_out: Path, out_dir: Path, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
+                   order: list[str], options: dict) -> dict:
     """`prepare`'s output for the samples in `features_out` (input_ids + loss_mask read back from the shards),
     in input order; its meta counts refusals as prepare counts skips."""
     import datasets
@@ -270,7 +288,8 @@ def write_prepared(features_out: Path, out_dir: Path, tokenizer, tokenizer_name:
 def regenerate_with_features(conversations: list[dict], output: str | Path, features_out: str | Path,
                              backend: TransformersBackend, *, num_workers: int = 1, batch_size: int = 16,
                              max_turns: int | None = None, max_seq_len: int | None = None, dtype: str = "bfloat16",
-                             aux_indices=None, samples_per_shard: int = 64, prepared_out: str | Path | None = None,
+                             aux_indices: Sequence[int] | None = None, samples_per_shard: int = 64,
+                             prepared_out: str | Path | None = None,
                              progress: bool = True) -> dict:
     """Regenerate every conversation without features in `features_out`; write answers, features and (with
     `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
@@ -303,8 +322,8 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
            "samples_per_shard": samples_per_shard, "max_turns": max_turns, "max_seq_len": max_seq_len}
-    stats = {"input": len(conversations), "already_done": len(conversations) - len(todo), "written": 0,
-             "tokens": 0, "generated": 0, "workers": num_workers}
+    stats: dict[str, Any] = {"input": len(conversations), "already_done": len(conversations) - len(todo),
+                             "written": 0, "tokens": 0, "generated": 0, "workers": num_workers}
     bar = tqdm(total=len(todo), desc="regenerate+features", unit="conv", disable=not progress)
     start = time.monotonic()
 
@@ -319,7 +338,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
             bar.update(msg["conversations"])
             bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.0f}", refresh=False)
 
-    procs: list = []
+    procs: list[BaseProcess] = []
     threads = torch.get_num_threads()
     if num_workers > 1:  # the cores are shared out: N processes x (threads / N), never oversubscribed
         torch.set_num_threads(max(1, threads // num_workers))
@@ -330,7 +349,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
         else:
             procs, tasks, results = _start_workers(backend, job, batches, num_workers)
 
-            def next_batch():
+            def next_batch() -> list[dict] | None:
                 _drain(results, procs, tick)
                 return tasks.get()  # a batch, or this process's end marker
 
@@ -363,7 +382,8 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     return stats
 
 
-def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_workers: int):
+def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_workers: int
+                   ) -> tuple[list[BaseProcess], Queue[list[dict] | None], Queue[dict]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -373,14 +393,16 @@ def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_w
     for _ in range(num_workers):
         tasks.put(None)  # one end marker per process, this one included
     threads = torch.get_num_threads()
-    procs = [ctx.Process(target=_spawned_worker, args=(r, backend.spec, job, tasks, results, threads), daemon=True)
-             for r in range(1, num_workers)]
+    procs: list[BaseProcess] = [
+        ctx.Process(target=_spawned_worker, args=(r, backend.spec, job, tasks, results, threads), daemon=True)
+        for r in range(1, num_workers)]
     for p in procs:
         p.start()
     return procs, tasks, results
 
 
-def _drain(results, procs, tick, timeout: float | None = None) -> None:
+def _drain(results: Queue[dict], procs: list[BaseProcess], tick: Callable[[dict], None],
+           timeout: float | None = None) -> None:
     while True:
         try:
             msg = results.get(timeout=timeout) if timeout else results.get_nowait()
@@ -390,9 +412,9 @@ def _drain(results, procs, tick, timeout: float | None = None) -> None:
         timeout = None
 
 
-# ---------------------------------------------------------------- CLI (`eagle3-hf regenerate`, with or without features)
+# ------------------------------------------------------------ CLI (`eagle3-hf regenerate`, with or without features)
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     plain.add_arguments(parser)
     feats = parser.add_argument_group("features in the same pass (--verifier only; replaces prepare + extract)")
     feats.add_argument("--features-out", default=None,
@@ -406,7 +428,7 @@ def add_arguments(parser) -> None:
     feats.add_argument("--samples-per-shard", type=int, default=64)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if not args.features_out:
         return plain.run(args)
     if not args.verifier:

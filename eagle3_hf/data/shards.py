@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def journal_name(rank: int) -> str:
     return f"manifest.r{rank:03d}.jsonl"
 
 
-def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices, dtype: str,
+def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices: Sequence[int], dtype: str,
                 source: str = "transformers", **extra: Any) -> dict:
     header = {"format": FORMAT, "version": VERSION, "source": source, "verifier": dict(verifier),
               "tokenizer_fingerprint": tokenizer_fingerprint,
@@ -203,8 +204,9 @@ def _journals(out_dir: Path) -> dict[int, Path]:
 def merge_manifests(out_dir: str | Path, write: bool = True) -> dict:
     """Merge every rank's journal into one manifest (shards in file-name order), written atomically."""
     out_dir = Path(out_dir)
-    header, shards, samples, skipped = None, [], [], {}
-    for rank, path in _journals(out_dir).items():
+    header, shards, samples = None, [], []
+    skipped: dict[str, list[str]] = {}  # reason -> sample ids
+    for path in _journals(out_dir).values():
         rank_header, records = read_journal(path)
         if rank_header is None:
             continue
@@ -316,7 +318,7 @@ class ShardWriter:
         tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
                    "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
                    "last_hidden_state": last}
-        if aux_scale is not None:
+        if aux_scale is not None and last_scale is not None:  # both or neither (the dtype decides)
             tensors["aux_hidden_states_scale"] = aux_scale
             tensors["last_hidden_state_scale"] = last_scale
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,10 +33,13 @@ from .importers import load_verifier_head
 from .prepared_format import open_prepared, prepared_lengths
 from .shards import ShardWriter, canonical_dtype, make_header
 
+if TYPE_CHECKING:
+    import datasets
+
 SOURCE = "vllm"
 
 
-def vllm_layer_ids(aux_indices, num_layers: int) -> list[int]:
+def vllm_layer_ids(aux_indices: Sequence[int], num_layers: int) -> list[int]:
     """What vLLM is asked to capture: the aux indices (same numbers in vLLM) and N, ascending (vLLM sorts)."""
     indices = check_aux_indices(aux_indices, num_layers)
     return sorted(indices) + [num_layers]
@@ -94,8 +98,8 @@ def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer
 
 
 @torch.no_grad()
-def features_from_states(states: torch.Tensor, aux_indices, layer_ids: list[int], norm: nn.Module, head: nn.Module,
-                         softcap: float | None) -> dict[str, torch.Tensor]:
+def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
+                         head: nn.Module, softcap: float | None) -> dict[str, torch.Tensor]:
     """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order), last_hidden_state [T, H]
     (the final norm applied once to vLLM's id N) and verifier_greedy [T]."""
     slot = {lid: j for j, lid in enumerate(layer_ids)}
@@ -108,9 +112,9 @@ def features_from_states(states: torch.Tensor, aux_indices, layer_ids: list[int]
 def extract_features_vllm(
     verifier: str,
     tokenizer_fingerprint: str,
-    prepared_dataset,
+    prepared_dataset: datasets.Dataset | str | Path,
     out_dir: str | Path,
-    aux_indices=None,
+    aux_indices: Sequence[int] | None = None,
     dtype: str = "bfloat16",
     samples_per_shard: int = 64,
     max_shard_bytes: int = 1 << 30,

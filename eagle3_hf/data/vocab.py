@@ -3,8 +3,8 @@
 Kept ids are the N most frequent *assistant* tokens (loss_mask = 1), ties broken by lower id so the
 choice is deterministic, then sorted ascending, and turned into `d2t` / `t2d` by
 `eagle3_hf.model.checkpoint.vocab_from_target_ids` (the mapping's one definition). The file carries the
-tokenizer fingerprint and vocab size, and `load_vocab` refuses a mapping built for another tokenizer: an id map from the
-wrong tokenizer trains and serves without error and is just quietly useless.
+tokenizer fingerprint and vocab size, and `load_vocab` refuses a mapping built for another tokenizer: an id map
+from the wrong tokenizer trains and serves without error and is just quietly useless.
 """
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..model.checkpoint import validate_vocab_mapping, vocab_from_target_ids
 from ..constants import VOCAB_FILE
+from ..model.checkpoint import validate_vocab_mapping, vocab_from_target_ids
+
+if TYPE_CHECKING:
+    import datasets
 
 
 
-def token_counts(ds, vocab_size: int) -> np.ndarray:
+def token_counts(ds: datasets.Dataset, vocab_size: int) -> np.ndarray:
     """int64 [vocab_size] counts of assistant tokens, read from the Arrow columns without Python loops."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     if len(ds) == 0:
@@ -65,7 +69,8 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, fingerpri
             "draft_vocab_size": str(d2t.numel()), "coverage": f"{coverage:.6f}"}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, str(tmp), metadata=meta)
+    save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, str(tmp),
+              metadata=meta)
     tmp.replace(path)
     return path
 
@@ -103,7 +108,8 @@ def load_vocab(path: str | Path, expect_fingerprint: str | None = None,
     return d2t, t2d, meta
 
 
-def build_vocab(ds, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+def build_vocab(ds: datasets.Dataset, vocab_size: int,
+                draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """(d2t, t2d, coverage, number of never-seen filler ids) from a prepared dataset."""
     counts = token_counts(ds, vocab_size)
     kept, fillers = select_top_ids(counts, draft_vocab_size)

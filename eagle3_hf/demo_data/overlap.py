@@ -9,7 +9,7 @@ with a changed preamble, or one quoted inside a longer prompt). Eight words is l
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 NGRAM = 8
 _NON_WORD = re.compile(r"[\W_]+", re.UNICODE)

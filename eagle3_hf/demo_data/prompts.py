@@ -7,8 +7,8 @@ import functools
 import gzip
 import itertools
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Iterator
 
 from ..verifier.loading import package_dir
 
@@ -99,9 +99,9 @@ def instruction_sources() -> dict[str, Iterator[dict]]:
             "writingbench": writingbench()}
 
 
-# Training-pool prompts that overlap an MT-bench question (eagle3_hf.demo_data.overlap: equal after normalising, or a shared
-# 8-word run; Vicuna-era prompts in AlpacaEval). No training pool draws them; tests/test_overlap.py recomputes this
-# over every source in full, so a changed wheel that adds an overlap fails there.
+# Training-pool prompts that overlap an MT-bench question (eagle3_hf.demo_data.overlap: equal after normalising, or a
+# shared 8-word run; Vicuna-era prompts in AlpacaEval). No training pool draws them; tests/test_overlap.py recomputes
+# this over every source in full, so a changed wheel that adds an overlap fails there.
 MTBENCH_OVERLAPS = frozenset({"alpaca-eval-786", "alpaca-eval-788", "alpaca-eval-791", "alpaca-eval-801",
                               "writingbench-497"})
 DEV_SOURCES = ("healthbench", "alpaca-eval", "arena-hard", "ifeval", "chitchat")
@@ -125,7 +125,7 @@ def _dev_rows() -> tuple[dict, ...]:
     tails = []
     for name in DEV_SOURCES:
         rows = _openers() if name == "chitchat" else instruction_sources()[name]
-        kept = unique_rows([r for r in rows if _fits(r) and r["id"] not in MTBENCH_OVERLAPS])
+        kept = unique_rows([r for r in rows if _fits(r, 500) and r["id"] not in MTBENCH_OVERLAPS])
         tails.append(iter(kept[-DEV_PER_SOURCE:]))  # no dev prompt repeats (or nearly) one the pool may draw
     return tuple(_round_robin(tails))
 
@@ -134,7 +134,8 @@ def dev_prompts() -> list[dict]:
     """The development set (`--prompts dev`): 40 short single-turn prompts for choosing mixes and recipes, so
     that MT-bench stays the test set. The last 8 prompts of 8 to 400 characters of HealthBench, AlpacaEval,
     Arena-Hard, IFEval and chitchat openers that repeat no other prompt of their source, interleaved: the end of
-    each source, which no demo size reaches, and excluded by id from every training pool here (`short_prompts`, `training_conversations`) whatever its size.
+    each source, which no demo size reaches, and excluded by id from every training pool here (`short_prompts`,
+    `training_conversations`) whatever its size.
     """
     return [dict(row) for row in _dev_rows()]
 
@@ -148,7 +149,7 @@ def _in_training_pool(conv: dict) -> bool:
     return conv["id"] not in _not_for_training()
 
 
-def _round_robin(sources: list[Iterator[dict]], keep=lambda conv: True) -> Iterator[dict]:
+def _round_robin(sources: list[Iterator[dict]], keep: Callable[[dict], bool] = lambda conv: True) -> Iterator[dict]:
     """One item from each source in turn (exhausted ones drop out), so any prefix is a mix."""
     while sources:
         for source in list(sources):

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,8 @@ class VllmExtraction:
     temporary directory with any file still in it.
     """
 
-    def __init__(self, request: dict[str, Any], prompts, threads: int = 1, debug: bool = False,
+    def __init__(self, request: dict[str, Any], prompts: Iterable[tuple[int, list[int]]], threads: int = 1,
+                 debug: bool = False,
                  timeout: float | None = None, storage_dir: str | Path | None = None):
         self.request, self.prompts, self.threads, self.debug = dict(request), prompts, threads, debug
         self.timeout = default_timeout() if timeout is None else float(timeout)
@@ -213,7 +215,7 @@ class VllmExtraction:
                 pass
         return total
 
-    def records(self):
+    def records(self) -> Iterator[dict[str, Any]]:
         """Each finished request's progress record, in submission order; VllmError on a failure or a stall."""
         import time
 
@@ -274,7 +276,7 @@ class VllmExtraction:
                 pass
             self._proc.wait()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             self._stop()
         finally:

@@ -28,6 +28,11 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_CONNECTOR_MODULE = "vllm_hidden_states"  # this directory is on sys.path (the script's own directory)
@@ -49,25 +54,39 @@ def connector_config(storage: str, choice: str = "auto") -> dict:
     return config
 
 
-def read_prompts(path: str):
+def read_prompts(path: str) -> Iterator[Any]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 yield json.loads(line)
 
 
+def reader_gone(storage: str, parent: int) -> bool:
+    """True (and this runner's files removed) once the reader that started it has exited: killed, nobody
+    will take or delete them, and the temporary directory must not fill the disk."""
+    if os.getppid() == parent:
+        return False
+    for name in os.listdir(storage):
+        if name.endswith((".safetensors", ".partial", ".lock")):
+            try:
+                os.remove(os.path.join(storage, name))
+            except FileNotFoundError:
+                pass
+    return True
+
+
 def wait_for_room(storage: str, max_pending: int, parent: int) -> None:
     """Back-pressure: the reader deletes each file once a shard holds it; wait while too many lie here."""
     while True:
+        if reader_gone(storage, parent):
+            raise RuntimeError("the reader process exited; stopped and removed the files it had not taken")
         pending = sum(1 for name in os.listdir(storage) if name.endswith(".safetensors"))
         if pending <= max_pending:
             return
-        if os.getppid() != parent:  # the reader is gone: nobody will take these files
-            raise RuntimeError("the reader process exited; stopping")
         time.sleep(0.02)
 
 
-def wait_written(llm, path: str, stock: bool, in_process: bool, timeout_s: float = 600.0) -> None:
+def wait_written(llm: LLM, path: str, stock: bool, in_process: bool, timeout_s: float = 600.0) -> None:
     """Until the connector has written `path`. A finished request's save runs at the engine's next step,
     after generate() returned it: the in-process engine is stepped here (a step with nothing scheduled
     only flushes the pending saves); an engine in its own process steps by itself. The stock connector

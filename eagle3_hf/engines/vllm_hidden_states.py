@@ -15,6 +15,7 @@ one-file-per-request protocol) is vLLM's own, inherited unchanged.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -39,7 +40,7 @@ class _Written:
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     """ExampleHiddenStatesConnector whose write gathers the request's slots and saves synchronously."""
 
-    def _submit_async_write(self, pending) -> None:
+    def _submit_async_write(self, pending: Any) -> None:  # vLLM's pending-write record
         if not self._is_tp_rank_zero:
             return
         if self._kv_cache is None:

@@ -24,11 +24,15 @@ import json
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 METRIC = "vllm:spec_decode_"
 
 
-def spec_counters(llm) -> dict:
+def spec_counters(llm: LLM) -> dict:
     """vLLM's cumulative speculative-decoding counters, summed over label sets."""
     totals: dict = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                     "num_accepted_tokens_per_pos": []}
@@ -58,7 +62,7 @@ def delta(after: dict, before: dict) -> dict:
             "accepted_per_pos": per_pos}
 
 
-def _gap(entry) -> float | None:
+def _gap(entry: dict[int, Any] | None) -> float | None:
     """Top-1 minus top-2 logprob of one position ({token id: Logprob}); None when fewer than two came back."""
     top = sorted((lp.logprob for lp in (entry or {}).values()), reverse=True)
     return top[0] - top[1] if len(top) > 1 else None
@@ -72,13 +76,14 @@ def run(request: dict) -> dict:
     common = dict(model=request["verifier"], revision=request.get("verifier_revision"),
                   dtype=request.get("dtype", "float32"), enforce_eager=True, disable_log_stats=False,
                   seed=int(request.get("seed", 0)), max_model_len=int(request.get("max_model_len", 2048)))
-    engines, load_seconds = {}, {}
+    engines: dict[str, LLM] = {}
+    load_seconds: dict[str, float] = {}
     modes = (["plain"] if request.get("plain", True) else []) + (["spec"] if request.get("drafter") else [])
     for mode in modes:  # both engines live in this process (in-process engine core), so each prompt's
         start = time.perf_counter()  # two runs are timed back to back under the same machine load
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if mode == "spec":
-            speculative = {"method": "eagle3", "model": request["drafter"],
+            speculative: dict[str, Any] = {"method": "eagle3", "model": request["drafter"],
                            "num_speculative_tokens": int(request["k"])}
             if request.get("drafter_revision"):
                 speculative["revision"] = request["drafter_revision"]
@@ -88,7 +93,7 @@ def run(request: dict) -> dict:
         load_seconds[mode] = time.perf_counter() - start
     temperature = float(request.get("temperature", 0.0))
 
-    def params(index: int):
+    def params(index: int) -> SamplingParams:
         return SamplingParams(max_tokens=int(request["max_new_tokens"]), temperature=temperature,
                               seed=None if temperature <= 0 else int(request.get("seed", 0)) + 7919 * index,
                               detokenize=False, logprobs=request.get("logprobs"))
@@ -99,7 +104,8 @@ def run(request: dict) -> dict:
             warm = params(0)
             warm.max_tokens = 8  # the timed calls' own settings (logprobs too), so no first-call cost is timed
             llm.generate(prompts[:1], warm, use_tqdm=False)
-    runs = {mode: {"outputs": [], "seconds": [], "margins": [], "spec": []} for mode in modes}
+    runs: dict[str, dict[str, Any]] = {mode: {"outputs": [], "seconds": [], "margins": [], "spec": []}
+                                       for mode in modes}
     for index, prompt in enumerate(prompts):
         for mode in modes if index % 2 == 0 else modes[::-1]:  # alternating order, as evaluate does
             llm, out = engines[mode], runs[mode]

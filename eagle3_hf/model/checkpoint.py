@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -31,6 +31,12 @@ from safetensors.torch import save_file
 
 from ..verifier.family import aux_indices_from_config, text_config
 from .configuration_eagle3 import Eagle3Config
+
+if TYPE_CHECKING:
+    import numpy as np
+    from transformers import PreTrainedModel
+
+    from .modeling_eagle3 import Eagle3DraftModel
 
 EMBED_KEY = "embed_tokens.weight"
 LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors list them
@@ -53,7 +59,7 @@ def expected_shapes(config: Eagle3Config | Mapping[str, Any],
     keys with a Llama default (num_key_value_heads, head_dim, target_hidden_size, draft_vocab_size).
     Raises KeyError / TypeError / ValueError when a size is missing or not an integer.
     """
-    get = config.get if isinstance(config, Mapping) else (lambda key: getattr(config, key, None))
+    get: Callable[[str], Any] = config.get if isinstance(config, Mapping) else (lambda key: getattr(config, key, None))
     h = int(get("hidden_size"))
     t = int(get("target_hidden_size") or h)
     heads = int(get("num_attention_heads"))
@@ -96,7 +102,8 @@ def target_to_draft(d2t: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor
     return torch.where(targets[rows] == target_ids, rows, torch.full_like(rows, -1))
 
 
-def vocab_from_target_ids(kept_ids, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_from_target_ids(kept_ids: torch.Tensor | np.ndarray | Sequence[int],
+                          vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [N], t2d bool [vocab_size]) for a set of kept verifier ids (any order)."""
     kept = torch.as_tensor(kept_ids, dtype=torch.int64).flatten().sort().values
     if kept.numel() == 0 or kept.unique().numel() != kept.numel():
@@ -202,7 +209,7 @@ def standard_state_dict(
 
 # ---------------------------------------------------------------- reading any published layout
 
-def resolve_checkpoint(name_or_path: str | os.PathLike, revision: str | None = None, token=None,
+def resolve_checkpoint(name_or_path: str | os.PathLike, revision: str | None = None, token: str | bool | None = None,
                        cache_dir: str | None = None) -> Path:
     """A local directory, or a Hub repo id downloaded (config, weights, card) at `revision`."""
     path = Path(name_or_path)
@@ -305,9 +312,12 @@ def refuse_non_drafter(name: str | os.PathLike, path: Path, raw: dict[str, Any])
     raise ValueError(f"{name} is not an EAGLE-3 drafter (it is {what}): a drafter has fc.weight and midlayer.*")
 
 
-def load_drafter(cls, name_or_path, *args, verifier=None, revision: str | None = None, token=None,
-                 dtype=None, torch_dtype=None, attn_implementation: str | None = None,
-                 cache_dir: str | None = None, device: str | None = None, **kwargs):
+def load_drafter(cls: type[Eagle3DraftModel], name_or_path: str | os.PathLike, *args: Any,
+                 verifier: PreTrainedModel | torch.Tensor | None = None, revision: str | None = None,
+                 token: str | bool | None = None, dtype: torch.dtype | str | None = None,
+                 torch_dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
+                 cache_dir: str | None = None, device: str | torch.device | None = None,
+                 **kwargs: Any) -> Eagle3DraftModel:
     """Load any supported layout into `cls`, asserting every name and shape lines up."""
     if args:
         raise TypeError(f"unexpected positional arguments {args}")
@@ -352,10 +362,12 @@ def load_drafter(cls, name_or_path, *args, verifier=None, revision: str | None =
     target_dtype = dtype or torch_dtype
     if isinstance(target_dtype, str) and target_dtype != "auto":
         target_dtype = getattr(torch, target_dtype)
+    # PreTrainedModel.to is wrapped with functools.wraps, whose typeshed stub loses the bound self: mypy would
+    # read the argument as `self`
     if isinstance(target_dtype, torch.dtype):
-        model.to(target_dtype)
+        model.to(target_dtype)  # type: ignore[arg-type]
     if device is not None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.source_layout = "speculators" if speculators else "standard"
     return model
@@ -395,7 +407,8 @@ def speculators_config(config: Eagle3Config, verifier_architectures: list[str] |
     }
 
 
-def save_speculators(model, out_dir: str | os.PathLike, verifier=None) -> Path:
+def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike,
+                     verifier: PreTrainedModel | torch.Tensor | None = None) -> Path:
     """Write the speculators layout: `layers.0.*` names and the verifier's embedding included
     (speculators' loader leaves a missing embedding at zero; vLLM shares identical ones)."""
     out = Path(out_dir)

@@ -61,13 +61,14 @@ class Eagle3Config(LlamaConfig):
     ttt_steps: int = 3
     ttt_step_weight: float = 0.8
 
-    def __post_init__(self, **kwargs):
+    def __post_init__(self, **kwargs: Any) -> None:
         self.num_hidden_layers = 1
         self.tie_word_embeddings = False
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         # published configs carry the ids in engine form only; recover the training indices from them
-        engine_keys = {k: kwargs.pop(k) for k in ("eagle_aux_hidden_state_layer_ids", "eagle_config") if k in kwargs}
+        engine_keys: dict[str, Any] = {
+            k: kwargs.pop(k) for k in ("eagle_aux_hidden_state_layer_ids", "eagle_config") if k in kwargs}
         if self.aux_hidden_state_indices is None:
             self.aux_hidden_state_indices = aux_indices_from_config(engine_keys)
         kwargs.pop("use_aux_hidden_state", None)

@@ -16,7 +16,9 @@ vLLM load (see `eagle3_hf/model/checkpoint.py`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -102,16 +104,22 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     vocabulary) are saved with the weights; `embed_tokens` is the verifier's, frozen, and only saved on
     request (engines take the verifier's own)."""
 
+    source_layout: str  # "standard" or "speculators": set by from_pretrained
+
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
         hidden = config.hidden_size
+        target_hidden = config.target_hidden_size
+        assert target_hidden is not None  # Eagle3Config.__post_init__ defaults it to hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
+        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.d2t: torch.Tensor  # the buffers, declared for type checkers
+        self.t2d: torch.Tensor
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed_tokens_loaded = True  # set False by from_pretrained when the checkpoint had none
@@ -152,7 +160,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.set_vocab_mapping(d2t, t2d)
         return carried
 
-    def load_verifier_embeddings(self, verifier: nn.Module | torch.Tensor) -> None:
+    def load_verifier_embeddings(self, verifier: PreTrainedModel | torch.Tensor) -> None:
         """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving.
 
         The drafter looks tokens up in the verifier's raw `embed_tokens.weight`, never through the
@@ -164,7 +172,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         `train` reads the same raw tensor by name (`verifier_io_weights`). The drafter's `input_layernorm`
         follows, so a constant scale would barely matter anyway (RMSNorm is scale-invariant up to eps).
         """
-        weight = verifier if torch.is_tensor(verifier) else verifier.get_input_embeddings().weight  # raw, unscaled
+        if isinstance(verifier, torch.Tensor):
+            weight = verifier
+        else:  # raw, unscaled; transformers types get_input_embeddings() as a plain nn.Module
+            weight = cast(torch.Tensor, verifier.get_input_embeddings().weight)
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
                 f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "
@@ -174,11 +185,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
         self.embed_tokens_loaded = True
 
-    def attach_teacher(self, verifier: nn.Module | torch.Tensor, logit_softcap: float | None = None) -> None:
+    def attach_teacher(self, verifier: PreTrainedModel | torch.Tensor, logit_softcap: float | None = None) -> None:
         """Keep the verifier's lm_head rows for the draft vocabulary (frozen): the teacher distribution is
         lm_head(h_last) restricted to the draft vocabulary — never full-vocabulary logits. Attach after the
         vocabulary mapping is final. Never saved (not part of the checkpoint contract)."""
-        if torch.is_tensor(verifier):
+        if isinstance(verifier, torch.Tensor):
             weight = verifier  # [V, H]
         else:
             weight = verifier.get_output_embeddings().weight
@@ -224,7 +235,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def project_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Verifier features [.., 3 x target_hidden] -> drafter hidden [.., H]; drafter states pass as is."""
-        expected = 3 * self.config.target_hidden_size
+        target_hidden = self.config.target_hidden_size
+        assert target_hidden is not None  # Eagle3Config.__post_init__ defaults it to hidden_size
+        expected = 3 * target_hidden
         if aux_hidden_states.shape[-1] == expected:
             return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
         if aux_hidden_states.shape[-1] == self.config.hidden_size:
@@ -297,6 +310,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
         softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
         head = self.verifier_lm_head
+        if head is None:
+            raise RuntimeError("teacher_distribution needs the verifier's rows: call attach_teacher first")
         probs = head(last_hidden_state.to(head.weight.dtype)).float()
         flat = probs.view(-1, probs.shape[-1])
         block = max(1, (1 << 23) // flat.shape[1])
@@ -316,7 +331,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         logits_to_keep: int = 0,
         attention_mask: torch.Tensor | None = None,
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Process q new positions causally after a cache, as an engine does.
 
         input_ids [1, q] (the token after each feature), hidden_states [1, q, 3 x target_hidden] (verifier aux
@@ -336,23 +351,32 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_pretrained(self, save_directory, *args, include_embed_tokens: bool = False, **kwargs):
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, include_embed_tokens: bool = False,
+                        **kwargs: Any) -> Any:
         """Write the standard EAGLE-3 layout (eagle3_hf/model/checkpoint.py); refuses an unservable checkpoint."""
         state_dict = kwargs.pop("state_dict", None)
         if state_dict is None:
             state_dict = self.state_dict()
         state_dict = standard_state_dict(state_dict, self.config, include_embed_tokens=include_embed_tokens)
         kwargs.setdefault("max_shard_size", "100GB")  # one model.safetensors, the layout engines expect
-        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        kwargs["state_dict"] = state_dict
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, verifier=None, **kwargs):
+    def from_pretrained(  # type: ignore[override]  # narrower than PreTrainedModel's: a path or repo id, no None
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
+        verifier: PreTrainedModel | torch.Tensor | None = None, **kwargs: Any,
+    ) -> Eagle3DraftModel:
         """Load our layout, the standard layout other tools publish, or the speculators layout, from a
         directory or a Hub repo id. `verifier` (a model) fills embed_tokens when the checkpoint has none."""
         return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
 
-    def push_to_hub(self, repo_id: str, *, token=None, private: bool | None = None, revision: str | None = None,
-                    commit_message: str | None = None, run_check: bool = True, **unused):
+    # transformers wraps PreTrainedModel.push_to_hub (functools.wraps), so mypy reads its signature as
+    # (*args, **kwargs); this one is keyword-only on purpose
+    def push_to_hub(  # type: ignore[override]
+        self, repo_id: str, *, token: str | None = None, private: bool | None = None,
+        revision: str | None = None, commit_message: str | None = None, run_check: bool = True, **unused: Any,
+    ) -> str:
         """Check the drafter (eagle3_hf.publish.check), write our model card and upload the standard layout.
         transformers' own push would replace the card with a generic one and skip the check."""
         from ..publish.hub import push_drafter

@@ -22,7 +22,8 @@ from ..constants import PAD_DOCUMENT
 from .configuration_eagle3 import Eagle3Config
 
 
-def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int, fill=0):
+def shift_within_documents(x: torch.Tensor, document_ids: torch.Tensor, shift: int,
+                           fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """out[:, t] = x[:, t + shift] where that position is in the same document as t, else `fill`.
 
     Returns (out, valid). The one place where "step i reads i places later, never into the next document"
@@ -48,7 +49,8 @@ def document_spans(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     ids = document_ids.detach().cpu()
     for row in ids:
         values, counts = torch.unique_consecutive(row, return_counts=True)
-        row_spans, start = [], 0
+        row_spans: list[tuple[int, int]] = []
+        start = 0
         for value, count in zip(values.tolist(), counts.tolist()):
             if value != PAD_DOCUMENT:
                 row_spans.append((start, start + count))
@@ -63,9 +65,11 @@ class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
+        head_dim, kv_heads = config.head_dim, config.num_key_value_heads
+        assert head_dim is not None and kv_heads is not None  # LlamaConfig.__post_init__ fills both
+        self.head_dim: int = head_dim
+        self.num_heads: int = config.num_attention_heads
+        self.num_key_value_heads: int = kv_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
@@ -84,7 +88,8 @@ class Eagle3Attention(nn.Module):
         q, k, v = self.project(x, position_embeddings)
         return self.o_proj(keys.attend(self, q, k, v))  # [B, L, nh * hd] -> [B, L, H]
 
-    def project(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+    def project(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, L, 2H] -> q [B, nh, L, hd], k and v [B, nkv, L, hd], RoPE applied."""
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -94,7 +99,7 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk].
 
         `mask=None` means causal (top-left aligned, query r sees keys 0..r): sdpa and the flash kernels take it
@@ -108,7 +113,8 @@ class Eagle3Attention(nn.Module):
         out, _ = interface(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, is_causal=mask is None)
         return out  # [B, Lq, nh, hd]
 
-    def attend_with_diagonals(self, q, k0, v0, diag_keys: list, diag_values: list) -> torch.Tensor:
+    def attend_with_diagonals(self, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                              diag_keys: list[torch.Tensor], diag_values: list[torch.Tensor]) -> torch.Tensor:
         """One document at TTT step i = len(diag_keys): query t attends causally to k0[:t+1] and to its own
         diagonal keys diag_keys[j][t] (steps 1..i). q [1, nh, n, hd], k0/v0 and each diagonal [1, nkv, n, hd].
         Returns [1, n, nh, hd]. Exact, in one causal call of the attention interface, without the i n x n
@@ -216,13 +222,13 @@ class DraftKeys:
         return attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
 
 
-def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive top-left-aligned causal mask [n_q, n_k]: row r sees keys 0..r."""
     allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
     return torch.zeros(n_q, n_k, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _causal_with_diagonals(n: int, blocks: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Additive mask [n, blocks * n]: causal over the first block, the diagonal only over the others.
 
     The pattern a document's queries see at step blocks - 1 over keys [k_0 | k_1 .. k_i]; the unroll computes

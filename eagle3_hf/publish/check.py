@@ -12,9 +12,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..verifier.family import text_config
 from .rules import (
     ENGINES,
     LEVELS,
@@ -26,7 +28,9 @@ from .rules import (
     check_verifier,
     check_vocab_mapping,
 )
-from ..verifier.family import text_config
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Finding", "check_drafter"]
 
@@ -37,7 +41,9 @@ class _Weights:
     def __init__(self, files: list[Path]):
         from safetensors import safe_open
 
-        self.handles, self.where, self.meta = {}, {}, {}
+        self.handles: dict[Path, Any] = {}  # safetensors handles
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
         for path in files:
             handle = safe_open(str(path), framework="pt")
             self.handles[path] = handle
@@ -52,11 +58,11 @@ class _Weights:
     def dtype(self, name: str) -> str:
         return self.meta[name][1]
 
-    def tensor(self, name: str, rows: slice | None = None):
+    def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
         handle = self.handles[self.where[name]]
         return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
 
-    def row_blocks(self, name: str, max_elems: int = 1 << 24):
+    def row_blocks(self, name: str, max_elems: int = 1 << 24) -> Iterator[torch.Tensor]:
         """The tensor in row blocks (float32), so a 32000 x 7168 head never sits in memory twice."""
         shape = self.shape(name)
         if len(shape) < 2:
@@ -66,7 +72,7 @@ class _Weights:
         for start in range(0, shape[0], step):
             yield self.tensor(name, slice(start, min(start + step, shape[0]))).float()
 
-    def sample_rows(self, name: str, blocks: int = 8, block: int = 128):
+    def sample_rows(self, name: str, blocks: int = 8, block: int = 128) -> torch.Tensor:
         import torch
 
         n = self.shape(name)[0]
@@ -99,8 +105,8 @@ def _resolve(path_or_repo: str | os.PathLike, revision: str | None, patterns: li
 def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Path | None]:
     from ..verifier.loading import resolve_verifier
 
-    path = Path(resolve_verifier(verifier))  # the embedded default's name -> its cached directory
-    if path.is_dir():
+    path: Path | None = Path(resolve_verifier(verifier))  # the embedded default's name -> its cached directory
+    if path is not None and path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
     else:
         from huggingface_hub import hf_hub_download

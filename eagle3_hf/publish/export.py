@@ -18,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verifier.loading import load_verifier
     from ..model.checkpoint import save_speculators
     from ..model.modeling_eagle3 import Eagle3DraftModel
+    from ..verifier.loading import load_verifier
 
     verifier = load_verifier(args.verifier) if args.verifier else None
     model = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, verifier=verifier,

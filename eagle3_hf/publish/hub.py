@@ -17,11 +17,12 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from .check import Finding, check_drafter
 from ..constants import EVALUATION_FILE, TRAINING_FILE
+from .check import Finding, check_drafter
 from .model_card import write_model_card
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ def hub_errors(action: str, repo_id: str, token: str | None = None) -> Iterator[
     """Translate huggingface_hub / transport exceptions raised inside into a token-free `HubError`."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
-        HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     endpoint = constants.ENDPOINT
@@ -130,8 +134,9 @@ def push_drafter(
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
-    Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when missing. Raises
-    `DrafterCheckError` when the checkpoint would not serve, `HubError` for auth / network / conflicts.
+    Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when
+    missing. Raises `DrafterCheckError` when the checkpoint would not serve, `HubError` for auth / network /
+    conflicts.
     """
     from huggingface_hub import HfApi, get_token
 

@@ -21,12 +21,11 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..constants import EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE
-from ..constants import VLLM_EVALUATION_FILE
+from ..constants import EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE, VLLM_EVALUATION_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +58,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _is_repo_id(name: str | None) -> bool:
+def _is_repo_id(name: str | None) -> TypeGuard[str]:
     """A Hub id (org/name), not a local path: only those may go into `base_model`."""
-    return bool(name) and bool(_REPO_ID.match(name)) and not os.path.exists(name)
+    return bool(name and _REPO_ID.match(name) and not os.path.exists(name))
 
 
 def _num(x: Any, digits: int = 2) -> str:
@@ -139,12 +138,14 @@ def _vllm_section(ev: dict[str, Any]) -> str:
         prompts = f"{prompts} ({ev['num_prompts']} prompts x {ev.get('max_new_tokens', '?')} tokens)"
     lines = ["## Served by vLLM", "",
              f"In vLLM {ev.get('vllm_version') or NOT_RECORDED} (`speculative_config` method eagle3, "
-             f"num_speculative_tokens = {ev.get('k', NOT_RECORDED)}, temperature {ev.get('temperature', NOT_RECORDED)}; "
+             f"num_speculative_tokens = {ev.get('k', NOT_RECORDED)}, "
+             f"temperature {ev.get('temperature', NOT_RECORDED)}; "
              f"prompts: {prompts}): τ = **{_num(ev.get('acceptance_length'))}** from vLLM's own metrics, "
              f"speedup {_num(ev.get('speedup'))}× over plain vLLM on the same machine, token-identical to plain "
              f"vLLM: {'yes' if ev.get('lossless') else NOT_MEASURED if ev.get('lossless') is None else 'NO'}."]
     if ev.get("gap") is not None:
-        lines += ["", f"eagle3_hf's own decoder on the same prompts: τ = {_num(ev.get('transformers_acceptance_length'))}; "
+        lines += ["", "eagle3_hf's own decoder on the same prompts: "
+                  f"τ = {_num(ev.get('transformers_acceptance_length'))}; "
                   f"train/serve gap (vLLM − ours, final step counted alike) {ev['gap']:+.3f}."]
     return "\n".join(lines)
 

@@ -29,8 +29,9 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..model.checkpoint import (
     BIAS_WEIGHTS,
@@ -41,6 +42,11 @@ from ..model.checkpoint import (
     vocab_mapping_issues,
 )
 from ..verifier.family import engine_config_problems
+
+if TYPE_CHECKING:
+    import torch
+
+    from .check import _Weights
 
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")
@@ -71,7 +77,7 @@ class Report:
             self.findings.append(Finding(level, code, message))
 
 
-def _init_like(w, initializer_range: float) -> str | None:
+def _init_like(w: torch.Tensor, initializer_range: float) -> str | None:
     """Why sampled rows `w` look like a fresh init (iid values, even row norms), or None.
 
     Deliberately narrow: iid N(0, initializer_range) (HF init), N(0, 1) (torch Embedding) or
@@ -190,7 +196,7 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
                 "index N is after the final norm, and no engine captures either")
 
 
-def check_names_and_shapes(cfg: dict, w, rep: Report) -> None:
+def check_names_and_shapes(cfg: dict, w: _Weights, rep: Report) -> None:
     allowed = set(LAYER_WEIGHTS + VOCAB_BUFFERS + (EMBED_KEY,) + (BIAS_WEIGHTS if cfg.get("attention_bias") else ()))
     unknown = sorted(n for n in w.meta if n not in allowed)
     spec = [n for n in unknown if n.startswith("layers.0.")]
@@ -246,7 +252,7 @@ def check_names_and_shapes(cfg: dict, w, rep: Report) -> None:
         rep.add("warning", "t2d-dtype", f"t2d has dtype {w.dtype('t2d')}; the standard layout stores a bool mask")
 
 
-def check_values(cfg: dict, w, rep: Report) -> None:
+def check_values(cfg: dict, w: _Weights, rep: Report) -> None:
     import torch
 
     non_finite: set[str] = set()
@@ -284,7 +290,7 @@ def check_values(cfg: dict, w, rep: Report) -> None:
             rep.add("warning", "untrained-" + name.split(".")[0], f"{name} looks untrained: {why}; {what}")
 
 
-def check_vocab_mapping(cfg: dict, w, rep: Report, verifier_vocab: int | None) -> None:
+def check_vocab_mapping(cfg: dict, w: _Weights, rep: Report, verifier_vocab: int | None) -> None:
     if "d2t" not in w.meta or len(w.shape("d2t")) != 1 or not w.dtype("d2t").startswith(("I", "U")):
         return
     vocab = int(verifier_vocab or cfg.get("vocab_size") or 0)
@@ -293,7 +299,7 @@ def check_vocab_mapping(cfg: dict, w, rep: Report, verifier_vocab: int | None) -
         rep.add(issue.level, issue.code, issue.message)
 
 
-def check_verifier(cfg: dict, w, rep: Report, vcfg: dict,
+def check_verifier(cfg: dict, w: _Weights, rep: Report, vcfg: dict,
                    verifier_embedding: Callable[[], tuple[Any, str] | None] | None) -> None:
     """Sizes against the verifier's; a carried embed_tokens against the verifier's embedding, which
     `verifier_embedding()` returns as (weights reader, tensor name) when the verifier is local."""

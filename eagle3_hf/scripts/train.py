@@ -29,10 +29,8 @@ import os
 
 from transformers import AutoConfig, set_seed
 
-from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
-from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.constants import TRAINING_FILE
-from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
+from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.setup import (
     build_datasets,
     build_drafter,
@@ -41,7 +39,9 @@ from eagle3_hf.train.setup import (
     finish_process,
     load_vocabulary,
 )
-from eagle3_hf.train.arguments import parse_args
+from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
+from eagle3_hf.verifier.family import logit_softcap
+from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     summary["log_history"] = trainer.state.log_history
     if trainer.is_world_process_zero():
+        assert args.output_dir is not None  # parse_args refuses a run without --output-dir
         write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
     # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
     #    interpreter shutdown, turning a finished run into a failed one.

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.hf_argparser import DataClassType
 
 from ..model.configuration_eagle3 import Eagle3Config
 
@@ -85,7 +87,8 @@ class DataArguments:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
     """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, Eagle3TrainingArguments))
+    # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
+    parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
                 "save_total_limit": 2, "dataloader_num_workers": 0,
@@ -109,4 +112,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     asks_help = "-h" in argv or "--help" in argv
     if not asks_help and "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
         raise SystemExit("--output-dir is required")
-    return parser.parse_args_into_dataclasses(args=argv)
+    return cast(tuple[ModelArguments, DataArguments, Eagle3TrainingArguments],
+                parser.parse_args_into_dataclasses(args=argv))

@@ -9,12 +9,18 @@ carry no loss but count as misses in accuracy (such a token can never be accepte
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..model.ttt_attention import shift_within_documents
+
+if TYPE_CHECKING:
+    from ..model.modeling_eagle3 import Eagle3Output
 
 
 @dataclass
@@ -54,7 +60,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
     the caller keeps anyway, the only full-size tensor is the gradient of the logits themselves."""
 
     @staticmethod
-    def forward(ctx, student, probs, student_rows, teacher_rows):
+    def forward(ctx: Any, student: torch.Tensor, probs: torch.Tensor, student_rows: torch.Tensor,
+                teacher_rows: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(student, probs, student_rows, teacher_rows)
         total = student.new_zeros((), dtype=torch.float32)
         for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
@@ -62,7 +69,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         student, probs, student_rows, teacher_rows = ctx.saved_tensors
         grad = torch.zeros_like(student)
         for s, t in _row_blocks(student_rows, teacher_rows, student.shape[-1]):
@@ -72,7 +79,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor, vocab: int):
+def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
+                vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
     for start in range(0, student_rows.numel(), size):
         yield student_rows[start : start + size], teacher_rows[start : start + size]
@@ -103,7 +111,8 @@ def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Ten
                                    student_rows, teacher_rows)
 
 
-def head_positions(batch: dict[str, torch.Tensor], steps: int, t2d: torch.Tensor):
+def head_positions(batch: dict[str, torch.Tensor], steps: int,
+                   t2d: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """(per step, where its logits are read: scored positions; where the teacher is read: t + 1 + i for the
     loss positions t of step i). Passed to the forward as `logits_mask` / `teacher_mask`, they keep both
     heads off prompt tokens and document tails."""
@@ -115,13 +124,16 @@ def head_positions(batch: dict[str, torch.Tensor], steps: int, t2d: torch.Tensor
     return tuple(logits_mask), teacher_mask
 
 
-def ttt_loss(outputs, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float):
+def ttt_loss(outputs: Eagle3Output, batch: dict[str, torch.Tensor], t2d: torch.Tensor,
+             step_weight: float) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch."""
+    teacher = outputs.teacher_probs
+    assert outputs.logits is not None and teacher is not None  # a forward with a teacher attached
     total = outputs.logits[0].new_zeros(())
     step_losses = []
     for i, logits in enumerate(outputs.logits):
         mask = step_targets(batch, i, t2d).loss_mask
-        step_loss = soft_cross_entropy_at(logits, outputs.teacher_probs, mask, i + 1,
+        step_loss = soft_cross_entropy_at(logits, teacher, mask, i + 1,
                                           None if outputs.logits_mask is None else outputs.logits_mask[i],
                                           outputs.teacher_mask)
         total = total + (step_weight**i) * step_loss
@@ -135,9 +147,9 @@ class DrafterLoss:
 
     total: torch.Tensor | None  # Σ_i γ^i Σ_t CE_i(t) over the batch's loss positions (None without a teacher)
     loss_tokens: torch.Tensor  # step-0 loss positions of this batch (the Trainer's num_items_in_batch share)
-    step_losses: list | None  # per step (loss sum, loss tokens)
-    outputs: object  # the model's Eagle3DraftOutput
-    logits_mask: tuple | None  # where each step's logits were computed (None: every position)
+    step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None  # per step (loss sum, loss tokens)
+    outputs: Eagle3Output  # the model's forward output
+    logits_mask: tuple[torch.Tensor, ...] | None  # where each step's logits were computed (None: every position)
 
     def normalised(self, num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The loss the optimizer sees: `total` over the step-0 loss tokens of the whole optimizer step.
@@ -153,8 +165,8 @@ class DrafterLoss:
         return self.total / torch.clamp(torch.as_tensor(count, device=self.total.device), min=1)
 
 
-def drafter_loss(model, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int, step_weight: float,
-                 feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:
+def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int,
+                 step_weight: float, feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:
     """The training step's loss, defined once: the Trainer, the metrics and every bench call this, so a change
     to the loss is made here and a bench measures exactly the Trainer's step.
 

@@ -11,11 +11,16 @@ carry no loss but count as misses in accuracy (such a token can never be accepte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..model.checkpoint import draft_to_target
 from .loss import drafter_loss, step_targets
+
+if TYPE_CHECKING:
+    from ..data.dataset import SampleSource
+    from ..model.modeling_eagle3 import Eagle3DraftModel
 
 
 @dataclass
@@ -30,11 +35,11 @@ class StepStats:
     loss_sum: list = field(default_factory=list)
     loss_tokens: list = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens"):
             setattr(self, name, [0.0] * self.steps)
 
-    def as_tensor(self, device=None) -> torch.Tensor:
+    def as_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.tensor([self.scored, self.correct, self.cond_scored, self.cond_correct, self.loss_sum,
                              self.loss_tokens], dtype=torch.float64, device=device)
 
@@ -46,8 +51,9 @@ class StepStats:
         return stats
 
     @torch.no_grad()
-    def update(self, logits: tuple, batch: dict, d2t: torch.Tensor, t2d: torch.Tensor, step_losses=None,
-               logits_mask: tuple | None = None) -> None:
+    def update(self, logits: tuple[torch.Tensor, ...], batch: dict, d2t: torch.Tensor, t2d: torch.Tensor,
+               step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               logits_mask: tuple[torch.Tensor, ...] | None = None) -> None:
         """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,
         equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor."""
         all_right = None
@@ -99,8 +105,8 @@ def simulated_acceptance_length(conditional_accuracies: list[float]) -> float:
 
 
 @torch.no_grad()
-def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size: int = 4,
-                            ttt_steps: int | None = None) -> dict[str, float]:
+def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_seq_len: int = 2048,
+                            batch_size: int = 4, ttt_steps: int | None = None) -> dict[str, float]:
     """Per-step accuracy, conditional accuracy and simulated τ of a drafter on a feature dataset (and the
     per-step loss when a teacher is attached) — the numbers the trainer logs, outside any Trainer."""
     from ..data.dataset import PackedCollator, PackedDataset
@@ -114,5 +120,6 @@ def drafter_step_accuracies(model, dataset, max_seq_len: int = 2048, batch_size:
         batch = collate([packed[r] for r in range(start, min(start + batch_size, len(packed)))])
         batch = {k: v.to(device) for k, v in batch.items()}
         step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
+        assert step.outputs.logits is not None
         stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)
     return stats.metrics()

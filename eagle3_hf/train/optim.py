@@ -9,7 +9,7 @@ AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`), so one learning rate serves both
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ class HybridMuonAdamW(torch.optim.Optimizer):
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    # torch declares step as two overloads (with and without a closure); this one signature covers both
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for optimizer in self.optimizers:
             optimizer.step()

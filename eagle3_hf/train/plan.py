@@ -23,7 +23,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from ..model.configuration_eagle3 import Eagle3Config
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
@@ -126,7 +129,14 @@ def draft_vocab_from_features(recipe: dict) -> int | None:
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
-def param_counts(config, freeze_lm_head: bool = False) -> dict[str, int]:
+def _sizes(config: Eagle3Config) -> tuple[int, int, int]:
+    """(num_key_value_heads, head_dim, target_hidden_size): typed optional, always set once the config is built."""
+    nkv, hd, target = config.num_key_value_heads, config.head_dim, config.target_hidden_size
+    assert nkv is not None and hd is not None and target is not None  # Eagle3Config.__post_init__ fills them
+    return nkv, hd, target
+
+
+def param_counts(config: Eagle3Config, freeze_lm_head: bool = False) -> dict[str, int]:
     """Trained / frozen parameters of the drafter (built on the meta device: no memory) and its largest
     module, plus the frozen teacher rows [draft_vocab, target_hidden] attached for training."""
     import torch
@@ -138,12 +148,13 @@ def param_counts(config, freeze_lm_head: bool = False) -> dict[str, int]:
     model.lm_head.weight.requires_grad_(not freeze_lm_head)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    teacher = config.draft_vocab_size * config.target_hidden_size
+    teacher = config.draft_vocab_size * _sizes(config)[2]
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return {"trained": trained, "frozen": frozen + teacher, "largest_layer": max(largest, teacher)}
 
 
-def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps: int) -> dict[str, float]:
+def step_activation_elements(config: Eagle3Config, tokens: int, loss_tokens: float,
+                             ttt_steps: int) -> dict[str, float]:
     """Elements alive at the TTT step's two candidate peaks, by what holds them (see the module docstring).
 
     Per token and TTT step, autograd saves 5 x hidden (embedding, two RMSNorms, cat(embedding, hidden), the
@@ -158,7 +169,7 @@ def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps:
     from .loss import LOSS_CHUNK_ELEMENTS
 
     h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
-    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    (nkv, hd, _), nh = _sizes(config), config.num_attention_heads
     a, kv = nh * hd, nkv * hd
     per_step = 5 * h + 3 * a + nh + 2 * kv + 2 * hd + 3
     per_read_step = 6 * h + 4 * inter
@@ -173,7 +184,7 @@ def step_activation_elements(config, tokens: int, loss_tokens: float, ttt_steps:
     }
 
 
-def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtype: str = "fp32",
+def step_peak_bytes(config: Eagle3Config, tokens: int, ttt_steps: int, grad_bytes: float, dtype: str = "fp32",
                     loss_fraction: float = 1.0, autocast_params: int = 0) -> int:
     """Peak bytes of one micro-batch step above the resident model states: the largest of the end of the
     forward and loss, the loss's backward (the last step's logit gradient) and the last TTT step's layer
@@ -193,16 +204,17 @@ def step_peak_bytes(config, tokens: int, ttt_steps: int, grad_bytes: float, dtyp
     return int(max(forward_end, loss_backward, layer_backward))
 
 
-def train_flops_per_token(config, ttt_steps: int, mean_document: float, lm_head_trained: bool = True) -> float:
+def train_flops_per_token(config: Eagle3Config, ttt_steps: int, mean_document: float,
+                          lm_head_trained: bool = True) -> float:
     """Model FLOPs of a training step per token: 6 x every trained linear it passes (fc once; attention, MLP and
     lm_head per TTT step; 4 x for a frozen lm_head), 12 x nh*hd per attended (query, key) pair (causal within
     a document of `mean_document` tokens plus i diagonal keys at step i), the teacher head forward."""
     h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
-    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    (nkv, hd, target), nh = _sizes(config), config.num_attention_heads
     layer = 2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
-    linear = 6 * 3 * config.target_hidden_size * h + ttt_steps * (6 * layer + (6 if lm_head_trained else 4) * vd * h)
+    linear = 6 * 3 * target * h + ttt_steps * (6 * layer + (6 if lm_head_trained else 4) * vd * h)
     pairs = ttt_steps * (mean_document + 1) / 2 + sum(range(ttt_steps))
-    return linear + 12 * nh * hd * pairs + 2 * vd * config.target_hidden_size
+    return linear + 12 * nh * hd * pairs + 2 * vd * target
 
 
 # ---------------------------------------------------------------------------------------------- verifier, features
@@ -254,7 +266,13 @@ def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
 # ---------------------------------------------------------------------------------------------- the plan
 
 
-def model_state_bytes(params: dict[str, int], launch: Launch) -> dict[str, float]:
+class ModelStates(TypedDict):
+    gpu: float  # bytes per GPU
+    cpu: float  # bytes per node, with offload
+    rule: str  # how they were estimated
+
+
+def model_state_bytes(params: dict[str, int], launch: Launch) -> ModelStates:
     """Per-GPU (and, with offload, per-node CPU) bytes of parameters, gradients and AdamW states."""
     trained, frozen = params["trained"], params["frozen"]
     gpus, nodes = launch.num_processes, launch.num_machines
@@ -326,8 +344,8 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
         epochs = float(recipe.get("num_train_epochs", 1))
         plan["data"] = {
             "tokens": dataset_tokens, "mean_document_tokens": doc,
-            "disk_bf16": feature_bytes_per_token(config.target_hidden_size, "bf16") * dataset_tokens,
-            "disk_fp8": feature_bytes_per_token(config.target_hidden_size, "fp8") * dataset_tokens,
+            "disk_bf16": feature_bytes_per_token(_sizes(config)[2], "bf16") * dataset_tokens,
+            "disk_fp8": feature_bytes_per_token(_sizes(config)[2], "fp8") * dataset_tokens,
             "extract_flops": extract_flops, "extract_gpu_hours": extract_flops / rate / 3600,
             "extract_hours": extract_flops / rate / 3600 / extract_gpus, "extract_gpus": extract_gpus,
             "epoch_flops": epoch_flops, "epoch_hours": epoch_flops / rate / 3600 / launch.num_processes,

@@ -14,7 +14,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +25,12 @@ from ..model.configuration_eagle3 import Eagle3Config
 from ..model.modeling_eagle3 import Eagle3DraftModel
 from ..verifier.family import text_config
 from .arguments import DataArguments, ModelArguments
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from ..data.dataset import PackedCollator, PackedDataset
+    from ..data.online import OnlineFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -38,8 +46,9 @@ SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = 0.101
 
 # ---------------------------------------------------------------- the drafter
 
-def build_drafter(model_args: ModelArguments, verifier_config, d2t, t2d, aux_indices,
-                  fingerprint) -> tuple[Eagle3DraftModel, dict]:
+def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig, d2t: torch.Tensor,
+                  t2d: torch.Tensor, aux_indices: Sequence[int],
+                  fingerprint: str | None) -> tuple[Eagle3DraftModel, dict]:
     """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info)."""
     info: dict = {"init": "scratch"}
     config = Eagle3Config.from_verifier(
@@ -98,12 +107,14 @@ def finetune_advice(source_acc_0: float) -> str:
 
 # ---------------------------------------------------------------- data
 
-def build_datasets(data_args: DataArguments, model_args: ModelArguments):
+def build_datasets(data_args: DataArguments, model_args: ModelArguments
+                   ) -> tuple[PackedDataset, PackedDataset, PackedCollator | OnlineFeatureCollator, dict]:
     """(train, eval, collator, manifest-like info). Offline reads shards; online runs the verifier."""
     from ..data.dataset import FeatureDataset, PackedCollator, PackedDataset
 
     vf = data_args.validation_fraction
-    pack = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing, overlong=data_args.overlong)
+    pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
+                                overlong=data_args.overlong)
     if data_args.online:
         from ..data.online import OnlineFeatureCollator, PreparedDataset
         from ..data.prepared_format import read_prepared_meta
@@ -134,7 +145,8 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments):
     return train, evals, PackedCollator(max_seq_len=data_args.max_seq_len), info
 
 
-def check_features_fit(info: dict, verifier_config, data_args: DataArguments, model_args: ModelArguments) -> None:
+def check_features_fit(info: dict, verifier_config: PreTrainedConfig, data_args: DataArguments,
+                       model_args: ModelArguments) -> None:
     """Features extracted from another verifier (another hidden size) are refused before anything is built."""
     recorded, hidden = info.get("verifier", {}), text_config(verifier_config).hidden_size
     if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(hidden):
@@ -142,7 +154,8 @@ def check_features_fit(info: dict, verifier_config, data_args: DataArguments, mo
                          f"{model_args.verifier} has {hidden}")
 
 
-def load_vocabulary(data_args: DataArguments, info: dict, verifier_config) -> tuple[torch.Tensor, torch.Tensor]:
+def load_vocabulary(data_args: DataArguments, info: dict,
+                    verifier_config: PreTrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) of `--vocab` (default: the data directory's), refused if built for another tokenizer."""
     from ..data.vocab import load_vocab
 

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import Trainer
 
 from ..constants import TRAINING_ARGS_FILE
 from ..errors import NonFiniteError, describe_non_finite, non_finite_names
 from .loss import count_loss_tokens, drafter_loss
 from .metrics import StepStats
+
+if TYPE_CHECKING:
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+    from .arguments import Eagle3TrainingArguments
 
 
 class Eagle3Trainer(Trainer):
@@ -29,8 +35,9 @@ class Eagle3Trainer(Trainer):
     """
 
     loss_is_scaled_for_ga = True  # the loss is divided by the global loss-token count already
+    args: Eagle3TrainingArguments  # what train.arguments.parse_args builds
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         drafter = self.accelerator.unwrap_model(self.model)
         if getattr(drafter, "verifier_lm_head", None) is None:
@@ -47,23 +54,24 @@ class Eagle3Trainer(Trainer):
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
 
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
         if self.args.hidden_optimizer != "muon" or self.optimizer is not None:
             return super().create_optimizer(model)
         from .optim import build_hybrid_optimizer
 
         args = self.args
+        assert self.model is not None  # the Trainer was built with the drafter
         self.optimizer = build_hybrid_optimizer(self.model, args.learning_rate, args.weight_decay,
                                                 (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
         return self.optimizer
 
     # ------------------------------------------------------------------ loss
 
-    def _drafter(self):
+    def _drafter(self) -> Eagle3DraftModel:
         return self.accelerator.unwrap_model(self.model)
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         t2d = self._drafter().t2d
         count = sum(count_loss_tokens(batch, t2d) for batch in batch_samples)
         count = torch.as_tensor(count, device=device)
@@ -71,12 +79,14 @@ class Eagle3Trainer(Trainer):
             count = self.accelerator.gather(count).sum()
         return count
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Σ_i γ^i Σ_t CE(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch."""
         drafter = self._drafter()
         noise = self.args.feature_noise_std if model.training else 0.0
         step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise)
         outputs = step.outputs
+        assert outputs.logits is not None  # the TTT forward returns every step's logits
         stats = self._train_stats if model.training else self._eval_stats
         stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask)
         loss = step.normalised(num_items_in_batch)
@@ -84,7 +94,8 @@ class Eagle3Trainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
         return (loss, outputs) if return_outputs else loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Stop at the first non-finite loss: the next optimizer step would make every weight NaN."""
         loss = super().training_step(model, inputs, num_items_in_batch)
         if not bool(torch.isfinite(loss).all()):
@@ -111,10 +122,13 @@ class Eagle3Trainer(Trainer):
             self._train_stats = StepStats(self.args.ttt_steps)
         super().log(logs, start_time)
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def prediction_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
+        assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         return loss.detach(), None, None
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -135,6 +149,7 @@ class Eagle3Trainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
             return
+        assert output_dir is not None  # TrainingArguments.__post_init__ sets a default output_dir
         tensors = state_dict if state_dict is not None else self._drafter().state_dict()
         bad = non_finite_names(tensors)
         if bad:
@@ -145,7 +160,7 @@ class Eagle3Trainer(Trainer):
             f.write(self.args.to_json_string())
 
 
-def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra) -> dict:
+def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict:
     """`eagle3_training.json`: what the model card reports (recipe + measured per-step metrics)."""
     steps = trainer.args.ttt_steps
     return {

@@ -15,19 +15,23 @@ through its output embedding a chunk of positions at a time so [T, V] fp32 logit
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .family import check_aux_indices, logit_softcap, softcap_logits, text_config
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 # Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
 _LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The verifier's list of decoder layers (`model.model.layers` for Llama-like models)."""
     num_layers = text_config(model).num_hidden_layers
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -40,7 +44,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
 
 
-def final_norm(model: nn.Module) -> nn.Module:
+def final_norm(model: PreTrainedModel) -> nn.Module:
     """The verifier's final norm (applied to the last layer's output before the LM head)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
@@ -50,9 +54,9 @@ def final_norm(model: nn.Module) -> nn.Module:
     raise ValueError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f)")
 
 
-def _input_device(model: nn.Module) -> torch.device:
+def _input_device(model: PreTrainedModel) -> torch.device:
     """Where input ids must go: the embedding's device (device_map-sharded models put it on the first one)."""
-    weight = model.get_input_embeddings().weight
+    weight = cast(torch.Tensor, model.get_input_embeddings().weight)
     return torch.device("cpu") if weight.device.type == "meta" else weight.device
 
 
@@ -65,10 +69,11 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
     head module (then pass `softcap`). Soft-capping is monotonic, so it is applied only to stay faithful.
     """
     head = model_or_head
-    if hasattr(model_or_head, "get_output_embeddings"):
-        head = model_or_head.get_output_embeddings()
+    get_output_embeddings = getattr(model_or_head, "get_output_embeddings", None)
+    if get_output_embeddings is not None:
+        head = get_output_embeddings()
         softcap = logit_softcap(model_or_head)
-    vocab = head.weight.shape[0]
+    vocab = cast(torch.Tensor, head.weight).shape[0]
     chunk = max(1, _LOGIT_ELEMENTS_PER_CHUNK // vocab)
     out = []
     for start in range(0, last_hidden_state.shape[0], chunk):
@@ -78,15 +83,15 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
 
 
 @contextmanager
-def capture_layer_outputs(model: nn.Module, aux_indices) -> Iterator[dict[int, torch.Tensor]]:
+def capture_layer_outputs(model: PreTrainedModel, aux_indices: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Forward hooks on the decoder layers behind `aux_indices`: while active, every forward of `model`
     leaves the outputs of those layers ([B, T, H], by output_hidden_states index) in the yielded dict."""
     indices = check_aux_indices(aux_indices, text_config(model).num_hidden_layers)
     layers = decoder_layers(model)
     captured: dict[int, torch.Tensor] = {}
 
-    def hook_for(index: int):
-        def hook(_module, _args, output):
+    def hook_for(index: int) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
             captured[index] = output[0] if isinstance(output, tuple) else output  # [B, T, H]
 
         return hook
@@ -99,12 +104,14 @@ def capture_layer_outputs(model: nn.Module, aux_indices) -> Iterator[dict[int, t
             handle.remove()
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
+def decoder_of(model: PreTrainedModel) -> PreTrainedModel:
     """The base decoder (no LM head): its `last_hidden_state` is the post-norm final state."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if hasattr(model, "get_decoder"):
+        return model.get_decoder()
+    return cast("PreTrainedModel", model.model)
 
 
-def aux_from(captured: dict[int, torch.Tensor], indices) -> torch.Tensor:
+def aux_from(captured: dict[int, torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
     """The captured layer outputs concatenated in index order: [..., 3H]."""
     missing = [i for i in indices if i not in captured]
     if missing:
@@ -114,7 +121,8 @@ def aux_from(captured: dict[int, torch.Tensor], indices) -> torch.Tensor:
 
 @torch.no_grad()
 def capture_features(
-    model: nn.Module, input_ids: torch.Tensor, aux_indices, out_device: torch.device | str | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, aux_indices: Sequence[int],
+    out_device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the verifier once on one sequence and return its EAGLE-3 features, in the verifier's dtype.
 

@@ -3,10 +3,11 @@
 A speculative verify forward reads k + 1 tokens where plain decoding reads one, so its cost relative to a
 one-token forward decides the speedup. On the CPU the default fp32 GEMM (MKL; measured on an AMD EPYC)
 costs about 1.5x as much for 4 rows as for 1; oneDNN with the weight packed once (what torch.compile's
-freezing does) costs about the same for 1 to 5 rows, and less than MKL for one row. Same fp32 arithmetic, different summation order (~1e-6 relative). `greedy_generate` and `speculative_generate` both
-run under it, so the baseline gets the same kernels. The packed copies are cached per module (one extra
-copy of the weights while the module lives, so models over MAX_PACKED_BYTES are left alone) and rebuilt
-when a weight changes. EAGLE3_HF_ONEDNN=0 switches it off.
+freezing does) costs about the same for 1 to 5 rows, and less than MKL for one row. Same fp32 arithmetic,
+different summation order (~1e-6 relative). `greedy_generate` and `speculative_generate` both run under it,
+so the baseline gets the same kernels. The packed copies are cached per module (one extra copy of the weights
+while the module lives, so models over MAX_PACKED_BYTES are left alone) and rebuilt when a weight changes.
+EAGLE3_HF_ONEDNN=0 switches it off.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ _BATCH_HINT = 64
 # A model whose Linear weights exceed this is left on torch's kernels: the packed copy doubles their memory,
 # which a small verifier affords and a multi-billion-parameter one on a CPU may not.
 MAX_PACKED_BYTES = 4 << 30
-_PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple[int, int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[int, int, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -59,7 +61,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def prepacked_linears(*models) -> Iterator[None]:
+def prepacked_linears(*models: object) -> Iterator[None]:
     """Within the block, every fp32 CPU `nn.Linear` of `models` (non-modules are skipped) runs through oneDNN
     with its packed weight whenever gradients are off; restored on exit."""
     patched: list[nn.Module] = []
@@ -69,7 +71,8 @@ def prepacked_linears(*models) -> Iterator[None]:
                 if not isinstance(model, nn.Module):
                     continue
                 modules = [module for module in model.modules() if _eligible(module)]
-                if sum(m.weight.numel() * m.weight.element_size() for m in modules) > MAX_PACKED_BYTES:
+                weights = [cast(torch.Tensor, m.weight) for m in modules]  # Linears (`_eligible`)
+                if sum(w.numel() * w.element_size() for w in weights) > MAX_PACKED_BYTES:
                     continue
                 for module in modules:
                     module.forward = _forward.__get__(module)

@@ -21,16 +21,20 @@ prepacked oneDNN weights (cpu_linear.py: about 2x the default GEMM at 16-128 row
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .capture import aux_from, capture_layer_outputs, decoder_of
 from .cpu_linear import prepacked_linears
 from .family import logit_softcap, softcap_logits, text_config
-from .capture import aux_from, capture_layer_outputs, decoder_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -47,7 +51,8 @@ class PreallocatedLayer(DynamicLayer):
         self._v = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -85,7 +90,7 @@ class _Row:
     finish: str | None = None  # set once the row stops generating
 
 
-def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _logits(model: PreTrainedModel, h: torch.Tensor) -> torch.Tensor:
     return softcap_logits(model.get_output_embeddings()(h), logit_softcap(model))
 
 
@@ -93,8 +98,8 @@ class FeatureGenerator:
     """Greedy (or sampled) batched generation of a causal LM that returns each row's features
     (`aux_indices=None`: answers only, no hooks and no feature buffers)."""
 
-    def __init__(self, model: nn.Module, aux_indices, eos: set[int], pad_token_id: int, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, compact_fraction: float = 0.125):
+    def __init__(self, model: PreTrainedModel, aux_indices: Sequence[int] | None, eos: set[int], pad_token_id: int,
+                 max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, compact_fraction: float = 0.125):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.model, self.indices = model, None if aux_indices is None else list(aux_indices)
@@ -106,10 +111,12 @@ class FeatureGenerator:
 
             warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
                                           + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
-            self.sample = lambda logits: torch.multinomial(torch.softmax(warpers(None, logits.float()), -1), 1)[:, 0]
+            # the temperature / top-p warpers never read input_ids
+            self.sample = lambda logits: torch.multinomial(
+                torch.softmax(warpers(None, logits.float()), -1), 1)[:, 0]  # type: ignore[arg-type]
         self.compact_fraction = compact_fraction
         self.num_layers = text_config(model).num_hidden_layers
-        self.device = model.get_input_embeddings().weight.device
+        self.device = cast(torch.Tensor, model.get_input_embeddings().weight).device
         self._cache_kw = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
 
     def _next(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -140,9 +147,10 @@ class FeatureGenerator:
         width = max(len(p) for p in prompts)
         capacity = width + self.max_new_tokens + max(len(t) for t in tails) + 1
         features = self.indices is not None
+        indices: Sequence[int] = self.indices or []
         if features:
             h = text_config(self.model).hidden_size
-            dtype = self.decoder.get_input_embeddings().weight.dtype
+            dtype = cast(torch.Tensor, self.decoder.get_input_embeddings().weight).dtype
             aux_buf = torch.empty(b, capacity, 3 * h, dtype=dtype, device=self.device)
             last_buf = torch.empty(b, capacity, h, dtype=dtype, device=self.device)
             greedy_buf = torch.empty(b, capacity, dtype=torch.long, device=self.device)
@@ -154,17 +162,19 @@ class FeatureGenerator:
         mask[:, width:] = 1
         mask, ids = mask.to(self.device), ids.to(self.device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp_min(0)
-        cache = Cache(layers=[PreallocatedLayer(capacity) for _ in range(self.num_layers)])
+        layers = [PreallocatedLayer(capacity) for _ in range(self.num_layers)]
+        cache = Cache(layers=list(layers))
         kw = {self._cache_kw: cache}
         rows = [_Row(fed=list(p)) for p in prompts]
-        hooks = capture_layer_outputs(self.model, self.indices) if features else nullcontext({})
+        hooks: AbstractContextManager[dict[int, torch.Tensor]] = (
+            capture_layer_outputs(self.model, indices) if features else nullcontext({}))
         with prepacked_linears(self.model), hooks as captured:
             out = self.decoder(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                                use_cache=True, **kw)
             if features:
                 real = mask[:, :width].bool()  # left padding is never computed past the decoder
                 last = out.last_hidden_state[real]  # [N, H], row by row
-                aux = aux_from(captured, self.indices)[real]  # [N, 3H]
+                aux = aux_from(captured, indices)[real]  # [N, 3H]
                 greedy = torch.cat([_logits(self.model, chunk).argmax(-1) for chunk in last.split(4096)])
                 start = 0
                 for i, p in enumerate(prompts):
@@ -189,7 +199,7 @@ class FeatureGenerator:
                     if not keep:
                         break
                     index = torch.tensor(keep, device=self.device)
-                    for layer in cache.layers:
+                    for layer in layers:  # the cache's own layers
                         layer.batch_select_indices(index)
                     mask = mask[index]
                     active = [active[k] for k in keep]
@@ -208,7 +218,7 @@ class FeatureGenerator:
                 last = out.last_hidden_state[:, 0]  # [B', H]
                 greedy, chosen = self._next(_logits(self.model, last))
                 if features:
-                    aux = aux_from(captured, self.indices)[:, 0]
+                    aux = aux_from(captured, indices)[:, 0]
                     live = torch.tensor([k for k, go in enumerate(feeding) if go], device=self.device)
                     src_rows = torch.tensor([active[k] for k, go in enumerate(feeding) if go], device=self.device)
                     src_pos = torch.tensor([where[k] for k, go in enumerate(feeding) if go], device=self.device)

