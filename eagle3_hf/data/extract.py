@@ -25,7 +25,7 @@ import torch
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .prepared_format import open_prepared, prepared_lengths
-from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+from .shards import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
 
 if TYPE_CHECKING:
     import datasets
@@ -37,33 +37,6 @@ def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: 
     name = name or getattr(verifier.config, "_name_or_path", None) or type(verifier).__name__
     return {"name": str(name), "revision": revision, "num_hidden_layers": int(config.num_hidden_layers),
             "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size)}
-
-
-def dist_env() -> tuple[int, int]:
-    """(rank, world_size) as torchrun and accelerate launch set them."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> dict:
-    """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    want = set(all_ids)
-    told = False
-    while True:
-        manifest = merge_manifests(out_dir, write=False)
-        done = {s["id"] for s in manifest["samples"]}
-        for ids in manifest.get("skipped_ids", {}).values():
-            done.update(ids)
-        if want <= done or (deadline is not None and time.monotonic() > deadline):
-            if not want <= done:
-                print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
-                      f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
-            return merge_manifests(out_dir, write=True)
-        if not told:
-            print(f"[extract] rank 0 done; waiting for {len(want - done)} samples of the other ranks to merge "
-                  f"{out_dir}/manifest.json", file=sys.stderr)
-            told = True
-        time.sleep(poll_s)
 
 
 def extract_features(
@@ -131,7 +104,7 @@ def extract_features(
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     if rank == 0:
-        manifest = _wait_and_merge(out_dir, all_ids, merge_timeout_s)
+        manifest = wait_and_merge(out_dir, all_ids, merge_timeout_s)
         summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
     return summary
 

@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import re
+import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -250,6 +252,33 @@ def load_manifest(features_dir: str | Path) -> dict:
             raise ValueError(f"{path}: feature format version {manifest.get('version')} is not supported ({VERSION})")
         return manifest
     return merge_manifests(features_dir, write=False)
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world_size) as torchrun and accelerate launch set them."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> dict:
+    """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    want = set(all_ids)
+    told = False
+    while True:
+        manifest = merge_manifests(out_dir, write=False)
+        done = {s["id"] for s in manifest["samples"]}
+        for ids in manifest.get("skipped_ids", {}).values():
+            done.update(ids)
+        if want <= done or (deadline is not None and time.monotonic() > deadline):
+            if not want <= done:
+                print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
+                      f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
+            return merge_manifests(out_dir, write=True)
+        if not told:
+            print(f"[extract] rank 0 done; waiting for {len(want - done)} samples of the other ranks to merge "
+                  f"{out_dir}/manifest.json", file=sys.stderr)
+            told = True
+        time.sleep(poll_s)
 
 
 # ---------------------------------------------------------------- the writer

@@ -31,7 +31,7 @@ from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from .importers import load_verifier_head
 from .prepared_format import open_prepared, prepared_lengths
-from .shards import ShardWriter, canonical_dtype, make_header
+from .shards import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
 
 if TYPE_CHECKING:
     import datasets
@@ -138,7 +138,6 @@ def extract_features_vllm(
 
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import resolve_verifier
-    from .extract import _wait_and_merge, dist_env
 
     vllm_python()  # vLLM missing: one line, before anything is written
     env_rank, env_world = dist_env()
@@ -212,6 +211,6 @@ def extract_features_vllm(
                "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None,
                "peak_temporary_bytes": peak}
     if rank == 0:
-        manifest = _wait_and_merge(out_dir, all_ids, 48 * 3600)
+        manifest = wait_and_merge(out_dir, all_ids, 48 * 3600)
         summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
     return summary
