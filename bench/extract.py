@@ -74,10 +74,10 @@ def main() -> None:
 
     import datasets
 
-    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
-    from eagle3_hf.verifier.family import default_aux_indices
     from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+    from eagle3_hf.verifier.family import default_aux_indices
+    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -127,7 +127,8 @@ def main() -> None:
     longest = max(map(len, ids))
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     result = {
-        "device": device, "verifier_dtype": dtype, "torch_threads": torch.get_num_threads(), "samples": len(ids), "tokens": tokens,
+        "device": device, "verifier_dtype": dtype, "torch_threads": torch.get_num_threads(), "samples": len(ids),
+        "tokens": tokens,
         "layers": N, "hidden": H, "aux_indices": list(default_aux_indices(N)),
         "bare_forward_tok_s": round(tokens / min(t_bare), 1),
         "extract_tok_s": round(tokens / min(t_ext), 1),

@@ -72,13 +72,12 @@ def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) ->
 
 
 def _before(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int]:
+    from eagle3_hf.data.conversations import load_conversations
     from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
     from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
     from eagle3_hf.data.prepared_format import save_prepared
     from eagle3_hf.data.regenerate import regenerate
-
-    from eagle3_hf.data.conversations import load_conversations
 
     work.mkdir(parents=True)
     with Clock() as clock:
@@ -113,8 +112,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from eagle3_hf.demo_data.prompts import short_prompts
     from eagle3_hf.data.regenerate import TransformersBackend
+    from eagle3_hf.demo_data.prompts import short_prompts
 
     prompts = short_prompts(args.prompts)
     backend = TransformersBackend("smollm2-135m-instruct", device="cpu", max_new_tokens=args.max_new_tokens)

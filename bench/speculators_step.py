@@ -27,11 +27,10 @@ def build_drafter(m: dict, attn: str, ttt_steps: int, d2t: torch.Tensor, t2d: to
     """speculators' `Eagle3DraftModel` on the shapes in `m`, with what its `load_verifier_weights` copies in
     (embedding, `lm_head` = `verifier_lm_head` = the verifier's rows of the draft vocabulary), frozen as it
     trains them. The standard EAGLE-3 layer: no extra norms (`norm_before_fc`, `norm_output` off)."""
-    from transformers import LlamaConfig
-
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
 
     layer_config = LlamaConfig(
         vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["intermediate_size"],

@@ -29,7 +29,8 @@ def measure_steps(step, rows: dict, spec: dict) -> tuple[list[float], float, str
     peak_step = rss_mib("VmHWM")
     profile = None
     if spec.get("profile"):
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             step(full)

@@ -50,7 +50,8 @@ def summarize(out: Path, seconds: int | None = None) -> dict:
 
 def _tree(out: Path) -> dict | None:
     """The fastest tree of the sweep (development prompts) and its run on the evaluation questions."""
-    sweep, ev = _optional_json(out / "sweep" / "eagle3_sweep.json"), _optional_json(out / "eval_tree" / "eagle3_evaluation.json")
+    sweep = _optional_json(out / "sweep" / "eagle3_sweep.json")
+    ev = _optional_json(out / "eval_tree" / "eagle3_evaluation.json")
     if not sweep or not ev:
         return None
     return {"steps": ev.get("k"), "topk": ev.get("topk"), "num_draft_tokens": ev.get("num_draft_tokens"),
@@ -64,8 +65,8 @@ def _vllm(out: Path) -> dict | None:
     ev = _optional_json(out / "eval_vllm" / "eagle3_evaluation_vllm.json")
     if not ev:
         return None
-    return {k: ev.get(k) for k in ("acceptance_length", "acceptance_length_as_evaluate_counts", "per_position_acceptance",
-                                   "speedup", "lossless", "vllm_version")}
+    return {k: ev.get(k) for k in ("acceptance_length", "acceptance_length_as_evaluate_counts",
+                                   "per_position_acceptance", "speedup", "lossless", "vllm_version")}
 
 
 def as_markdown(s: dict) -> str:
@@ -105,7 +106,8 @@ def as_markdown(s: dict) -> str:
             ("τ served by vLLM", f"{served['acceptance_length']:.3f}  (vLLM {served['vllm_version']}, chain k=3; "
                                   f"counted as evaluate counts: {served['acceptance_length_as_evaluate_counts']:.3f}, "
                                   f"{gap:+.3f} against transformers)"),
-            ("vLLM speedup, lossless", f"{served['speedup']:.2f}x over plain vLLM, token-identical {served['lossless']}"),
+            ("vLLM speedup, lossless",
+             f"{served['speedup']:.2f}x over plain vLLM, token-identical {served['lossless']}"),
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| what | value |", "|---|---|"] + [f"| {k:<{width}} | {v} |" for k, v in rows])

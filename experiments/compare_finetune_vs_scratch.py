@@ -58,9 +58,9 @@ def optimizer_steps(summary: dict) -> int:
 
 def source_prompts(args) -> list[dict]:
     """`--source-prompts` short prompts that are not in our data, by id and by text (eagle3_hf.demo_data.overlap)."""
-    from eagle3_hf.demo_data.prompts import short_prompts
     from eagle3_hf.data.shards import load_manifest
     from eagle3_hf.demo_data.overlap import find_overlaps
+    from eagle3_hf.demo_data.prompts import short_prompts
 
     ours = {s["id"] for s in load_manifest(args.data_dir)["samples"]}
     pool = [p for p in short_prompts(len(ours) + 2 * args.source_prompts) if p["id"] not in ours]
@@ -109,8 +109,9 @@ def source_vocab(args, data: Path, size: int | None) -> Path:
 
 def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -> dict:
     """How far the drifted verifier is from ours on our prepared samples (cached: a few forwards of both)."""
-    from eagle3_hf.verifier.loading import load_verifier
     from eagle3_hf.data.prepared_format import load_prepared
+    from eagle3_hf.verifier.loading import load_verifier
+
     from experiments.drift import measure_drift, weight_change
 
     cached = out / f"drift-s{steps}.json"
@@ -127,6 +128,7 @@ def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -
 def build_sources(args, out: Path, wanted=lambda name: True) -> dict[str, dict]:
     """Drafters trained on other conversations, each answered and extracted by its own verifier version."""
     from eagle3_hf.data.shards import load_manifest
+
     from experiments.drift import DriftRecipe, build_drifted_verifiers
 
     aux = list(load_manifest(args.data_dir)["aux_layer_indices"])
@@ -175,8 +177,8 @@ def curves(summary: dict) -> dict[str, list]:
 
 def measure_tau(args, drafter_dir: str) -> dict:
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
     from eagle3_hf.evaluation.evaluate import evaluate_drafter, load_prompts
+    from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
 
     verifier = load_verifier(args.verifier)
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir, verifier=verifier)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
-
 SET_NAMES = {"dev": "the development set (`dev`: prompts no training pool draws)",
              "mt-bench": "MT-bench (the test set, first turn)"}
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
-from eagle3_hf.verifier.loading import cache_dir, load_tokenizer, load_verifier, resolve_verifier
 from eagle3_hf.demo_data.prompts import chitchat_conversations
-from eagle3_hf.verifier.family import check_aux_indices, default_aux_indices, text_config
 from eagle3_hf.verifier.capture import capture_layer_outputs
+from eagle3_hf.verifier.family import check_aux_indices, default_aux_indices, text_config
+from eagle3_hf.verifier.loading import cache_dir, load_tokenizer, load_verifier, resolve_verifier
 
 RECIPE_FILE = "eagle3_drift.json"
 

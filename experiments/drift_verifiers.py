@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from eagle3_hf.verifier.loading import DEFAULT_VERIFIER, load_tokenizer, load_verifier
+
 from experiments.drift import DriftRecipe, build_drifted_verifiers, drift_texts, measure_drift, weight_change
 
 

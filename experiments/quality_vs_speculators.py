@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from bench.train_step import REPO, SPEC_PYTHON, speculators_available
 from eagle3_hf.constants import TRAINING_FILE
+
+from bench.train_step import REPO, SPEC_PYTHON, speculators_available
 from experiments.runs import CLI, evaluate_drafter_cli, parse_eval_sets, run_logged
 
 SPEC_TRAINER = "experiments.speculators_train"  # run as a module by the speculators venv
@@ -59,9 +60,9 @@ def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path
     from transformers import Trainer
 
     from eagle3_hf import Eagle3Config
-    from eagle3_hf.verifier.loading import verifier_io_weights
-    from eagle3_hf.train.setup import build_datasets, load_vocabulary
     from eagle3_hf.train.arguments import parse_args
+    from eagle3_hf.train.setup import build_datasets, load_vocabulary
+    from eagle3_hf.verifier.loading import verifier_io_weights
 
     model_args, data_args, targs = parse_args(train_argv)
     train, _evals, collator, info = build_datasets(data_args, model_args)

@@ -120,7 +120,8 @@ def main() -> None:
         if not summary_file.is_file():
             results[name] = {"failed": True}
             continue
-        seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else None
+        seconds_file = run_dir / "bench_seconds.txt"
+        seconds = float(seconds_file.read_text()) if seconds_file.is_file() else None
         summary = json.loads(summary_file.read_text())
         m = summary["metrics"]
         per_epoch = {round(h["epoch"], 2): h["eval_simulated_acceptance_length"]  # the final evaluate repeats the last

@@ -15,17 +15,17 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
-from eagle3_hf.publish.check import check_drafter
 from eagle3_hf.engines.vllm_env import VllmError, run_vllm
-from eagle3_hf.evaluation.vllm_engine import cut_final_step
 from eagle3_hf.evaluation.evaluate import load_prompts, render_prompt
+from eagle3_hf.evaluation.vllm_engine import cut_final_step
+from eagle3_hf.publish.check import check_drafter
+from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
 
 Edit = Callable[[dict, dict], None]
 
@@ -37,7 +37,8 @@ def _shift_top_ids(cfg: dict, w: dict) -> None:  # the SGLang convention (id - 1
 def _shift_all_ids(cfg: dict, w: dict) -> None:  # consistent everywhere, but not the layers it was trained on
     for key in ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_indices"):
         cfg[key] = [i + 1 for i in cfg[key]]
-    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    nested = cfg["eagle_config"]
+    nested["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in nested["eagle_aux_hidden_state_layer_ids"]]
 
 
 def _d2t_absolute(cfg: dict, w: dict) -> None:
@@ -63,7 +64,8 @@ def _full_draft_vocab(cfg: dict, w: dict) -> None:  # the same drafter, its lm_h
     vocab, kept = int(cfg["vocab_size"]), torch.arange(len(w["d2t"])) + w["d2t"]
     head = torch.full((vocab, w["lm_head.weight"].shape[1]), 0.0)
     head[kept] = w["lm_head.weight"]
-    w["lm_head.weight"], w["d2t"], w["t2d"] = head, torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool)
+    w["lm_head.weight"] = head
+    w["d2t"], w["t2d"] = torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool)
     cfg["draft_vocab_size"] = vocab
 
 
@@ -93,13 +95,16 @@ def _no_t2d(cfg: dict, w: dict) -> None:
 
 VARIANTS: dict[str, tuple[str, Edit | None]] = {
     "good": ("the export as written", None),
-    "aux-ids-sglang-in-vllm-key": ("top-level `eagle_aux_hidden_state_layer_ids` holds the SGLang ids (each - 1)", _shift_top_ids),
-    "aux-ids-shifted-everywhere": ("every aux-id key + 1, consistently (not the layers it was trained on)", _shift_all_ids),
+    "aux-ids-sglang-in-vllm-key": ("top-level `eagle_aux_hidden_state_layer_ids` holds the SGLang ids (each - 1)",
+                                   _shift_top_ids),
+    "aux-ids-shifted-everywhere": ("every aux-id key + 1, consistently (not the layers it was trained on)",
+                                   _shift_all_ids),
     "d2t-absolute": ("`d2t` holds absolute target ids, not offsets", _d2t_absolute),
     "no-draft-vocab-size": ("`draft_vocab_size` missing from config.json", _no_draft_vocab_size),
     "architectures-llama": ("`architectures: [LlamaForCausalLM]`", _architectures_llama),
     "bf16-weights": ("weights saved in bf16, served in fp32", _bf16),
-    "draft-vocab-is-vocab": ("the same drafter with draft vocabulary = the whole vocabulary (`d2t` all zero)", _full_draft_vocab),
+    "draft-vocab-is-vocab": ("the same drafter with draft vocabulary = the whole vocabulary (`d2t` all zero)",
+                             _full_draft_vocab),
     "misnamed-hidden-norm": ("`midlayer.hidden_norm` saved as `midlayer.hidden_layernorm`", _rename(
         "midlayer.hidden_norm.weight", "midlayer.hidden_layernorm.weight")),
     "model-prefixed-names": ("`model.midlayer.*` names", _prefix_model),

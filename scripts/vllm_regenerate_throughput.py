@@ -21,8 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
 from eagle3_hf.engines.vllm_env import vllm_environment, vllm_python, vllm_venv
+from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             except OSError:
                 if server.poll() is not None:
-                    raise SystemExit(f"vllm serve exited: see {out / 'vllm_serve.log'}")
+                    raise SystemExit(f"vllm serve exited: see {out / 'vllm_serve.log'}") from None
                 time.sleep(1)
         idle = cpu_seconds(server.pid)
         wall, client = regenerate(["--input", str(prompts), "--output", str(out / "endpoint.jsonl"), "--endpoint",
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         r["tokens_per_wall_second"] = r["new_tokens"] / r["wall_seconds"]
     results["setting"] = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                           "vllm_threads": args.threads, "in_process_threads": os.environ.get("OMP_NUM_THREADS")}
-    (out / ("throughput_endpoint.json" if args.skip_in_process else "throughput.json")).write_text(json.dumps(results, indent=2) + "\n")
+    name = "throughput_endpoint.json" if args.skip_in_process else "throughput.json"
+    (out / name).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
 

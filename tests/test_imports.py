@@ -1,7 +1,8 @@
 """The package's import graph: no cycle (counting imports inside functions too: a cycle means two modules each
 own half of a rule, which is how a contract ends up written twice), and the subpackages in layers, each
-importing only those below it, so the folder names read as the architecture. The tests keep a rule of their own:
-no test module imports another, nor a conftest; what they share is in tests/helpers/."""
+importing only those below it, so the folder names read as the architecture. Imports under `if TYPE_CHECKING:`
+are annotations' names only, never run, and are no edge. The tests keep a rule of their own: no test module
+imports another, nor a conftest; what they share is in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -17,13 +18,32 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (its `else` branch is kept)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                stack.extend(child.orelse)
+            else:
+                stack.append(child)
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the eagle3_hf modules it imports anywhere in its body (module level or in a function)."""
+    """module -> the eagle3_hf modules it imports anywhere in its body (module level or in a function), type
+    checkers' imports (`if TYPE_CHECKING:`) aside."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -99,6 +119,13 @@ def test_no_import_cycle_in_the_package():
     assert "eagle3_hf.model.checkpoint" in graph["eagle3_hf.model.modeling_eagle3"]  # the walk sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_type_checking_imports_are_no_edge():
+    tree = ast.parse("from typing import TYPE_CHECKING\nimport typing\n\nif TYPE_CHECKING:\n    import a\n"
+                     "else:\n    import b\nif typing.TYPE_CHECKING:\n    import c\n\n\ndef f():\n    import d\n")
+    imported = {alias.name for node in runtime_nodes(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert imported == {"typing", "b", "d"}
 
 
 def test_the_walk_finds_a_cycle_through_function_level_imports():

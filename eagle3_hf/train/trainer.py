@@ -23,6 +23,9 @@ from .loss import count_loss_tokens, drafter_loss
 from .metrics import StepStats
 
 if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import EvalLoopOutput
+
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from .arguments import Eagle3TrainingArguments
 
@@ -131,14 +134,15 @@ class Eagle3Trainer(Trainer):
         assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         return loss.detach(), None, None
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         self._eval_stats = StepStats(self.args.ttt_steps)
         output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         reduced = self._reduced_stats(self._eval_stats)
         metrics = reduced.metrics()
         # the training loss's quantity over the whole evaluation set: Σ_i γ^i S_i / N_0, per step-0 loss token
         metrics["loss"] = reduced.weighted_loss(self.args.ttt_step_weight)
+        assert output.metrics is not None  # the Trainer's loop always returns its metrics
         output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in metrics.items()})
         return output
 

@@ -91,7 +91,8 @@ def deepseek(default_verifier_dir):
     extra = ["<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
              "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
              "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
-    return _variant(default_verifier_dir, DEEPSEEK_V3_TEMPLATE, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", extra)
+    return _variant(default_verifier_dir, DEEPSEEK_V3_TEMPLATE, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                    extra)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,8 @@ def test_deepseek_multi_turn_and_tool_calls(deepseek):
     ]
     assert "sunny\"}" in deepseek.decode(ids)  # the tool output is context, not loss
     ids, mask = render_with_mask(convo, deepseek, tool_calls="drop")
-    assert segments(deepseek, ids, mask) == ["Hello!<｜end▁of▁sentence｜>", "It is sunny in Paris.<｜end▁of▁sentence｜>"]
+    assert segments(deepseek, ids, mask) == ["Hello!<｜end▁of▁sentence｜>",
+                                             "It is sunny in Paris.<｜end▁of▁sentence｜>"]
     assert "get_weather" not in deepseek.decode(ids) and "sky" not in deepseek.decode(ids)
 
 
@@ -339,12 +341,14 @@ def test_chat_template_file_or_name_supplies_and_overrides_the_template(tmp_path
     # a named (built-in) template, and an override of a tokenizer's own template, change what is rendered
     assert cli.main(argv + [str(tmp_path / "named"), "--chat-template", "chatml"]) == 0
     named, named_meta = load_prepared(tmp_path / "named")
-    assert segments(tokenizer, named["input_ids"][0], named["loss_mask"][0]) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    assert segments(tokenizer, named["input_ids"][0], named["loss_mask"][0]) == ["2+2 is 4.<|im_end|>",
+                                                                                 "It is 6.<|im_end|>"]
     assert named_meta["chat_template_sha256"] != meta["chat_template_sha256"]
     own = ["prepare", "--tokenizer", "smollm2-135m-instruct", "--input", str(src), "--output"]
     assert cli.main(own + [str(tmp_path / "own")]) == 0
     assert cli.main(own + [str(tmp_path / "over"), "--chat-template", str(template_file)]) == 0
-    assert load_prepared(tmp_path / "over")[0]["input_ids"] == ds["input_ids"] != load_prepared(tmp_path / "own")[0]["input_ids"]
+    over, own_ds = load_prepared(tmp_path / "over")[0], load_prepared(tmp_path / "own")[0]
+    assert over["input_ids"] == ds["input_ids"] != own_ds["input_ids"]
     capsys.readouterr()
     assert cli.main(argv + [str(tmp_path / "bad"), "--chat-template", "nonesuch"]) == 1
     assert "error: --chat-template nonesuch: no such file" in capsys.readouterr().err

@@ -36,7 +36,8 @@ def free_port() -> int:
 
 
 CONVS = [
-    {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("u1"), A("old one"), U("u2"), A("old two")]},
+    {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("u1"), A("old one"), U("u2"),
+                                 A("old two")]},
     {"id": "single", "messages": [U("only question")]},
     {"id": "tail", "messages": [U("a"), A("old"), U("b")]},
 ] + [{"id": f"c{i}", "messages": [U(f"q{i}"), A("old")]} for i in range(5)]
@@ -191,7 +192,8 @@ def test_llama_cpp_server(tmp_path):
     from eagle3_hf.verifier.loading import default_verifier_gguf
 
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.fail("EAGLE3_INTEGRATION=1 needs llama-cpp-python with its server: pip install 'llama-cpp-python[server]'")
+        pytest.fail("EAGLE3_INTEGRATION=1 needs llama-cpp-python with its server: "
+                    "pip install 'llama-cpp-python[server]'")
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(default_verifier_gguf()),

@@ -38,7 +38,8 @@ def U(text):
 
 
 CONVS = [
-    {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("u1"), {"role": "assistant", "content": "x"},
+    {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("u1"),
+                                 {"role": "assistant", "content": "x"},
                                  U("u2 is longer than the others, by a few words")]},
     {"id": "single", "messages": [U("only question")]},
 ] + [{"id": f"c{i}", "messages": [U(f"question number {i} " * (1 + i % 3))]} for i in range(5)]
@@ -95,9 +96,11 @@ def test_features_equal_extract_and_answers_equal_regenerate(tmp_path, backend):
         assert row["input_ids"][:n - 1] == ref[row["id"]]["input_ids"][:n - 1]
         assert row["loss_mask"][:n - 1] == ref[row["id"]]["loss_mask"][:n - 1]
         assert (sum(row["loss_mask"][:n]) > 0) == (row["id"] == "multi")  # an earlier assistant turn has loss
-        assert row["input_ids"][-2:] == [end, *newline] and row["loss_mask"][n:] == [1] * (len(row["loss_mask"]) - n - 1) + [0]
+        assert row["input_ids"][-2:] == [end, *newline]
+        assert row["loss_mask"][n:] == [1] * (len(row["loss_mask"]) - n - 1) + [0]
         sample = features[features.sample_ids.index(row["id"])]
-        assert sample["input_ids"].tolist() == row["input_ids"] and sample["loss_mask"].long().tolist() == row["loss_mask"]
+        assert sample["input_ids"].tolist() == row["input_ids"]
+        assert sample["loss_mask"].long().tolist() == row["loss_mask"]
 
 
 _CHILD = r"""
@@ -137,7 +140,8 @@ def test_sigkill_and_resume(tmp_path, tiny_verifier_dir, backend):
     assert full["written"] == 12
     resumed = rows(out)  # no duplicate ids
     assert sorted(resumed) == [c["id"] for c in convs] == sorted(FeatureDataset(feats, split="all").sample_ids)
-    assert {k: v["messages"] for k, v in resumed.items()} == {k: v["messages"] for k, v in rows(tmp_path / "u.jsonl").items()}
+    uninterrupted = rows(tmp_path / "u.jsonl")
+    assert {k: v["messages"] for k, v in resumed.items()} == {k: v["messages"] for k, v in uninterrupted.items()}
     report = diff_features(tmp_path / "u", feats)
     assert report["samples_compared"] == 12 and report["token_mismatch"] == 0
     assert all(s["rel_err_max"] <= 2 ** -7 for s in report["layers"].values())
@@ -156,7 +160,8 @@ def test_cli(tmp_path, tiny_verifier_dir, backend):
     assert ds.manifest["dtype"] == "float8_e4m3fn" and max(ds.lengths) == 40
     # truncated to 40 tokens; a prompt of 40 or more leaves no loss token: refused by id, like extract's refusals
     refused = ds.manifest["skipped_ids"]["no_loss_tokens"]
-    assert refused and sorted(ds.sample_ids + refused) == sorted(c["id"] for c in CONVS) == sorted(rows(tmp_path / "c.jsonl"))
+    assert refused
+    assert sorted(ds.sample_ids + refused) == sorted(c["id"] for c in CONVS) == sorted(rows(tmp_path / "c.jsonl"))
     prepared = datasets.load_from_disk(str(tmp_path / "prep"))
     assert prepared["id"] == [c["id"] for c in CONVS if c["id"] not in refused]
     meta = json.loads((tmp_path / "prep" / "eagle3_prepare.json").read_text())

@@ -9,7 +9,14 @@ import torch
 
 from eagle3_hf.data.dataset import FeatureDataset
 from eagle3_hf.data.shards import (
-    ShardWriter, canonical_dtype, check_header, dequantize, make_header, merge_manifests, quantize, read_journal,
+    ShardWriter,
+    canonical_dtype,
+    check_header,
+    dequantize,
+    make_header,
+    merge_manifests,
+    quantize,
+    read_journal,
 )
 
 H = 48

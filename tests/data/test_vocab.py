@@ -9,11 +9,17 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf import cli
-from eagle3_hf.model.checkpoint import draft_to_target
 from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
 from eagle3_hf.data.prepared_format import load_prepared, save_prepared
-from eagle3_hf.data.vocab import (build_vocab, load_vocab, save_vocab, select_top_ids,
-                                  token_counts, vocab_from_target_ids)
+from eagle3_hf.data.vocab import (
+    build_vocab,
+    load_vocab,
+    save_vocab,
+    select_top_ids,
+    token_counts,
+    vocab_from_target_ids,
+)
+from eagle3_hf.model.checkpoint import draft_to_target
 
 FEATURES = datasets.Features({"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int32")),
                               "loss_mask": datasets.List(datasets.Value("int8"))})

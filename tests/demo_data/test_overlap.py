@@ -1,10 +1,12 @@
 """Training prompts stay apart from MT-bench (all 80 questions, both turns) and from the development set:
-exact and near-duplicate (eagle3_hf.demo_data.overlap), over every prompt of every demo size and every source in full."""
+exact and near-duplicate (eagle3_hf.demo_data.overlap), over every prompt of every demo size and every source in
+full."""
 
 from __future__ import annotations
 
 import pytest
 
+from eagle3_hf.demo_data.overlap import find_overlaps, normalise
 from eagle3_hf.demo_data.prompts import (
     DEV_PER_SOURCE,
     DEV_SOURCES,
@@ -16,7 +18,6 @@ from eagle3_hf.demo_data.prompts import (
     short_prompts,
     training_conversations,
 )
-from eagle3_hf.demo_data.overlap import find_overlaps, normalise
 
 DEMO_SIZES = {"tiny": 12, "small": 600, "large": 1200}  # examples/demo.sh
 

@@ -200,12 +200,16 @@ def test_a_refusal_inside_the_vllm_venv_is_one_line(fake_vllm_venv, tiny_verifie
     code = main(["evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier", str(tiny_verifier_dir),
                  "--num-prompts", "1", "--max-new-tokens", "4", "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1] == f"error: vLLM refused the drafter {drafter}: ModuleNotFoundError: No module named 'vllm'"
+    assert code == 1
+    assert err[-1] == f"error: vLLM refused the drafter {drafter}: ModuleNotFoundError: No module named 'vllm'"
 
 
-VLLM_VALIDATION_ERROR = """1 validation error for SpeculativeConfig
-  Value error, Eagle3 is only supported for ['llama', 'qwen'] models. Got self.target_model_config.hf_text_config.model_type='gpt2' [type=value_error, input_value=ArgsKwargs((), {...}), input_type=ArgsKwargs]
-    For further information visit https://errors.pydantic.dev/2.12/v/value_error"""
+VLLM_VALIDATION_ERROR = (  # vLLM's message, verbatim
+    "1 validation error for SpeculativeConfig\n"
+    "  Value error, Eagle3 is only supported for ['llama', 'qwen'] models. "
+    "Got self.target_model_config.hf_text_config.model_type='gpt2' "
+    "[type=value_error, input_value=ArgsKwargs((), {...}), input_type=ArgsKwargs]\n"
+    "    For further information visit https://errors.pydantic.dev/2.12/v/value_error")
 
 
 def test_one_line_of_vllm_exceptions():
@@ -257,4 +261,5 @@ def test_model_card_states_the_tau_measured_in_vllm(tmp_path):
         "transformers_acceptance_length": 1.4101, "gap": 0.0022}))
     card = str(build_model_card(path))
     assert "## Served by vLLM" in card and "In vLLM 0.32.0" in card and "τ = **1.41** from vLLM's own metrics" in card
-    assert "mt-bench (80 prompts x 64 tokens)" in card and "train/serve gap (vLLM − ours, final step counted alike) +0.002" in card
+    assert "mt-bench (80 prompts x 64 tokens)" in card
+    assert "train/serve gap (vLLM − ours, final step counted alike) +0.002" in card

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle3_hf.verifier.loading import load_verifier
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+from eagle3_hf.verifier.loading import load_verifier
+
 from experiments.drift import DriftRecipe, build_drifted_verifiers, measure_drift, weight_change
 
 RECIPE = DriftRecipe(lr=1e-2, warmup=1, seq_len=16, batch_size=2)

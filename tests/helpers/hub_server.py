@@ -62,7 +62,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- plumbing -----------------------------------------------------------------------------------
     @property
     def base(self) -> str:
-        return f"http://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
+        host, port = self.server.server_address[:2]
+        return f"http://{self.headers.get('Host') or f'{host}:{port}'}"
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -361,7 +362,7 @@ class HubServer:
         self.pid: int | None = None
         self._proc: subprocess.Popen | None = None
 
-    def start(self) -> "HubServer":
+    def start(self) -> HubServer:
         # as a module of the tests package (its storage is a sibling module), run from the repository root
         cmd = [sys.executable, "-m", "tests.helpers.hub_server", "--root", str(self.root.resolve()), "--port", "0"]
         cmd += [a for tok, spec in self.tokens.items() for a in ("--token", f"{tok}:{spec}")]
@@ -398,7 +399,7 @@ class HubServer:
             env["HF_TOKEN"] = token
         return env
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 
 def reply_for(messages: list[dict]) -> str:
@@ -88,7 +88,7 @@ class OpenAIStub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "OpenAIStub":
+    def __enter__(self) -> OpenAIStub:
         self.thread.start()
         return self
 

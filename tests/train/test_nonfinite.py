@@ -70,7 +70,8 @@ def test_non_finite_rows_with_valid_checksums_stop_train_naming_sample_and_shard
 def trainer_for(synthetic, tmp_path, **overrides) -> Eagle3Trainer:
     verifier = synthetic["verifier"]
     d2t, t2d, _ = load_vocab(synthetic["features"] / "vocab.safetensors", FINGERPRINT, SYN_VOCAB)
-    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=d2t.numel(), aux_hidden_state_indices=[1, 3, 4])
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=d2t.numel(),
+                                        aux_hidden_state_indices=[1, 3, 4])
     torch.manual_seed(0)
     model = Eagle3DraftModel(config)
     model.set_vocab_mapping(d2t, t2d)

@@ -33,7 +33,8 @@ def fresh_drafter(synthetic, seed: int = 0, aux=(1, 3, 4)) -> Eagle3DraftModel:
     torch.manual_seed(seed)
     verifier = synthetic["verifier"]
     d2t, t2d, _ = load_vocab(synthetic["features"] / "vocab.safetensors", FINGERPRINT, SYN_VOCAB)
-    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=d2t.numel(), aux_hidden_state_indices=list(aux))
+    config = Eagle3Config.from_verifier(verifier.config, draft_vocab_size=d2t.numel(),
+                                        aux_hidden_state_indices=list(aux))
     config._attn_implementation = "sdpa"
     model = Eagle3DraftModel(config)
     model.set_vocab_mapping(d2t, t2d)
