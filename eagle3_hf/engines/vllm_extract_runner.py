@@ -15,6 +15,8 @@ connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "pr
 runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
 runner waits before its next batch while more lie in storage), "tensor_parallel_size", "seed",
 "connector" ("auto", "cpu" or "stock")}.
+The request file's directory is this run's own (VllmExtraction's temporary directory): a runner whose reader
+has exited (killed) removes it, files included, and stops at its next batch.
 Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",
 "prompt_tokens"}, appended once the file is complete. Prefix caching is off (with it vLLM can save fewer
 rows than tokens) and chunked prefill too (one prefill per prompt). Result: {"vllm_version", "connector",
@@ -61,6 +63,10 @@ def read_prompts(path: str) -> Iterator[Any]:
                 yield json.loads(line)
 
 
+class ReaderGone(RuntimeError):
+    """The reader that started this runner has exited (killed): nobody takes the files or reads the result."""
+
+
 def reader_gone(storage: str, parent: int) -> bool:
     """True (and this runner's files removed) once the reader that started it has exited: killed, nobody
     will take or delete them, and the temporary directory must not fill the disk."""
@@ -79,7 +85,7 @@ def wait_for_room(storage: str, max_pending: int, parent: int) -> None:
     """Back-pressure: the reader deletes each file once a shard holds it; wait while too many lie here."""
     while True:
         if reader_gone(storage, parent):
-            raise RuntimeError("the reader process exited; stopped and removed the files it had not taken")
+            raise ReaderGone("the reader process exited; stopped and removed the files it had not taken")
         pending = sum(1 for name in os.listdir(storage) if name.endswith(".safetensors"))
         if pending <= max_pending:
             return
@@ -162,6 +168,8 @@ def run(request: dict) -> dict:
             batch = []
             if item is None:
                 break
+    if reader_gone(storage, parent):  # killed during the last batch: nobody reads the result either
+        raise ReaderGone("the reader process exited; removed the files it had not taken")
     return {"vllm_version": vllm.__version__, "connector": kv_config["kv_connector"], "samples": done,
             "load_seconds": load_seconds, "seconds": time.perf_counter() - t0}
 
@@ -174,6 +182,11 @@ def main(argv: list[str]) -> int:
         request = json.load(f)
     try:
         result, status = run(request), 0
+    except ReaderGone:  # its temporary directory (request, prompts, progress, log) would outlive it otherwise
+        import shutil
+
+        shutil.rmtree(os.path.dirname(os.path.abspath(argv[0])), ignore_errors=True)
+        return 3
     except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
         message = str(exc).strip().splitlines()
         result = {"error": {"type": type(exc).__name__, "message": message[0] if message else "",

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -271,3 +272,39 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     logs = [h for h in trained["log_history"] if "acc_0" in h]
     assert logs and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs if "loss" in h)
     assert logs[0]["acc_0"] < 0.1 and logs[-1]["acc_0"] > 0.5, [h["acc_0"] for h in logs]  # measured 0 -> 0.81
+
+
+@pytest.mark.slow
+def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path, tokenizer, fingerprint):
+    from tests.helpers.data import kill_after_shards
+
+    vllm_or_skip()
+    verifier = serveable_verifier()
+    vdir = tmp_path / "verifier"
+    verifier.save_pretrained(vdir)
+    tokenizer.save_pretrained(vdir)
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint)
+    reference, out = tmp_path / "f_transformers", tmp_path / "f_vllm"
+    extract_features(verifier, fingerprint, prepared, reference, samples_per_shard=2, verifier_name=str(vdir),
+                     progress=False)
+    command = [EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
+               "--output", str(out), "--samples-per-shard", "2", "--vllm-batch-size", "2", "--no-progress"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after_shards(proc, out / "manifest.r000.jsonl", shards=2, timeout=600)
+    assert not (out / "manifest.json").exists()
+    orphaned = [d for d in Path(tempfile.gettempdir()).glob("eagle3_vllm_extract_*") if (d / "request.json").is_file()
+                and json.loads((d / "request.json").read_text())["verifier"] == str(vdir)]
+    assert len(orphaned) == 1  # the killed reader's directory, its runner still running
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["resumed_past"] >= 4 and summary["total_samples"] == 12
+    assert summary["written_samples"] == 12 - summary["resumed_past"]
+    b = FeatureDataset(out, split="all")  # every shard's checksum verified
+    assert sorted(b.sample_ids) == sorted(FeatureDataset(reference, split="all").sample_ids)
+    assert len(set(b.sample_ids)) == 12
+    report = diff_features(reference, out)
+    assert report["samples_compared"] == 12 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
+    assert all(s["rel_err_max"] <= BF16_STEP + 1e-4 for s in report["layers"].values()), report["layers"]
+    assert not orphaned[0].exists()  # the orphaned runner removed its files and directory and stopped
