@@ -17,6 +17,7 @@ from eagle3_hf.demo_data.prompts import mtbench_questions
 from tests.helpers.drafters import STANDARD_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(1500)  # the tiny demo, run once for the module: 465 s measured (README, Development)
 
 
 @pytest.mark.slow

@@ -163,6 +163,7 @@ def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(
 # ---------------------------------------------------------------- ZeRO-3 training killed and resumed
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 385 s measured (README, Development)
 def test_sigkill_during_two_process_zero3_training_then_resume_matches_uninterrupted(synthetic, tmp_path):
     import json
     import os

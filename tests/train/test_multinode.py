@@ -35,6 +35,7 @@ def common_args(synthetic, out: Path, batch: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 118 s measured (README, Development)
 def test_two_machines_of_two_processes_train_like_one_process(synthetic, tmp_path):
     port, out = free_port(), tmp_path / "multinode"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

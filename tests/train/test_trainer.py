@@ -148,6 +148,7 @@ def test_accelerate_launch_two_cpu_processes(synthetic, tmp_path, mode, port):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 152 s measured (README, Development)
 def test_sigkill_and_resume_matches_uninterrupted_run(synthetic, tmp_path):
     args = ["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
             "--num-train-epochs", "4", "--validation-fraction", "0.2", "--save-strategy", "steps",
