@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("eagle3_hf.data.regenerate_features",
                    "rewrite assistant turns with the verifier (in-process or endpoint); --features-out: + features"),
     "extract": ("eagle3_hf.data.extract", "run the verifier and write hidden states to sharded safetensors"),
+    "serve-features": ("eagle3_hf.data.serve_features",
+                       "keep vLLM loaded and serve hidden states over HTTP to `train --online-endpoint URL`"),
     "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
     "diff-features": ("eagle3_hf.evaluation.feature_diff", "compare two extractions of the same samples"),
     "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),

@@ -281,3 +281,115 @@ class VllmExtraction:
             self._stop()
         finally:
             self._tmp.cleanup()
+
+
+# ---------------------------------------------------------------- the feature server: vLLM kept loaded
+
+FEATURE_SERVER = Path(__file__).resolve().parent / "vllm_feature_server.py"
+
+
+class VllmFeatureServer:
+    """vllm_feature_server.py in the vLLM venv, started and stopped as a context manager.
+
+    `request` is the server's (vllm_feature_server.py's docstring): the verifier, dtype, max_model_len,
+    layer_ids, aux_layer_indices, tokenizer_fingerprint, host, port (0: any free one), batch_size. Entering
+    waits until the server listens (model load included, at most `timeout` seconds) and sets `url` and
+    `identity`; a server that fails to start is a VllmError with one line. Leaving stops it (SIGTERM, then
+    SIGKILL of its process group after 30 s); its storage directory goes with it, and a server killed
+    outright leaves a directory the next start removes.
+    """
+
+    def __init__(self, request: dict[str, Any], threads: int = 1, debug: bool = False,
+                 timeout: float | None = None, log_file: str | Path | None = None):
+        self.request, self.threads, self.debug = dict(request), threads, debug
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.log_file = log_file
+        self.url = ""
+        self.identity: dict[str, Any] = {}
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> VllmFeatureServer:
+        import time
+
+        python = vllm_python()
+        self._tmp = tempfile.TemporaryDirectory(prefix="eagle3_feature_launch_")
+        tmp = Path(self._tmp.name)
+        ready, error = tmp / "ready.json", tmp / "error.json"
+        self._log = Path(self.log_file) if self.log_file else tmp / "server.log"
+        request = dict(self.request, ready_file=str(ready), error_file=str(error))
+        (tmp / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        offline = Path(str(request.get("verifier"))).exists()
+        env = vllm_environment(vllm_venv(), self.threads, offline, self.debug)
+        env["PYTHONPATH"] = str(FEATURE_SERVER.parent)  # vLLM imports our connector by module name
+        self._python = python
+        log = None if self.debug else open(self._log, "w", encoding="utf-8")
+        try:
+            self._proc = subprocess.Popen([str(python), str(FEATURE_SERVER), str(tmp / "request.json")], env=env,
+                                          stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                                          start_new_session=True)
+        finally:
+            if log is not None:
+                log.close()
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not ready.is_file():
+                status = self._proc.poll()
+                if status is not None:
+                    self._failed(error, status)
+                if time.monotonic() > deadline:
+                    raise VllmError(f"the feature server ({python}) was not listening within {self.timeout:.0f} s "
+                                    f"and was stopped ({TIMEOUT_ENV} sets the limit)", details=self._log_text())
+                time.sleep(0.1)
+        except BaseException:
+            self.__exit__()
+            raise
+        answer = json.loads(ready.read_text(encoding="utf-8"))
+        self.url, self.identity, self.storage = answer["url"], answer["identity"], answer["storage"]
+        return self
+
+    def _log_text(self) -> str:
+        return self._log.read_text(encoding="utf-8", errors="replace") if self._log.is_file() else ""
+
+    def _failed(self, error: Path, status: int) -> None:
+        log = self._log_text()
+        if error.is_file():
+            found = json.loads(error.read_text(encoding="utf-8"))["error"]
+            raise VllmError(f"vLLM refused the verifier {self.request.get('verifier')}: {one_line(found)}",
+                            details=log + "\n" + found.get("traceback", ""))
+        tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or [f"exit status {status}"]
+        raise VllmError(f"the feature server ({self._python}) ended before listening: {tail[0].strip()}",
+                        details=log)
+
+    def wait(self) -> int:
+        """Until the server exits (the CLI's foreground); its exit status."""
+        assert self._proc is not None, "use VllmFeatureServer as a context manager"
+        return self._proc.wait()
+
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM), without waiting: safe inside a signal handler."""
+        import signal
+
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        import signal
+
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            proc.send_signal(signal.SIGTERM)  # the server removes its storage directory
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self._tmp.cleanup()

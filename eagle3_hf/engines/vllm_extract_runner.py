@@ -114,18 +114,15 @@ def wait_written(llm: LLM, path: str, stock: bool, in_process: bool, timeout_s: 
         os.remove(lock)
 
 
-def run(request: dict) -> dict:
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def load_llm(request: dict, storage: str, layer_ids: list[int]) -> tuple[LLM, dict]:
+    """vLLM with extract_hidden_states at `layer_ids` and the hidden-states connector writing to `storage`
+    (prefill only: prefix caching and chunked prefill off). Also the feature server's engine
+    (vllm_feature_server.py). Returns (llm, kv_transfer_config)."""
+    from vllm import LLM
 
-    storage = request["storage"]
-    os.makedirs(storage, exist_ok=True)
-    layer_ids = [int(i) for i in request["layer_ids"]]
     if layer_ids != sorted(set(layer_ids)):
         raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
     kv_config = connector_config(storage, request.get("connector", "auto"))
-    start = time.perf_counter()
     llm = LLM(model=request["verifier"], revision=request.get("verifier_revision"),
               dtype=request.get("dtype", "auto"), enforce_eager=True, seed=int(request.get("seed", 0)),
               max_model_len=int(request["max_model_len"]), enable_prefix_caching=False,
@@ -134,10 +131,29 @@ def run(request: dict) -> dict:
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": layer_ids}}},
               kv_transfer_config=kv_config)
+    return llm, kv_config
+
+
+def prefill_params() -> Any:
+    """One greedy token, no detokenization: the prompt's prefill is what writes its states."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+
+def run(request: dict) -> dict:
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    storage = request["storage"]
+    os.makedirs(storage, exist_ok=True)
+    layer_ids = [int(i) for i in request["layer_ids"]]
+    start = time.perf_counter()
+    llm, kv_config = load_llm(request, storage, layer_ids)
     load_seconds = time.perf_counter() - start
     stock = kv_config["kv_connector"] == "ExampleHiddenStatesConnector"
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    params = prefill_params()
     parent = os.getppid()
     batch_size, max_pending = int(request.get("batch_size", 8)), int(request.get("max_pending", 32))
     done, t0 = 0, time.perf_counter()

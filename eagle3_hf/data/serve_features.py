@@ -1,0 +1,111 @@
+"""`eagle3-hf serve-features`: vLLM loaded once with extract_hidden_states, serving hidden states over HTTP.
+
+The server (engines/vllm_feature_server.py, in the vLLM venv) answers a trainer started with
+`--online-endpoint URL`: token ids in, the states vLLM's connector wrote out (the file deleted once read).
+It serves the layers `extract --engine vllm` captures (the aux indices + N) with the same engine settings,
+and tells who it is on GET /identity: hidden size, layer count, aux indices, and the tokenizer fingerprint
+computed here from the verifier's tokenizer, which a trainer compares with its prepared dataset's.
+
+    eagle3-hf serve-features --verifier V --port 8100          # prints: feature server: http://127.0.0.1:8100 ...
+    eagle3-hf serve-features --verifier V --host 0.0.0.0 --tensor-parallel-size 8   # for a trainer elsewhere
+
+It runs in the foreground until Ctrl-C or SIGTERM; its temporary files go with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..verifier.family import check_aux_indices, default_aux_indices
+from .vllm_extract import checkpoint_dtype, vllm_layer_ids
+
+
+def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
+                   dtype: str = "auto", max_model_len: int | None = None, host: str = "127.0.0.1", port: int = 0,
+                   tensor_parallel_size: int = 1, batch_size: int = 8, connector: str = "auto",
+                   fingerprint: str | None = None) -> dict[str, Any]:
+    """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
+    from transformers import AutoConfig
+
+    from ..verifier.family import text_config
+    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from .fingerprint import tokenizer_fingerprint
+
+    path = resolve_verifier(str(verifier))
+    config = text_config(AutoConfig.from_pretrained(path, revision=revision))
+    layers = int(config.num_hidden_layers)
+    indices = check_aux_indices(aux_indices or default_aux_indices(layers), layers)
+    if fingerprint is None:
+        fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
+    if dtype == "auto":
+        dtype = checkpoint_dtype(path)
+    return {"verifier": path, "name": str(verifier), "verifier_revision": revision, "dtype": dtype,
+            "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", 4096)),
+            "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
+            "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
+            "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector}
+
+
+def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
+                         log_file: str | Path | None = None, **kwargs: Any):  # -> VllmFeatureServer
+    """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens)."""
+    from ..engines.vllm_env import VllmFeatureServer, vllm_python
+
+    vllm_python()  # vLLM missing: one line, before anything loads
+    return VllmFeatureServer(server_request(verifier, **kwargs), threads=threads, debug=debug, timeout=timeout,
+                             log_file=log_file)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 for trainers on other machines; default loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port (default 0: any free port, printed)")
+    parser.add_argument("--aux-layers", default=None,
+                        help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
+    parser.add_argument("--torch-dtype", default="auto",
+                        help="vLLM's dtype (auto = the checkpoint's, as extract --engine vllm)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8, help="requests prefilled together at most")
+    parser.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds the model load may take (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
+    parser.add_argument("--log-file", default=None, help="vLLM's log (default: a temporary file)")
+
+
+def run(args: argparse.Namespace) -> int:
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
+    server = start_feature_server(args.verifier, threads=args.threads, debug=debug, timeout=args.timeout,
+                                  log_file=args.log_file, revision=args.revision, aux_indices=aux,
+                                  dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,
+                                  port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                                  batch_size=args.batch_size)
+    with server:
+        who = server.identity
+        print(f"feature server: {server.url} (verifier {who['verifier']}, hidden {who['hidden_size']}, "
+              f"{who['num_hidden_layers']} layers, vLLM ids {who['layer_ids']}); train with --online-endpoint "
+              f"{server.url}", flush=True)
+        print(json.dumps({"url": server.url, "identity": who}), flush=True)
+
+        def stop(*_: Any) -> None:
+            server.terminate()  # the server stops and cleans up; wait() below then returns
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            code = server.wait()
+        except KeyboardInterrupt:
+            server.stop()
+            code = 0
+    print("feature server stopped", file=sys.stderr)
+    return 0 if code in (0, -signal.SIGTERM) else code
