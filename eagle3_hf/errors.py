@@ -50,12 +50,22 @@ def run_reporting_user_errors(run: Callable[[list[str]], Any], argv: list[str], 
     try:
         result = run(argv)
     except USER_ERRORS as exc:
-        return _one_line(str(exc) or type(exc).__name__)
+        return _one_line(worker_message(str(exc)) or type(exc).__name__)
     except SystemExit as exc:
         if isinstance(exc.code, str):  # raise SystemExit("message"): a user error too
             return _one_line(exc.code)
         raise
     return result if isinstance(result, int) else 0
+
+
+def worker_message(message: str) -> str:
+    """A user error raised in a DataLoader worker comes back as 'Caught X in DataLoader worker process N.'
+    followed by the worker's traceback: its own message is the traceback's last line, after 'module.X: '."""
+    if not message.startswith("Caught ") or "\nOriginal Traceback" not in message:
+        return message
+    last = [ln for ln in message.splitlines() if ln.strip()][-1]
+    head, sep, rest = last.partition(": ")
+    return rest if sep and " " not in head else last
 
 
 def _one_line(message: str) -> int:

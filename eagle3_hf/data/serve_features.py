@@ -47,7 +47,7 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
     return {"verifier": path, "name": str(verifier), "verifier_revision": revision, "dtype": dtype,
-            "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", 4096)),
+            "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", None) or 4096),
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
             "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector}

@@ -76,6 +76,12 @@ def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer
         data = load_file(str(path))
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"{path}: not a readable hidden-states file for sample {sample_id!r}: {exc}") from None
+    return check_states(data, str(path), sample_id, input_ids, layer_ids, hidden)
+
+
+def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input_ids: torch.Tensor,
+                 layer_ids: list[int], hidden: int) -> torch.Tensor:
+    """read_states' checks on tensors already loaded (`path` names where they came from: a file, a server)."""
     for key in ("hidden_states", "token_ids"):
         if key not in data:
             raise ValueError(f"{path}: no {key!r} tensor (sample {sample_id!r}); found {sorted(data)}")

@@ -231,7 +231,7 @@ def serve(request: dict) -> None:
         httpd = ThreadingHTTPServer((request.get("host", "127.0.0.1"), int(request.get("port", 0))), handler)
         httpd.daemon_threads = True
         host, port = httpd.server_address[:2]
-        url = f"http://{host}:{port}"
+        url = f"http://{host if isinstance(host, str) else host.decode()}:{port}"
         ready = request.get("ready_file")
         if ready:
             with open(ready + ".tmp", "w", encoding="utf-8") as f:

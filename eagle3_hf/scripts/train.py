@@ -15,6 +15,8 @@ file only calls this one). The same script runs in every setting; only the launc
     accelerate launch examples/train.py --data-dir feats/ --finetune-from org/some-eagle3 --output-dir runs/ft
     # no features on disk: the verifier runs in the training process
     accelerate launch examples/train.py --online --prepared-dir prepared/ --output-dir runs/online
+    # no features on disk: a vLLM feature server (`eagle3-hf serve-features`, another machine if need be)
+    accelerate launch examples/train.py --online-endpoint http://HOST:PORT --prepared-dir prepared/ --output-dir runs/o
 
 Arguments are transformers' TrainingArguments plus TTT (`--ttt-steps`, `--ttt-step-weight`) and the model
 and data arguments of `eagle3_hf.train.setup`; `--config FILE.yaml` gives defaults that the command line
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, set_seed
 
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.train.arguments import parse_args
+from eagle3_hf.train.endpoint import DEFAULT_WORKERS, build_endpoint_datasets
 from eagle3_hf.train.setup import (
     build_datasets,
     build_drafter,
@@ -42,6 +46,11 @@ from eagle3_hf.train.setup import (
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
 from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
+
+if TYPE_CHECKING:
+    from eagle3_hf.data.dataset import PackedCollator
+    from eagle3_hf.data.online import OnlineFeatureCollator
+    from eagle3_hf.data.online_endpoint import EndpointFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -56,7 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), read from the feature shards (or computed by the verifier with --online); the draft vocabulary.
-    train, evals, collator, info = build_datasets(data_args, model_args)
+    collator: PackedCollator | OnlineFeatureCollator | EndpointFeatureCollator
+    if data_args.online_endpoint:  # a feature server (`eagle3-hf serve-features`) computes them on demand
+        train, evals, collator, info = build_endpoint_datasets(data_args, model_args, verifier_config)
+        if args.dataloader_num_workers == 0:  # workers keep the next batches' requests in flight
+            args.dataloader_num_workers = DEFAULT_WORKERS
+    else:
+        train, evals, collator, info = build_datasets(data_args, model_args)
     check_features_fit(info, verifier_config, data_args, model_args)
     d2t, t2d = load_vocabulary(data_args, info, verifier_config)
 
@@ -93,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         trainer, final, verifier=model_args.verifier, init=init,
         data={"name": info["source_dir"], "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
               "num_train_rows": len(train), "packing": train.stats},
-        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online},
+        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online,
+                "online_endpoint": data_args.online_endpoint},
     )
     summary["log_history"] = trainer.state.log_history
     if trainer.is_world_process_zero():

@@ -72,6 +72,16 @@ class DataArguments:
     data_dir: str | None = field(default=None, metadata={"help": "features directory from `eagle3-hf extract`"})
     prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for --online"})
     online: bool = field(default=False, metadata={"help": "verifier in the training process, nothing on disk"})
+    online_endpoint: str | None = field(
+        default=None, metadata={"help": "URL of a feature server (`eagle3-hf serve-features`): each batch's hidden "
+                                        "states computed by vLLM on demand, used once, nothing stored; with "
+                                        "--prepared-dir"})
+    feature_dtype: str | None = field(
+        default=None, metadata={"help": "with --online-endpoint: features rounded as a shard of this dtype stores "
+                                        "them (bf16, fp8, fp32; default bf16, as `extract`)"})
+    online_timeout: float = field(default=600.0, metadata={"help": "seconds one feature request may take"})
+    online_retries: int = field(default=3, metadata={"help": "retries of a feature request that timed out or "
+                                                              "found the server down, before the run stops"})
     vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the data dir)"})
     max_seq_len: int = field(default=2048)
     packing: bool = field(default=True)

@@ -1,0 +1,190 @@
+"""Online training from a live feature server: each batch's hidden states computed by vLLM on demand.
+
+`eagle3-hf serve-features --verifier V` keeps vLLM loaded with extract_hidden_states (its own venv, its own
+machine if need be); a trainer started with `--online-endpoint URL` reads the prepared dataset and its
+packing plan as `--online` does, and `EndpointFeatureCollator` sends every document of a row to the server
+(the whole sample's token ids, as `extract --engine vllm` prefilled it), turns the states that come back
+into exactly the batch offline mode builds, and keeps nothing: the server deletes each file once it has
+read it, the bytes travel once, the batch is built and they are dropped.
+
+"Exactly": the mapping is extract --engine vllm's own (vllm_extract.check_states, features_from_states: aux
+states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
+soft-cap for verifier_greedy), on the whole sample, sliced to the piece, then rounded as a shard of
+`storage_dtype` stores it (shards.quantize/dequantize). With the same rounding as the offline shards, the
+batch is bit-equal to the offline one when vLLM returns the same states for the same sample.
+
+Faults: the server unreachable, or one serving another verifier (hidden size, layer count, tokenizer
+fingerprint), is refused before the first step, one line; a request that times out or finds the server
+down (restarting) is retried `retries` times with a growing pause, the server's identity checked again
+once it answers, then one line naming the sample; non-finite states are refused like offline ones.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import Eagle3Error
+from .dataset import PackedCollator
+from .shards import canonical_dtype, dequantize, quantize
+from .vllm_extract import check_states, features_from_states
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .online import PreparedDataset
+
+# what must match between the server and the training run
+IDENTITY_KEYS = ("hidden_size", "num_hidden_layers", "tokenizer_fingerprint")
+
+
+class FeatureServerError(Eagle3Error):
+    """The feature server unreachable, serving another verifier, or failing a sample after the retries."""
+
+
+class FeatureClient:
+    """HTTP client of one feature server (vllm_feature_server.py): identity, and one sample's states."""
+
+    def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
+        self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise FeatureServerError(f"--online-endpoint {url!r}: an http:// URL, as `eagle3-hf serve-features` "
+                                     "prints it")
+        self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
+        self.expected: dict[str, Any] | None = None  # the identity checked at start
+        self.requests = 0
+        self.wait_s = 0.0  # seconds spent in requests (this process)
+
+    def _get(self, path: str, timeout: float) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as answer:
+            return json.loads(answer.read())
+
+    def identity(self, timeout: float = 10.0) -> dict[str, Any]:
+        """GET /identity; FeatureServerError (one line) when nothing answers there."""
+        try:
+            return self._get("/identity", timeout)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise FeatureServerError(f"feature server {self.url} unreachable ({reason}): start it with "
+                                     "`eagle3-hf serve-features --verifier V` and pass the URL it prints") from None
+
+    def check(self, expected: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
+        """The server's identity, refused (one line) where it differs from `expected` (IDENTITY_KEYS)."""
+        found = self.identity()
+        differ = [k for k in IDENTITY_KEYS if k in expected and found.get(k) != expected[k]]
+        if differ:
+            names = names or {}
+            what = "; ".join(f"{k} {found.get(k)!r} (training: {expected[k]!r}{names.get(k, '')})" for k in differ)
+            raise FeatureServerError(f"feature server {self.url} serves verifier {found.get('verifier')!r} with "
+                                     f"{what}: start it with the verifier you train for")
+        self.expected = {k: found.get(k) for k in IDENTITY_KEYS}
+        return found
+
+    def states(self, ids: list[int], sample_id: str) -> dict[str, torch.Tensor]:
+        """POST /features for one sample: {hidden_states, token_ids}; retried on timeouts and a server that is
+        down (restarting), then FeatureServerError naming the sample. A request the server refuses (400) is
+        not retried."""
+        from safetensors.torch import load as load_safetensors
+
+        body = json.dumps({"ids": ids}).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(30.0, self.backoff_s * 2 ** (attempt - 1)))
+            start = time.perf_counter()
+            try:
+                request = urllib.request.Request(self.url + "/features", data=body, method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=self.timeout) as answer:
+                    data = answer.read()
+                self.requests += 1
+                return load_safetensors(data)
+            except urllib.error.HTTPError as exc:
+                try:
+                    last = json.loads(exc.read()).get("error") or f"HTTP {exc.code}"
+                except ValueError:
+                    last = f"HTTP {exc.code}"
+                if 400 <= exc.code < 500:
+                    break
+            except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+                reason = getattr(exc, "reason", None) or exc
+                last = "timed out" if isinstance(reason, (socket.timeout, TimeoutError)) else str(reason)
+                self._recheck()
+            finally:
+                self.wait_s += time.perf_counter() - start
+        tries = "once" if attempt == 0 else f"{attempt + 1} times"
+        limit = f"; --online-timeout {self.timeout:g} s" if last == "timed out" else ""
+        raise FeatureServerError(f"feature server {self.url}: sample {sample_id!r} failed {tries} ({last}{limit})")
+
+    def _recheck(self) -> None:
+        """After a connection failure: a server that came back must still serve the same verifier."""
+        if self.expected is None:
+            return
+        try:
+            found = self.identity(timeout=5.0)
+        except FeatureServerError:
+            return  # still down: the next attempt finds out
+        differ = [k for k in IDENTITY_KEYS if found.get(k) != self.expected.get(k)]
+        if differ:
+            raise FeatureServerError(f"feature server {self.url} came back serving another verifier "
+                                     f"({', '.join(f'{k} {found.get(k)!r}' for k in differ)})")
+
+
+class EndpointFeatureCollator:
+    """Rows of a PackedDataset over a PreparedDataset -> offline's batch, the states fetched from a feature server.
+
+    Each distinct sample of a batch is one request (sent together, `max_in_flight` at a time, so the server
+    batches them); DataLoader workers keep the next batches' requests in flight while the step runs.
+    """
+
+    def __init__(self, client: FeatureClient, prepared: PreparedDataset, norm: nn.Module, head: nn.Module,
+                 softcap: float | None, aux_indices: Sequence[int], layer_ids: Sequence[int], hidden: int,
+                 max_seq_len: int | None = None, storage_dtype: str | None = "bfloat16", pad_token_id: int = 0,
+                 max_in_flight: int = 8):
+        self.client, self.prepared = client, prepared
+        self.norm, self.head, self.softcap = norm, head, softcap
+        self.aux_indices, self.layer_ids, self.hidden = list(aux_indices), list(layer_ids), int(hidden)
+        self.storage_dtype = canonical_dtype(storage_dtype) if storage_dtype else None
+        self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+        self.max_in_flight = max(1, int(max_in_flight))
+        self._position = {sid: i for i, sid in enumerate(prepared.sample_ids)}
+
+    def _round(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.storage_dtype is None:
+            return x.float()
+        return dequantize(*quantize(x, rows, self.storage_dtype))
+
+    def sample_features(self, sample_id: str) -> dict[str, torch.Tensor]:
+        """One whole sample's features (float32, unrounded), fetched and mapped as extract --engine vllm does."""
+        input_ids = self.prepared[self._position[sample_id]]["input_ids"].long()
+        data = self.client.states(input_ids.tolist(), sample_id)
+        states = check_states(data, f"feature server {self.client.url}", sample_id, input_ids, self.layer_ids,
+                              self.hidden)
+        return features_from_states(states, self.aux_indices, self.layer_ids, self.norm, self.head, self.softcap)
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        wanted = list(dict.fromkeys(sid for row in rows for sid, _s, _e in row["pieces"]))
+        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(wanted)) or 1,
+                                thread_name_prefix="eagle3-features") as pool:
+            fetched = dict(zip(wanted, pool.map(self.sample_features, wanted)))
+        full = []
+        for row in rows:
+            aux, last, greedy = [], [], []
+            for sid, start, end in row["pieces"]:
+                f = fetched[sid]
+                aux.append(self._round(f["aux_hidden_states"][start:end], len(self.aux_indices)))
+                last.append(self._round(f["last_hidden_state"][start:end], 1))
+                greedy.append(f["verifier_greedy"][start:end].long())
+            out = {k: v for k, v in row.items() if k != "prefix_input_ids"}
+            out.update(aux_hidden_states=torch.cat(aux), last_hidden_state=torch.cat(last),
+                       verifier_greedy=torch.cat(greedy))
+            full.append(out)
+        return self.collate(full)
