@@ -15,6 +15,7 @@ The aux-layer convention lives in exactly one place, `engine_aux_layer_ids`, bec
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def default_aux_indices(num_layers: int) -> list[int]:
     return [1, num_layers // 2, num_layers - 1]
 
 
-def check_aux_indices(aux_indices, num_layers: int) -> list[int]:
+def check_aux_indices(aux_indices: Iterable[int], num_layers: int) -> list[int]:
     """Three distinct indices in 1..N-1 (0 is the embedding; N is post-norm and no engine can capture it)."""
     indices = [int(i) for i in aux_indices]
     if len(indices) != 3:
