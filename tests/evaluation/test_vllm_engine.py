@@ -1,8 +1,8 @@
 """vLLM's CPU build serves our drafters: `eagle3-hf evaluate --engine vllm`, its one-line errors, and (slow) a
 trained drafter served by vLLM, token-identical to plain vLLM and accepting what our own decoder accepts.
 
-The slow test needs `make vllm` (the `make test` target installs it, cached outside the clone); without it
-the test fails, unless EAGLE3_HF_SKIP_VLLM=1 is set (locally only, never in CI).
+The slow tests need `make vllm` (the `make test` target installs it, cached outside the clone); without it
+they fail, unless EAGLE3_HF_SKIP_VLLM=1 is set (locally only, never in CI): tests/helpers/vllm.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.cli import main
-from eagle3_hf.engines.vllm_env import STAMP, one_line, vllm_venv
+from eagle3_hf.engines.vllm_env import STAMP, one_line
 from eagle3_hf.evaluation.vllm_engine import compare_engines, cut_final_step
+
+from tests.helpers.vllm import vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
@@ -85,14 +87,6 @@ def served_pair(tmp_path_factory, tokenizer):
     return root / "verifier", root / "drafter"
 
 
-def vllm_or_fail() -> None:
-    """The slow test runs where `make test` installed vLLM; a missing install fails it, loudly."""
-    if os.environ.get("EAGLE3_HF_SKIP_VLLM", "").strip() not in ("", "0"):
-        pytest.skip("EAGLE3_HF_SKIP_VLLM is set")
-    if not (vllm_venv() / STAMP).is_file():
-        pytest.fail(f"vLLM is not installed in {vllm_venv()}: run `make vllm` (or set EAGLE3_HF_SKIP_VLLM=1 locally)")
-
-
 def evaluate_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     return subprocess.run([EAGLE3_HF, "evaluate", *args, "--no-progress"], cwd=ROOT, env=env, capture_output=True,
@@ -133,7 +127,6 @@ def test_vllm_serves_a_trained_drafter_like_our_decoder(served_pair, tmp_path):
     assert served["prompts_equal"] + served["prompts_numerics"] == served["num_compared"] == 4
     assert served["prompts_differ"] == 0 and served["prompts_numerics"] <= 1
     assert abs(served["gap"]) <= TAU_TOLERANCE, served["gap"]
-    assert served["transformers_acceptance_length"] == ours["acceptance_length"]
 
 
 # ---------------------------------------------------------------- fast: the final-step accounting and the errors
@@ -249,18 +242,35 @@ def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_pa
     assert list((tmp_path / "hf" / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))
 
 
-def test_model_card_states_the_tau_measured_in_vllm(tmp_path):
+def test_model_card_states_the_tau_measured_in_vllm(fake_vllm_venv, tiny_verifier_dir, tmp_path, monkeypatch):
+    """`evaluate --engine vllm --write-to-drafter`, vLLM's runner replaced by its answer for one prompt, then the
+    card built from the drafter directory: it states vLLM's τ and the gap, worked out here from the counts."""
+    from eagle3_hf.evaluation import vllm_engine
     from eagle3_hf.publish.model_card import build_model_card
 
-    from tests.helpers.drafters import write_drafter
+    from tests.helpers.drafters import random_drafter
+    from tests.helpers.verifiers import make_tiny_verifier
 
-    path = write_drafter(tmp_path / "drafter")
-    assert "Served by vLLM" not in str(build_model_card(path))
-    (path / "eagle3_evaluation_vllm.json").write_text(json.dumps({
-        "engine": "vllm", "vllm_version": "0.32.0", "k": 3, "temperature": 0.0, "prompts": "mt-bench",
-        "num_prompts": 80, "max_new_tokens": 64, "acceptance_length": 1.4123, "speedup": 0.93, "lossless": True,
-        "transformers_acceptance_length": 1.4101, "gap": 0.0022}))
-    card = str(build_model_card(path))
-    assert "## Served by vLLM" in card and "In vLLM 0.32.0" in card and "τ = **1.41** from vLLM's own metrics" in card
-    assert "mt-bench (80 prompts x 64 tokens)" in card
-    assert "train/serve gap (vLLM − ours, final step counted alike) +0.002" in card
+    drafter = tmp_path / "drafter"
+    random_drafter(make_tiny_verifier(), draft_vocab_size=256).save_pretrained(drafter)
+    assert "Served by vLLM" not in str(build_model_card(drafter))
+    tokens = list(range(5, 13))  # 8 new tokens, the same with and without the drafter (greedy)
+    # three verify steps accepting 3, 0 and 2 of 3 drafts: τ = 1 + 5/3; the last step's 2 accepted drafts and
+    # bonus token pass max tokens after 1 of them, so counted as evaluate counts: 1 + (3 + 0 + 1)/3
+    runner = {"vllm_version": "0.32.0",
+              "plain": {"outputs": [tokens], "seconds": [2.0], "margins": [[1.0] * 8]},
+              "spec": {"outputs": [tokens], "seconds": [1.0], "margins": [[1.0] * 8],
+                       "spec": [{"drafts": 3, "accepted": 5, "accepted_per_pos": [2, 2, 1],
+                                 "per_step_accepted": [3, 0, 2]}]}}
+    monkeypatch.setattr(vllm_engine, "run_vllm", lambda request, **_: runner)
+    out = tmp_path / "eval"
+    assert main(["evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier", str(tiny_verifier_dir),
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--k", "3", "--output", str(out),
+                 "--write-to-drafter", "--no-progress"]) == 0
+    ours = json.loads((out / "eagle3_evaluation.json").read_text())["acceptance_length"]
+    card = str(build_model_card(drafter))
+    assert "## Served by vLLM" in card and "In vLLM 0.32.0" in card and "num_speculative_tokens = 3" in card
+    assert "τ = **2.67** from vLLM's own metrics, speedup 2.00× over plain vLLM" in card
+    assert "mt-bench (1 prompts x 8 tokens)" in card and "token-identical to plain vLLM: yes" in card
+    assert f"eagle3_hf's own decoder on the same prompts: τ = {ours:.2f}" in card
+    assert f"train/serve gap (vLLM − ours, final step counted alike) {1 + 4 / 3 - ours:+.3f}" in card

@@ -9,6 +9,9 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+import torch
+
 from eagle3_hf.cli import main as cli
 from eagle3_hf.demo_data.prompts import chitchat_conversations
 
@@ -23,8 +26,30 @@ def _steps_per_epoch(features: Path, validation_fraction: float, max_seq_len: in
     return math.ceil(rows / batch)
 
 
+@torch.no_grad()
+def _drift(original: str, drifted: str, prepared: Path, samples: int) -> dict:
+    """Independently of experiments.drift: per token of the first `samples` prepared samples, how often the two
+    verifiers' greedy tokens agree and KL(original || drifted)."""
+    import torch.nn.functional as F
+
+    from eagle3_hf.data.prepared_format import load_prepared
+    from eagle3_hf.verifier.loading import load_verifier
+
+    a, b = load_verifier(original), load_verifier(drifted)
+    agree = tokens = 0
+    kl = 0.0
+    for ids in load_prepared(prepared)[0]["input_ids"][:samples]:
+        ids = torch.tensor(ids)[None]
+        p, q = a(ids).logits[0].float().log_softmax(-1), b(ids).logits[0].float().log_softmax(-1)
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        kl += float(F.kl_div(q, p, log_target=True, reduction="sum"))
+        tokens += ids.shape[1]
+    return {"tokens": tokens, "greedy_agreement": agree / tokens, "kl": kl / tokens}
+
+
 def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_verifier_dir, monkeypatch):
     monkeypatch.setenv("EAGLE3_HF_CACHE", str(tmp_path / "cache"))  # the drifted tiny verifier goes here
+    import experiments.compare_finetune_vs_scratch as compare_module
     from experiments.compare_finetune_vs_scratch import main as compare
     from experiments.compare_report import threshold
 
@@ -40,15 +65,30 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
                 str(tmp_path / "feats" / "vocab.safetensors")]) == 0
 
     out = tmp_path / "cmp"
-    results = compare(["--data-dir", str(tmp_path / "feats"), "--prepared-dir", str(tmp_path / "prep"),
-                       "--conversations", str(convs), "--build-sources", "--source-prompts", "10",
-                       "--source-tokens", "4", "--drift-steps", "1", "--drift-held-out", "2",
-                       "--other-vocab-size", "128", "--verifier", verifier, "--output-dir", str(out), "--epochs", "1",
-                       "--long-epochs", "2", "--source-epochs", "1", "--max-seq-len", "64",
-                       "--validation-fraction", "0.25", "--eval-steps", "2", "--eval-prompts", "1",
-                       "--eval-tokens", "4", "--seed", "3"])
+    args = ["--data-dir", str(tmp_path / "feats"), "--prepared-dir", str(tmp_path / "prep"),
+            "--conversations", str(convs), "--build-sources", "--source-prompts", "10",
+            "--source-tokens", "4", "--drift-steps", "1", "--drift-held-out", "2",
+            "--other-vocab-size", "128", "--verifier", verifier, "--output-dir", str(out), "--epochs", "1",
+            "--long-epochs", "2", "--source-epochs", "1", "--max-seq-len", "64",
+            "--validation-fraction", "0.25", "--eval-steps", "2", "--eval-prompts", "1",
+            "--eval-tokens", "4", "--seed", "3"]
+    # --only splits the work; a final invocation without it reuses what is done (docs/finetune_vs_scratch.md)
+    assert list(compare([*args, "--only", "scratch", "finetune:disjoint"])) == ["scratch", "finetune:disjoint"]
+    trained: list[str] = []
+    real_train = compare_module.train
+    monkeypatch.setattr(compare_module, "train",
+                        lambda argv: trained.append(argv[argv.index("--output-dir") + 1]) or real_train(argv))
+    results = compare(args)
     short = ["scratch", "finetune:disjoint", "finetune:disjoint-drift-s1", "finetune:disjoint-drift-s1-vocab128"]
     assert list(results) == short + [f"{run}@long" for run in short]
+    done_before = {str(out / name) for name in ("scratch", "finetune_disjoint", "source_disjoint")}
+    assert not done_before & set(trained) and str(out / "scratch_long") in trained, trained
+
+    def must_not_train(argv):
+        raise AssertionError(f"a finished run was trained again: {argv}")
+
+    monkeypatch.setattr(compare_module, "train", must_not_train)
+    assert compare(args) == results  # every run and source reused, with its results
     assert json.loads((out / "report.json").read_text()) == results
 
     # the comparison budget: read from each run, equal within a budget, and what the data implies
@@ -79,7 +119,10 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
                                .read_text())
     assert source_config["draft_vocab_size"] == 128
     drift = results["finetune:disjoint-drift-s1"]["verifier_drift"]
-    assert 0 <= drift["greedy_agreement"] <= 1 and drift["kl"] > 0
+    expected = _drift(verifier, drift["dir"], tmp_path / "prep", 2)  # --drift-held-out 2
+    assert drift["tokens"] == expected["tokens"] and expected["kl"] > 0
+    assert drift["greedy_agreement"] == pytest.approx(expected["greedy_agreement"], abs=1e-9)
+    assert drift["kl"] == pytest.approx(expected["kl"], rel=1e-4)
 
     report = (out / "report.md").read_text()
     for run in results:

@@ -33,12 +33,23 @@ def test_help_lists_every_argument_and_exits_0(command):
     assert not missing, f"--help does not list {missing}"
 
 
-def test_the_cli_and_the_example_run_the_packaged_script():
-    from eagle3_hf.cli import COMMANDS
+def test_the_cli_and_the_example_run_the_packaged_script(monkeypatch):
+    """`eagle3-hf train ARGS` and `examples/train.py ARGS` (what `accelerate launch` runs) both hand ARGS, as given,
+    to the packaged script's main; `train` keeps TrainingArguments' own `--debug`, which the CLI takes elsewhere."""
+    import runpy
+
+    from eagle3_hf import cli
     from eagle3_hf.scripts import train
 
-    assert COMMANDS["train"][0] == "eagle3_hf.scripts.train" and hasattr(train, "main_argv")
-    assert "from eagle3_hf.scripts.train import run_script" in (ROOT / "examples" / "train.py").read_text()
+    seen: list[list[str]] = []
+    monkeypatch.setattr(train, "main", lambda argv=None: seen.append(list(argv)) or {})
+    args = ["--data-dir", "feats", "--output-dir", "out", "--debug", "underflow_overflow", "--max-steps", "1"]
+    assert cli.main(["train", *args]) == 0
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / "train.py"), *args])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(ROOT / "examples" / "train.py"), run_name="__main__")
+    assert done.value.code == 0
+    assert seen == [args, args]
 
 
 def _wheel_venv(where: Path) -> Path:
