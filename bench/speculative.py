@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.verifier.loading import DEFAULT_VERIFIER, load_tokenizer, load_verifier
+from eagle3_hf.decoding import acceptance_stats, greedy_generate, speculative_decode
 from eagle3_hf.evaluation.evaluate import evaluate_drafter, format_summary, load_prompts, render_prompt
-from eagle3_hf.decoding.chain import acceptance_stats, greedy_generate, speculative_generate
+from eagle3_hf.verifier.loading import DEFAULT_VERIFIER, load_tokenizer, load_verifier
 
 
 def random_drafter(verifier, draft_vocab_size: int = 32000, seed: int = 0) -> Eagle3DraftModel:
@@ -43,7 +44,8 @@ class OracleDrafter:
     def __init__(self, reference: list[int], verifier, hit_rate: float, seed: int = 0):
         self.reference, self.vocab_size = reference, verifier.config.vocab_size
         self.config = type("Config", (), {"aux_hidden_state_indices": [1, 2, 3]})()
-        self.wrong = (torch.rand(len(reference) + 64, generator=torch.Generator().manual_seed(seed)) > hit_rate).tolist()
+        draws = torch.rand(len(reference) + 64, generator=torch.Generator().manual_seed(seed))
+        self.wrong = (draws > hit_rate).tolist()
 
     def draft_to_target(self, ids):
         return ids
@@ -64,27 +66,30 @@ def oracle_bench(verifier, tokenizer, prompts, k: int, max_new_tokens: int, hit_
         if i == 0:  # untimed warm-up
             greedy_generate(verifier, ids, 2)
         base = greedy_generate(verifier, ids, max_new_tokens)
-        spec = speculative_generate(verifier, OracleDrafter(ids + base["tokens"], verifier, hit_rate, seed=i), ids,
-                                    k=k, max_new_tokens=max_new_tokens)
-        accepted += spec["accepted_per_step"]
-        drafted += spec["drafted_per_step"]
-        base_s, spec_s = base_s + base["seconds"], spec_s + spec["seconds"]
-        lossless &= spec["tokens"] == base["tokens"]
+        spec = speculative_decode(verifier, OracleDrafter(ids + base.tokens, verifier, hit_rate, seed=i), ids,
+                                  steps=k, max_new_tokens=max_new_tokens)
+        accepted += spec.accepted_per_step
+        drafted += spec.drafted_per_step
+        base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
+        lossless &= spec.tokens == base.tokens
     stats = acceptance_stats(accepted, drafted, k)
     per_pos = ", ".join("-" if a is None else f"{a:.3f}" for a in stats["per_position_acceptance"])
     print(f"oracle drafter (hit rate {hit_rate}): tau {stats['acceptance_length']:.3f} | per-position [{per_pos}] | "
           f"speedup {base_s / spec_s:.2f}x (plain {base_s:.1f} s, speculative {spec_s:.1f} s) | lossless {lossless}")
 
 
-def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, reps: int = 15) -> None:
+def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, reps: int = 15,
+                write_costs: str | None = None) -> None:
     """Median cost of each piece of one speculative cycle at a real context, interleaved so that load drifts
     hit all alike: the plain one-token forward t1, the verify forward over k + 1 tokens (with the aux states),
     a drafting step and the drafter's update after a verify (2 accepted tokens), for a random drafter of the
     given draft vocabulary. Predicted speedup S(tau) = tau t1 / (t_verify + (k - 1) t_draft + t_update), the
     other per-cycle work (argmax, crop, margins) being measured as negligible. One thread: CPU seconds, which
-    other processes on a shared machine do not inflate; more threads: wall seconds."""
+    other processes on a shared machine do not inflate; more threads: wall seconds. `write_costs` writes the
+    table `evaluate --sweep --verify-costs FILE` predicts each configuration's speedup from (costs relative to t1:
+    verify by tokens read, draft by nodes fed, update)."""
+    from eagle3_hf.decoding.core import crop, new_cache, verifier_forward
     from eagle3_hf.verifier.cpu_linear import prepacked_linears
-    from eagle3_hf.decoding.chain import _crop, _new_cache, _verifier_forward
 
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     drafter = random_drafter(verifier, draft_vocab_size).to(verifier.device)
@@ -93,21 +98,21 @@ def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, rep
     n = ids.shape[1]
     times: dict[str, list[float]] = {"t1": [], "verify": [], "draft": [], "update": []}
     with torch.inference_mode(), prepacked_linears(verifier, drafter):
-        cache = _new_cache(verifier)
-        _, aux = _verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
+        cache = new_cache(verifier)
+        _, aux = verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
         _, hidden, d_cache = drafter.draft_step(ids, aux, torch.arange(n)[None], logits_to_keep=1)
         tok = ids[:, -1:]
         for rep in range(reps + 2):
             start = clock()
-            _verifier_forward(verifier, tok, cache, None, last_only=True)
+            verifier_forward(verifier, tok, cache, None, last_only=True)
             t1 = clock()
-            _verifier_forward(verifier, tok.repeat(1, k + 1), cache, aux_indices)
+            verifier_forward(verifier, tok.repeat(1, k + 1), cache, aux_indices)
             verify = clock()
             drafter.draft_step(tok, hidden[:, -1:], torch.tensor([[n]]), d_cache)
             draft = clock()
             drafter.draft_step(tok.repeat(1, 2), aux[:, -2:], torch.tensor([[n, n + 1]]), d_cache, logits_to_keep=1)
             update = clock()
-            _crop(cache, n)
+            crop(cache, n)
             if rep >= 2:  # two warm-ups
                 for key, (a, b) in zip(times, ((start, t1), (t1, verify), (verify, draft), (draft, update))):
                     times[key].append(b - a)
@@ -116,42 +121,57 @@ def cycle_costs(verifier, tokenizer, prompts, k: int, draft_vocab_size: int, rep
     print(f"per-cycle costs at context {n}, k={k}, draft vocabulary {draft_vocab_size} ({clock.__name__}): "
           + ", ".join(f"{key} {1e3 * value:.1f} ms" for key, value in med.items())
           + f" | verify/t1 {med['verify'] / med['t1']:.2f}, cycle/t1 {cycle / med['t1']:.2f}")
-    print("predicted speedup: " + ", ".join(f"tau {tau}: {tau * med['t1'] / cycle:.2f}x" for tau in (1.2, 1.5, 2.0, 2.5, 3.0))
-          + f" | break-even tau {cycle / med['t1']:.2f}")
-    tree_costs(verifier, drafter, ids, clock, reps)
+    predicted = ", ".join(f"tau {tau}: {tau * med['t1'] / cycle:.2f}x" for tau in (1.2, 1.5, 2.0, 2.5, 3.0))
+    print(f"predicted speedup: {predicted} | break-even tau {cycle / med['t1']:.2f}")
+    tree = tree_costs(verifier, drafter, ids, clock, reps)
+    if write_costs:
+        verify = {k + 1: med["verify"] / med["t1"], **{n: c for n, c in tree["verify"].items()}}
+        table = {"device": _device_name(verifier), "clock": clock.__name__, "context": n, "t1_seconds": med["t1"],
+                 "verify": verify, "draft": {1: med["draft"] / med["t1"], **tree["draft"]},
+                 "update": med["update"] / med["t1"]}
+        Path(write_costs).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {write_costs}")
 
 
-def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), widths=(2, 4, 8)) -> None:
+def _device_name(verifier) -> str:
+    """The GPU's name, or the CPU's with its widest vector extension (what the verify cost depends on)."""
+    if verifier.device.type == "cuda":
+        return torch.cuda.get_device_name(verifier.device)
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return f"cpu ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'})"
+
+
+def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), widths=(2, 4, 8)) -> dict:
     """The tree's pieces at the same context (tree.py, SGLang's --speculative-eagle-topk > 1): the verify
     forward over N tree tokens with the tree mask and the aux states, and one drafting step over K nodes with the
     drafter's tree mask; each relative to the one-token forward t1, interleaved like the chain's pieces.
     Predicted speedup of (S, K, N) at tau: tau t1 / (verify_N + (S - 1) draft_K + update)."""
+    from eagle3_hf.decoding.core import crop, make_rollbackable, new_cache, verifier_forward
+    from eagle3_hf.decoding.tree import cost_tree, tree_attention_mask
     from eagle3_hf.verifier.cpu_linear import prepacked_linears
-    from eagle3_hf.decoding.chain import _crop, _new_cache, _rollbackable, _verifier_forward
-    from eagle3_hf.decoding.tree import _cost_tree, tree_attention_mask
 
     aux_indices = list(drafter.config.aux_hidden_state_indices)
     n, dtype = ids.shape[1], next(verifier.parameters()).dtype
     times: dict[str, list[float]] = {"t1": [], **{f"verify{s}": [] for s in sizes}, **{f"draft{k}": [] for k in widths}}
     with torch.inference_mode(), prepacked_linears(verifier, drafter):
-        cache = _new_cache(verifier)
-        _, aux = _verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
-        _rollbackable(cache)
+        cache = new_cache(verifier)
+        _, aux = verifier_forward(verifier, ids, cache, aux_indices, last_only=True)
+        make_rollbackable(cache)
         _, hidden, d_cache = drafter.draft_step(ids, aux, torch.arange(n)[None], logits_to_keep=1)
         tok = ids[:, -1:]
-        trees = {s: _cost_tree(s) for s in sizes}
+        trees = {s: cost_tree(s) for s in sizes}
         masks = {s: tree_attention_mask(verifier, t, n, dtype, verifier.device) for s, t in trees.items()}
         for rep in range(reps + 2):
             start = clock()
-            _verifier_forward(verifier, tok, cache, None, last_only=True)
+            verifier_forward(verifier, tok, cache, None, last_only=True)
             lap = {"t1": clock() - start}
-            _crop(cache, n)
+            crop(cache, n)
             for s in sizes:
                 start = clock()
-                _verifier_forward(verifier, tok.repeat(1, s), cache, aux_indices, attention_mask=masks[s],
-                                  position_ids=(n + torch.tensor(trees[s].depths))[None])
+                verifier_forward(verifier, tok.repeat(1, s), cache, aux_indices, attention_mask=masks[s],
+                                 position_ids=(n + torch.tensor(trees[s].depths))[None])
                 lap[f"verify{s}"] = clock() - start
-                _crop(cache, n)
+                crop(cache, n)
             for k in widths:
                 allowed = torch.cat([torch.ones(k, n, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], dim=1)
                 start = clock()
@@ -164,6 +184,8 @@ def tree_costs(verifier, drafter, ids, clock, reps: int, sizes=(4, 8, 12, 16), w
     med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
     print("tree verify/t1: " + ", ".join(f"N={s} {med[f'verify{s}'] / med['t1']:.2f}" for s in sizes)
           + " | tree draft step/t1: " + ", ".join(f"K={k} {med[f'draft{k}'] / med['t1']:.2f}" for k in widths))
+    return {"verify": {s: med[f"verify{s}"] / med["t1"] for s in sizes},
+            "draft": {k: med[f"draft{k}"] / med["t1"] for k in widths}}
 
 
 @torch.inference_mode()
@@ -171,14 +193,14 @@ def first_draft_hits(verifier, drafter, tokenizer, prompts, max_new_tokens: int,
     """How often the verifier's next token is among the drafter's top-k at the first draft position (what a
     tree's depth 1 with top-K can accept), over each prompt's plain greedy answer, teacher-forced: the drafter
     reads the verifier's features of every answer token, as after a verify. Top-1 is the chain's first draft."""
-    from eagle3_hf.decoding.chain import _new_cache, _verifier_forward
+    from eagle3_hf.decoding.core import new_cache, verifier_forward
 
     aux_indices = list(drafter.config.aux_hidden_state_indices)
     hits, total = {k: 0 for k in ks}, 0
     for prompt in prompts:
         ids = render_prompt(tokenizer, [{"role": "user", "content": prompt["turns"][0]}])
-        seq = torch.tensor([ids + greedy_generate(verifier, ids, max_new_tokens)["tokens"]], device=verifier.device)
-        _, aux = _verifier_forward(verifier, seq, _new_cache(verifier), aux_indices)  # [1, L, 3H]
+        seq = torch.tensor([ids + greedy_generate(verifier, ids, max_new_tokens).tokens], device=verifier.device)
+        _, aux = verifier_forward(verifier, seq, new_cache(verifier), aux_indices)  # [1, L, 3H]
         length = seq.shape[1]
         logits, _, _ = drafter.draft_step(seq[:, 1:], aux[:, :-1], torch.arange(length - 1, device=seq.device)[None])
         first = len(ids) - 1  # drafter position t predicts token t + 2: answer tokens after the first one
@@ -203,6 +225,8 @@ def main() -> None:
     parser.add_argument("--cycle-costs", action="store_true",
                         help="time the pieces of one draft+verify cycle and predict the speedup at a given tau")
     parser.add_argument("--draft-vocab-size", type=int, default=4096, help="random drafter's, for --cycle-costs")
+    parser.add_argument("--write-costs", default=None, metavar="FILE",
+                        help="with --cycle-costs: write the cost table `evaluate --sweep --verify-costs` reads")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--first-hits", action="store_true",
                         help="the drafter's top-1/2/4/8 hit rate at the first draft position (needs --drafter)")
@@ -219,7 +243,7 @@ def main() -> None:
     print(f"verifier {args.verifier} | device {device}, {torch.get_num_threads()} threads | {len(prompts)} MT-bench "
           f"prompts x {args.max_new_tokens} new tokens, k={args.k}")
     if args.cycle_costs:
-        return cycle_costs(verifier, tokenizer, prompts, args.k, args.draft_vocab_size)
+        return cycle_costs(verifier, tokenizer, prompts, args.k, args.draft_vocab_size, write_costs=args.write_costs)
     if args.first_hits:
         drafter = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier, device=device)
         return first_draft_hits(verifier, drafter, tokenizer, prompts, args.max_new_tokens)

@@ -57,7 +57,9 @@ def _tree(out: Path) -> dict | None:
     return {"steps": ev.get("k"), "topk": ev.get("topk"), "num_draft_tokens": ev.get("num_draft_tokens"),
             "acceptance_length": ev["acceptance_length"], "per_position_acceptance": ev["per_position_acceptance"],
             "speedup": ev["speedup"], "lossless": ev["lossless"], "sglang_flags": sweep.get("sglang_flags"),
-            "sweep": [{k: r[k] for k in ("steps", "topk", "num_draft_tokens", "acceptance_length", "speedup")}
+            "recommendation": sweep.get("recommendation"),
+            "sweep": [{k: r.get(k) for k in ("steps", "topk", "num_draft_tokens", "acceptance_length", "speedup",
+                                             "speedup_low", "speedup_high")}
                       for r in sweep["configs"]], "sweep_prompts": f"{sweep['num_prompts']} {sweep['prompts']}"}
 
 
@@ -92,12 +94,16 @@ def as_markdown(s: dict) -> str:
     tree = s.get("tree")
     if tree:
         sweep = "; ".join(f"S{r['steps']} K{r['topk']} N{r['num_draft_tokens']}: τ {r['acceptance_length']:.2f}, "
-                          f"{r['speedup']:.2f}x" for r in tree["sweep"])
+                          f"{r['speedup']:.2f}x [{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
+                          for r in tree["sweep"])
+        rec = tree["recommendation"]
         rows += [
             ("tree sweep (dev prompts)", f"{sweep} ({tree['sweep_prompts']} prompts)"),
-            ("τ, best tree", f"{tree['acceptance_length']:.3f}  (S={tree['steps']} K={tree['topk']} "
-                             f"N={tree['num_draft_tokens']}, same {s['eval']['num_prompts']} prompts as the chain)"),
-            ("speedup, best tree", f"{tree['speedup']:.2f}x, lossless {tree['lossless']}"),
+            ("recommended (sweep)", f"S={rec['steps']} K={rec['topk']} N={rec['num_draft_tokens']}: {rec['reason']}"),
+            ("τ, sweep's first tree", f"{tree['acceptance_length']:.3f}  (S={tree['steps']} K={tree['topk']} "
+                                      f"N={tree['num_draft_tokens']}, same {s['eval']['num_prompts']} prompts as the "
+                                      "chain)"),
+            ("speedup, that tree", f"{tree['speedup']:.2f}x, lossless {tree['lossless']}"),
         ]
     served = s.get("vllm")
     if served and served["acceptance_length"] is not None:

@@ -213,7 +213,7 @@ def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> 
     from eagle3_hf.data.extract import verifier_info
     from eagle3_hf.data.shards import ShardWriter, make_header, merge_manifests
     from eagle3_hf.data.vocab import vocab_from_target_ids
-    from eagle3_hf.decoding.chain import compare_to_greedy, greedy_generate, speculative_generate
+    from eagle3_hf.decoding import compare_to_greedy, greedy_generate, speculative_decode
     from eagle3_hf.verifier.capture import capture_features
 
     verifier = learnable_verifier(device)
@@ -260,11 +260,11 @@ def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> 
     for p in range(4):
         prompt = samples[p][:8].tolist()
         ref = greedy_generate(verifier, prompt, max_new_tokens=32)
-        spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=32)
-        verdict, where = compare_to_greedy(spec["tokens"], spec["margins"], ref["tokens"], ref["margins"])
+        spec = speculative_decode(verifier, drafter, prompt, steps=3, max_new_tokens=32)
+        verdict, where = compare_to_greedy(spec.tokens, spec.margins, ref.tokens, ref.margins)
         results.append(verdict)
-        accepted += len(spec["tokens"])
-        forwards += spec["num_verifier_forwards"] + 1
+        accepted += len(spec.tokens)
+        forwards += spec.num_verifier_forwards + 1
     return {"samples": len(samples), "tokens": tokens, "extract_s": extract_s, "feature_dtype": "bfloat16",
             "drafter_train_steps": train_steps, "train_s": train_s, "first_loss": losses[0], "last_loss": losses[-1],
             "lossless": results, "lossless_ok": all(r != "mismatch" for r in results),

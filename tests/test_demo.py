@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from eagle3_hf.demo_data.overlap import find_overlaps
 from eagle3_hf.demo_data.prompts import mtbench_questions
+from eagle3_hf.evaluation.recommend import recommend
 from eagle3_hf.publish.model_card import build_model_card
 
 from tests.helpers.drafters import STANDARD_KEYS
@@ -76,10 +77,11 @@ def check_pipeline(out: Path) -> None:
     sweep = json.loads((out / "sweep" / "eagle3_sweep.json").read_text())
     assert sweep["prompts"] == "dev" and {c["topk"] for c in sweep["configs"]} == {1, 4}
     trees = [c for c in sweep["configs"] if c["topk"] > 1]
-    fastest = max(trees, key=lambda c: c["speedup"])
+    first = recommend(trees)  # the recommendation's rule, restricted to trees: what the demo decodes
     tree = summary["tree"]
     assert (tree["steps"], tree["topk"], tree["num_draft_tokens"]) == (
-        fastest["steps"], fastest["topk"], fastest["num_draft_tokens"]), (tree, trees)
+        first.steps, first.topk, first.num_draft_tokens), (tree, trees)
+    assert summary["tree"]["recommendation"] == sweep["recommendation"]  # one answer, printed everywhere
     assert tree["lossless"] is True
     chain = json.loads((out / "eval" / "eagle3_evaluation.json").read_text())
     ran_tree = json.loads((out / "eval_tree" / "eagle3_evaluation.json").read_text())

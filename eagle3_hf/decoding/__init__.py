@@ -1,0 +1,44 @@
+"""Decoding with a drafter and a verifier, as the engines serve EAGLE-3: plain decoding (plain.py), the chain
+(chain.py) and SGLang's tree (tree.py) over one core (core.py), each returning a typed record (result.py);
+acceptance statistics and the lossless check in stats.py.
+
+`speculative_decode` is the one entry a caller needs: SGLang's (S steps, top-K, N draft tokens), K = 1 the chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .chain import speculative_generate
+from .plain import greedy_generate
+from .result import DecodeResult, SpeculativeResult
+from .stats import acceptance_stats, compare_to_greedy
+from .tree import num_candidates, tree_speculative_generate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+
+__all__ = ["DecodeResult", "SpeculativeResult", "acceptance_stats", "compare_to_greedy", "greedy_generate",
+           "speculative_decode"]
+
+
+def speculative_decode(verifier: PreTrainedModel, drafter: Eagle3DraftModel, input_ids: Sequence[int] | torch.Tensor,
+                       *, steps: int = 3, topk: int = 1, num_draft_tokens: int | None = None,
+                       max_new_tokens: int = 64, temperature: float = 0.0, generator: torch.Generator | None = None,
+                       eos_token_id: int | Sequence[int] | None = None,
+                       tree_attention: str = "sglang") -> SpeculativeResult:
+    """SGLang's (S, K, N): with K = 1 the chain of S drafts per verify forward, with K > 1 a tree of N tokens, the
+    root included (default: every candidate of S steps, 1 + K + (S - 1) K^2), drafted under `tree_attention`
+    ("sglang" as SGLang drafts, or "ancestors"; a chain is the same under both)."""
+    if topk <= 1:
+        return speculative_generate(verifier, drafter, input_ids, k=steps, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, generator=generator, eos_token_id=eos_token_id)
+    size = num_draft_tokens if num_draft_tokens is not None else 1 + num_candidates(steps, topk)
+    return tree_speculative_generate(verifier, drafter, input_ids, steps=steps, topk=topk, num_draft_tokens=size,
+                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
+                                     eos_token_id=eos_token_id, tree_attention=tree_attention)

@@ -8,30 +8,26 @@ One verifier forward reads the tree on top of its KV cache (each node sees the c
 itself; positions by depth). Greedy keeps the longest path that matches the verifier's argmax; sampling uses
 SGLang's target-only tree rule (exact in distribution). The verifier's cache keeps the accepted path's rows,
 gathered out of every layer; the drafter drops its tree entries and reads the verifier's features of the
-accepted tokens, as in the chain (chain.py). K = 1 is the chain: `speculative_decode` sends it there.
+accepted tokens, as in the chain (the prefill and that commit are core.py's). K = 1 is the chain:
+`speculative_decode` (the package's) sends it there.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .chain import (
-    _crop,
-    _draft_step,
-    _eos_ids,
-    _margins,
-    _new_cache,
-    _prepacked,
-    _probs,
-    _rollbackable,
-    _sample,
-    _verifier_forward,
-    speculative_generate,
-)
+from .core import crop, make_rollbackable, new_cache, prefill, prepacked, probabilities, sample, verifier_forward
+from .result import SpeculativeResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..model.modeling_eagle3 import Eagle3DraftModel
 
 
 # ---------------------------------------------------------------- configurations
@@ -90,15 +86,27 @@ def _order(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(scores, descending=True, stable=True).indices
 
 
-def draft_tree(drafter, logits: torch.Tensor, hidden: torch.Tensor, cache, root: int, position: int,
-               steps: int, topk: int, size: int) -> DraftTree:
+TREE_ATTENTION = ("sglang", "ancestors")  # --tree-attention: what a drafted node attends to while drafting
+
+
+def draft_tree(drafter: Eagle3DraftModel, logits: torch.Tensor, hidden: torch.Tensor, cache: Any, root: int,
+               position: int, steps: int, topk: int, size: int, attention: str = "sglang") -> DraftTree:
     """Grow the candidates of S steps from the root's draft logits [Vd] and hidden [1, 1, H], pick the tree.
 
     `cache` is the drafter's (k, v) before the tree; `position` the RoPE position the depth-1 nodes are fed
     at (depth d at position + d - 1, as the chain feeds its drafts). The cache itself is not changed: the tree
     steps extend a copy. Candidate index order is SGLang's: step 0's K, then K x K per step (parent slot, child
     rank); the N - 1 best scores (ties: lower index) are sorted back to index order, so parents come first.
+
+    `attention` is what a node fed at a drafting step attends to besides the context. "sglang": SGLang runs the
+    K kept nodes as K decode requests ("slots") and writes each step's key/value at the slot's own entry, never
+    reordered when the parents are re-chosen, so slot j reads slot j's earlier entries and itself — from the
+    third step on not necessarily its ancestors (SGLang 0.5.23, `generate_draft_decode_kv_indices`; its issue
+    7523). "ancestors": its true path, what an engine with correct tree attention does. The hidden state fed is
+    the parent's under both (SGLang re-gathers it by parent); verification always reads the true tree.
     """
+    if attention not in TREE_ATTENTION:
+        raise ValueError(f"tree attention must be one of {TREE_ATTENTION}, not {attention!r}")
     if steps < 1 or size < 2:
         return DraftTree([root], [-1], [0])
     probs, ids = torch.softmax(logits.float(), -1).topk(topk)  # [K], SGLang's fast_topk of the root
@@ -106,12 +114,16 @@ def draft_tree(drafter, logits: torch.Tensor, hidden: torch.Tensor, cache, root:
     parents, depths, scores = [-1] * topk, [1] * topk, [probs]
     kept, kept_scores = list(range(topk)), probs  # the nodes fed at the next step, best first
     node_hidden = hidden.expand(1, topk, hidden.shape[-1])  # each kept node's parent's hidden state
-    base, rows = cache[0].shape[2], {}  # rows: candidate index -> row in the tree part of the drafter cache
+    base = cache[0].shape[2]
+    rows: dict[int, int] = {}  # candidate index -> row in the tree part of the drafter cache
     for step in range(1, steps):
         fed = len(rows)
         allowed = torch.zeros(topk, base + fed + topk, dtype=torch.bool)
         allowed[:, :base] = True
         for j, node in enumerate(kept):
+            if attention == "sglang":  # slot j's entries of steps 1 .. step: rows (s - 1) K + j, itself last
+                allowed[j, base + j : base + fed + topk : topk] = True
+                continue
             allowed[j, base + fed + j] = True
             parent = parents[node]
             while parent >= 0:
@@ -133,30 +145,32 @@ def draft_tree(drafter, logits: torch.Tensor, hidden: torch.Tensor, cache, root:
         node_hidden = out_hidden[:, best // topk]
     chosen = sorted(_order(torch.cat(scores))[: size - 1].tolist())
     index = {c: i + 1 for i, c in enumerate(chosen)}  # candidate -> tree index
-    return DraftTree([root] + [tokens[c] for c in chosen], [-1] + [0 if parents[c] < 0 else index[parents[c]] for c in chosen],
+    return DraftTree([root] + [tokens[c] for c in chosen],
+                     [-1] + [0 if parents[c] < 0 else index[parents[c]] for c in chosen],
                      [0] + [depths[c] for c in chosen])
 
 
 # ---------------------------------------------------------------- the verifier over a tree
 
 
-def _layer_types(verifier) -> list[str]:
+def _layer_types(verifier: PreTrainedModel) -> list[str]:
     cfg = verifier.config.get_text_config()
     return list(getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers))
 
 
-def tree_attention_mask(verifier, tree: DraftTree, cached: int, dtype: torch.dtype, device) -> Any:
+def tree_attention_mask(verifier: PreTrainedModel, tree: DraftTree, cached: int, dtype: torch.dtype,
+                        device: torch.device | str) -> Any:
     """The additive 4D mask of a tree read after `cached` positions: a tensor, or per layer type a dict
     (what Gemma 3 / Qwen 3 take) when sliding-window layers keep only their last window - 1 positions."""
     cfg = verifier.config.get_text_config()
-    window = getattr(cfg, "sliding_window", None)
+    window = int(getattr(cfg, "sliding_window", None) or 0)
     anc = tree.ancestry()
     q_pos = cached + torch.tensor(tree.depths)  # [N]
     masks = {}
     for kind in dict.fromkeys(_layer_types(verifier)):
         if kind not in ("full_attention", "sliding_attention"):
             raise ValueError(f"tree drafting supports full and sliding-window attention, not {kind!r} layers")
-        sliding = kind == "sliding_attention" and window
+        sliding = kind == "sliding_attention" and window > 0
         visible = min(cached, window - 1) if sliding else cached
         k_pos = torch.cat([torch.arange(cached - visible, cached), q_pos])  # cache rows, then the tree
         allowed = torch.cat([torch.ones(len(tree), visible, dtype=torch.bool), anc], dim=1)
@@ -167,27 +181,13 @@ def tree_attention_mask(verifier, tree: DraftTree, cached: int, dtype: torch.dty
     return masks if len(masks) > 1 or "sliding_attention" in masks else masks["full_attention"]
 
 
-def keep_rows(cache, tree_size: int, keep: Sequence[int]) -> None:
-    """Keep, of the last `tree_size` rows of every layer, those at tree indices `keep` (the root and the
-    accepted path): their keys/values are gathered out of each layer, nothing is recomputed. Sliding-window
-    layers also move their position count back; `_crop` then trims them to their window."""
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or getattr(layer, "keys", None) is None:
-            continue
-        length = layer.keys.shape[-2]
-        rows = torch.cat([torch.arange(length - tree_size), length - tree_size + torch.tensor(list(keep))])
-        rows = rows.to(layer.keys.device)
-        layer.keys, layer.values = layer.keys.index_select(-2, rows), layer.values.index_select(-2, rows)
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length -= tree_size - len(keep)
-
-
 # ---------------------------------------------------------------- acceptance
 
 
 def accept_greedy(tree: DraftTree, choice: Sequence[int]) -> tuple[list[int], int]:
     """choice[i]: the verifier's argmax after node i. -> (accepted path as tree indices, bonus token)."""
-    children, node, path = tree.children(), 0, []
+    children, node = tree.children(), 0
+    path: list[int] = []
     while True:
         nxt = next((c for c in children[node] if tree.tokens[c] == choice[node]), None)
         if nxt is None:
@@ -196,7 +196,7 @@ def accept_greedy(tree: DraftTree, choice: Sequence[int]) -> tuple[list[int], in
         node = nxt
 
 
-def accept_sampled(tree: DraftTree, p: torch.Tensor, generator=None) -> tuple[list[int], int]:
+def accept_sampled(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """SGLang's target-only tree sampling; p [N, V] the verifier's probabilities after each node.
 
     At a node one uniform coin u is drawn; its children c_1, c_2, .. (tree order) are tried in turn and c_j
@@ -204,7 +204,8 @@ def accept_sampled(tree: DraftTree, p: torch.Tensor, generator=None) -> tuple[li
     token is drawn from p with the tried children removed (renormalised): every token keeps probability p.
     A leaf draws from p itself. The drafts are a deterministic function of the drafter, so this is exact.
     """
-    children, node, path = tree.children(), 0, []
+    children, node = tree.children(), 0
+    path: list[int] = []
     while True:
         coin, mass, nxt = float(torch.rand((), dtype=torch.float64, generator=generator)), 0.0, None
         for c in children[node]:
@@ -216,7 +217,7 @@ def accept_sampled(tree: DraftTree, p: torch.Tensor, generator=None) -> tuple[li
             residual = p[node].clone()
             residual[[tree.tokens[c] for c in children[node]]] = 0
             total = residual.sum()
-            return path, _sample(residual / total if total > 0 else p[node], generator)
+            return path, sample(residual / total if total > 0 else p[node], generator)
         path.append(nxt)
         node = nxt
 
@@ -224,94 +225,53 @@ def accept_sampled(tree: DraftTree, p: torch.Tensor, generator=None) -> tuple[li
 # ---------------------------------------------------------------- decoding
 
 
-@_prepacked
+@prepacked
 @torch.inference_mode()
-def tree_speculative_generate(verifier, drafter, input_ids, steps: int = 3, topk: int = 4, num_draft_tokens: int = 8,
-                              max_new_tokens: int = 64, temperature: float = 0.0,
-                              generator: torch.Generator | None = None, eos_token_id=None) -> dict[str, Any]:
-    """Tree speculative decoding (greedy at temperature 0, target-only tree sampling above).
+def tree_speculative_generate(verifier: PreTrainedModel, drafter: Eagle3DraftModel,
+                              input_ids: Sequence[int] | torch.Tensor, steps: int = 3, topk: int = 4,
+                              num_draft_tokens: int = 8, max_new_tokens: int = 64, temperature: float = 0.0,
+                              generator: torch.Generator | None = None,
+                              eos_token_id: int | Sequence[int] | None = None,
+                              tree_attention: str = "sglang") -> SpeculativeResult:
+    """Tree speculative decoding (greedy at temperature 0, target-only tree sampling above); `tree_attention`
+    is the drafting rule of `draft_tree`.
 
-    The depth is capped near max_new_tokens as the chain caps k. Returns the chain's keys
-    (speculative_generate; "drafted_per_step" is the tree's depth) plus "tree_size_per_step" and
-    "verify_seconds" (each verifier forward over a tree).
+    The depth is capped near max_new_tokens as the chain caps k. The result's drafted_per_step is the tree's
+    depth; it also has tree_size_per_step and verify_seconds (each verifier forward over a tree).
     """
     start = time.perf_counter()
     device = verifier.device
-    eos = _eos_ids(verifier, eos_token_id)
-    aux_indices = list(drafter.config.aux_hidden_state_indices)
     greedy = temperature <= 0
     mask_dtype = next(verifier.parameters()).dtype
-    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)  # [1, P]
-    n = prompt.shape[1]  # index of the newest token, which neither model has read yet
-
-    cache = _new_cache(verifier)
-    logits, aux = _verifier_forward(verifier, prompt, cache, aux_indices, last_only=True)
-    _rollbackable(cache)
-    margins = _margins(logits[-1:])
-    last = int(logits[-1].argmax()) if greedy else _sample(_probs(logits[-1], temperature), generator)
-    tokens = [last]
-    next_ids = torch.cat([prompt[:, 1:], prompt.new_tensor([[last]])], dim=1)
-    d_logits, d_hidden, d_cache = _draft_step(drafter, next_ids, aux, torch.arange(n, device=device)[None], None, True)
-    d_logits, d_hidden = d_logits[0, -1], d_hidden[:, -1:]
-
-    accepted_steps, drafted_steps, sizes, draft_tokens, verify_seconds = [], [], [], [], []
-    while len(tokens) < max_new_tokens and last not in eos:
-        depth = min(steps, max_new_tokens - len(tokens) - 1)
+    state = prefill(verifier, drafter, input_ids, max_new_tokens, temperature, generator, eos_token_id)
+    sizes: list[int] = []
+    verify_seconds: list[float] = []
+    while state.running():
+        depth = state.budget(steps)
         size = min(num_draft_tokens, 1 + num_candidates(depth, topk))
-        tree = draft_tree(drafter, d_logits, d_hidden, d_cache, last, n, depth, topk, size)
-        mask = tree_attention_mask(verifier, tree, n, mask_dtype, device)
-        positions = (n + torch.tensor(tree.depths, device=device))[None]
+        tree = draft_tree(drafter, state.draft_logits, state.draft_hidden, state.draft_cache, state.last, state.n,
+                          depth, topk, size, tree_attention)
+        mask = tree_attention_mask(verifier, tree, state.n, mask_dtype, device)
+        positions = (state.n + torch.tensor(tree.depths, device=device))[None]
         began = time.perf_counter()
-        v_logits, v_aux = _verifier_forward(verifier, torch.tensor([tree.tokens], device=device), cache, aux_indices,
-                                            attention_mask=mask, position_ids=positions)  # [N, V], [1, N, 3H]
+        v_logits, v_aux = verifier_forward(verifier, torch.tensor([tree.tokens], device=device), state.cache,
+                                           state.aux_indices, attention_mask=mask,
+                                           position_ids=positions)  # [N, V], [1, N, 3H]
         verify_seconds.append(time.perf_counter() - began)
         if greedy:
             path, bonus = accept_greedy(tree, v_logits.argmax(-1).tolist())
         else:
-            path, bonus = accept_sampled(tree, _probs(v_logits, temperature), generator)
-        accepted, rows = len(path), [0] + path
-        new = [tree.tokens[i] for i in path] + [bonus]
-        step_margins = _margins(v_logits[rows])
-        stop = next((j for j, t in enumerate(new) if t in eos), None)
-        if stop is not None:
-            new, step_margins = new[: stop + 1], step_margins[: stop + 1]
-            accepted = min(accepted, stop + 1)
-        accepted_steps.append(accepted)
-        drafted_steps.append(max(tree.depths))
+            path, bonus = accept_sampled(tree, probabilities(v_logits, temperature), generator)
         sizes.append(len(tree))
-        draft_tokens.append(tree.tokens[1:])
-        tokens, margins, last = tokens + new, margins + step_margins, new[-1]
-        if stop is not None or len(tokens) >= max_new_tokens:
-            break
-        keep_rows(cache, len(tree), rows)  # the verifier keeps [.., last, accepted path]; the bonus is unread
-        _crop(cache, n + 1 + accepted)
-        d_out = _draft_step(drafter, torch.tensor([new], device=device), v_aux[:, rows],
-                            torch.arange(n, n + accepted + 1, device=device)[None], d_cache, last_only=True)
-        d_logits, d_hidden, d_cache = d_out[0][0, -1], d_out[1][:, -1:], d_out[2]
-        n += accepted + 1
-
-    count = len(accepted_steps)
-    return {"tokens": tokens, "margins": margins, "num_verifier_forwards": count, "accepted_per_step": accepted_steps,
-            "drafted_per_step": drafted_steps, "tree_size_per_step": sizes, "draft_tokens": draft_tokens,
-            "verify_seconds": verify_seconds,
-            "acceptance_length": (sum(accepted_steps) + count) / count if count else None,
-            "seconds": time.perf_counter() - start}
-
-
-def speculative_decode(verifier, drafter, input_ids, steps: int = 3, topk: int = 1,
-                       num_draft_tokens: int | None = None, **kwargs) -> dict[str, Any]:
-    """SGLang's (S, K, N): the chain (speculative_generate, k = S) when K = 1, the tree otherwise."""
-    if topk <= 1:
-        return speculative_generate(verifier, drafter, input_ids, k=steps, **kwargs)
-    size = num_draft_tokens if num_draft_tokens is not None else 1 + num_candidates(steps, topk)
-    return tree_speculative_generate(verifier, drafter, input_ids, steps=steps, topk=topk, num_draft_tokens=size,
-                                     **kwargs)
+        state.commit([tree.tokens[i] for i in path], bonus, [0] + path, v_logits, v_aux, depth=max(tree.depths),
+                     proposals=tree.tokens[1:], tree_size=len(tree))
+    return state.result(start, tree_size_per_step=sizes, verify_seconds=verify_seconds)
 
 
 # ---------------------------------------------------------------- what a verify forward costs
 
 
-def _cost_tree(size: int) -> DraftTree:
+def cost_tree(size: int) -> DraftTree:
     """A binary-ish tree of `size` nodes (the mask's shape does not change a dense forward's cost)."""
     parents = [-1] + [(i - 1) // 2 for i in range(1, size)]
     depths = [0] * size
@@ -320,9 +280,10 @@ def _cost_tree(size: int) -> DraftTree:
     return DraftTree([0] * size, parents, depths)
 
 
-@_prepacked
+@prepacked
 @torch.inference_mode()
-def verify_costs(verifier, input_ids, sizes: Sequence[int], reps: int = 15) -> dict[int, float]:
+def verify_costs(verifier: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor, sizes: Sequence[int],
+                 reps: int = 15) -> dict[int, float]:
     """Median seconds of a verifier forward over a tree of each size after the prompt's cache, divided by the
     median seconds of a one-token forward at the same context; interleaved so that load drifts evenly. With one
     CPU thread, CPU seconds (other processes on a shared machine do not inflate them); else wall seconds."""
@@ -330,19 +291,19 @@ def verify_costs(verifier, input_ids, sizes: Sequence[int], reps: int = 15) -> d
     device = verifier.device
     prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
     n, dtype = prompt.shape[1], next(verifier.parameters()).dtype
-    cache = _new_cache(verifier)
-    _verifier_forward(verifier, prompt, cache, None, last_only=True)
-    _rollbackable(cache)
+    cache = new_cache(verifier)
+    verifier_forward(verifier, prompt, cache, None, last_only=True)
+    make_rollbackable(cache)
     times: dict[int, list[float]] = {s: [] for s in [1, *sizes]}
     for _ in range(reps):
         for size in times:
-            tree = _cost_tree(size)
+            tree = cost_tree(size)
             mask = tree_attention_mask(verifier, tree, n, dtype, device)
             positions = (n + torch.tensor(tree.depths, device=device))[None]
             began = clock()
-            _verifier_forward(verifier, torch.full((1, size), int(prompt[0, -1]), device=device), cache, None,
-                              attention_mask=mask, position_ids=positions)
+            verifier_forward(verifier, torch.full((1, size), int(prompt[0, -1]), device=device), cache, None,
+                             attention_mask=mask, position_ids=positions)
             times[size].append(clock() - began)
-            _crop(cache, n)
+            crop(cache, n)
     median = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
     return {s: median[s] / median[1] for s in sizes}

@@ -125,7 +125,7 @@ def _dev_rows() -> tuple[dict, ...]:
     tails = []
     for name in DEV_SOURCES:
         rows = _openers() if name == "chitchat" else instruction_sources()[name]
-        kept = unique_rows([r for r in rows if _fits(r, 500) and r["id"] not in MTBENCH_OVERLAPS])
+        kept = unique_rows([r for r in rows if _fits(r) and r["id"] not in MTBENCH_OVERLAPS])
         tails.append(iter(kept[-DEV_PER_SOURCE:]))  # no dev prompt repeats (or nearly) one the pool may draw
     return tuple(_round_robin(tails))
 

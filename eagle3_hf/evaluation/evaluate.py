@@ -13,21 +13,17 @@ import csv
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ..constants import ACCEPTANCE_FILE, EVALUATION_FILE
-from ..decoding.chain import (
-    _eos_ids,
-    acceptance_stats,
-    check_pair,
-    compare_to_greedy,
-    greedy_generate,
-    speculative_generate,
-)
-from ..decoding.tree import config_problem, num_candidates, tree_speculative_generate
+from ..decoding import SpeculativeResult, acceptance_stats, compare_to_greedy, greedy_generate, speculative_decode
+from ..decoding.core import eos_ids
+from ..decoding.tree import config_problem, num_candidates
+from ..verifier.fit import require_fit
 
 
 def _turns(row: dict | str) -> list[str] | None:
@@ -75,13 +71,25 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
+    """The drafter fit (verifier/fit.py) of this pair: a ValueError when it cannot fit, else its warnings; the
+    tokenizer, when given, is compared by fingerprint with the one the drafter was trained with."""
+    fingerprint = None
+    if tokenizer is not None and getattr(drafter.config, "tokenizer_fingerprint", None):
+        from ..data.fingerprint import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(tokenizer)
+    return require_fit(drafter.config, verifier, fingerprint)
+
+
 def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str], k: int = 3,
                      max_new_tokens: int = 64, temperature: float = 0.0, turns: int = 1, seed: int = 0,
                      prompts_name: str = "custom", progress: bool = True, topk: int = 1,
-                     num_draft_tokens: int | None = None) -> dict[str, Any]:
+                     num_draft_tokens: int | None = None, tree_attention: str = "sglang") -> dict[str, Any]:
     """Run plain and speculative decoding on each prompt (turns > 1 feeds the answer back) and summarise.
 
-    k is SGLang's --speculative-num-steps S; topk K > 1 drafts a tree of num_draft_tokens N (tree.py).
+    k is SGLang's --speculative-num-steps S; topk K > 1 drafts a tree of num_draft_tokens N (tree.py), its nodes
+    attending as `tree_attention` says ("sglang": as SGLang drafts; "ancestors": each node its true path).
 
     Both runs of a prompt are timed back to back, in alternating order, after an untimed warm-up, so the
     speedup is a ratio measured in one run. The summary's "per_prompt" holds one row per (prompt, turn).
@@ -90,7 +98,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
 
     check_pair(verifier, drafter)
     greedy = temperature <= 0
-    items = [{"id": str(p.get("id", i)) if isinstance(p, dict) else str(i), "turns": _turns(p)}
+    items: list[dict[str, Any]] = [{"id": str(p.get("id", i)) if isinstance(p, dict) else str(i), "turns": _turns(p)}
              for i, p in enumerate(prompts)]
     if not items or any(not it["turns"] for it in items):
         raise ValueError("no prompts, or a prompt without a user turn")
@@ -98,16 +106,14 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
     greedy_generate(verifier, warm, 2, temperature=temperature, generator=torch.Generator().manual_seed(seed))
     size = (num_draft_tokens or 1 + num_candidates(k, topk)) if topk > 1 else k + 1
 
-    def speculate(ids, new_tokens, generator):  # K = 1: today's chain; K > 1: the tree (tree.py)
-        if topk > 1:
-            return tree_speculative_generate(verifier, drafter, ids, steps=k, topk=topk, num_draft_tokens=size,
-                                             max_new_tokens=new_tokens, temperature=temperature, generator=generator)
-        return speculative_generate(verifier, drafter, ids, k=k, max_new_tokens=new_tokens, temperature=temperature,
-                                    generator=generator)
+    def speculate(ids, new_tokens, generator) -> SpeculativeResult:  # K = 1: the chain; K > 1: the tree
+        return speculative_decode(verifier, drafter, ids, steps=k, topk=topk, num_draft_tokens=size,
+                                  max_new_tokens=new_tokens, temperature=temperature, generator=generator,
+                                  tree_attention=tree_attention)
 
     speculate(warm, k + 2, torch.Generator().manual_seed(seed))
 
-    eos = _eos_ids(verifier, None)
+    eos = eos_ids(verifier, None)
     rows: list[dict] = []
     accepted, drafted, seconds, produced = [], [], {"base": 0.0, "spec": 0.0}, {"base": 0, "spec": 0}
     bar = tqdm(total=sum(min(turns, len(it["turns"])) for it in items), desc="evaluate", unit="turn",
@@ -117,29 +123,29 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
         for turn, text in enumerate(item["turns"][:turns]):
             messages.append({"role": "user", "content": text})
             ids = render_prompt(tokenizer, messages)
-            runs = {}
+            runs: dict[str, Any] = {}  # DecodeResult, SpeculativeResult
             for which in ("base", "spec") if (index + turn) % 2 == 0 else ("spec", "base"):
                 gen = torch.Generator().manual_seed(seed + 7919 * index + turn)
                 runs[which] = (greedy_generate(verifier, ids, max_new_tokens, temperature=temperature, generator=gen)
                                if which == "base" else
                                speculate(ids, max_new_tokens, gen))
-                seconds[which] += runs[which]["seconds"]
-                produced[which] += len(runs[which]["tokens"])
+                seconds[which] += runs[which].seconds
+                produced[which] += len(runs[which].tokens)
             base, spec = runs["base"], runs["spec"]
-            status, where = (compare_to_greedy(spec["tokens"], spec["margins"], base["tokens"], base["margins"])
+            status, where = (compare_to_greedy(spec.tokens, spec.margins, base.tokens, base.margins)
                              if greedy else (None, None))
-            stats = acceptance_stats(spec["accepted_per_step"], spec["drafted_per_step"], k)
+            stats = acceptance_stats(spec.accepted_per_step, spec.drafted_per_step, k)
             rows.append({
-                "id": item["id"], "turn": turn + 1, "prompt_tokens": len(ids), "new_tokens": len(spec["tokens"]),
-                "verifier_forwards": spec["num_verifier_forwards"], "tau": stats["acceptance_length"],
+                "id": item["id"], "turn": turn + 1, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
+                "verifier_forwards": spec.num_verifier_forwards, "tau": stats["acceptance_length"],
                 "per_position_acceptance": stats["per_position_acceptance"], "lossless": status,
-                "first_divergence": where, "tokens": spec["tokens"], "accepted_per_step": spec["accepted_per_step"],
-                "drafted_per_step": spec["drafted_per_step"], "baseline_seconds": base["seconds"],
-                "speculative_seconds": spec["seconds"], "verify_seconds": spec.get("verify_seconds"),
+                "first_divergence": where, "tokens": spec.tokens, "accepted_per_step": spec.accepted_per_step,
+                "drafted_per_step": spec.drafted_per_step, "baseline_seconds": base.seconds,
+                "speculative_seconds": spec.seconds, "verify_seconds": spec.verify_seconds,
             })
-            accepted += spec["accepted_per_step"]
-            drafted += spec["drafted_per_step"]
-            answer = [t for t in spec["tokens"] if t not in eos]
+            accepted += spec.accepted_per_step
+            drafted += spec.drafted_per_step
+            answer = [t for t in spec.tokens if t not in eos]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
             bar.update(1)
             bar.set_postfix(tau=f"{(sum(accepted) + len(accepted)) / max(len(accepted), 1):.2f}")
@@ -151,7 +157,8 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
     statuses = [r["lossless"] for r in rows]
     return {
         "engine": "transformers", "k": k, "topk": topk,
-        "num_draft_tokens": size, "temperature": temperature, "max_new_tokens": max_new_tokens,
+        "num_draft_tokens": size, "tree_attention": tree_attention if topk > 1 else None,
+        "temperature": temperature, "max_new_tokens": max_new_tokens,
         "prompts": prompts_name, "num_prompts": len(items), "turns": turns, "num_samples": len(rows),
         "acceptance_length": stats["acceptance_length"], "per_position_acceptance": stats["per_position_acceptance"],
         "accepted_histogram": stats["accepted_histogram"], "verifier_forwards": stats["num_steps"],
@@ -173,7 +180,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     per_pos = ", ".join(num(a) for a in summary["per_position_acceptance"])
     tps = summary["tokens_per_second"]
-    shape = (f"steps={summary['k']}, topk={summary['topk']}, N={summary['num_draft_tokens']}"
+    shape = (f"steps={summary['k']}, topk={summary['topk']}, N={summary['num_draft_tokens']}, "
+             f"tree attention {summary.get('tree_attention') or 'sglang'}"
              if summary.get("topk", 1) > 1 else f"k={summary['k']}")
     return (f"tau {num(summary['acceptance_length'])} ({shape}, T={summary['temperature']}) | per-position "
             f"acceptance [{per_pos}] | speedup {num(summary['speedup'], '.2f')}x ({num(tps['speculative'], '.1f')} vs "
@@ -213,8 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="drafter revision (Hub)")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="verifier name or path (default: %(default)s)")
     parser.add_argument("--verifier-revision", default=None)
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench (test set), dev (development set) or a JSONL file (turns / messages / "
-                        "prompt)")
+    parser.add_argument("--prompts", default="mt-bench",
+                        help="mt-bench (test set), dev (development set) or a JSONL file (turns / messages / prompt)")
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: all)")
     parser.add_argument("--chat-template", default=None,
                         help="the template the data was prepared with, when not the tokenizer's (see prepare)")
@@ -224,12 +232,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=1, help="SGLang's --speculative-eagle-topk: 1 chain, > 1 tree")
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="SGLang's --speculative-num-draft-tokens N, root included (required with --topk > 1)")
+    parser.add_argument("--tree-attention", choices=["sglang", "ancestors"], default="sglang",
+                        help="what a drafted tree node attends to: sglang (as SGLang drafts: its slot's earlier "
+                        "nodes) or ancestors (its true path, an engine with correct tree attention); default sglang")
     parser.add_argument("--sweep", action="store_true",
-                        help="evaluate a grid of (steps, topk, num-draft-tokens), print the fastest as SGLang flags, "
+                        help="evaluate a grid of (steps, topk, num-draft-tokens), print the recommendation as "
+                        "SGLang flags, "
                         "write eagle3_sweep.json")
     parser.add_argument("--sweep-steps", type=int, nargs="+", default=None, help="default: 2 3 5")
     parser.add_argument("--sweep-topk", type=int, nargs="+", default=None, help="default: 1 2 4 8")
     parser.add_argument("--sweep-num-draft-tokens", type=int, nargs="+", default=None, help="default: 4 8 16")
+    parser.add_argument("--sweep-repeats", type=int, default=1,
+                        help="rounds over the grid, configurations interleaved; more rounds narrow the speed intervals")
+    parser.add_argument("--verify-costs", default=None, metavar="FILE",
+                        help="a verify-cost table (bench/speculative.py --cycle-costs --write-costs FILE, e.g. "
+                        "measured on the GPU that will serve): recommend by the speedup predicted there")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -252,10 +269,10 @@ def copy_to_drafter(path: Path, drafter: str) -> None:
 def load_for_evaluation(args: argparse.Namespace):
     """(verifier, drafter, tokenizer, prompts, prompts name) from the command's arguments, checked: a drafter
     with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
-    from ..verifier.loading import load_tokenizer, load_verifier
     from ..data.prepare import use_chat_template
     from ..errors import NonFiniteError, describe_non_finite, non_finite_names
     from ..model.modeling_eagle3 import Eagle3DraftModel
+    from ..verifier.loading import load_tokenizer, load_verifier
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
@@ -284,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     verifier, drafter, tokenizer, prompts, name = load_for_evaluation(args)
     summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=steps, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, turns=args.turns, seed=args.seed, prompts_name=name,
-                               progress=not args.no_progress, topk=args.topk, num_draft_tokens=num_draft_tokens)
+                               progress=not args.no_progress, topk=args.topk, num_draft_tokens=num_draft_tokens,
+                               tree_attention=args.tree_attention)
     summary.update(verifier=args.verifier, drafter=args.drafter)
     csv_path, json_path = write_outputs(args.output, summary)
     if args.write_to_drafter:

@@ -55,7 +55,7 @@ def cut_final_step(steps: list[int], output_len: int, max_new_tokens: int) -> li
 
 def summarize(plain: dict, spec: dict, k: int, temperature: float, max_new_tokens: int) -> dict[str, Any]:
     """vLLM's two runs -> τ, per-position acceptance, speedup, lossless (greedy), one row per prompt."""
-    from ..decoding.chain import compare_to_greedy
+    from ..decoding.stats import compare_to_greedy
 
     rows, statuses = [], []
     for i, (base, fast, counts) in enumerate(zip(plain["outputs"], spec["outputs"], spec["spec"])):
@@ -137,12 +137,11 @@ def run_engine(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoConfig
 
-    from ..verifier.loading import load_tokenizer, resolve_verifier
     from ..data.prepare import use_chat_template
-    from .evaluate import _turns, copy_to_drafter, load_prompts, render_prompt, write_outputs
-    from ..model.modeling_eagle3 import Eagle3DraftModel
-    from ..decoding.chain import check_pair
     from ..engines.vllm_env import vllm_python
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from .evaluate import _turns, check_pair, copy_to_drafter, load_prompts, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")

@@ -168,25 +168,33 @@ def _fmt(x: Any, fmt: str = ".2f") -> str:
 
 
 def sweep_section(data: dict[str, Any]) -> str:
-    """The model card's section on the serving configuration, from eagle3_sweep.json."""
-    best, chain = data.get("best"), data.get("best_chain")
-    if not best:
-        return "## Serving configuration (sweep)\n\nNo configuration was timed."
+    """The model card's section on the serving configuration, from eagle3_sweep.json: the sweep's one
+    recommendation (evaluation/recommend.py) with the evidence it rests on, and the table behind it."""
+    rec = data.get("recommendation")
+    if not rec:
+        return "## Serving configuration (sweep)\n\nNo configuration was measured."
+
+    def speed(r: dict[str, Any]) -> str:
+        low, high = r.get("speedup_low"), r.get("speedup_high")
+        point = f"{_fmt(r.get('speedup'))}×"
+        return f"{point} [{_fmt(low)}, {_fmt(high)}]" if low is not None else point
+
     rows = "\n".join(f"| {r['steps']} | {r['topk']} | {r['num_draft_tokens']} | {_fmt(r['acceptance_length'])} | "
-                     f"{_fmt(r['speedup'])}× |" for r in data.get("configs", []))
+                     f"{speed(r)} | {_fmt(r.get('predicted_speedup'))} |" for r in data.get("configs", []))
     lines = [
         "## Serving configuration (sweep)", "",
         f"Measured with eagle3_hf's transformers decoder on {data.get('prompts')} ({data.get('num_prompts')} prompts × "
-        f"{data.get('max_new_tokens')} tokens, temperature {data.get('temperature')}, device {data.get('device')}): "
-        f"the fastest configuration is S = {best['steps']} steps, top-K = {best['topk']}, N = "
-        f"{best['num_draft_tokens']} draft tokens (τ = {_fmt(best['acceptance_length'])}, speedup "
-        f"{_fmt(best['speedup'])}×). SGLang flags:", "",
+        f"{data.get('max_new_tokens')} tokens, {data.get('repeats', 1)} round(s), temperature "
+        f"{data.get('temperature')}, device {data.get('device')}, tree attention as "
+        f"{'SGLang drafts' if data.get('tree_attention', 'sglang') == 'sglang' else 'the true ancestors'}); speed "
+        f"{data.get('speed_basis', 'measured on this machine')}. Recommended: S = {rec['steps']} steps, top-K = "
+        f"{rec['topk']}, N = {rec['num_draft_tokens']} draft tokens — {rec['reason']}. SGLang flags:", "",
         f"```\n{data.get('sglang_flags')}\n```", "",
     ]
-    if chain:
-        lines += [f"Fastest chain (vLLM drafts chains): `num_speculative_tokens` {chain['steps']} "
-                  f"(τ = {_fmt(chain['acceptance_length'])}, {_fmt(chain['speedup'])}×).", ""]
-    lines += ["| S | K | N | τ | speedup |", "|---|---|---|---|---|", rows]
+    if data.get("vllm_num_speculative_tokens"):
+        lines += [f"vLLM drafts chains: `num_speculative_tokens` {data['vllm_num_speculative_tokens']} "
+                  f"({data.get('vllm_reason')}).", ""]
+    lines += ["| S | K | N | τ | speedup [95 % interval] | predicted |", "|---|---|---|---|---|---|", rows]
     return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ from ..model.checkpoint import (
     expected_shapes,
     vocab_mapping_issues,
 )
-from ..verifier.family import engine_config_problems
+from ..verifier.family import aux_indices_problem, engine_config_problems
+from ..verifier.fit import drafter_misfits
 
 if TYPE_CHECKING:
     import torch
@@ -186,14 +187,11 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
         rep.add("warning", "aux-ids-missing", f"no aux layer ids at all: both engines capture {default_txt}; right "
                 "only if the drafter was trained on exactly those hidden-state indices")
     ids = [int(i) for i in top] if top else ([int(i) + 1 for i in nested] if nested else [])
-    if ids and (len(ids) != 3 or len(set(ids)) != 3):
-        rep.add("error", "aux-ids-count", f"aux hidden-state indices {ids}: EAGLE-3 reads three distinct layers "
-                "(fc takes 3 x target_hidden_size)")
-    bad = [i for i in ids if i < 1 or (n is not None and i > n - 1)]
-    if bad:
-        rng = f"1..{n - 1}" if n else ">= 1"
-        rep.add("error", "aux-ids-range", f"aux hidden-state indices {bad} outside {rng}: index 0 is the embedding, "
-                "index N is after the final norm, and no engine captures either")
+    problem = aux_indices_problem(ids, n) if ids else None  # the rule extraction and training apply
+    if problem:
+        kind, why = problem
+        why += " (EAGLE-3's fc reads three layers: 3 x target_hidden_size)" if kind == "count" else ""
+        rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}")
 
 
 def check_names_and_shapes(cfg: dict, w: _Weights, rep: Report) -> None:
@@ -299,20 +297,21 @@ def check_vocab_mapping(cfg: dict, w: _Weights, rep: Report, verifier_vocab: int
         rep.add(issue.level, issue.code, issue.message)
 
 
+# the drafter fit's sizes (verifier/fit.py) as `check` reports them: code, and what a mismatch breaks
+VERIFIER_FIT = {"vocab_size": ("verifier-vocab", "d2t, t2d and the shared embedding index a different vocabulary"),
+                "target_hidden_size": ("verifier-hidden", "fc reads 3 x the verifier's hidden states")}
+
+
 def check_verifier(cfg: dict, w: _Weights, rep: Report, vcfg: dict,
                    verifier_embedding: Callable[[], tuple[Any, str] | None] | None) -> None:
     """Sizes against the verifier's; a carried embed_tokens against the verifier's embedding, which
     `verifier_embedding()` returns as (weights reader, tensor name) when the verifier is local."""
     import torch
 
-    vocab, hidden = vcfg.get("vocab_size"), vcfg.get("hidden_size")
-    if vocab is not None and cfg.get("vocab_size") != vocab:
-        rep.add("error", "verifier-vocab", f"vocab_size {cfg.get('vocab_size')} != the verifier's {vocab}: d2t, t2d "
-                "and the shared embedding index a different vocabulary")
-    t_hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-    if hidden is not None and t_hidden != hidden:
-        rep.add("error", "verifier-hidden", f"the drafter reads hidden states of size {t_hidden} (target_hidden_size "
-                f"/ hidden_size) but the verifier's hidden_size is {hidden}")
+    for misfit in drafter_misfits(cfg, vcfg):  # the aux ids are check_aux_ids', against the verifier's depth
+        if misfit.key in VERIFIER_FIT:
+            code, why = VERIFIER_FIT[misfit.key]
+            rep.add("error", code, f"{misfit.message}: {why}")
     if "embed_tokens.weight" not in w.meta or verifier_embedding is None:
         return
     found = verifier_embedding()

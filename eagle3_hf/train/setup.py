@@ -24,6 +24,7 @@ from ..constants import VOCAB_FILE
 from ..model.configuration_eagle3 import Eagle3Config
 from ..model.modeling_eagle3 import Eagle3DraftModel
 from ..verifier.family import text_config
+from ..verifier.fit import misfits
 from .arguments import DataArguments, ModelArguments
 
 if TYPE_CHECKING:
@@ -148,10 +149,11 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments
 def check_features_fit(info: dict, verifier_config: PreTrainedConfig, data_args: DataArguments,
                        model_args: ModelArguments) -> None:
     """Features extracted from another verifier (another hidden size) are refused before anything is built."""
-    recorded, hidden = info.get("verifier", {}), text_config(verifier_config).hidden_size
-    if recorded.get("hidden_size") and int(recorded["hidden_size"]) != int(hidden):
-        raise SystemExit(f"{data_args.data_dir}: features have hidden size {recorded['hidden_size']}, the verifier "
-                         f"{model_args.verifier} has {hidden}")
+    recorded = info.get("verifier", {}).get("hidden_size") or None  # the width the drafter's fc will read
+    found = misfits(verifier_config, target_hidden_size=recorded, what="features")
+    if found:
+        raise SystemExit(f"{data_args.data_dir}: features have hidden size {found[0].value}, the verifier "
+                         f"{model_args.verifier} has {found[0].expected}")
 
 
 def load_vocabulary(data_args: DataArguments, info: dict,

@@ -55,20 +55,31 @@ def default_aux_indices(num_layers: int) -> list[int]:
     return [1, num_layers // 2, num_layers - 1]
 
 
-def check_aux_indices(aux_indices: Iterable[int], num_layers: int) -> list[int]:
-    """Three distinct indices in 1..N-1 (0 is the embedding; N is post-norm and no engine can capture it)."""
+def aux_indices_problem(aux_indices: Iterable[int], num_layers: int | None) -> tuple[str, str] | None:
+    """The one aux-layer rule: ("count", why) unless three distinct indices, ("range", why) for one outside
+    1..N-1 (0 is the embedding; N is post-norm and no engine can capture it; with no verifier at hand, num_layers
+    None, only 0 is refused), else None. `check_aux_indices` raises it; `check` and the drafter fit report it."""
     indices = [int(i) for i in aux_indices]
     if len(indices) != 3:
-        raise ValueError(f"expected 3 aux layer indices, got {indices}")
+        return "count", f"expected 3 aux layer indices, got {indices}"
     if len(set(indices)) != 3:
-        raise ValueError(f"aux layer indices must be distinct, got {indices}")
-    bad = [i for i in indices if not 1 <= i <= num_layers - 1]
-    if bad:
-        raise ValueError(
-            f"aux indices {bad} are outside 1..{num_layers - 1} for a {num_layers}-layer verifier: they are "
-            f"output_hidden_states indices (0 is the embedding; {num_layers} is post-norm and no engine can capture it)"
-        )
-    return indices
+        return "count", f"aux layer indices must be distinct, got {indices}"
+    bad = [i for i in indices if i < 1 or (num_layers is not None and i > num_layers - 1)]
+    if bad and num_layers is None:
+        return "range", f"aux indices {bad} are below 1: they are output_hidden_states indices (0 is the embedding)"
+    if bad and num_layers is not None:
+        return "range", (f"aux indices {bad} are outside 1..{num_layers - 1} for a {num_layers}-layer verifier: they "
+                         f"are output_hidden_states indices (0 is the embedding; {num_layers} is post-norm and no "
+                         "engine can capture it)")
+    return None
+
+
+def check_aux_indices(aux_indices: Iterable[int], num_layers: int) -> list[int]:
+    """Three distinct indices in 1..N-1, as ints; a ValueError saying why not (aux_indices_problem)."""
+    problem = aux_indices_problem(aux_indices, num_layers)
+    if problem:
+        raise ValueError(problem[1])
+    return [int(i) for i in aux_indices]
 
 
 def text_config(verifier: Any) -> Any:

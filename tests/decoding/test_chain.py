@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.decoding.chain import (
-    acceptance_metric_path,
-    acceptance_stats,
-    compare_to_greedy,
-    greedy_generate,
-    speculative_generate,
-    verify_sampled,
-)
+from eagle3_hf.decoding import acceptance_stats, compare_to_greedy, greedy_generate, speculative_decode
+from eagle3_hf.decoding.chain import verify_sampled
+from eagle3_hf.decoding.core import sample
+from eagle3_hf.decoding.stats import acceptance_metric_path
 from eagle3_hf.evaluation.evaluate import evaluate_drafter, load_prompts
 
 from tests.helpers.assertions import assert_matches_greedy, chi_square_p_value
@@ -91,19 +87,19 @@ def train_drafter(verifier, steps: int = 80, ttt_steps: int = 3, seed: int = 0) 
 
 
 def assert_lossless(verifier, drafter, prompt, k, max_new_tokens):
-    spec = speculative_generate(verifier, drafter, prompt, k=k, max_new_tokens=max_new_tokens)
+    spec = speculative_decode(verifier, drafter, prompt, steps=k, max_new_tokens=max_new_tokens)
     return assert_matches_greedy(verifier, prompt, max_new_tokens, spec)
 
 
 def test_lossless_on_tiny_verifier_with_every_acceptance_length():
     verifier = lively_verifier()
     prompt = list(range(1000, 1012))
-    reference = greedy_generate(verifier, prompt, 40)["tokens"]
+    reference = greedy_generate(verifier, prompt, 40).tokens
     assert len(set(reference)) > 20  # the verifier's output really depends on its context
     oracle = OracleDrafter(prompt + reference, verifier.config.vocab_size, hit_rate=0.7)
     spec = assert_lossless(verifier, oracle, prompt, k=3, max_new_tokens=40)
-    assert set(spec["accepted_per_step"]) == {0, 1, 2, 3}
-    assert spec["num_verifier_forwards"] < 30
+    assert set(spec.accepted_per_step) == {0, 1, 2, 3}
+    assert spec.num_verifier_forwards < 30
     assert_lossless(verifier, random_drafter(verifier), prompt, k=4, max_new_tokens=12)
 
 
@@ -115,10 +111,10 @@ def test_lossless_on_default_verifier(default_verifier_dir, tokenizer):
     verifier = load_verifier(str(default_verifier_dir))
     question = mtbench_questions()[0]["turns"][0]
     prompt = render_prompt(tokenizer, [{"role": "user", "content": question}])
-    reference = greedy_generate(verifier, prompt, 20)["tokens"]
+    reference = greedy_generate(verifier, prompt, 20).tokens
     oracle = OracleDrafter(prompt + reference, verifier.config.vocab_size, hit_rate=0.6, seed=1)
     spec = assert_lossless(verifier, oracle, prompt, k=3, max_new_tokens=20)
-    assert max(spec["accepted_per_step"]) >= 2 and min(spec["accepted_per_step"]) < 3
+    assert max(spec.accepted_per_step) >= 2 and min(spec.accepted_per_step) < 3
 
 
 def test_mismatch_and_tie_are_told_apart():
@@ -138,11 +134,11 @@ def test_drafts_equal_the_training_unroll():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(drafter.midlayer.self_attn, name).weight.mul_(10.0 if name[0] in "qk" else 3.0)
     prompt = list(range(2000, 2010))
-    spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=16)
-    sequence = prompt + spec["tokens"]
+    spec = speculative_decode(verifier, drafter, prompt, steps=3, max_new_tokens=16)
+    sequence = prompt + spec.tokens
     newest = len(prompt)  # index of the newest token at the start of a round; the anchor sits before it
     seen = set()
-    for accepted, drafts in zip(spec["accepted_per_step"], spec["draft_tokens"]):
+    for accepted, drafts in zip(spec.accepted_per_step, spec.draft_tokens):
         if drafts:  # the last round near max_new_tokens may draft nothing
             ids = torch.tensor([sequence[: newest + 1] + drafts[:-1]])
             with torch.no_grad():
@@ -169,7 +165,7 @@ def test_tau_near_k_plus_one_for_trained_drafter_and_near_one_for_random():
         accepted = []
         for prompt in prompts:
             spec = assert_lossless(verifier, drafter, prompt, k=k, max_new_tokens=max_new)
-            accepted += spec["accepted_per_step"]
+            accepted += spec.accepted_per_step
         tau = acceptance_stats(accepted, [k] * len(accepted), k)["acceptance_length"]
         assert low <= tau <= high, tau
 
@@ -180,8 +176,6 @@ def test_tau_near_k_plus_one_for_trained_drafter_and_near_one_for_random():
 def test_accept_reject_core_is_exact():
     """verify_sampled with drafts from q: first token ~ p[0]; after an accepted draft, second ~ p[1]. A
     variant resampling from p instead of norm(max(0, p - q)) is rejected by the same test."""
-    import eagle3_hf.decoding.chain as spec_module
-
     g = torch.Generator().manual_seed(0)
     vocab = 6
     p = torch.softmax(2 * torch.randn(3, vocab, generator=g, dtype=torch.float64), -1)
@@ -206,8 +200,8 @@ def test_accept_reject_core_is_exact():
         for i, x in enumerate(drafts):
             if float(torch.rand((), dtype=torch.float64, generator=generator)) < min(1.0, float(p[i, x] / q[i, x])):
                 continue
-            return i, spec_module._sample(p[i], generator)
-        return len(drafts), spec_module._sample(p[len(drafts)], generator)
+            return i, sample(p[i], generator)
+        return len(drafts), sample(p[len(drafts)], generator)
 
     assert run(6000, biased)[0] < 1e-6
 
@@ -231,11 +225,11 @@ def test_speculative_sampling_matches_the_verifier_distribution():
     counts = torch.zeros(vocab**3)
     accepted = 0
     for seed in range(600):  # max_new_tokens 4: the first round after the prefill drafts a chain of two
-        out = speculative_generate(verifier, drafter, prompt, k=2, max_new_tokens=4, temperature=temperature,
-                                   generator=torch.Generator().manual_seed(seed), eos_token_id=[])
-        a, b, c = out["tokens"][:3]
+        out = speculative_decode(verifier, drafter, prompt, steps=2, max_new_tokens=4, temperature=temperature,
+                                 generator=torch.Generator().manual_seed(seed), eos_token_id=[])
+        a, b, c = out.tokens[:3]
         counts[a * vocab * vocab + b * vocab + c] += 1
-        accepted += sum(out["accepted_per_step"])
+        accepted += sum(out.accepted_per_step)
     assert accepted > 150  # drafts are often accepted, so the accept path is tested, not only resampling
     assert chi_square_p_value(counts, exact) > 1e-3
 
@@ -308,14 +302,14 @@ def test_evaluate_cli_writes_csv_and_summary(tmp_path, tiny_verifier_dir, monkey
     # a decoder that changes one token is caught: non-zero exit, lossless false in the summary
     import eagle3_hf.evaluation.evaluate as evaluate_module
 
-    real = evaluate_module.speculative_generate
+    real = evaluate_module.speculative_decode
 
     def corrupted(*args, **kwargs):
         out = real(*args, **kwargs)
-        out["tokens"][1] = (out["tokens"][1] + 1) % 49152
+        out.tokens[1] = (out.tokens[1] + 1) % 49152
         return out
 
-    monkeypatch.setattr(evaluate_module, "speculative_generate", corrupted)
+    monkeypatch.setattr(evaluate_module, "speculative_decode", corrupted)
     code = main(["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
                  str(prompts), "--k", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "bad"), "--no-progress"])
     bad = json.loads((tmp_path / "bad" / "eagle3_evaluation.json").read_text())

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from eagle3_hf.decoding.chain import greedy_generate, speculative_generate
+from eagle3_hf.decoding import greedy_generate, speculative_decode
 from eagle3_hf.decoding.tree import (
     DraftTree,
     accept_greedy,
@@ -18,7 +18,6 @@ from eagle3_hf.decoding.tree import (
     config_problem,
     draft_tree,
     num_candidates,
-    speculative_decode,
     tree_speculative_generate,
 )
 
@@ -65,7 +64,7 @@ class RankOracle:
 
 
 def oracle(verifier, prompt, max_new_tokens, ranks, aux=None):
-    reference = prompt + greedy_generate(verifier, prompt, max_new_tokens + 8, eos_token_id=[])["tokens"]
+    reference = prompt + greedy_generate(verifier, prompt, max_new_tokens + 8, eos_token_id=[]).tokens
     vocab = int(verifier.config.get_text_config().vocab_size)
     inner = random_drafter(verifier, draft_vocab_size=vocab, aux=aux) if aux else random_drafter(verifier, vocab)
     return RankOracle(inner, reference, ranks)
@@ -73,7 +72,8 @@ def oracle(verifier, prompt, max_new_tokens, ranks, aux=None):
 
 def assert_tree_lossless(verifier, drafter, prompt, max_new_tokens, **tree):
     """Token-identical to greedy, and the same distribution at every position: the cache kept the right rows."""
-    out = tree_speculative_generate(verifier, drafter, prompt, max_new_tokens=max_new_tokens, eos_token_id=[], **tree)
+    out = speculative_decode(verifier, drafter, prompt, max_new_tokens=max_new_tokens, eos_token_id=[], **tree)
+    assert out.tree_size_per_step is not None  # the tree ran, not the chain
     return assert_matches_greedy(verifier, prompt, max_new_tokens, out, eos_token_id=[])
 
 
@@ -85,16 +85,16 @@ def test_topk_one_is_todays_chain_bit_for_bit():
     prompt = list(range(1000, 1012))
     ranks = torch.randint(0, 3, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     for drafter in (random_drafter(verifier), oracle(verifier, prompt, 30, ranks)):
-        chain = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=30)
+        chain = speculative_decode(verifier, drafter, prompt, steps=3, topk=1, max_new_tokens=30)
+        assert chain.tree_size_per_step is None  # topk 1 is dispatched to the chain
         tree = tree_speculative_generate(verifier, drafter, prompt, steps=3, topk=1, num_draft_tokens=4,
                                          max_new_tokens=30)
         for key in ("tokens", "accepted_per_step", "drafted_per_step", "draft_tokens", "acceptance_length"):
-            assert tree[key] == chain[key], key
+            assert getattr(tree, key) == getattr(chain, key), key
+        assert tree.tree_size_per_step == [d + 1 for d in chain.drafted_per_step]
         # the tree mask takes another attention kernel path than the causal default: logits agree to rounding
-        torch.testing.assert_close(torch.tensor(tree["margins"]), torch.tensor(chain["margins"]), atol=1e-4, rtol=1e-4)
-    assert set(chain["accepted_per_step"]) >= {0, 1, 2}  # the oracle run rejected and accepted
-    dispatched = speculative_decode(verifier, drafter, prompt, steps=3, topk=1, max_new_tokens=30)
-    assert dispatched["tokens"] == chain["tokens"] and "tree_size_per_step" not in dispatched
+        torch.testing.assert_close(torch.tensor(tree.margins), torch.tensor(chain.margins), atol=1e-4, rtol=1e-4)
+    assert set(chain.accepted_per_step) >= {0, 1, 2}  # the oracle run rejected and accepted
 
 
 # ---------------------------------------------------------------- lossless (greedy)
@@ -106,8 +106,8 @@ def test_tree_greedy_lossless_tiny_llama_every_acceptance_length():
     ranks = torch.randint(0, 4, (80,), generator=torch.Generator().manual_seed(0)).tolist()  # rank 2, 3: misses at K=2
     out = assert_tree_lossless(verifier, oracle(verifier, prompt, 40, ranks), prompt, 40, steps=3, topk=2,
                                num_draft_tokens=6)
-    assert set(out["accepted_per_step"]) == {0, 1, 2, 3}
-    assert any(len(t) == 5 for t in out["draft_tokens"])
+    assert set(out.accepted_per_step) == {0, 1, 2, 3}
+    assert any(len(t) == 5 for t in out.draft_tokens)
     assert_tree_lossless(verifier, random_drafter(verifier), prompt, 16, steps=5, topk=8, num_draft_tokens=16)
 
 
@@ -120,7 +120,7 @@ def test_tree_greedy_lossless_every_family(family):
     ranks = torch.randint(0, 5, (80,), generator=torch.Generator().manual_seed(3)).tolist()
     drafter = oracle(verifier, prompt, 24, ranks, aux=[1, 2, 4])
     out = assert_tree_lossless(verifier, drafter, prompt, 24, steps=3, topk=4, num_draft_tokens=10)
-    assert max(out["accepted_per_step"]) >= 2 and min(out["accepted_per_step"]) == 0
+    assert max(out.accepted_per_step) >= 2 and min(out.accepted_per_step) == 0
 
 
 def test_tree_greedy_lossless_on_default_verifier(default_verifier_dir, tokenizer):
@@ -133,7 +133,7 @@ def test_tree_greedy_lossless_on_default_verifier(default_verifier_dir, tokenize
     ranks = torch.randint(0, 4, (len(prompt) + 40,), generator=torch.Generator().manual_seed(1)).tolist()
     out = assert_tree_lossless(verifier, oracle(verifier, prompt, 20, ranks), prompt, 20, steps=3, topk=2,
                                num_draft_tokens=6)
-    assert max(out["accepted_per_step"]) >= 2 and min(out["accepted_per_step"]) == 0
+    assert max(out.accepted_per_step) >= 2 and min(out.accepted_per_step) == 0
 
 
 # ---------------------------------------------------------------- the tree helps a drafter whose second choice is right
@@ -144,10 +144,10 @@ def test_second_choice_oracle_tau_one_as_chain_and_at_least_two_as_tree():
     prompt = list(range(1000, 1012))
     drafter = oracle(verifier, prompt, 30, [1] * 80)
     chain = speculative_decode(verifier, drafter, prompt, steps=3, topk=1, max_new_tokens=30)
-    assert chain["acceptance_length"] == 1.0
+    assert chain.acceptance_length == 1.0
     tree = speculative_decode(verifier, drafter, prompt, steps=3, topk=2, num_draft_tokens=8, max_new_tokens=30)
-    assert tree["acceptance_length"] >= 2.0
-    assert tree["tokens"] == chain["tokens"]
+    assert tree.acceptance_length >= 2.0
+    assert tree.tokens == chain.tokens
 
 
 # ---------------------------------------------------------------- SGLang's construction rules
@@ -279,12 +279,12 @@ def test_tree_sampling_matches_the_verifier_distribution():
              + logp[:, n + 1].gather(1, grid[:, 2:3])).exp().squeeze(1)
     counts, accepted = torch.zeros(vocab**3), 0
     for seed in range(600):
-        out = tree_speculative_generate(verifier, drafter, prompt, steps=2, topk=2, num_draft_tokens=5,
-                                        max_new_tokens=4, temperature=temperature,
-                                        generator=torch.Generator().manual_seed(seed), eos_token_id=[])
-        a, b, c = out["tokens"][:3]
+        out = speculative_decode(verifier, drafter, prompt, steps=2, topk=2, num_draft_tokens=5, max_new_tokens=4,
+                                 temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                                 eos_token_id=[])
+        a, b, c = out.tokens[:3]
         counts[a * vocab * vocab + b * vocab + c] += 1
-        accepted += sum(out["accepted_per_step"])
+        accepted += sum(out.accepted_per_step)
     assert accepted > 300
     assert chi_square_p_value(counts, exact) > 1e-3
 
@@ -294,6 +294,7 @@ def test_tree_sampling_matches_the_verifier_distribution():
 
 def test_sweep_writes_best_config_and_flags(tmp_path):
     from eagle3_hf.constants import SWEEP_FILE
+    from eagle3_hf.evaluation.recommend import recommend
     from eagle3_hf.evaluation.sweep import run_sweep, sweep_grid
     from eagle3_hf.publish.model_card import sweep_section
 
@@ -308,11 +309,13 @@ def test_sweep_writes_best_config_and_flags(tmp_path):
     data = json.loads((tmp_path / SWEEP_FILE).read_text())
     assert data == json.loads(json.dumps(result))
     assert len(data["configs"]) == 2 and all(c["lossless"] for c in data["configs"])
-    best = data["best"]
-    assert best["speedup"] == max(c["speedup"] for c in data["configs"])
-    assert f"--speculative-num-steps {best['steps']} --speculative-eagle-topk {best['topk']}" in data["sglang_flags"]
-    assert data["vllm_num_speculative_tokens"] == 2
-    assert "--speculative-algorithm EAGLE3" in sweep_section(data)
+    rec = data["recommendation"]
+    assert rec == recommend(data["configs"]).as_dict()  # the one rule's answer, not a second "fastest"
+    for c in data["configs"]:  # each speed an interval over the timed prompts, around the pooled point
+        assert c["timed_pairs"] == 2 and c["speedup_low"] <= c["speedup"] <= c["speedup_high"]
+    assert f"--speculative-num-steps {rec['steps']} --speculative-eagle-topk {rec['topk']}" in data["sglang_flags"]
+    assert data["vllm_num_speculative_tokens"] == 2 and data["speed_basis"] == "measured on this machine"
+    assert rec["reason"] in sweep_section(data) and data["sglang_flags"] in sweep_section(data)
 
     from eagle3_hf.publish.model_card import build_model_card  # the card of a drafter directory holding the sweep
 

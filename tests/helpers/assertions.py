@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_hf.decoding.chain import compare_to_greedy, greedy_generate
+from eagle3_hf.decoding import compare_to_greedy, greedy_generate
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -24,9 +24,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: 
 def assert_matches_greedy(verifier, prompt, max_new_tokens, spec, **greedy_kwargs):
     """`spec` (a speculative decoder's output, chain or tree) equals plain greedy decoding of `prompt`."""
     reference = greedy_generate(verifier, prompt, max_new_tokens, **greedy_kwargs)
-    assert compare_to_greedy(spec["tokens"], spec["margins"], reference["tokens"], reference["margins"]) == (
-        "match", None)
+    assert compare_to_greedy(spec.tokens, spec.margins, reference.tokens, reference.margins) == ("match", None)
     # stronger than tokens: the verifier computed the same distribution at every position (caches right)
-    torch.testing.assert_close(torch.tensor(spec["margins"]), torch.tensor(reference["margins"]), atol=1e-4, rtol=1e-4)
-    assert len(spec["tokens"]) - 1 == sum(spec["accepted_per_step"]) + spec["num_verifier_forwards"]
+    torch.testing.assert_close(torch.tensor(spec.margins), torch.tensor(reference.margins), atol=1e-4, rtol=1e-4)
+    assert len(spec.tokens) - 1 == sum(spec.accepted_per_step) + spec.num_verifier_forwards
     return spec

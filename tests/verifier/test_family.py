@@ -52,7 +52,7 @@ def _fresh_margins(verifier, ids: list[int]) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_end_to_end(family, tmp_path, tokenizer):
-    from eagle3_hf.decoding.chain import speculative_generate
+    from eagle3_hf.decoding import speculative_decode
     from eagle3_hf.evaluation.evaluate import render_prompt
     from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
     from eagle3_hf.verifier.loading import load_verifier
@@ -88,11 +88,11 @@ def test_family_end_to_end(family, tmp_path, tokenizer):
     verifier = load_verifier(v)
     drafter = Eagle3DraftModel.from_pretrained(out / "drafter", verifier=verifier)
     prompt = render_prompt(tokenizer, [{"role": "user", "content": "Name three colours of the rainbow."}])
-    run = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=24, temperature=0.8,
-                               generator=torch.Generator().manual_seed(0), eos_token_id=[])
-    assert sum(d - a for a, d in zip(run["accepted_per_step"], run["drafted_per_step"])) > 0  # rejections happened
-    fresh = _fresh_margins(verifier, prompt + run["tokens"][:-1])[len(prompt) - 1:]
-    assert run["margins"] == pytest.approx(fresh, abs=1e-3)
+    run = speculative_decode(verifier, drafter, prompt, steps=3, max_new_tokens=24, temperature=0.8,
+                             generator=torch.Generator().manual_seed(0), eos_token_id=[])
+    assert sum(d - a for a, d in zip(run.accepted_per_step, run.drafted_per_step)) > 0  # rejections happened
+    fresh = _fresh_margins(verifier, prompt + run.tokens[:-1])[len(prompt) - 1:]
+    assert run.margins == pytest.approx(fresh, abs=1e-3)
 
     assert cli.main(["export", str(out / "drafter"), "--output", str(out / "export"), "--format", "standard"]) == 0
     from transformers import AutoConfig
@@ -225,7 +225,7 @@ def test_speculative_greedy_is_lossless_with_rejections_every_family(family):
     """A random drafter is rejected at almost every step, so the verifier's cache is cropped all the time:
     for Gemma 3 that crosses its 8-token sliding window, which must be rolled back, not lost."""
     from eagle3_hf.data.vocab import vocab_from_target_ids
-    from eagle3_hf.decoding.chain import greedy_generate, speculative_generate
+    from eagle3_hf.decoding import greedy_generate, speculative_decode
     from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
 
     verifier = family_model(family)
@@ -235,6 +235,6 @@ def test_speculative_greedy_is_lossless_with_rejections_every_family(family):
     drafter.load_verifier_embeddings(verifier)
     prompt = torch.randint(3, 1000, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     base = greedy_generate(verifier, prompt, 20, eos_token_id=[])
-    spec = speculative_generate(verifier, drafter, prompt, k=3, max_new_tokens=20, eos_token_id=[])
-    assert len(spec["accepted_per_step"]) > 3  # several verify steps, each cropping rejected drafts
-    assert spec["tokens"] == base["tokens"]
+    spec = speculative_decode(verifier, drafter, prompt, steps=3, max_new_tokens=20, eos_token_id=[])
+    assert len(spec.accepted_per_step) > 3  # several verify steps, each cropping rejected drafts
+    assert spec.tokens == base.tokens

@@ -4,7 +4,7 @@ Stand-alone on purpose (evaluate copies this file into its module cache; it impo
 eagle3_hf), so it can also be published as a Space. Load it offline from the installed package:
 
     import evaluate
-    from eagle3_hf.decoding.chain import acceptance_metric_path
+    from eagle3_hf.decoding.stats import acceptance_metric_path
     metric = evaluate.load(acceptance_metric_path())
     metric.compute(accepted=[3, 1, 0], drafted=[3, 3, 3])
 """
