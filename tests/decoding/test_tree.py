@@ -164,7 +164,7 @@ def test_tree_construction_follows_sglang():
     steps, topk = 3, 3
     for size in (9, 1 + num_candidates(steps, topk)):  # a pick among the candidates, and all of them
         _check_against_brute_force(drafter, prompt, verifier, steps, topk, size)
-    assert num_candidates(3, 3) == 3 + 2 * 9 and num_candidates(1, 4) == 4 and num_candidates(0, 4) == 0
+    assert num_candidates(1, 4) == 4 and num_candidates(0, 4) == 0
 
 
 def _check_against_brute_force(drafter, prompt, verifier, steps, topk, size):
@@ -193,6 +193,7 @@ def _check_against_brute_force(drafter, prompt, verifier, steps, topk, size):
             candidates += expanded
             kept = sorted(expanded, key=lambda c: -c[0])[:topk]
         best = sorted(candidates, key=lambda c: -c[0])[: size - 1]
+    assert len(candidates) == num_candidates(steps, topk)  # SGLang's score list, counted here by the brute force
 
     def path(i):
         out = []
@@ -292,35 +293,79 @@ def test_tree_sampling_matches_the_verifier_distribution():
 # ---------------------------------------------------------------- the sweep
 
 
-def test_sweep_writes_best_config_and_flags(tmp_path):
+# What evaluate_drafter measures for each (S, K, N) of sweep_grid([2, 3], [1, 2], [4, 7]): per prompt, plain and
+# speculative seconds at one ratio (so each speed interval is that point), and τ. The deeper chain is the faster
+# one, and a tree beats it measurably: (2, 2, 7), though (3, 2, 7) has the highest τ.
+SPEEDUP_TAU = {(2, 1, 3): (1.10, 1.6), (2, 2, 4): (1.40, 2.0), (2, 2, 7): (1.50, 2.8), (3, 1, 4): (1.25, 1.9),
+               (3, 2, 4): (1.05, 2.2), (3, 2, 7): (1.20, 3.0)}
+
+
+def _measured(monkeypatch, stop_at: int | None = None) -> list[tuple[int, int, int]]:
+    """evaluate_drafter replaced by SPEEDUP_TAU for three prompts; KeyboardInterrupt at call `stop_at`."""
+    from eagle3_hf.evaluation import evaluate
+
+    calls = []
+
+    def measured(verifier, drafter, tokenizer, prompts, k=3, topk=1, num_draft_tokens=None, **_):
+        calls.append((k, topk, num_draft_tokens))
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # a sweep stopped by hand
+        speedup, tau = SPEEDUP_TAU[(k, topk, num_draft_tokens)]
+        per_prompt = [{"baseline_seconds": plain, "speculative_seconds": plain / speedup} for plain in (1.0, 2.0, 3.0)]
+        return {"acceptance_length": tau, "per_position_acceptance": [0.5] * k, "per_prompt": per_prompt,
+                "tokens_per_second": {}, "lossless": True, "mismatches": 0, "numerical_ties": 0}
+
+    monkeypatch.setattr(evaluate, "evaluate_drafter", measured)
+    return calls
+
+
+def test_sweep_recommends_from_its_measurements(tmp_path, monkeypatch):
     from eagle3_hf.constants import SWEEP_FILE
-    from eagle3_hf.evaluation.recommend import recommend
     from eagle3_hf.evaluation.sweep import run_sweep, sweep_grid
-    from eagle3_hf.publish.model_card import sweep_section
+    from eagle3_hf.publish.model_card import build_model_card
 
     from tests.helpers.verifiers import ToyTokenizer, plus_one_verifier
 
     verifier = plus_one_verifier()
     drafter = random_drafter(verifier, draft_vocab_size=32, aux=[1, 2, 3])
-    grid = sweep_grid([2], [1, 2], [4, 8])
-    assert [(c["steps"], c["topk"], c["num_draft_tokens"]) for c in grid] == [(2, 1, 3), (2, 2, 4)]
-    result = run_sweep(verifier, drafter, ToyTokenizer(), ["hello there", "more text"], grid, max_new_tokens=12,
-                       output=tmp_path, progress=False)
+    grid = sweep_grid([2, 3], [1, 2], [4, 7])  # K = 1 only at N = S + 1; (2, 2, 8) is past 1 + 2 + 2 x 2
+    assert [(c["steps"], c["topk"], c["num_draft_tokens"]) for c in grid] == list(SPEEDUP_TAU)
+    calls = _measured(monkeypatch)
+    run_sweep(verifier, drafter, ToyTokenizer(), ["a", "b", "c"], grid, max_new_tokens=12, output=tmp_path,
+              progress=False, repeats=2)
+    assert calls == list(SPEEDUP_TAU) * 2  # every configuration, every round
     data = json.loads((tmp_path / SWEEP_FILE).read_text())
-    assert data == json.loads(json.dumps(result))
-    assert len(data["configs"]) == 2 and all(c["lossless"] for c in data["configs"])
+    for row in data["configs"]:  # both rounds' prompts pooled into one speed and its interval
+        speedup = SPEEDUP_TAU[(row["steps"], row["topk"], row["num_draft_tokens"])][0]
+        assert row["timed_pairs"] == 6 and row["lossless"] is True
+        assert [row["speedup_low"], row["speedup"], row["speedup_high"]] == pytest.approx([speedup] * 3)
     rec = data["recommendation"]
-    assert rec == recommend(data["configs"]).as_dict()  # the one rule's answer, not a second "fastest"
-    for c in data["configs"]:  # each speed an interval over the timed prompts, around the pooled point
-        assert c["timed_pairs"] == 2 and c["speedup_low"] <= c["speedup"] <= c["speedup_high"]
-    assert f"--speculative-num-steps {rec['steps']} --speculative-eagle-topk {rec['topk']}" in data["sglang_flags"]
-    assert data["vllm_num_speculative_tokens"] == 2 and data["speed_basis"] == "measured on this machine"
-    assert rec["reason"] in sweep_section(data) and data["sglang_flags"] in sweep_section(data)
+    assert (rec["steps"], rec["topk"], rec["num_draft_tokens"], rec["basis"]) == (2, 2, 7, "measured")
+    assert data["sglang_flags"] == ("--speculative-algorithm EAGLE3 --speculative-num-steps 2 "
+                                    "--speculative-eagle-topk 2 --speculative-num-draft-tokens 7 "
+                                    "--attention-backend flashinfer")
+    assert data["vllm_num_speculative_tokens"] == 3  # vLLM drafts chains: the faster chain, S = 3
+    (tmp_path / "config.json").write_text("{}")  # the card of a drafter directory holding the sweep
+    card = str(build_model_card(tmp_path, "org/drafter"))
+    assert f"```\n{data['sglang_flags']}\n```" in card and rec["reason"] in card
+    assert "vLLM drafts chains: `num_speculative_tokens` 3" in card
 
-    from eagle3_hf.publish.model_card import build_model_card  # the card of a drafter directory holding the sweep
 
-    (tmp_path / "config.json").write_text("{}")
-    assert data["sglang_flags"] in str(build_model_card(tmp_path, "org/drafter"))
+def test_an_interrupted_sweep_keeps_what_it_measured(tmp_path, monkeypatch):
+    from eagle3_hf.constants import SWEEP_FILE
+    from eagle3_hf.evaluation.sweep import run_sweep, sweep_grid
+
+    from tests.helpers.verifiers import ToyTokenizer, plus_one_verifier
+
+    verifier = plus_one_verifier()
+    _measured(monkeypatch, stop_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(verifier, random_drafter(verifier, draft_vocab_size=32, aux=[1, 2, 3]), ToyTokenizer(), ["a"],
+                  sweep_grid([2, 3], [1, 2], [4, 7]), max_new_tokens=12, output=tmp_path, progress=False)
+    data = json.loads((tmp_path / SWEEP_FILE).read_text())
+    assert [(c["steps"], c["topk"], c["num_draft_tokens"]) for c in data["configs"]] == list(SPEEDUP_TAU)[:3]
+    rec = data["recommendation"]  # recommended from the three it measured
+    assert (rec["num_draft_tokens"], data["vllm_num_speculative_tokens"]) == (7, 2)
 
 
 def test_evaluate_cli_tree_and_sweep(tmp_path, tiny_verifier_dir, capsys):
@@ -335,13 +380,15 @@ def test_evaluate_cli_tree_and_sweep(tmp_path, tiny_verifier_dir, capsys):
     prompts.write_text('{"id": "q1", "prompt": "Hi!"}\n{"id": "q2", "prompt": "Name a color."}\n')
     common = ["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
               str(prompts), "--max-new-tokens", "6", "--no-progress", "--device", "cpu"]
-    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "5", "--output", str(tmp_path / "t")]) == 0
+    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "5", "--output",
+                          str(tmp_path / "t")]) == 0
     summary = json.loads((tmp_path / "t" / "eagle3_evaluation.json").read_text())
     assert (summary["k"], summary["topk"], summary["num_draft_tokens"], summary["lossless"]) == (2, 2, 5, True)
     assert "steps=2, topk=2, N=5" in capsys.readouterr().out
     assert main(common + ["--topk", "2", "--output", str(tmp_path / "x")]) != 0
     assert "--num-draft-tokens is required" in capsys.readouterr().err
-    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "9", "--output", str(tmp_path / "x")]) != 0
+    assert main(common + ["--steps", "2", "--topk", "2", "--num-draft-tokens", "9", "--output",
+                          str(tmp_path / "x")]) != 0
     assert "must lie in 2..7" in capsys.readouterr().err
     assert main(common + ["--sweep", "--sweep-steps", "2", "--sweep-topk", "1", "2", "--sweep-num-draft-tokens", "4",
                           "--output", str(tmp_path / "s"), "--write-to-drafter"]) == 0
