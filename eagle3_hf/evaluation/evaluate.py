@@ -277,7 +277,8 @@ def load_for_evaluation(args: argparse.Namespace):
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype).to(device)
+    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
+    verifier = verifier.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype, device=device)
     bad = non_finite_names(drafter.state_dict())

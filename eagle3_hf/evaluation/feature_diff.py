@@ -116,8 +116,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     report = diff_features(args.a, args.b, max_samples=args.max_samples)
     if args.drafter:
-        from ..train.metrics import drafter_step_accuracies
         from ..model.modeling_eagle3 import Eagle3DraftModel
+        from ..train.metrics import drafter_step_accuracies
 
         verifier = None
         if args.verifier:

@@ -124,10 +124,12 @@ def format_vllm_summary(summary: dict[str, Any]) -> str:
 
     text = f"vLLM {summary.get('vllm_version')}: {format_summary(summary)}"
     if summary.get("gap") is not None:
-        text += (f"\ntransformers (eagle3-hf evaluate): tau {summary['transformers_acceptance_length']:.3f}; vLLM counted "
-                 f"the same way (final step cut at max tokens): {summary['acceptance_length_as_evaluate_counts']:.3f}; "
-                 f"prompts with equal accepted drafts at every step {summary['prompts_equal']}/{summary['num_compared']}"
-                 f" (outputs differ by engine numerics: {summary['prompts_numerics']}, acceptance differs: "
+        text += (f"\ntransformers (eagle3-hf evaluate): tau {summary['transformers_acceptance_length']:.3f}; vLLM "
+                 f"counted the same way (final step cut at max tokens): "
+                 f"{summary['acceptance_length_as_evaluate_counts']:.3f}; "
+                 f"prompts with equal accepted drafts at every step "
+                 f"{summary['prompts_equal']}/{summary['num_compared']} (outputs differ by engine numerics: "
+                 f"{summary['prompts_numerics']}, acceptance differs: "
                  f"{summary['prompts_differ']})\ntrain/serve gap (vLLM tau - transformers tau): {summary['gap']:+.3f}")
     return text
 
@@ -160,7 +162,7 @@ def run_engine(args: argparse.Namespace) -> int:
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": _turns(p)[0]}]) for p in prompts]
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": (_turns(p) or [""])[0]}]) for p in prompts]
     threads = torch.get_num_threads()
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
