@@ -1,11 +1,7 @@
 """Per-step metrics of a drafter — accuracy, conditional accuracy, simulated τ — shared by the trainer,
-evaluation and diff; the targets they score against are the loss's (loss.py).
-
-For step i the drafter's output at position t predicts token t + 2 + i (docs/contracts.md, TTT). Its teacher is the
-verifier's distribution at position t + 1 + i (restricted to the draft vocabulary, renormalised), its
-greedy reference is `verifier_greedy[t + 1 + i]`, and it counts only where token t + 2 + i is an
-assistant token of the same document. Positions whose greedy token lies outside the draft vocabulary
-carry no loss but count as misses in accuracy (such a token can never be accepted).
+evaluation and diff. They score against the loss's targets (`loss.step_targets`, whose module docstring states
+the alignment); a position whose greedy token lies outside the draft vocabulary counts as a miss, since such a
+token can never be accepted.
 """
 
 from __future__ import annotations
