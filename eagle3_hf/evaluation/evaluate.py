@@ -26,7 +26,7 @@ from ..decoding.tree import config_problem, num_candidates
 from ..verifier.fit import require_fit
 
 
-def _turns(row: dict | str) -> list[str] | None:
+def prompt_turns(row: dict | str) -> list[str] | None:
     """User turns of a prompt given as a string, {"turns": [...]}, {"messages": [...]} or {"prompt": str}."""
     if isinstance(row, str):
         return [row]
@@ -48,7 +48,7 @@ def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str
     if source == "dev":  # the development set: choose on it, keep MT-bench for the final numbers
         from ..demo_data.prompts import dev_prompts
 
-        return [{"id": row["id"], "turns": _turns(row)} for row in dev_prompts()][:limit], "dev"
+        return [{"id": row["id"], "turns": prompt_turns(row)} for row in dev_prompts()][:limit], "dev"
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist (or use --prompts mt-bench or dev)")
@@ -58,7 +58,7 @@ def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str
     for line_no, row in iter_jsonl(path):
         if limit and len(rows) >= limit:
             break
-        turns = _turns(row) if isinstance(row, dict) else None
+        turns = prompt_turns(row) if isinstance(row, dict) else None
         if not turns:
             raise ValueError(f"{path}:{line_no}: expected a non-empty `turns`, `messages` or `prompt` field")
         rows.append({"id": str(row.get("id", row.get("question_id", line_no))), "turns": turns})
@@ -98,8 +98,9 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
 
     check_pair(verifier, drafter)
     greedy = temperature <= 0
-    items: list[dict[str, Any]] = [{"id": str(p.get("id", i)) if isinstance(p, dict) else str(i), "turns": _turns(p)}
-             for i, p in enumerate(prompts)]
+    items: list[dict[str, Any]] = [
+        {"id": str(p.get("id", i)) if isinstance(p, dict) else str(i), "turns": prompt_turns(p)}
+        for i, p in enumerate(prompts)]
     if not items or any(not it["turns"] for it in items):
         raise ValueError("no prompts, or a prompt without a user turn")
     warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])

@@ -143,7 +143,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from ..engines.vllm_env import vllm_python
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_tokenizer, resolve_verifier
-    from .evaluate import _turns, check_pair, copy_to_drafter, load_prompts, render_prompt, write_outputs
+    from .evaluate import check_pair, copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise SystemExit("--k and --max-new-tokens must be >= 1")
@@ -162,7 +162,7 @@ def run_engine(args: argparse.Namespace) -> int:
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": (_turns(p) or [""])[0]}]) for p in prompts]
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
     threads = torch.get_num_threads()
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
