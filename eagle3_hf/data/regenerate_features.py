@@ -15,7 +15,7 @@ prefill covers the whole history. Refused by id, counted in the manifest like ex
 for those), `template_rewrites_history`, `no_loss_tokens` (after --max-seq-len), `nan_or_inf`.
 
 Numerics: a KV-cached, left-padded batched pass instead of extract's one full forward per sample, so the
-features differ from extract's by float rounding (tests/test_regenerate_features.py states the tolerance).
+features differ from extract's by float rounding (tests/data/test_regenerate_features.py states the tolerance).
 
 --num-workers N: N processes (this one and N-1 spawned), each a rank of the feature directory as under
 `extract` with torchrun, taking length-sorted batches from one queue (a process slowed by a busy machine

@@ -100,8 +100,9 @@ def instruction_sources() -> dict[str, Iterator[dict]]:
 
 
 # Training-pool prompts that overlap an MT-bench question (eagle3_hf.demo_data.overlap: equal after normalising, or a
-# shared 8-word run; Vicuna-era prompts in AlpacaEval). No training pool draws them; tests/test_overlap.py recomputes
-# this over every source in full, so a changed wheel that adds an overlap fails there.
+# shared 8-word run; Vicuna-era prompts in AlpacaEval). No training pool draws them;
+# tests/demo_data/test_overlap.py recomputes this over every source in full, so a changed wheel that adds an
+# overlap fails there.
 MTBENCH_OVERLAPS = frozenset({"alpaca-eval-786", "alpaca-eval-788", "alpaca-eval-791", "alpaca-eval-801",
                               "writingbench-497"})
 DEV_SOURCES = ("healthbench", "alpaca-eval", "arena-hard", "ifeval", "chitchat")
