@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..verifier.family import text_config
 from .rules import (
     ENGINES,
     LEVELS,
+    CheckpointWeights,
     Finding,
     Report,
     check_config,
@@ -29,55 +28,7 @@ from .rules import (
     check_vocab_mapping,
 )
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = ["Finding", "check_drafter"]
-
-
-class _Weights:
-    """Tensor names, shapes and dtypes from safetensors headers; values loaded on demand."""
-
-    def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
-        self.handles: dict[Path, Any] = {}  # safetensors handles
-        self.where: dict[str, Path] = {}
-        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
-        for path in files:
-            handle = safe_open(str(path), framework="pt")
-            self.handles[path] = handle
-            for name in handle.keys():
-                sl = handle.get_slice(name)
-                self.where[name] = path
-                self.meta[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.meta[name][0]
-
-    def dtype(self, name: str) -> str:
-        return self.meta[name][1]
-
-    def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        handle = self.handles[self.where[name]]
-        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
-
-    def row_blocks(self, name: str, max_elems: int = 1 << 24) -> Iterator[torch.Tensor]:
-        """The tensor in row blocks (float32), so a 32000 x 7168 head never sits in memory twice."""
-        shape = self.shape(name)
-        if len(shape) < 2:
-            yield self.tensor(name).float()
-            return
-        step = max(1, max_elems // max(1, math.prod(shape[1:])))
-        for start in range(0, shape[0], step):
-            yield self.tensor(name, slice(start, min(start + step, shape[0]))).float()
-
-    def sample_rows(self, name: str, blocks: int = 8, block: int = 128) -> torch.Tensor:
-        import torch
-
-        n = self.shape(name)[0]
-        starts = sorted({int(i * max(0, n - block) / max(1, blocks - 1)) for i in range(blocks)})
-        return torch.cat([self.tensor(name, slice(s, min(s + block, n))).float() for s in starts]).unique(dim=0)
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -121,7 +72,7 @@ def _verifier_embedding(root: Path) -> tuple[Any, str] | None:
     files = _weight_files(root)
     if not files:
         return None
-    weights = _Weights(files)
+    weights = CheckpointWeights(files)
     names = [n for n in weights.meta if n.endswith("embed_tokens.weight")]
     return (weights, sorted(names, key=len)[0]) if names else None
 
@@ -171,7 +122,7 @@ def check_drafter(
         rep.add("error", "missing-weights-file", f"no *.safetensors in {path_or_repo}{extra}")
     else:
         try:
-            w = _Weights(files)
+            w = CheckpointWeights(files)
         except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
             rep.add("error", "bad-weights-file", f"cannot read safetensors in {path_or_repo}: {exc}")
         else:

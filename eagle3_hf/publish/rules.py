@@ -2,7 +2,7 @@
 
 The layout, its shapes and the vocabulary-mapping rules are `eagle3_hf.model.checkpoint`'s, the aux-layer and
 engine-config rules `eagle3_hf.model.configuration_eagle3`'s; this module says what each engine makes of a
-violation. A rule reads a config dict and a weights reader (`check._Weights`: names, shapes, dtypes, values
+violation. A rule reads a config dict and a weights reader (`CheckpointWeights`: names, shapes, dtypes, values
 on demand) and adds to a `Report`. The engine behaviour each rule guards against, as read in their source:
 
 - SGLang `python/sglang/srt/models/llama_eagle3.py`: `load_weights` maps a name `n` to `n` or `model.n` and
@@ -29,8 +29,9 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..model.checkpoint import (
@@ -46,8 +47,6 @@ from ..verifier.fit import drafter_misfits
 
 if TYPE_CHECKING:
     import torch
-
-    from .check import _Weights
 
 LEVELS = ("error", "warning", "info")
 ENGINES = ("sglang", "vllm")
@@ -194,7 +193,52 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
         rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}")
 
 
-def check_names_and_shapes(cfg: dict, w: _Weights, rep: Report) -> None:
+class CheckpointWeights:
+    """Tensor names, shapes and dtypes from safetensors headers; values loaded on demand."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self.handles: dict[Path, Any] = {}  # safetensors handles
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            self.handles[path] = handle
+            for name in handle.keys():
+                sl = handle.get_slice(name)
+                self.where[name] = path
+                self.meta[name] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.meta[name][0]
+
+    def dtype(self, name: str) -> str:
+        return self.meta[name][1]
+
+    def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        handle = self.handles[self.where[name]]
+        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+
+    def row_blocks(self, name: str, max_elems: int = 1 << 24) -> Iterator[torch.Tensor]:
+        """The tensor in row blocks (float32), so a 32000 x 7168 head never sits in memory twice."""
+        shape = self.shape(name)
+        if len(shape) < 2:
+            yield self.tensor(name).float()
+            return
+        step = max(1, max_elems // max(1, math.prod(shape[1:])))
+        for start in range(0, shape[0], step):
+            yield self.tensor(name, slice(start, min(start + step, shape[0]))).float()
+
+    def sample_rows(self, name: str, blocks: int = 8, block: int = 128) -> torch.Tensor:
+        import torch
+
+        n = self.shape(name)[0]
+        starts = sorted({int(i * max(0, n - block) / max(1, blocks - 1)) for i in range(blocks)})
+        return torch.cat([self.tensor(name, slice(s, min(s + block, n))).float() for s in starts]).unique(dim=0)
+
+
+def check_names_and_shapes(cfg: dict, w: CheckpointWeights, rep: Report) -> None:
     allowed = set(LAYER_WEIGHTS + VOCAB_BUFFERS + (EMBED_KEY,) + (BIAS_WEIGHTS if cfg.get("attention_bias") else ()))
     unknown = sorted(n for n in w.meta if n not in allowed)
     spec = [n for n in unknown if n.startswith("layers.0.")]
@@ -250,7 +294,7 @@ def check_names_and_shapes(cfg: dict, w: _Weights, rep: Report) -> None:
         rep.add("warning", "t2d-dtype", f"t2d has dtype {w.dtype('t2d')}; the standard layout stores a bool mask")
 
 
-def check_values(cfg: dict, w: _Weights, rep: Report) -> None:
+def check_values(cfg: dict, w: CheckpointWeights, rep: Report) -> None:
     import torch
 
     non_finite: set[str] = set()
@@ -288,7 +332,7 @@ def check_values(cfg: dict, w: _Weights, rep: Report) -> None:
             rep.add("warning", "untrained-" + name.split(".")[0], f"{name} looks untrained: {why}; {what}")
 
 
-def check_vocab_mapping(cfg: dict, w: _Weights, rep: Report, verifier_vocab: int | None) -> None:
+def check_vocab_mapping(cfg: dict, w: CheckpointWeights, rep: Report, verifier_vocab: int | None) -> None:
     if "d2t" not in w.meta or len(w.shape("d2t")) != 1 or not w.dtype("d2t").startswith(("I", "U")):
         return
     vocab = int(verifier_vocab or cfg.get("vocab_size") or 0)
@@ -302,7 +346,7 @@ VERIFIER_FIT = {"vocab_size": ("verifier-vocab", "d2t, t2d and the shared embedd
                 "target_hidden_size": ("verifier-hidden", "fc reads 3 x the verifier's hidden states")}
 
 
-def check_verifier(cfg: dict, w: _Weights, rep: Report, vcfg: dict,
+def check_verifier(cfg: dict, w: CheckpointWeights, rep: Report, vcfg: dict,
                    verifier_embedding: Callable[[], tuple[Any, str] | None] | None) -> None:
     """Sizes against the verifier's; a carried embed_tokens against the verifier's embedding, which
     `verifier_embedding()` returns as (weights reader, tensor name) when the verifier is local."""
