@@ -155,6 +155,49 @@ def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, tim
 EXTRACT_RUNNER = Path(__file__).resolve().parent / "vllm_extract_runner.py"
 
 
+EXTRACT_PREFIX = "eagle3_vllm_extract_"
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped: a container without an init) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_orphaned_extractions(root: str) -> list[str]:
+    """Remove the temporary directories of extractions whose reader and runner have both exited: a reader
+    killed outright cannot clean up, and a runner that finished before the kill never learns of it. A
+    runner still running when its reader dies removes its own files (vllm_extract_runner.reader_gone)."""
+    import shutil
+    import time
+
+    removed = []
+    for path in Path(root).glob(EXTRACT_PREFIX + "*"):
+        try:
+            pids = [int(p) for p in (path / "pids").read_text(encoding="utf-8").split()]
+        except (OSError, ValueError):  # no pid file yet: starting right now, or torn; age decides
+            try:
+                if time.time() - path.stat().st_mtime < 600:
+                    continue
+            except OSError:
+                continue
+            pids = []
+        if any(process_alive(pid) for pid in pids):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
 class VllmExtraction:
     """vllm_extract_runner.py in the vLLM venv, as a context manager that yields each request's file.
 
@@ -179,7 +222,8 @@ class VllmExtraction:
 
     def __enter__(self) -> VllmExtraction:
         python = vllm_python()
-        self._tmp = tempfile.TemporaryDirectory(prefix="eagle3_vllm_extract_")
+        remove_orphaned_extractions(tempfile.gettempdir())
+        self._tmp = tempfile.TemporaryDirectory(prefix=EXTRACT_PREFIX)
         tmp = Path(self._tmp.name)
         self.storage = Path(self.storage_dir) if self.storage_dir else tmp / "states"
         self.storage.mkdir(parents=True, exist_ok=True)
@@ -204,6 +248,7 @@ class VllmExtraction:
         finally:
             if log is not None:
                 log.close()
+        (tmp / "pids").write_text(f"{os.getpid()} {self._proc.pid}\n", encoding="utf-8")
         return self
 
     def _pending_bytes(self) -> int:

@@ -1,0 +1,51 @@
+"""The cleanup of extractions whose reader was killed outright (no vLLM needed)."""
+
+import os
+import subprocess
+import sys
+import time
+
+from eagle3_hf.engines.vllm_env import EXTRACT_PREFIX, process_alive, remove_orphaned_extractions
+
+
+def exited_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_removes_only_directories_whose_reader_and_runner_both_exited(tmp_path):
+    dead = exited_pid()
+    both_gone = tmp_path / f"{EXTRACT_PREFIX}gone"
+    runner_alive = tmp_path / f"{EXTRACT_PREFIX}runner"
+    starting = tmp_path / f"{EXTRACT_PREFIX}starting"  # no pid file yet, just created
+    other = tmp_path / "unrelated_dir"
+    for d in (both_gone, runner_alive, starting, other):
+        d.mkdir()
+        (d / "request.json").write_text("{}")
+    (both_gone / "pids").write_text(f"{dead} {dead}\n")
+    (runner_alive / "pids").write_text(f"{dead} {os.getpid()}\n")
+    (other / "pids").write_text(f"{dead} {dead}\n")
+
+    removed = remove_orphaned_extractions(str(tmp_path))
+
+    assert removed == [str(both_gone)]
+    assert not both_gone.exists() and runner_alive.exists() and starting.exists() and other.exists()
+
+
+def test_a_directory_without_pids_is_removed_once_old(tmp_path):
+    torn = tmp_path / f"{EXTRACT_PREFIX}torn"
+    torn.mkdir()
+    old = time.time() - 3600
+    os.utime(torn, (old, old))
+    assert remove_orphaned_extractions(str(tmp_path)) == [str(torn)]
+
+
+def test_a_zombie_counts_as_exited():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while process_alive(proc.pid):  # exited but not reaped: a zombie
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.wait()
+    assert not process_alive(proc.pid)
