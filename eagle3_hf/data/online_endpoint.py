@@ -40,6 +40,7 @@ from .vllm_extract import check_states, features_from_states
 if TYPE_CHECKING:
     from torch import nn
 
+    from .feature_cache import FeatureCache
     from .online import PreparedDataset
 
 # what must match between the server and the training run
@@ -148,7 +149,7 @@ class EndpointFeatureCollator:
     def __init__(self, client: FeatureClient, prepared: PreparedDataset, norm: nn.Module, head: nn.Module,
                  softcap: float | None, aux_indices: Sequence[int], layer_ids: Sequence[int], hidden: int,
                  max_seq_len: int | None = None, storage_dtype: str | None = "bfloat16", pad_token_id: int = 0,
-                 max_in_flight: int = 8):
+                 max_in_flight: int = 8, cache: FeatureCache | None = None):
         self.client, self.prepared = client, prepared
         self.norm, self.head, self.softcap = norm, head, softcap
         self.aux_indices, self.layer_ids, self.hidden = list(aux_indices), list(layer_ids), int(hidden)
@@ -156,6 +157,10 @@ class EndpointFeatureCollator:
         self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
         self.max_in_flight = max(1, int(max_in_flight))
         self._position = {sid: i for i, sid in enumerate(prepared.sample_ids)}
+        self.cache = cache  # --cache-features: samples read from DIR, fetched ones written there
+        if cache is not None and canonical_dtype(cache.header["dtype"]) != (self.storage_dtype or "float32"):
+            raise ValueError(f"--cache-features {cache.dir} stores {cache.header['dtype']}, the batches are rounded "
+                             f"to {self.storage_dtype or 'float32'}: they must agree")
 
     def _round(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         if self.storage_dtype is None:
@@ -170,19 +175,40 @@ class EndpointFeatureCollator:
                               self.hidden)
         return features_from_states(states, self.aux_indices, self.layer_ids, self.norm, self.head, self.softcap)
 
+    def rounded(self, f: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole sample's features rounded as a shard stores them (per token row: slicing commutes)."""
+        return {"aux_hidden_states": self._round(f["aux_hidden_states"], len(self.aux_indices)),
+                "last_hidden_state": self._round(f["last_hidden_state"], 1),
+                "verifier_greedy": f["verifier_greedy"].long()}
+
+    def features(self, wanted: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """{id: rounded features}: from the cache where it holds the sample, else fetched (and cached)."""
+        have: dict[str, dict[str, torch.Tensor]] = {}
+        if self.cache is not None:
+            have = self.cache.get(wanted, {sid: self.prepared[self._position[sid]]["input_ids"].long()
+                                           for sid in wanted})
+        missing = [sid for sid in wanted if sid not in have]
+        if missing:
+            with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(missing)),
+                                    thread_name_prefix="eagle3-features") as pool:
+                fetched = dict(zip(missing, pool.map(self.sample_features, missing)))
+            if self.cache is not None:
+                self.cache.put({sid: dict(f, **{k: v for k, v in self.prepared[self._position[sid]].items()
+                                                if k in ("input_ids", "loss_mask")}) for sid, f in fetched.items()})
+            have.update((sid, self.rounded(f)) for sid, f in fetched.items())
+        return have
+
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         wanted = list(dict.fromkeys(sid for row in rows for sid, _s, _e in row["pieces"]))
-        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(wanted)) or 1,
-                                thread_name_prefix="eagle3-features") as pool:
-            fetched = dict(zip(wanted, pool.map(self.sample_features, wanted)))
+        features = self.features(wanted)
         full = []
         for row in rows:
             aux, last, greedy = [], [], []
             for sid, start, end in row["pieces"]:
-                f = fetched[sid]
-                aux.append(self._round(f["aux_hidden_states"][start:end], len(self.aux_indices)))
-                last.append(self._round(f["last_hidden_state"][start:end], 1))
-                greedy.append(f["verifier_greedy"][start:end].long())
+                f = features[sid]
+                aux.append(f["aux_hidden_states"][start:end])
+                last.append(f["last_hidden_state"][start:end])
+                greedy.append(f["verifier_greedy"][start:end])
             out = {k: v for k, v in row.items() if k != "prefix_input_ids"}
             out.update(aux_hidden_states=torch.cat(aux), last_hidden_state=torch.cat(last),
                        verifier_greedy=torch.cat(greedy))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoConfig, set_seed
 
 from eagle3_hf.constants import TRAINING_FILE
+from eagle3_hf.data.shards import merge_manifests
 from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.endpoint import DEFAULT_WORKERS, build_endpoint_datasets
 from eagle3_hf.train.setup import (
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), read from the feature shards (or computed by the verifier with --online); the draft vocabulary.
     collator: PackedCollator | OnlineFeatureCollator | EndpointFeatureCollator
+    if data_args.cache_features and not data_args.online_endpoint:
+        raise SystemExit("--cache-features keeps what --online-endpoint fetches: pass both (or train on --data-dir)")
     if data_args.online_endpoint:  # a feature server (`eagle3-hf serve-features`) computes them on demand
         train, evals, collator, info = build_endpoint_datasets(data_args, model_args, verifier_config)
         if args.dataloader_num_workers == 0:  # workers keep the next batches' requests in flight
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
     #    interpreter shutdown, turning a finished run into a failed one.
     trainer.accelerator.wait_for_everyone()
+    if data_args.cache_features and trainer.is_world_process_zero():  # every writer's journal, one manifest
+        merge_manifests(data_args.cache_features)
     trainer.accelerator.end_training()
     return summary
 

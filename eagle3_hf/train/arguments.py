@@ -79,6 +79,10 @@ class DataArguments:
     feature_dtype: str | None = field(
         default=None, metadata={"help": "with --online-endpoint: features rounded as a shard of this dtype stores "
                                         "them (bf16, fp8, fp32; default bf16, as `extract`)"})
+    cache_features: str | None = field(
+        default=None, metadata={"help": "with --online-endpoint: keep the fetched features in this directory "
+                                        "(extract's shard format) and read them from there in later epochs and "
+                                        "reruns, instead of asking the server again"})
     online_timeout: float = field(default=600.0, metadata={"help": "seconds one feature request may take"})
     online_retries: int = field(default=3, metadata={"help": "retries of a feature request that timed out or "
                                                               "found the server down, before the run stops"})

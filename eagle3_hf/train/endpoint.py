@@ -3,7 +3,8 @@
 The prepared dataset and its packing plan are read as `--online` reads them; the collator
 (data/online_endpoint.py) fetches each batch's states from the server. The server is checked before
 anything is built: unreachable, or serving another verifier than `--verifier` (hidden size, layer count)
-or another tokenizer than the prepared dataset's (fingerprint), it is refused with one line.
+or another tokenizer than the prepared dataset's (fingerprint), it is refused with one line. With
+`--cache-features DIR` the fetched features are kept in DIR (data/feature_cache.py) and read from there after.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from ..data.dataset import PackedDataset
+    from ..data.feature_cache import FeatureCache
     from ..data.online_endpoint import EndpointFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
@@ -32,6 +34,7 @@ def build_endpoint_datasets(data_args: DataArguments, model_args: ModelArguments
     from ..data.online import PreparedDataset
     from ..data.online_endpoint import EndpointFeatureCollator, FeatureClient
     from ..data.prepared_format import read_prepared_meta
+    from ..data.shards import canonical_dtype, make_header
     from ..verifier.loading import resolve_verifier
 
     url = str(data_args.online_endpoint)
@@ -56,12 +59,22 @@ def build_endpoint_datasets(data_args: DataArguments, model_args: ModelArguments
     train_samples = PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint)
     eval_samples = PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint)
     every = PreparedDataset(data_args.prepared_dir, "all", vf, fingerprint)  # both splits' samples, by id
+    dtype = canonical_dtype(data_args.feature_dtype or "bfloat16")
+    cache = None
+    if data_args.cache_features:  # extract --engine vllm's header: DIR is an ordinary feature directory
+        verifier = {"name": str(model_args.verifier), "revision": model_args.verifier_revision,
+                "num_hidden_layers": expected["num_hidden_layers"], "hidden_size": expected["hidden_size"],
+                "vocab_size": int(config.vocab_size)}
+        provenance = {"engine": "vllm", "feature_server": url, "vllm_version": identity.get("vllm_version"),
+                      "vllm_layer_ids": list(identity["layer_ids"])}
+        cache = FeatureCache(data_args.cache_features, make_header(verifier, fingerprint, identity["aux_layer_indices"],
+                                                                   dtype, source="vllm", provenance=provenance))
     collator = EndpointFeatureCollator(client, every, norm, head, logit_softcap(verifier_config),
                                        identity["aux_layer_indices"], identity["layer_ids"], expected["hidden_size"],
-                                       max_seq_len=data_args.max_seq_len,
-                                       storage_dtype=data_args.feature_dtype or "bfloat16")
-    logger.info("features from %s (verifier %s, vLLM %s, ids %s), rounded to %s", url, identity.get("verifier"),
-                identity.get("vllm_version"), identity["layer_ids"], collator.storage_dtype)
+                                       max_seq_len=data_args.max_seq_len, storage_dtype=dtype, cache=cache)
+    logger.info("features from %s (verifier %s, vLLM %s, ids %s), rounded to %s%s", url, identity.get("verifier"),
+                identity.get("vllm_version"), identity["layer_ids"], collator.storage_dtype,
+                f", kept in {cache.dir}" if cache else "")
     info = {"aux_layer_indices": list(identity["aux_layer_indices"]), "tokenizer_fingerprint": fingerprint,
             "source_dir": data_args.prepared_dir, "verifier": {"hidden_size": identity["hidden_size"]},
             "endpoint": url}
