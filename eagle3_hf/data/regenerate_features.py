@@ -426,9 +426,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     feats.add_argument("--aux-layers", default=None, help="three output_hidden_states indices (default 2,N//2,N-3)")
     feats.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this many tokens")
     feats.add_argument("--samples-per-shard", type=int, default=64)
+    from .vllm_regenerate import add_arguments as add_vllm_arguments
+
+    add_vllm_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "transformers") == "vllm":
+        if not args.features_out:
+            raise ValueError("regenerate --engine vllm writes features: give --features-out (and --prepared-out)")
+        from .vllm_regenerate import run as run_vllm
+
+        return run_vllm(args)
     if not args.features_out:
         return plain.run(args)
     if not args.verifier:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +115,57 @@ def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer
             "verifier_greedy": greedy_tokens(head, last, softcap)}
 
 
+class VllmFeatureSpec:
+    """What an extraction through vLLM needs on this side, whoever drives the engine (`extract --engine vllm`,
+    `regenerate --engine vllm`): the verifier's path, its final norm and head, the aux indices and vLLM's layer
+    ids, the shard header (source "vllm", its provenance) and vLLM's dtype."""
+
+    def __init__(self, verifier: str, tokenizer_fingerprint: str, aux_indices: Sequence[int] | None = None,
+                 dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None,
+                 vllm_dtype: str = "auto"):
+        from ..verifier.loading import resolve_verifier
+
+        self.path = resolve_verifier(str(verifier))
+        self.revision = verifier_revision
+        self.norm, self.head, config = load_verifier_head(self.path, verifier_revision)
+        self.vllm_dtype = checkpoint_dtype(self.path) if vllm_dtype == "auto" else vllm_dtype
+        self.num_layers, self.hidden = int(config.num_hidden_layers), int(config.hidden_size)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.indices = check_aux_indices(aux_indices or default_aux_indices(self.num_layers), self.num_layers)
+        self.layer_ids = vllm_layer_ids(self.indices, self.num_layers)
+        self.softcap = logit_softcap(config)
+        info = {"name": str(verifier_name or verifier), "revision": verifier_revision,
+                "num_hidden_layers": self.num_layers, "hidden_size": self.hidden, "vocab_size": int(config.vocab_size)}
+        provenance = {"engine": "vllm", "vllm_layer_ids": self.layer_ids, "vllm_dtype": self.vllm_dtype,
+                      "last_hidden_state": f"the verifier's final norm applied to vLLM's id {self.num_layers} "
+                                           "(pre-norm)",
+                      "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
+        self.header = make_header(info, tokenizer_fingerprint, self.indices, canonical_dtype(dtype), source=SOURCE,
+                                  provenance=provenance)
+
+    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16, tensor_parallel_size: int = 1,
+                connector: str = "auto") -> dict[str, Any]:
+        """The runner's request (vllm_extract_runner.py) for this verifier."""
+        return {"verifier": self.path, "verifier_revision": self.revision, "dtype": self.vllm_dtype,
+                "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,
+                "max_pending": max_pending, "tensor_parallel_size": tensor_parallel_size, "connector": connector}
+
+    def write(self, records: Iterable[dict[str, Any]], rows: Any, all_ids: list[str], submit: list[int],
+              writer: ShardWriter, bar: Any) -> None:
+        """Each file vLLM reports -> checked, mapped, into a shard, deleted (a kill before its commit redoes it).
+        `submit[key]` is the row of the dataset `rows` the record's key names."""
+        for record in records:
+            i = submit[int(record["key"])]
+            row, sample_id = rows[i], all_ids[i]
+            input_ids = row["input_ids"].long()
+            states = read_states(record["path"], sample_id, input_ids, self.layer_ids, self.hidden)
+            feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap)
+            writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"], feats["last_hidden_state"],
+                       feats["verifier_greedy"])
+            os.unlink(record["path"])
+            bar.update(input_ids.numel())
+
+
 def extract_features_vllm(
     verifier: str,
     tokenizer_fingerprint: str,
@@ -143,42 +194,25 @@ def extract_features_vllm(
     from tqdm.auto import tqdm
 
     from ..engines.vllm_env import VllmExtraction, vllm_python
-    from ..verifier.loading import resolve_verifier
 
     vllm_python()  # vLLM missing: one line, before anything is written
     env_rank, env_world = dist_env()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
     out_dir = Path(out_dir)
-    path = resolve_verifier(str(verifier))
-    norm, head, config = load_verifier_head(path, verifier_revision)
-    if vllm_dtype == "auto":
-        vllm_dtype = checkpoint_dtype(path)
-    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
-    layer_ids = vllm_layer_ids(indices, n_layers)
-    info = {"name": str(verifier_name or verifier), "revision": verifier_revision, "num_hidden_layers": n_layers,
-            "hidden_size": hidden, "vocab_size": int(config.vocab_size)}
-    provenance = {"engine": "vllm", "vllm_layer_ids": layer_ids, "vllm_dtype": vllm_dtype,
-                  "last_hidden_state": f"the verifier's final norm applied to vLLM's id {n_layers} (pre-norm)",
-                  "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
-    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype), source=SOURCE,
-                         provenance=provenance)
+    spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name, verifier_revision,
+                           vllm_dtype)
     ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
-    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=samples_per_shard,
+    writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
                          max_shard_bytes=max_shard_bytes)
     all_ids = list(ds["id"])
     mine = range(rank, len(ds), world_size)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
     lengths = prepared_lengths(ds)
     rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
-    softcap = logit_softcap(config)
     submit = [i for i in todo if lengths[i] > 0]
     longest = max((lengths[i] for i in submit), default=0)
-    request = {"verifier": path, "verifier_revision": verifier_revision, "dtype": vllm_dtype,
-               "max_model_len": int(max_model_len or longest + 1), "layer_ids": layer_ids,
-               "batch_size": batch_size, "max_pending": max_pending, "tensor_parallel_size": tensor_parallel_size,
-               "connector": connector}
+    request = spec.request(int(max_model_len or longest + 1), batch_size, max_pending, tensor_parallel_size, connector)
     if max_model_len is not None and longest + 1 > max_model_len:
         raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"extract vllm r{rank}",
@@ -193,23 +227,14 @@ def extract_features_vllm(
         if submit:
             prompts = ((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
             with VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout) as run:
-                for record in run.records():
-                    i = submit[int(record["key"])]
-                    row, sample_id = rows[i], all_ids[i]
-                    input_ids = row["input_ids"].long()
-                    states = read_states(record["path"], sample_id, input_ids, layer_ids, hidden)
-                    feats = features_from_states(states, indices, layer_ids, norm, head, softcap)
-                    writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"],
-                               feats["last_hidden_state"], feats["verifier_greedy"])
-                    os.unlink(record["path"])  # the shard holds it now (a kill before its commit redoes it)
-                    bar.update(input_ids.numel())
+                spec.write(run.records(), rows, all_ids, submit, writer, bar)
                 vllm_result = run.result or {}
                 peak = run.peak_pending_bytes
     finally:
         writer.close()
         bar.close()
     elapsed = time.perf_counter() - start
-    summary = {"engine": "vllm", "vllm_version": vllm_result.get("vllm_version"), "vllm_dtype": vllm_dtype,
+    summary = {"engine": "vllm", "vllm_version": vllm_result.get("vllm_version"), "vllm_dtype": spec.vllm_dtype,
                "connector": vllm_result.get("connector"), "rank": rank, "world_size": world_size,
                "written_samples": writer.written_samples, "written_tokens": writer.written_tokens,
                "resumed_past": len(mine) - len(todo), "skipped": dict(writer.skipped_counts),

@@ -208,9 +208,13 @@ class VllmExtraction:
     included) stops the runner and raises VllmError, as does an error inside it (one line). Leaving the
     block stops a runner still running (its process group, which this class started) and removes the
     temporary directory with any file still in it.
+
+    `prompts=None` defers them: with a "generate" request (`regenerate --engine vllm`) the same engine first
+    answers rounds of prompts (`generate()`, as often as needed), then `extract(prompts)` hands over the
+    samples to prefill and `records()` yields their files as above.
     """
 
-    def __init__(self, request: dict[str, Any], prompts: Iterable[tuple[int, list[int]]], threads: int = 1,
+    def __init__(self, request: dict[str, Any], prompts: Iterable[tuple[int, list[int]]] | None, threads: int = 1,
                  debug: bool = False,
                  timeout: float | None = None, storage_dir: str | Path | None = None):
         self.request, self.prompts, self.threads, self.debug = dict(request), prompts, threads, debug
@@ -219,6 +223,7 @@ class VllmExtraction:
         self.result: dict[str, Any] | None = None
         self.peak_pending_bytes = 0
         self._proc: subprocess.Popen | None = None
+        self._rounds, self._offset, self._buffer = 0, 0, b""
 
     def __enter__(self) -> VllmExtraction:
         python = vllm_python()
@@ -227,9 +232,9 @@ class VllmExtraction:
         tmp = Path(self._tmp.name)
         self.storage = Path(self.storage_dir) if self.storage_dir else tmp / "states"
         self.storage.mkdir(parents=True, exist_ok=True)
-        with open(tmp / "prompts.jsonl", "w", encoding="utf-8") as f:
-            for key, ids in self.prompts:
-                f.write(json.dumps({"key": key, "ids": [int(t) for t in ids]}) + "\n")
+        self._dir = tmp
+        if self.prompts is not None:
+            self._write_prompts(tmp / "prompts.jsonl", ({"key": k, "ids": ids} for k, ids in self.prompts))
         self._progress, self._result, self._log = tmp / "progress.jsonl", tmp / "result.json", tmp / "vllm.log"
         self._progress.touch()
         request = dict(self.request, storage=str(self.storage), prompts_file=str(tmp / "prompts.jsonl"),
@@ -251,6 +256,38 @@ class VllmExtraction:
         (tmp / "pids").write_text(f"{os.getpid()} {self._proc.pid}\n", encoding="utf-8")
         return self
 
+    @staticmethod
+    def _write_prompts(path: Path, items: Iterable[dict[str, Any]]) -> None:
+        """One JSONL file, renamed into place whole: the runner waits for the name, never reads half of it."""
+        part = path.with_name(path.name + ".part")
+        with open(part, "w", encoding="utf-8") as f:
+            for item in items:
+                f.write(json.dumps(dict(item, ids=[int(t) for t in item["ids"]])) + "\n")
+        os.replace(part, path)
+
+    def generate(self, prompts: list[tuple[int, list[int], int | None]]) -> dict[int, dict[str, Any]]:
+        """One round of the generate phase: (key, prompt ids, seed) -> {key: {"output_ids", "finish_reason"}}.
+        VllmError on a failure or a stall, as records()."""
+        assert self._proc is not None and self.prompts is None, "generate() needs VllmExtraction(request, None)"
+        path = self._dir / f"generate_{self._rounds:04d}.jsonl"
+        self._write_prompts(path, ({"key": k, "ids": ids, "seed": seed} for k, ids, seed in prompts))
+        round_, self._rounds = self._rounds, self._rounds + 1
+        answers: dict[int, dict[str, Any]] = {}
+        if not prompts:
+            return answers
+        for line in self._lines():
+            if line.get("round") != round_:
+                raise VllmError(f"vLLM's runner answered out of turn: {sorted(line)} during generate round {round_}")
+            answers[int(line["key"])] = line
+            if len(answers) == len(prompts):
+                return answers
+        raise VllmError(f"vLLM ({self._python}) ended during generate round {round_}", details=self._log_text())
+
+    def extract(self, prompts: Iterable[tuple[int, list[int]]]) -> None:
+        """Ends the generate phase: the samples to prefill (then read `records()`)."""
+        assert self._proc is not None and self.prompts is None, "extract() needs VllmExtraction(request, None)"
+        self._write_prompts(self._dir / "prompts.jsonl", ({"key": k, "ids": ids} for k, ids in prompts))
+
     def _pending_bytes(self) -> int:
         total = 0
         for entry in os.scandir(self.storage):
@@ -262,29 +299,36 @@ class VllmExtraction:
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Each finished request's progress record, in submission order; VllmError on a failure or a stall."""
+        for line in self._lines():
+            if "round" in line:
+                raise VllmError("vLLM's runner sent a generate answer after the prompts to prefill")
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes())
+            yield line
+
+    def _lines(self) -> Iterator[dict[str, Any]]:
+        """The runner's progress lines from where the last reading stopped, until it exits (its result read,
+        VllmError if it failed) or stalls past the timeout."""
         import time
 
         assert self._proc is not None, "use VllmExtraction as a context manager"
-        offset, last = 0, time.monotonic()
-        buffer = b""
+        last = time.monotonic()
         while True:
             with open(self._progress, "rb") as f:
-                f.seek(offset)
+                f.seek(self._offset)
                 chunk = f.read()
-            offset += len(chunk)
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
+            self._offset += len(chunk)
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
             for line in lines:
                 if line.strip():
                     last = time.monotonic()
-                    self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes())
                     yield json.loads(line)
             if lines:
                 continue
             status = self._proc.poll()
             if status is not None:
                 with open(self._progress, "rb") as f:
-                    f.seek(offset)
+                    f.seek(self._offset)
                     if f.read().strip():
                         continue  # lines written just before the exit
                 self._finish(status)

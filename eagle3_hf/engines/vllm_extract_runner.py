@@ -21,6 +21,16 @@ Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress f
 "prompt_tokens"}, appended once the file is complete. Prefix caching is off (with it vLLM can save fewer
 rows than tokens) and chunked prefill too (one prefill per prompt). Result: {"vllm_version", "connector",
 "samples", "load_seconds", "seconds"}, or {"error": {...}} with exit status 3, as vllm_runner.py.
+
+Generate phase (`regenerate --engine vllm`): a request with "generate" ({"max_tokens", "temperature", "top_p",
+"stop_token_ids", "chunk"}) first answers rounds of prompts through the same engine, then prefills as above.
+The reader writes round n as `generate_NNNN.jsonl` ({"key", "ids", "seed"} per line) next to the request,
+renamed into place whole; the runner answers each prompt with a progress line {"round", "key",
+"output_ids", "finish_reason"} (the states of these requests are not saved: NO_SAVE, or the stock
+connector's file deleted). The prompts file appearing ends the rounds (the reader renders the answers into
+prepared samples meanwhile, in its own process). "extract": false loads vLLM without the speculative method
+and the connector (plain generation, prefix caching on as vLLM's default: the bench's baseline) and runs
+the rounds only.
 """
 
 from __future__ import annotations
@@ -134,6 +144,72 @@ def load_llm(request: dict, storage: str, layer_ids: list[int]) -> tuple[LLM, di
     return llm, kv_config
 
 
+def plain_llm(request: dict) -> LLM:
+    """vLLM as it generates without extraction (no speculative method, no connector, its own caching)."""
+    from vllm import LLM
+
+    return LLM(model=request["verifier"], revision=request.get("verifier_revision"),
+               dtype=request.get("dtype", "auto"), enforce_eager=True, seed=int(request.get("seed", 0)),
+               max_model_len=int(request["max_model_len"]),
+               tensor_parallel_size=int(request.get("tensor_parallel_size", 1)))
+
+
+def generation_params(gen: dict, seed: Any, extract: bool) -> Any:
+    """The answer's sampling (regenerate's options; a per-prompt seed, so batching never changes a sample);
+    with the connector on, the request is flagged so that its prompt states are not written."""
+    from vllm import SamplingParams
+    from vllm_hidden_states import NO_SAVE  # this script's own directory (sys.path[0])
+
+    return SamplingParams(max_tokens=int(gen["max_tokens"]), temperature=float(gen.get("temperature", 0.0)),
+                          top_p=float(gen.get("top_p", 1.0)), seed=None if seed is None else int(seed),
+                          stop_token_ids=[int(t) for t in gen.get("stop_token_ids") or []], detokenize=False,
+                          extra_args={"kv_transfer_params": {NO_SAVE: True}} if extract else None)
+
+
+def wait_for_file(path: str, other: str, storage: str, parent: int) -> bool:
+    """Until `path` or `other` exists (the reader writes either); True for `path`. Stops if the reader is gone."""
+    while True:
+        if os.path.exists(path):
+            return True
+        if os.path.exists(other):
+            return False
+        if reader_gone(storage, parent):
+            raise ReaderGone("the reader process exited; stopped and removed the files it had not taken")
+        time.sleep(0.02)
+
+
+def generate_rounds(llm: LLM, request: dict, progress: Any, parent: int, stock: bool, in_process: bool,
+                    extract: bool) -> int:
+    """The generate phase: answer each round file the reader writes, until the prompts file appears.
+    Returns the tokens generated."""
+    from vllm.inputs import TokensPrompt
+
+    gen, storage, prompts_file = request["generate"], request["storage"], request["prompts_file"]
+    directory = os.path.dirname(os.path.abspath(prompts_file))
+    chunk = max(1, int(gen.get("chunk", 256)))
+    n = tokens = 0
+    while wait_for_file(os.path.join(directory, f"generate_{n:04d}.jsonl"), prompts_file, storage, parent):
+        items = list(read_prompts(os.path.join(directory, f"generate_{n:04d}.jsonl")))
+        for start in range(0, len(items), chunk):
+            part = items[start:start + chunk]
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p["ids"])) for p in part],
+                                   [generation_params(gen, p.get("seed"), extract) for p in part], use_tqdm=False)
+            for p, out in zip(part, outputs):
+                saved = (out.kv_transfer_params or {}).get("hidden_states_path")
+                if saved:  # the stock connector saves every request: these states are never read
+                    wait_written(llm, saved, stock, in_process)
+                    os.remove(saved)
+                answer = out.outputs[0]
+                tokens += len(answer.token_ids)
+                progress.write(json.dumps({"round": n, "key": p["key"], "output_ids": list(answer.token_ids),
+                                           "finish_reason": answer.finish_reason}) + "\n")
+            progress.flush()
+            if reader_gone(storage, parent):
+                raise ReaderGone("the reader process exited; stopped and removed the files it had not taken")
+        n += 1
+    return tokens
+
+
 def prefill_params() -> Any:
     """One greedy token, no detokenization: the prompt's prefill is what writes its states."""
     from vllm import SamplingParams
@@ -149,17 +225,26 @@ def run(request: dict) -> dict:
     os.makedirs(storage, exist_ok=True)
     layer_ids = [int(i) for i in request["layer_ids"]]
     start = time.perf_counter()
-    llm, kv_config = load_llm(request, storage, layer_ids)
+    extract = bool(request.get("extract", True))
+    if extract:
+        llm, kv_config = load_llm(request, storage, layer_ids)
+    else:
+        llm, kv_config = plain_llm(request), {"kv_connector": None}
     load_seconds = time.perf_counter() - start
     stock = kv_config["kv_connector"] == "ExampleHiddenStatesConnector"
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     params = prefill_params()
     parent = os.getppid()
     batch_size, max_pending = int(request.get("batch_size", 8)), int(request.get("max_pending", 32))
-    done, t0 = 0, time.perf_counter()
+    done, generated, t0, generate_seconds = 0, 0, time.perf_counter(), 0.0
     with open(request["progress_file"], "a", encoding="utf-8") as progress:
+        if request.get("generate"):
+            generated = generate_rounds(llm, request, progress, parent, stock, in_process, extract)
+            generate_seconds = time.perf_counter() - t0
+        if not extract:
+            wait_for_file(request["prompts_file"], request["prompts_file"], storage, parent)
         batch: list[dict] = []
-        prompts = read_prompts(request["prompts_file"])
+        prompts = read_prompts(request["prompts_file"]) if extract else iter(())
         while True:
             item = next(prompts, None)
             if item is not None:
@@ -187,6 +272,7 @@ def run(request: dict) -> dict:
     if reader_gone(storage, parent):  # killed during the last batch: nobody reads the result either
         raise ReaderGone("the reader process exited; removed the files it had not taken")
     return {"vllm_version": vllm.__version__, "connector": kv_config["kv_connector"], "samples": done,
+            "generated_tokens": generated, "generate_seconds": generate_seconds,
             "load_seconds": load_seconds, "seconds": time.perf_counter() - t0}
 
 

@@ -25,6 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 CLASS_NAME = "CpuHiddenStatesConnector"
+# a request whose kv_transfer_params hold this key is not saved: `regenerate --engine vllm` generates its answers
+# through the extraction engine, and those prompts' states are never read (the answers are prefilled again)
+NO_SAVE = "eagle3_hf_no_save"
 
 
 class _Written:
@@ -39,6 +42,14 @@ class _Written:
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     """ExampleHiddenStatesConnector whose write gathers the request's slots and saves synchronously."""
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A request flagged NO_SAVE frees its blocks at once and writes nothing; the rest as vLLM's own."""
+        if (request.kv_transfer_params or {}).get(NO_SAVE):
+            self._request_filenames.pop(request.request_id, None)
+            self._pending_saves.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)
 
     def _submit_async_write(self, pending: Any) -> None:  # vLLM's pending-write record
         if not self._is_tp_rank_zero:

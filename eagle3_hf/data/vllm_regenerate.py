@@ -1,0 +1,287 @@
+"""`eagle3-hf regenerate --engine vllm --features-out F [--prepared-out P]`: vLLM writes the training data end to end.
+
+One runner process, one engine load (engines/vllm_extract_runner.py with a generate phase):
+
+1. generate: vLLM answers every conversation not yet in --output, turn by turn as `regenerate` does
+   (ConversationTurns; the prompt rendered and tokenized here exactly as the in-process backend renders it;
+   greedy, or --temperature/--top-p with a per-turn seed from --seed and the conversation id, so batching
+   never changes a sample). Each finished conversation is appended to --output (fsync'd) at once.
+2. prepare: the answered conversations (--output, in its order) go through `prepare`'s own code
+   (prepare_conversations, build_meta) in this process: the prepared dataset is exactly what `prepare
+   --input OUTPUT` makes, saved to --prepared-out.
+3. extract: those samples are prefilled through the same engine with the extraction connector and mapped
+   and written exactly as `extract --engine vllm` does (vllm_extract.VllmFeatureSpec: aux states at the aux
+   ids, the verifier's final norm on vLLM's id N for `last_hidden_state`, its lm_head for `verifier_greedy`,
+   the same checks, shards, manifest and source "vllm").
+
+Why prefill again instead of reusing the generation pass's states: vLLM saves a generated request's
+states for prompt + output tokens except the last, so the answer's last token and the template's tail after
+it (ChatML's `<|im_end|>\\n`) have none; and `prepare` tokenizes the decoded answer again, which can give
+other ids than the generated ones. Prefilling the prepared samples makes the features exactly
+`extract --engine vllm`'s on those samples (bit-equal on an uninterrupted run with the same batching and
+--max-model-len), at the price of one prefill per sample.
+
+Resume (the same command): answers in --output are kept and never generated again; a sample is done once
+its shard is journaled (ShardWriter); a kill at any point loses and duplicates nothing. Conversations that
+`prepare` refuses (no loss tokens) stay in --output and have no sample, as under prepare + extract.
+One process (rank 0); vLLM's own --tensor-parallel-size for more devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from .regenerate import ConversationTurns, _Writer, completed_ids
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+    from ..engines.vllm_env import VllmExtraction
+
+GENERATE_CHUNK = 256  # conversations in flight per round series: a kill loses at most these answers
+
+
+def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end an answer: the generation config's eos ids and the tokenizer's (as the in-process backend)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: the model config's
+        eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
+    found = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    if not found:
+        raise ValueError(f"{path}: no eos token id in its generation config or tokenizer")
+    return sorted(int(t) for t in found)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None) -> list[int]:
+    """The next turn's prompt, rendered and tokenized as regenerate's in-process backend does."""
+    text = cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def turn_seed(seed: int, conv_id: str, turn: int) -> int:
+    """A sampling seed per (conversation, turn): the same answer whatever batch it runs in, after a resume too."""
+    return (zlib.crc32(f"{conv_id}\0{turn}".encode()) ^ (seed * 0x9E3779B1)) & 0x7FFFFFFF
+
+
+def generate_answers(run: VllmExtraction, todo: list[dict], tokenizer: PreTrainedTokenizerBase, eos: list[int],
+                     write: _Writer, name: str, seed: int, max_turns: int | None) -> dict[str, int]:
+    """Phase 1: every conversation of `todo` answered turn by turn (one generate round per turn, GENERATE_CHUNK
+    conversations at a time) and appended to --output as soon as it is finished. Returns counts."""
+    stats = {"conversations": 0, "turns": 0, "generated": 0}
+    for start in range(0, len(todo), GENERATE_CHUNK):
+        active = [ConversationTurns(c, max_turns) for c in todo[start:start + GENERATE_CHUNK]]
+        while active:
+            asks = []
+            for state in active:
+                prompt = state.next_prompt()
+                if prompt is None:
+                    write(state.row(name))
+                    stats["conversations"] += 1
+                else:
+                    asks.append((state, prompt))
+            active = [state for state, _ in asks]
+            if not asks:
+                break
+            answers = run.generate([(k, prompt_ids(tokenizer, p, s.conv.get("tools")),
+                                     turn_seed(seed, str(s.conv["id"]), len(s.finish)))
+                                    for k, (s, p) in enumerate(asks)])
+            for k, (state, _) in enumerate(asks):
+                out, finish = list(answers[k]["output_ids"]), str(answers[k]["finish_reason"])
+                if finish == "stop" and out and out[-1] in eos:
+                    out = out[:-1]  # the in-process backend's answer never holds its stop token
+                text = cast(str, tokenizer.decode(out, skip_special_tokens=True))
+                state.accept((text, None, None, finish, len(out) + (finish == "stop")))
+                stats["turns"] += 1
+                stats["generated"] += len(out)
+    return stats
+
+
+def prepare_answers(output: Path, wanted: set[str], tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
+                    max_seq_len: int | None) -> tuple[datasets.Dataset, dict]:
+    """Phase 2: `prepare`'s dataset and meta for the answered conversations of this input (--output's order)."""
+    from .conversations import load_conversations
+    from .prepare import build_meta, new_stats, prepare_conversations
+
+    convs = [c for c in load_conversations(str(output)) if str(c["id"]) in wanted]
+    stats = new_stats()
+    ds = prepare_conversations(convs, tokenizer, max_seq_len=max_seq_len, overlong="truncate", stats=stats)
+    options = {"source": "regenerate --engine vllm", "input": str(output), "max_seq_len": max_seq_len,
+               "overlong": "truncate", "last_turn_only": False, "split_turns": False, "reasoning": "keep",
+               "tool_calls": "keep", "template_kwargs": None, "text": False}
+    return ds, build_meta(tokenizer, tokenizer_name, stats, options)
+
+
+def default_max_model_len(convs: list[dict], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                          max_turns: int | None, limit: int | None) -> int:
+    """vLLM's context when --max-model-len is not given, an upper bound: the longest source conversation rendered
+    whole (its answers included, which the new ones replace) plus max_new_tokens and some template per turn to
+    generate, within the model's positions."""
+    longest = 0
+    for c in convs:
+        turns = sum(1 for m in c["messages"] if m["role"] == "assistant" and not m.get("tool_calls"))
+        turns = max(1, turns if max_turns is None else min(turns, max_turns))
+        whole = prompt_ids(tokenizer, c["messages"], c.get("tools"))
+        longest = max(longest, len(whole) + turns * (max_new_tokens + 16))
+    return min(longest + 1, limit) if limit else longest + 1
+
+
+def regenerate_vllm(conversations: list[dict], output: str | Path, features_out: str | Path, verifier: str, *,
+                    prepared_out: str | Path | None = None, revision: str | None = None, max_new_tokens: int = 1024,
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_turns: int | None = None,
+                    max_seq_len: int | None = None, dtype: str = "bfloat16", aux_indices: Sequence[int] | None = None,
+                    samples_per_shard: int = 64, vllm_dtype: str = "auto", max_model_len: int | None = None,
+                    tensor_parallel_size: int = 1, batch_size: int = 8, threads: int = 1,
+                    timeout: float | None = None, debug: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Answers to `output`, features to `features_out`, the prepared dataset to `prepared_out`, all from one vLLM
+    engine; resumes where a killed run stopped. Returns a summary."""
+    from tqdm.auto import tqdm
+
+    from ..engines.vllm_env import VllmExtraction, vllm_python
+    from ..verifier.loading import load_tokenizer
+    from .fingerprint import tokenizer_fingerprint
+    from .prepared_format import open_prepared, prepared_lengths, save_prepared
+    from .shards import ShardWriter, wait_and_merge
+    from .vllm_extract import VllmFeatureSpec
+
+    vllm_python()  # vLLM missing: one line, before anything is written
+    output, features_out = Path(output), Path(features_out)
+    tokenizer = load_tokenizer(verifier, revision=revision)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    spec = VllmFeatureSpec(verifier, fingerprint, aux_indices, dtype, verifier, revision, vllm_dtype)
+    ids = [str(c["id"]) for c in conversations]
+    if len(set(ids)) != len(ids):
+        dup = next(i for k, i in enumerate(ids) if i in ids[:k])
+        raise ValueError(f"conversation id {dup!r} appears more than once; ids must be unique")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.touch()
+    answered = completed_ids(output) & set(ids)
+    todo = [c for c in conversations if str(c["id"]) not in answered]
+    if max_model_len is None:
+        max_model_len = default_max_model_len(conversations, tokenizer, max_new_tokens, max_turns, spec.max_positions)
+    eos = eos_ids(spec.path, tokenizer)
+    gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stop_token_ids": eos,
+           "chunk": GENERATE_CHUNK}
+    request = dict(spec.request(max_model_len, batch_size, 16, tensor_parallel_size), generate=gen, seed=seed)
+    writer = ShardWriter(features_out, spec.header, rank=0, samples_per_shard=samples_per_shard)
+    start = time.perf_counter()
+    summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
+                               "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
+    scratch = tempfile.TemporaryDirectory(prefix="eagle3_regen_prepared_") if prepared_out is None else None
+    prepared_dir = Path(prepared_out) if prepared_out is not None else Path(cast(Any, scratch).name) / "prepared"
+
+    def phase_two() -> tuple[datasets.Dataset, list[int], Any, list[str]]:
+        ds, meta = prepare_answers(output, set(ids), tokenizer, verifier, max_seq_len)
+        if len(ds) == 0:
+            raise ValueError(f"{output}: 0 samples to extract (prepare refused: {meta['counts']['skipped']})")
+        save_prepared(ds, prepared_dir, meta)
+        summary["prepared"] = meta["counts"]
+        ds = open_prepared(prepared_dir, fingerprint)  # what `extract --engine vllm --data P` reads
+        all_ids = list(ds["id"])
+        lengths = prepared_lengths(ds)
+        submit = [i for i in range(len(ds)) if all_ids[i] not in writer.done_ids and lengths[i] > 0]
+        longest = max((lengths[i] for i in submit), default=0)
+        if longest + 1 > max_model_len:
+            raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
+        summary["resumed_past"] = len(ds) - len(submit)
+        return ds, submit, ds.with_format("torch", columns=["input_ids", "loss_mask"]), all_ids
+
+    bar = None
+    try:
+        ds: Any = None
+        rows: Any = None
+        submit: list[int] = []
+        all_ids: list[str] = []
+        if not todo:  # all answered: vLLM starts only if some sample has no features yet
+            ds, submit, rows, all_ids = phase_two()
+        if todo or submit:
+            write = _Writer(output)
+            try:
+                with VllmExtraction(request, None, threads=threads, debug=debug, timeout=timeout) as run:
+                    if todo:
+                        summary.update(generate_answers(run, todo, tokenizer, eos, write,
+                                                        verifier, seed, max_turns))
+                        ds, submit, rows, all_ids = phase_two()
+                    lengths = prepared_lengths(ds)
+                    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True,
+                               desc="regenerate vllm", disable=not progress, dynamic_ncols=True)
+                    run.extract((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
+                    spec.write(run.records(), rows, all_ids, submit, writer, bar)
+                    result = run.result or {}
+            finally:
+                write.close()
+            summary.update(vllm_version=result.get("vllm_version"), connector=result.get("connector"),
+                           vllm_load_seconds=result.get("load_seconds"),
+                           vllm_generate_seconds=result.get("generate_seconds"))
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+    manifest = wait_and_merge(features_out, all_ids, 3600)
+    summary.update(written_samples=writer.written_samples, written_tokens=writer.written_tokens,
+                   total_samples=len(manifest["samples"]), seconds=round(time.perf_counter() - start, 3))
+    if scratch is not None:
+        scratch.cleanup()
+    return summary
+
+
+# ------------------------------------------------------------ CLI (`regenerate --engine vllm`)
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine choice and vLLM's knobs, in regenerate's parser (regenerate_features.add_arguments)."""
+    group = parser.add_argument_group("--engine vllm (answers and features from vLLM, one engine load; `make vllm`)")
+    group.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                       help="with --features-out: transformers (in this process) or vllm (generate, prepare, then "
+                            "prefill through the same vLLM engine, as extract --engine vllm)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="vLLM's context length (default: the longest conversation + max_new_tokens per turn)")
+    group.add_argument("--vllm-batch-size", type=int, default=8, help="samples per vLLM prefill call")
+    group.add_argument("--vllm-timeout", type=float, default=None,
+                       help="seconds vLLM may go without progress, model load included (default "
+                            "$EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
+    group.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    group.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`regenerate --engine vllm --features-out F`; prints the summary as one JSON line on stdout."""
+    from .conversations import load_conversations
+
+    if not args.verifier:
+        raise ValueError("regenerate --engine vllm needs --verifier (the checkpoint vLLM loads)")
+    if args.num_workers != 1:
+        raise ValueError("regenerate --engine vllm: --num-workers is for the in-process engine; vLLM batches itself "
+                         "(--tensor-parallel-size for more devices)")
+    if args.device:
+        raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
+    conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    summary = regenerate_vllm(
+        conversations, args.output, args.features_out, args.verifier, prepared_out=args.prepared_out,
+        revision=args.revision, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed, max_turns=args.max_turns, max_seq_len=args.max_seq_len, dtype=args.features_dtype,
+        aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.dtype,
+        max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
+        debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"), progress=not args.no_progress)
+    print(json.dumps(summary))
+    print(f"regenerate --engine vllm: {summary.get('conversations', 0)} conversations answered, "
+          f"{summary['already_answered']} already answered, {summary['written_samples']} samples written "
+          f"({summary['total_samples']} in all) -> {args.output}, {args.features_out}"
+          + (f", {args.prepared_out}" if args.prepared_out else ""), file=sys.stderr)
+    return 0
