@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from ..data.dataset import PackedDataset
-    from ..data.feature_cache import FeatureCache
     from ..data.online_endpoint import EndpointFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
@@ -30,6 +29,7 @@ def build_endpoint_datasets(data_args: DataArguments, model_args: ModelArguments
                             ) -> tuple[PackedDataset, PackedDataset, EndpointFeatureCollator, dict]:
     """(train, eval, collator, info) as setup.build_datasets returns them, features from the server."""
     from ..data.dataset import PackedDataset
+    from ..data.feature_cache import FeatureCache
     from ..data.importers import load_verifier_head
     from ..data.online import PreparedDataset
     from ..data.online_endpoint import EndpointFeatureCollator, FeatureClient

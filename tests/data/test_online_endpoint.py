@@ -47,10 +47,13 @@ def vllm_layout(model, ids: torch.Tensor) -> torch.Tensor:
 
 class Stub:
     """A feature server stand-in on loopback. behaviour: "ok", "slow" (never answers in time), "down:N" (503 for
-    the first N requests), "nan:ID" (a NaN in the sample whose first token is ID)."""
+    the first N requests), "nan:ID" (a NaN in the sample whose first token is ID), "hang:N" (every request after
+    the first N waits 60 s). `requested` lists the token ids of every request, in arrival order."""
 
     def __init__(self, model, identity: dict, behaviour: str = "ok"):
         self.model, self.identity, self.behaviour, self.posts = model, identity, behaviour, 0
+        self.requested: list[tuple[int, ...]] = []
+        self.lock = threading.Lock()  # reference_states hooks the shared model: one forward at a time
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,13 +76,17 @@ class Stub:
             def do_POST(self):
                 ids = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["ids"]
                 stub.posts += 1
+                stub.requested.append(tuple(ids))
                 kind, _, arg = stub.behaviour.partition(":")
                 if kind == "slow":
                     time.sleep(3)
+                if kind == "hang" and stub.posts > int(arg):
+                    time.sleep(60)
                 if kind == "down" and stub.posts <= int(arg):
                     self._send(503, json.dumps({"error": "restarting"}).encode())
                     return
-                states = vllm_layout(stub.model, torch.tensor(ids))
+                with stub.lock:
+                    states = vllm_layout(stub.model, torch.tensor(ids))
                 if kind == "nan" and ids[0] == int(arg):
                     states[2, 1, 5] = float("nan")
                 data = save_safetensors({"hidden_states": states, "token_ids": torch.tensor(ids)})
