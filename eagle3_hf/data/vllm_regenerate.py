@@ -239,6 +239,29 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
     return summary
 
 
+def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0, vllm_dtype: str = "auto", max_model_len: int = 2048,
+                   threads: int = 1, timeout: float | None = None) -> tuple[list[tuple[list[int], str]], dict]:
+    """vLLM's plain generation (no speculative method, no connector) of token-id prompts, through the same runner
+    and rounds: the reference the tests compare the answers with, and the bench's baseline. Returns
+    ([(output ids, finish reason)], the runner's result)."""
+    from ..engines.vllm_env import VllmExtraction
+    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from .vllm_extract import checkpoint_dtype
+
+    path = resolve_verifier(str(verifier))
+    gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+           "stop_token_ids": eos_ids(path, load_tokenizer(path)), "chunk": GENERATE_CHUNK}
+    request = {"verifier": path, "dtype": checkpoint_dtype(path) if vllm_dtype == "auto" else vllm_dtype,
+               "max_model_len": max_model_len, "layer_ids": [], "extract": False, "generate": gen, "seed": seed}
+    with VllmExtraction(request, None, threads=threads, timeout=timeout) as run:
+        answers = run.generate([(k, ids, turn_seed(seed, str(k), 0)) for k, ids in enumerate(prompts)])
+        run.extract([])
+        list(run.records())
+        result = run.result or {}
+    return [(list(answers[k]["output_ids"]), str(answers[k]["finish_reason"])) for k in range(len(prompts))], result
+
+
 # ------------------------------------------------------------ CLI (`regenerate --engine vllm`)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
