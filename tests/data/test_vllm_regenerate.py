@@ -109,3 +109,41 @@ def test_vllm_regenerate_end_to_end_killed_and_resumed(tmp_path, tokenizer, fing
     assert report["samples_compared"] == 6 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
     for name, stats in report["layers"].items():
         assert stats["rel_err_max"] <= BF16_STEP + 1e-4 and stats["cos_min"] > 0.9999, (name, stats)
+
+
+# ---------------------------------------------------------------- fast: one-line errors, before anything is written
+
+
+def _convs(tmp_path: Path) -> Path:
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text(json.dumps({"id": "c0", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    return convs
+
+
+def test_vllm_missing_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, tiny_verifier_dir):
+    from eagle3_hf.cli import main
+
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "nowhere"))
+    code = main(["regenerate", "--engine", "vllm", "--input", str(_convs(tmp_path)), "--output",
+                 str(tmp_path / "a.jsonl"), "--verifier", str(tiny_verifier_dir), "--features-out",
+                 str(tmp_path / "f")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: vLLM is not installed: run `make vllm`") and "\n" not in err
+    assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "f").exists()
+
+
+def test_layer_ids_out_of_range_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, tiny_verifier_dir):
+    from eagle3_hf.cli import main
+    from eagle3_hf.engines.vllm_env import STAMP
+
+    venv = tmp_path / "vllm-venv"  # a venv that passes the install check; vLLM itself is never started
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")
+    (venv / STAMP).write_text("test")
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(venv))
+    code = main(["regenerate", "--engine", "vllm", "--input", str(_convs(tmp_path)), "--output",
+                 str(tmp_path / "a.jsonl"), "--verifier", str(tiny_verifier_dir), "--features-out", str(tmp_path / "f"),
+                 "--aux-layers", "1,2,99"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: ") and "outside 1.." in err and "\n" not in err
+    assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "f").exists()
