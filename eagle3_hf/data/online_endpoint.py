@@ -5,13 +5,16 @@ machine if need be); a trainer started with `--online-endpoint URL` reads the pr
 packing plan as `--online` does, and `EndpointFeatureCollator` sends every document of a row to the server
 (the whole sample's token ids, as `extract --engine vllm` prefilled it), turns the states that come back
 into exactly the batch offline mode builds, and keeps nothing: the server deletes each file once it has
-read it, the bytes travel once, the batch is built and they are dropped.
+read it, the bytes travel once, the batch is built and they are dropped. With `--cache-features DIR`
+(feature_cache.py) each sample is fetched once, kept in DIR as `extract` would write it, and read from there
+afterwards (later epochs, reruns, a resumed run).
 
 "Exactly": the mapping is extract --engine vllm's own (vllm_extract.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
-soft-cap for verifier_greedy), on the whole sample, sliced to the piece, then rounded as a shard of
-`storage_dtype` stores it (shards.quantize/dequantize). With the same rounding as the offline shards, the
-batch is bit-equal to the offline one when vLLM returns the same states for the same sample.
+soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
+(shards.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
+the same rounding as the offline shards, the batch is bit-equal to the offline one when vLLM returns the same
+states for the same sample.
 
 Faults: the server unreachable, or one serving another verifier (hidden size, layer count, tokenizer
 fingerprint), is refused before the first step, one line; a request that times out or finds the server

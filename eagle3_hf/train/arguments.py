@@ -74,8 +74,8 @@ class DataArguments:
     online: bool = field(default=False, metadata={"help": "verifier in the training process, nothing on disk"})
     online_endpoint: str | None = field(
         default=None, metadata={"help": "URL of a feature server (`eagle3-hf serve-features`): each batch's hidden "
-                                        "states computed by vLLM on demand, used once, nothing stored; with "
-                                        "--prepared-dir"})
+                                        "states computed by vLLM on demand, used once (kept only with "
+                                        "--cache-features); with --prepared-dir"})
     feature_dtype: str | None = field(
         default=None, metadata={"help": "with --online-endpoint: features rounded as a shard of this dtype stores "
                                         "them (bf16, fp8, fp32; default bf16, as `extract`)"})
