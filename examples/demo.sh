@@ -58,9 +58,14 @@ timed train accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --
   --validation-fraction "$VAL" --logging-steps 10 --eval-strategy epoch --save-strategy epoch --save-total-limit 1 \
   --load-best-model-at-end true --seed 0
 
-stage "evaluate: chain speculative decoding on $EVAL_Q MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy)"
+# The chain's evaluation and the tree sweep are one process and one thread each: they run side by side, one per
+# core (each speed ratio interleaves plain and speculative decoding in its own process, so both sides of a ratio
+# share the other core's load). The chain's output goes to $OUT/evaluate.log and is shown when it is done.
+stage "evaluate: chain speculative decoding on $EVAL_Q MT-bench questions x $EVAL_TOKENS tokens (k=3, greedy), beside the tree sweep"
 timed evaluate eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts mt-bench \
-  --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 --output "$OUT/eval" --write-to-drafter
+  --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 --output "$OUT/eval" \
+  --write-to-drafter --no-progress > "$OUT/evaluate.log" 2>&1 &
+CHAIN=$!
 
 # SGLang serves trees (--speculative-eagle-topk > 1): a short sweep on development prompts (never MT-bench, never
 # trained on) recommends a configuration only as far as its speed intervals separate, and ranks the trees by the
@@ -74,6 +79,8 @@ print(best['steps'], best['topk'], best['num_draft_tokens'])")
 timed evaluate_tree eagle3-hf evaluate --drafter "$OUT/drafter" --verifier "$VERIFIER" --prompts mt-bench \
   --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --steps "$S" --topk "$K" --num-draft-tokens "$N" \
   --temperature 0 --output "$OUT/eval_tree" --no-progress
+wait "$CHAIN" || { cat "$OUT/evaluate.log" >&2; echo "demo: the chain's evaluation failed (log: $OUT/evaluate.log)" >&2; exit 1; }
+echo; echo "--- the chain's evaluation ($OUT/evaluate.log)"; cat "$OUT/evaluate.log"
 cp "$OUT/sweep/eagle3_sweep.json" "$OUT/drafter/"
 
 stage "export the standard layout and check it for SGLang and vLLM"

@@ -79,7 +79,8 @@ def as_markdown(s: dict) -> str:
         ("features on disk", f"{s['feature_bytes'] / 2**20:.1f} MiB ({s['bytes_per_token']} B/token; "
                              f"4 x hidden x 2 = {s['reference_bytes_per_token']} + ids, mask, greedy)"),
         ("checkpoint (standard layout)", f"{s['checkpoint_bytes'] / 2**20:.1f} MiB"),
-        ("stage times (s)", ", ".join(f"{k} {v}" for k, v in s["seconds"].items())),
+        ("stage times (s; evaluate beside sweep + evaluate_tree)",
+         ", ".join(f"{k} {v}" for k, v in s["seconds"].items())),
         ("total wall time", f"{s['total_seconds']} s" if s["total_seconds"] else "n/a"),
         ("step accuracy (validation)", fmt(s["step_accuracy"])),
         ("conditional accuracy", fmt(s["step_conditional_accuracy"])),
