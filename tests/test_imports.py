@@ -222,3 +222,14 @@ def test_the_test_import_check_finds_planted_violations(tmp_path):
     (tmp_path / "helper.py").write_text("from conftest import make_tiny_verifier\nfrom . import test_c\n")
     assert imports_of_tests(tmp_path) == {"data/test_b.py": ["test_a", "tests.data.test_extract"],
                                           "helper.py": [".test_c", "conftest"]}
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore is its module's own: what another module needs is public."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module not in (None, "__future__"):
+                offenders += [f"{path.relative_to(PACKAGE.parent)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders

@@ -30,8 +30,8 @@ from ..errors import Eagle3Error
 from .shards import (
     HEADER_KEYS,
     ShardWriter,
-    _journals,
     dequantize,
+    journals,
     merge_manifests,
     read_journal,
     sample_sha256,
@@ -61,7 +61,7 @@ class FeatureCache:
         if (self.dir / MANIFEST).is_file():
             with open(self.dir / MANIFEST, encoding="utf-8") as f:
                 found.append((MANIFEST, json.load(f)))
-        for path in _journals(self.dir).values():
+        for path in journals(self.dir).values():
             header = read_journal(path)[0]
             if header is not None:
                 found.append((path.name, header))
@@ -113,7 +113,7 @@ class FeatureCache:
 
     def refresh(self) -> None:
         """Read the journal lines written since the last refresh (any process's); a torn last line waits."""
-        for path in _journals(self.dir).values():
+        for path in journals(self.dir).values():
             start = self._read_to.get(path, 0)
             with open(path, "rb") as f:
                 f.seek(start)

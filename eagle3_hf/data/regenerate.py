@@ -239,7 +239,10 @@ def completed_ids(path: str | Path) -> set[str]:
     return ids
 
 
-class _Writer:
+class ConversationWriter:
+    """Appends finished conversations to the answers file, one JSON line each, flushed and fsync'd: a kill
+    loses at most the line being written (the reader drops an unfinished last line)."""
+
     def __init__(self, path: str | Path):
         self.f = open(path, "a", encoding="utf-8")
 
@@ -357,7 +360,7 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
         bar.update(1)
         bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.1f}", refresh=False)
 
-    write = _Writer(output)
+    write = ConversationWriter(output)
     try:
         if isinstance(backend, TransformersBackend):
             _run_batched(todo, backend, write, batch_size, tick, max_turns)

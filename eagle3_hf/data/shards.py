@@ -194,7 +194,7 @@ def read_journal(path: Path, repair: bool = False) -> tuple[dict | None, list[di
     return header, records
 
 
-def _journals(out_dir: Path) -> dict[int, Path]:
+def journals(out_dir: Path) -> dict[int, Path]:
     found = {}
     for path in glob.glob(str(Path(out_dir) / "manifest.r*.jsonl")):
         m = re.search(r"manifest\.r(\d{3})\.jsonl$", path)
@@ -208,7 +208,7 @@ def merge_manifests(out_dir: str | Path, write: bool = True) -> dict:
     out_dir = Path(out_dir)
     header, shards, samples = None, [], []
     skipped: dict[str, list[str]] = {}  # reason -> sample ids
-    for path in _journals(out_dir).values():
+    for path in journals(out_dir).values():
         rank_header, records = read_journal(path)
         if rank_header is None:
             continue
@@ -303,7 +303,7 @@ class ShardWriter:
             check_header(load_manifest(self.out_dir), header, str(manifest_path))
         self.done_ids: set[str] = set()
         self.next_idx = 0
-        for r, path in _journals(self.out_dir).items():
+        for r, path in journals(self.out_dir).items():
             rank_header, records = read_journal(path, repair=(r == rank))
             if rank_header is not None:
                 check_header(rank_header, header, str(path))

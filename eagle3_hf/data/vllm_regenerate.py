@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from .regenerate import ConversationTurns, _Writer, completed_ids
+from .regenerate import ConversationTurns, ConversationWriter, completed_ids
 
 if TYPE_CHECKING:
     import datasets
@@ -79,7 +79,7 @@ def turn_seed(seed: int, conv_id: str, turn: int) -> int:
 
 
 def generate_answers(run: VllmExtraction, todo: list[dict], tokenizer: PreTrainedTokenizerBase, eos: list[int],
-                     write: _Writer, name: str, seed: int, max_turns: int | None) -> dict[str, int]:
+                     write: ConversationWriter, name: str, seed: int, max_turns: int | None) -> dict[str, int]:
     """Phase 1: every conversation of `todo` answered turn by turn (one generate round per turn, GENERATE_CHUNK
     conversations at a time) and appended to --output as soon as it is finished. Returns counts."""
     stats = {"conversations": 0, "turns": 0, "generated": 0}
@@ -209,7 +209,7 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
         if not todo:  # all answered: vLLM starts only if some sample has no features yet
             ds, submit, rows, all_ids = phase_two()
         if todo or submit:
-            write = _Writer(output)
+            write = ConversationWriter(output)
             try:
                 with VllmExtraction(request, None, threads=threads, debug=debug, timeout=timeout) as run:
                     if todo:

@@ -21,8 +21,8 @@ from eagle3_hf.data.online_endpoint import EndpointFeatureCollator, FeatureClien
 from eagle3_hf.data.shards import make_header, merge_manifests
 from eagle3_hf.verifier.capture import final_norm
 
-from tests.data.test_online_endpoint import AUX, HIDDEN, LAYER_IDS, LAYERS, VOCAB, Stub, identity, offline_features
-from tests.helpers.serveable import serveable_verifier, walk_prepared
+from tests.helpers.feature_stub import AUX, LAYER_IDS, Stub, identity, offline_features
+from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, serveable_verifier, walk_prepared
 
 INFO = {"name": "stub", "revision": None, "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "vocab_size": VOCAB}
 

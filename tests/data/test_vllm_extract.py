@@ -25,18 +25,24 @@ from eagle3_hf.cli import main
 from eagle3_hf.data.dataset import FeatureDataset
 from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.vllm_extract import features_from_states, read_states, vllm_layer_ids
-from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction, vllm_venv
+from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.verifier.capture import capture_features, final_norm
 from eagle3_hf.verifier.family import logit_softcap
 
-from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, reference_states, serveable_verifier, walk_prepared
+from tests.helpers.serveable import (
+    BF16_STEP,
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    reference_states,
+    serveable_verifier,
+    walk_prepared,
+)
+from tests.helpers.vllm import vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
-BF16_STEP = 2.0**-8  # one rounding to bfloat16 moves a value by at most 2^-9 of it; two independent ones 2^-8
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest per-token relative error ||a - b|| / ||b||."""
     return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
@@ -139,16 +145,9 @@ def test_a_hung_vllm_is_stopped_after_the_timeout(hanging_vllm_venv):
 # ---------------------------------------------------------------- slow: vLLM's CPU build against transformers
 
 
-def vllm_or_skip() -> None:
-    if os.environ.get("EAGLE3_HF_SKIP_VLLM", "").strip() not in ("", "0"):
-        pytest.skip("EAGLE3_HF_SKIP_VLLM is set")
-    if not (vllm_venv() / STAMP).is_file():
-        pytest.skip(f"vLLM is not installed in {vllm_venv()}: run `make vllm` (EAGLE3_HF_VLLM_VENV overrides)")
-
-
 @pytest.mark.slow
 def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint):
-    vllm_or_skip()
+    vllm_or_fail()
     verifier = serveable_verifier()
     vdir = tmp_path / "verifier"
     verifier.save_pretrained(vdir)
@@ -223,7 +222,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
 def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path, tokenizer, fingerprint):
     from tests.helpers.data import kill_after_shards
 
-    vllm_or_skip()
+    vllm_or_fail()
     verifier = serveable_verifier()
     vdir = tmp_path / "verifier"
     verifier.save_pretrained(vdir)

@@ -25,9 +25,9 @@ from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.data.vllm_regenerate import eos_ids, generate_plain, prompt_ids
 from eagle3_hf.evaluation.feature_diff import diff_features
 
-from tests.data.test_vllm_extract import BF16_STEP, vllm_or_skip
 from tests.helpers.data import kill_after_shards
-from tests.helpers.serveable import serveable_verifier
+from tests.helpers.serveable import BF16_STEP, serveable_verifier
+from tests.helpers.vllm import vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
@@ -38,7 +38,7 @@ MAX_NEW, MODEL_LEN = 12, 256
 
 @pytest.mark.slow
 def test_vllm_regenerate_end_to_end_killed_and_resumed(tmp_path, tokenizer, fingerprint):
-    vllm_or_skip()
+    vllm_or_fail()
     verifier = serveable_verifier()
     vdir = tmp_path / "verifier"
     verifier.save_pretrained(vdir)

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 LAYERS, HIDDEN, VOCAB = 6, 128, 49152  # the SmolLM2 vocabulary: the real tokenizer renders, vLLM loads it
+BF16_STEP = 2.0**-8  # one rounding to bfloat16 moves a value by at most 2^-9 of it; two independent ones 2^-8
 
 
 def serveable_verifier(seed: int = 0) -> LlamaForCausalLM:
