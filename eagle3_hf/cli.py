@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extract": ("eagle3_hf.data.extract", "run the verifier and write hidden states to sharded safetensors"),
     "serve-features": ("eagle3_hf.data.serve_features",
                        "keep vLLM loaded and serve hidden states over HTTP to `train --online-endpoint URL`"),
+    "serve-vllm": ("eagle3_hf.data.serve_vllm",
+                   "start vLLM's OpenAI server with the extraction config, for `extract --engine vllm --endpoint`"),
     "import-features": ("eagle3_hf.data.importers", "import hidden states written by speculators or SpecForge"),
     "diff-features": ("eagle3_hf.evaluation.feature_diff", "compare two extractions of the same samples"),
     "vocab": ("eagle3_hf.data.vocab", "build the draft vocabulary (d2t / t2d) from assistant tokens"),

@@ -144,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds vLLM may go without finishing a batch, model load included, before it is "
                              "stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
     engine.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    engine.add_argument("--endpoint", default=None, metavar="URL",
+                        help="with --engine vllm: a running vLLM OpenAI server started with the extraction config "
+                             "(`eagle3-hf serve-vllm`) computes the states, --vllm-batch-size requests at a time; "
+                             "this machine must see its storage directory")
 
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
@@ -162,6 +166,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
                                     max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
                                     batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
+                                    endpoint=args.endpoint,
                                     debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
                                     progress=not args.no_progress)
     print(json.dumps(summary))
@@ -173,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     from .fingerprint import tokenizer_fingerprint
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    if args.endpoint and args.engine != "vllm":
+        raise SystemExit("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
     if getattr(args, "engine", "transformers") == "vllm":
         return run_vllm_engine(args, aux)
     kwargs: dict[str, Any] = {"dtype": args.torch_dtype}

@@ -36,7 +36,10 @@ from .shards import ShardWriter, canonical_dtype, dist_env, make_header, wait_an
 if TYPE_CHECKING:
     import datasets
 
+    from .vllm_endpoint import EndpointExtraction
+
 SOURCE = "vllm"
+ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
 
 
 def vllm_layer_ids(aux_indices: Sequence[int], num_layers: int) -> list[int]:
@@ -142,6 +145,7 @@ class VllmFeatureSpec:
                       "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
         self.header = make_header(info, tokenizer_fingerprint, self.indices, canonical_dtype(dtype), source=SOURCE,
                                   provenance=provenance)
+        self.next_token_checks = self.next_token_agreements = 0  # a server's own tokens (check_next_token)
 
     def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16, tensor_parallel_size: int = 1,
                 connector: str = "auto") -> dict[str, Any]:
@@ -153,17 +157,53 @@ class VllmFeatureSpec:
     def write(self, records: Iterable[dict[str, Any]], rows: Any, all_ids: list[str], submit: list[int],
               writer: ShardWriter, bar: Any) -> None:
         """Each file vLLM reports -> checked, mapped, into a shard, deleted (a kill before its commit redoes it).
-        `submit[key]` is the row of the dataset `rows` the record's key names."""
+        `submit[key]` is the row of the dataset `rows` the record's key names. Records from a server carry its
+        next token: the first samples are held back until those tokens vouch for the layers (check_next_token),
+        so that a misconfigured server never leaves a shard behind."""
+        held: list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
         for record in records:
             i = submit[int(record["key"])]
             row, sample_id = rows[i], all_ids[i]
             input_ids = row["input_ids"].long()
             states = read_states(record["path"], sample_id, input_ids, self.layer_ids, self.hidden)
             feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap)
-            writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"], feats["last_hidden_state"],
-                       feats["verifier_greedy"])
             os.unlink(record["path"])
+            held.append((sample_id, input_ids, row["loss_mask"], feats))
+            if record.get("next_token") is not None and not self.vouched:
+                self.check_next_token(int(record["next_token"]), int(feats["verifier_greedy"][-1]), sample_id)
+                if not self.vouched:
+                    continue
+            self._add(held, writer, bar)
+        if held:  # fewer samples than PROBE from a server, none of whose next tokens agreed
+            self.check_next_token(-1, 0, held[-1][0], final=True)
+
+    @staticmethod
+    def _add(held: list, writer: ShardWriter, bar: Any) -> None:
+        for sample_id, input_ids, loss_mask, feats in held:
+            writer.add(sample_id, input_ids, loss_mask, feats["aux_hidden_states"], feats["last_hidden_state"],
+                       feats["verifier_greedy"])
             bar.update(input_ids.numel())
+        held.clear()
+
+    @property
+    def vouched(self) -> bool:
+        """Whether a server's own next tokens have agreed with the captured states at least once."""
+        return self.next_token_agreements > 0
+
+    def check_next_token(self, served: int, greedy: int, sample_id: str, final: bool = False) -> None:
+        """A server's own next token against the greedy token of the state it saved last (vLLM's id N, normed
+        here): they agree unless the server captures other layers or norms differently. All of the first
+        PROBE disagreeing (or all, when fewer) stops the run, nothing written (a near-tie flips one, not four)."""
+        from .vllm_endpoint import PROBE, EndpointError
+
+        if not final:
+            self.next_token_checks += 1
+            self.next_token_agreements += int(served == greedy)
+        if (final or self.next_token_checks == PROBE) and self.next_token_agreements == 0:
+            raise EndpointError(f"the server's next token differs from the verifier's greedy token on its last saved "
+                                f"state for all of the first {self.next_token_checks} samples (last {sample_id!r}): "
+                                f"it does not capture vLLM layer ids {self.layer_ids} of this verifier (start it with "
+                                "`eagle3-hf serve-vllm`)")
 
 
 def extract_features_vllm(
@@ -189,13 +229,17 @@ def extract_features_vllm(
     progress: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
+    endpoint: str | None = None,
 ) -> dict[str, Any]:
-    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary."""
+    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary.
+    With `endpoint`, a running vLLM OpenAI server computes them (data/vllm_endpoint.py; `batch_size`
+    requests in flight), and no vLLM is needed here."""
     from tqdm.auto import tqdm
 
     from ..engines.vllm_env import VllmExtraction, vllm_python
 
-    vllm_python()  # vLLM missing: one line, before anything is written
+    if endpoint is None:
+        vllm_python()  # vLLM missing: one line, before anything is written
     env_rank, env_world = dist_env()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
@@ -203,18 +247,24 @@ def extract_features_vllm(
     spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name, verifier_revision,
                            vllm_dtype)
     ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
-    writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
-                         max_shard_bytes=max_shard_bytes)
     all_ids = list(ds["id"])
     mine = range(rank, len(ds), world_size)
-    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
     lengths = prepared_lengths(ds)
-    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
-    submit = [i for i in todo if lengths[i] > 0]
-    longest = max((lengths[i] for i in submit), default=0)
-    request = spec.request(int(max_model_len or longest + 1), batch_size, max_pending, tensor_parallel_size, connector)
+    longest = max((lengths[i] for i in mine), default=0)  # checked before anything is written, done ones included
     if max_model_len is not None and longest + 1 > max_model_len:
         raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
+    served = None
+    if endpoint is not None:
+        from .vllm_endpoint import check_server
+
+        served = check_server(endpoint, verifier, spec.path, longest, spec.layer_ids)
+    writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
+                         max_shard_bytes=max_shard_bytes)
+    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
+    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+    submit = [i for i in todo if lengths[i] > 0]
+    request = spec.request(int(max_model_len or max((lengths[i] for i in submit), default=0) + 1), batch_size,
+                           max_pending, tensor_parallel_size, connector)
     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"extract vllm r{rank}",
                disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
@@ -226,7 +276,15 @@ def extract_features_vllm(
                 writer.skip(all_ids[i], "empty")
         if submit:
             prompts = ((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
-            with VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout) as run:
+            run: VllmExtraction | EndpointExtraction
+            if served is not None:
+                from .vllm_endpoint import EndpointExtraction
+
+                run = EndpointExtraction(str(endpoint), prompts, model=str(served["id"]), concurrency=batch_size,
+                                         timeout=ENDPOINT_TIMEOUT_S if timeout is None else timeout)
+            else:
+                run = VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout)
+            with run:
                 spec.write(run.records(), rows, all_ids, submit, writer, bar)
                 vllm_result = run.result or {}
                 peak = run.peak_pending_bytes
@@ -241,6 +299,9 @@ def extract_features_vllm(
                "seconds": round(elapsed, 3), "vllm_load_seconds": vllm_result.get("load_seconds"),
                "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None,
                "peak_temporary_bytes": peak}
+    if endpoint is not None:
+        summary.update(endpoint=endpoint, next_token_agreement=round(spec.next_token_agreements
+                                                                     / max(spec.next_token_checks, 1), 4))
     if rank == 0:
         manifest = wait_and_merge(out_dir, all_ids, 48 * 3600)
         summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])

@@ -173,15 +173,18 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def remove_orphaned_extractions(root: str) -> list[str]:
+def remove_orphaned_extractions(root: str, prefix: str = EXTRACT_PREFIX) -> list[str]:
     """Remove the temporary directories of extractions whose reader and runner have both exited: a reader
     killed outright cannot clean up, and a runner that finished before the kill never learns of it. A
-    runner still running when its reader dies removes its own files (vllm_extract_runner.reader_gone)."""
+    runner still running when its reader dies removes its own files (vllm_extract_runner.reader_gone).
+    `prefix`: the same for `serve-vllm`'s storage directories (engines/vllm_openai.py), log beside included."""
     import shutil
     import time
 
     removed = []
-    for path in Path(root).glob(EXTRACT_PREFIX + "*"):
+    for path in Path(root).glob(prefix + "*"):
+        if path.suffix == ".log":
+            continue
         try:
             pids = [int(p) for p in (path / "pids").read_text(encoding="utf-8").split()]
         except (OSError, ValueError):  # no pid file yet: starting right now, or torn; age decides
@@ -194,6 +197,7 @@ def remove_orphaned_extractions(root: str) -> list[str]:
         if any(process_alive(pid) for pid in pids):
             continue
         shutil.rmtree(path, ignore_errors=True)
+        Path(f"{path}.log").unlink(missing_ok=True)
         removed.append(str(path))
     return removed
 

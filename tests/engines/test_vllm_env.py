@@ -1,4 +1,4 @@
-"""The cleanup of extractions whose reader was killed outright (no vLLM needed)."""
+"""The cleanup of extractions whose reader was killed outright, and of killed `serve-vllm` servers (no vLLM)."""
 
 import os
 import subprocess
@@ -49,3 +49,19 @@ def test_a_zombie_counts_as_exited():
         time.sleep(0.05)
     proc.wait()
     assert not process_alive(proc.pid)
+
+
+def test_a_killed_vllm_servers_storage_and_log_are_removed_by_the_next_start(tmp_path):
+    from eagle3_hf.engines.vllm_openai import STORAGE_PREFIX
+
+    dead = exited_pid()
+    killed, running = tmp_path / f"{STORAGE_PREFIX}killed", tmp_path / f"{STORAGE_PREFIX}running"
+    for d, pids in ((killed, f"{dead} {dead}"), (running, f"{dead} {os.getpid()}")):
+        d.mkdir()
+        (d / "pids").write_text(pids + "\n")
+        (d / "cmpl-1.safetensors").write_bytes(b"x" * 64)
+        (tmp_path / f"{d.name}.log").write_text("vLLM's log\n")
+
+    assert remove_orphaned_extractions(str(tmp_path), prefix=STORAGE_PREFIX) == [str(killed)]
+    assert not killed.exists() and not (tmp_path / f"{killed.name}.log").exists()
+    assert (running / "cmpl-1.safetensors").exists() and (tmp_path / f"{running.name}.log").exists()

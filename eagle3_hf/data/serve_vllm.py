@@ -1,0 +1,99 @@
+"""`eagle3-hf serve-vllm`: vLLM's own OpenAI server, started with the extraction config.
+
+The route a run at scale takes when the verifier is already served by vLLM: one server (tensor parallel as
+vLLM does it), and `extract --engine vllm --endpoint URL` as its client on the same machine. The server
+captures the layers `extract --engine vllm` captures (the aux indices + N) with the same engine settings
+(engines/vllm_openai.py); every completion writes one hidden-states file into its storage directory, which
+the client reads and deletes.
+
+    eagle3-hf serve-vllm --verifier V --port 8000          # foreground; prints the URL and the client's command
+    eagle3-hf serve-vllm --verifier V --tensor-parallel-size 8 --print-command   # the command, to run yourself
+
+It runs until Ctrl-C or SIGTERM; a storage directory it made goes with it. The server also answers
+ordinary completions (the states of every request are saved: give it to extraction only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .serve_features import server_request
+
+DEFAULT_PORT = 8000
+PRINTED_STORAGE = "/tmp/eagle3_vllm_storage"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
+    parser.add_argument("--revision", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--aux-layers", default=None,
+                        help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
+    parser.add_argument("--torch-dtype", default="auto",
+                        help="vLLM's dtype (auto = the checkpoint's, as extract --engine vllm)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--connector", choices=["auto", "cpu", "stock"], default="auto",
+                        help="vLLM's stock hidden-states connector (CUDA) or the project's CPU one (auto: by CUDA)")
+    parser.add_argument("--storage", default=None,
+                        help="the connector's directory (default: a fresh temporary one, removed at exit)")
+    parser.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds the model load may take (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
+    parser.add_argument("--log-file", default=None, help="vLLM's log (default: beside the storage directory)")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the server's command and exit (to run it on the serving machine yourself)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engines.vllm_env import VllmError, vllm_python
+    from ..engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
+
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    request = server_request(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
+                             max_model_len=args.max_model_len, host=args.host, port=args.port,
+                             tensor_parallel_size=args.tensor_parallel_size, connector=args.connector)
+    engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
+                              "tensor_parallel_size": request["tensor_parallel_size"], "revision": args.revision,
+                              "connector": args.connector}
+    client = (f"eagle3-hf extract --engine vllm --endpoint http://{args.host}:{args.port} --verifier {args.verifier} "
+              "--data prepared/ --output features/")
+    if args.print_command:
+        try:
+            python: str | Path = vllm_python()
+        except VllmError:
+            python = "python"  # vLLM lives on the serving machine, not here
+        argv = server_arguments(request["verifier"], request["layer_ids"], args.storage or PRINTED_STORAGE,
+                                host=args.host, port=args.port, **engine)
+        print(shell_command(python, argv))
+        print(f"# then, on the same machine: {client}", file=sys.stderr)
+        return 0
+    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
+    vllm_python()  # vLLM missing: one line
+    server = VllmOpenAIServer(request["verifier"], request["layer_ids"], port=args.port, host=args.host,
+                              storage=args.storage, threads=args.threads, timeout=args.timeout,
+                              log_file=args.log_file, debug=debug, **engine)
+    with server:
+        print(f"vLLM OpenAI server: {server.url} (verifier {request['verifier']}, vLLM layer ids "
+              f"{request['layer_ids']}, storage {server.storage}); extract with: {client}", flush=True)
+        print(json.dumps({"url": server.url, "layer_ids": request["layer_ids"], "storage": str(server.storage)}),
+              flush=True)
+
+        def stop(*_: Any) -> None:
+            server.terminate()
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            code = server.wait()
+        except KeyboardInterrupt:
+            code = 0
+    print("vLLM OpenAI server stopped", file=sys.stderr)
+    return 0 if code in (0, -signal.SIGTERM) else code

@@ -1,0 +1,226 @@
+"""`extract --engine vllm --endpoint URL`: the features of a prepared dataset from a running vLLM OpenAI server.
+
+The server is vLLM's own API server started with the extraction config (`eagle3-hf serve-vllm`,
+engines/vllm_openai.py). Each sample is one completion request (its token ids as the prompt, max_tokens=1,
+greedy, `return_token_ids`); vLLM answers with `kv_transfer_params.hidden_states_path`, the file its
+hidden-states connector writes. This client waits on the file's `.lock` (LOCK_SH: vLLM's worker holds
+LOCK_EX until the file is whole), hands the path to the same reader as the offline route
+(vllm_extract.VllmFeatureSpec.write: checked, mapped, into a shard, deleted) and removes the lock. The
+client must see the server's storage: run it on the server's machine, or share that directory.
+
+What is checked against the server before anything is written: it serves the verifier given by
+`--verifier` (its `root`), its `max_model_len` takes the longest sample, and its answers carry a
+hidden-states path (a plain server does not). On every sample the server's own next token must agree with
+the verifier's greedy token computed here from the last captured state; if the first samples all disagree,
+the server's layer ids are not the ones asked for (or its final norm differs), and the run stops.
+
+Requests run `concurrency` at a time (the server batches them), in order; each has a timeout, 5xx answers
+and dropped connections are retried, and a file whose request this client abandoned is deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import Eagle3Error
+
+PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
+
+
+class EndpointError(Eagle3Error):
+    """A vLLM server that is missing, misconfigured, failing or too slow; one line."""
+
+
+def remove_file(path: str) -> None:
+    for p in (path, path + ".lock"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def wait_for_lock(path: str, deadline: float) -> None:
+    """Until vLLM's worker has released the file's lock (the file is whole), polling so that a dead or hung
+    server ends at the deadline instead of blocking forever. The lock file is removed once held."""
+    lock = path + ".lock"
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            if os.path.exists(path):
+                return  # no lock (use_synchronization_lock off) and the file is there
+            fd = -1
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                os.unlink(lock)
+                if os.path.exists(path):
+                    return
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.01)
+
+
+class EndpointExtraction:
+    """The records of `VllmExtraction` (engines/vllm_env.py), from a running server: {"key", "path",
+    "next_token"} per prompt, in submission order. Use as a context manager: leaving deletes the files of
+    requests not yet taken (an error, a Ctrl-C)."""
+
+    def __init__(self, url: str, prompts: Iterable[tuple[int, list[int]]], model: str, concurrency: int = 8,
+                 timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
+        self.url, self.model = url.rstrip("/"), model
+        self.prompts, self.concurrency = prompts, max(1, int(concurrency))
+        self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
+        self.peak_pending_bytes = 0
+        self.requests = 0
+        self.result: dict[str, Any] = {"connector": None, "vllm_version": None}
+        self._futures: deque[Future] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> EndpointExtraction:
+        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="eagle3-endpoint")
+        return self
+
+    def _post(self, ids: list[int]) -> dict[str, Any]:
+        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                           "return_token_ids": True}).encode()
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or attempt == self.retries:
+                    raise EndpointError(self._why(exc)) from None
+            except (urllib.error.URLError, ConnectionError) as exc:
+                if attempt == self.retries:
+                    raise EndpointError(self._why(exc)) from None
+            except TimeoutError:
+                raise EndpointError(f"{self.url} did not answer a completion within {self.timeout:.0f} s "
+                                    "(--vllm-timeout sets the limit)") from None
+            time.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _why(self, exc: Exception) -> str:
+        from ..engines.vllm_openai import server_error
+
+        return server_error(self.url, exc)
+
+    def _one(self, key: int, ids: list[int]) -> dict[str, Any]:
+        answer = self._post(ids)
+        params = answer.get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        if not path:
+            raise EndpointError(f"{self.url} answered without kv_transfer_params.hidden_states_path: it was not "
+                                "started with the extraction config (`eagle3-hf serve-vllm`)")
+        choice = (answer.get("choices") or [{}])[0]
+        prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
+        if prompt_tokens is not None and int(prompt_tokens) != len(ids):
+            remove_file(path)
+            raise EndpointError(f"{self.url} prefilled {prompt_tokens} tokens for a prompt of {len(ids)}")
+        if not os.path.isdir(os.path.dirname(path) or "."):
+            raise EndpointError(f"{self.url} writes its states to {os.path.dirname(path)}, which this machine cannot "
+                                "see: run the client on the server's machine or share that directory at the same path")
+        try:
+            wait_for_lock(path, time.monotonic() + self.timeout)
+        except TimeoutError:
+            remove_file(path)
+            raise EndpointError(f"vLLM at {self.url} did not finish writing {path} within {self.timeout:.0f} s "
+                                "(--vllm-timeout sets the limit)") from None
+        if self.result["vllm_version"] is None:
+            fingerprint = str(answer.get("system_fingerprint") or "")
+            self.result["vllm_version"] = fingerprint.split("-")[1] if fingerprint.startswith("vllm-") else None
+        tokens = choice.get("token_ids") or []
+        return {"key": key, "path": path, "prompt_tokens": len(ids), "next_token": int(tokens[0]) if tokens else None}
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        assert self._pool is not None, "use EndpointExtraction as a context manager"
+        prompts = iter(self.prompts)
+        exhausted = False
+        while True:
+            while not exhausted and len(self._futures) < 2 * self.concurrency:
+                try:
+                    key, ids = next(prompts)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self._futures.append(self._pool.submit(self._one, key, ids))
+                self.requests += 1
+            if not self._futures:
+                return
+            record = self._futures[0].result()
+            self._futures.popleft()
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes(record["path"]))
+            yield record
+
+    def _pending_bytes(self, path: str) -> int:
+        """The bytes lying in the server's storage now (what this client has not yet taken and deleted)."""
+        total = 0
+        for entry in os.scandir(os.path.dirname(path) or "."):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def __exit__(self, *exc: object) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for future in self._futures:
+            future.cancel()
+        pool.shutdown(wait=True)
+        for future in self._futures:  # answered but never taken: their files would lie in the server's storage
+            if future.done() and not future.cancelled() and future.exception() is None:
+                remove_file(future.result()["path"])
+        self._futures.clear()
+
+
+def check_server(url: str, verifier: str, verifier_path: str, longest: int, layer_ids: list[int]) -> dict[str, Any]:
+    """The model the server at `url` serves, checked against `--verifier`, the layer ids and the longest sample;
+    one line (EndpointError) when it is missing, serves another model, captures other layers (as its second
+    served-model name says) or takes shorter prompts."""
+    from ..engines.vllm_openai import served_layer_ids, server_error, server_models
+
+    try:
+        models = server_models(url, timeout=30.0)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise EndpointError(server_error(url, exc)) from None
+    if not models:
+        raise EndpointError(f"{url}/v1/models lists no model")
+    model = models[0]
+    served = {str(model.get("root") or ""), str(model.get("id") or "")}
+    wanted = {str(verifier), str(verifier_path), os.path.realpath(verifier_path)}
+    if not served & wanted and not any(os.path.exists(s) and os.path.realpath(s) in wanted for s in served):
+        raise EndpointError(f"{url} serves {model.get('root') or model.get('id')}, not the verifier {verifier} "
+                            "(--verifier)")
+    captured = served_layer_ids(models)
+    if captured is None:
+        print(f"[extract] {url} does not name the layer ids it captures (a server not started by `eagle3-hf "
+              f"serve-vllm`): only its last id is checked, by its next tokens; its aux ids must be "
+              f"{list(layer_ids)[:-1]}",
+              file=sys.stderr)
+    elif captured != list(layer_ids):
+        raise EndpointError(f"{url} captures vLLM layer ids {captured}; this extraction needs {list(layer_ids)} "
+                            "(--aux-layers must be the server's)")
+    limit = model.get("max_model_len")
+    if limit is not None and longest + 1 > int(limit):
+        raise EndpointError(f"{url} takes at most {limit} tokens (its --max-model-len); the longest sample has "
+                            f"{longest} (+1 generated)")
+    return model
+

