@@ -49,9 +49,14 @@ def remove_file(path: str) -> None:
             pass
 
 
+class WriteFailed(OSError):
+    """vLLM released a file's lock without writing the file (its save raised: a full disk, a permission)."""
+
+
 def wait_for_lock(path: str, deadline: float) -> None:
     """Until vLLM's worker has released the file's lock (the file is whole), polling so that a dead or hung
-    server ends at the deadline instead of blocking forever. The lock file is removed once held."""
+    server ends at the deadline instead of blocking forever (TimeoutError). The lock file is removed once held;
+    WriteFailed when the lock was released and no file is there."""
     lock = path + ".lock"
     while True:
         try:
@@ -63,13 +68,14 @@ def wait_for_lock(path: str, deadline: float) -> None:
         if fd >= 0:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                os.unlink(lock)
-                if os.path.exists(path):
-                    return
             except BlockingIOError:
-                pass
-            finally:
                 os.close(fd)
+            else:
+                os.close(fd)
+                os.unlink(lock)
+                if not os.path.exists(path):  # the writer let go without writing: its save failed
+                    raise WriteFailed(path)
+                return
         if time.monotonic() > deadline:
             raise TimeoutError(path)
         time.sleep(0.01)
@@ -138,6 +144,9 @@ class EndpointExtraction:
                                 "see: run the client on the server's machine or share that directory at the same path")
         try:
             wait_for_lock(path, time.monotonic() + self.timeout)
+        except WriteFailed:
+            raise EndpointError(f"vLLM at {self.url} released {path}.lock without writing {path}: its write failed "
+                                "(is its storage disk full? the server's log says why)") from None
         except TimeoutError:
             remove_file(path)
             raise EndpointError(f"vLLM at {self.url} did not finish writing {path} within {self.timeout:.0f} s "

@@ -67,7 +67,12 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
             tmp = pending.filename + ".partial"
-            save_file(tensors, tmp)
+            try:
+                save_file(tensors, tmp)
+            except BaseException:  # a full disk: no half file left behind; the reader finds the lock free, no file
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
             os.replace(tmp, pending.filename)  # a reader never sees half a file
         finally:
             if lock_fd is not None:

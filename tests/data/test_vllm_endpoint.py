@@ -86,6 +86,7 @@ def test_endpoint_features_equal_the_offline_route_and_the_storage_is_left_empty
     ("foreign", "differs from the verifier's greedy token on its last saved state for all of the first 4 samples"),
     ("elsewhere", "writes its states to /nonexistent-storage, which this machine cannot see"),
     ("fail:1", "answered 500: engine dead"),
+    ("full", "without writing /"),
 ])
 def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, model, verifier_dir, prepared,
                                                                     behaviour, message, capsys):

@@ -8,8 +8,8 @@ client must wait on the lock, as with vLLM.
 
 behaviour: "ok"; "plain" (no kv_transfer_params: a server without the extraction config); "foreign" (the last
 saved state is not this verifier's: another model's, or another layer's of a deeper one); "never" (the lock is
-never released: a hung writer); "elsewhere" (a path in a directory this machine does not have); "fail:N" (500
-from request N on, for good)."""
+never released: a hung writer); "full" (the lock released, no file: a write that failed on a full disk);
+"elsewhere" (a path in a directory this machine does not have); "fail:N" (500 from request N on, for good)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class CompletionsStub:
                         fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                         fcntl.flock(fd, fcntl.LOCK_EX)
                         tensors = {"hidden_states": states.contiguous(), "token_ids": ids}
-                        threading.Thread(target=stub._write, args=(path, tensors, fd, kind == "never"),
+                        threading.Thread(target=stub._write, args=(path, tensors, fd, kind),
                                          daemon=True).start()
                 self._send(200, answer)
 
@@ -93,11 +93,12 @@ class CompletionsStub:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def _write(self, path: Path, tensors: dict, fd: int, never: bool) -> None:
+    def _write(self, path: Path, tensors: dict, fd: int, kind: str) -> None:
         time.sleep(self.write_delay)
-        if never:
+        if kind == "never":
             return  # the lock stays held: the client must give up at its timeout
-        save_file(tensors, str(path))
+        if kind != "full":  # "full": vLLM's writer releases the lock in a finally, after its save raised
+            save_file(tensors, str(path))
         os.close(fd)
 
     def __enter__(self):
