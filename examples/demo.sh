@@ -39,8 +39,14 @@ python -c "import json, sys; from eagle3_hf.demo_data.prompts import short_promp
 # One verifier pass for answers and features (replaces prepare + extract): aux hidden states (2, N//2, N-3),
 # post-norm final state and greedy tokens of prompt + answer -> sharded safetensors, plus the prepared dataset
 # (input_ids + assistant loss mask) for vocab. Two processes, one per core, share the length-sorted batches.
+# DEMO_ENGINE=vllm: vLLM's CPU build answers and extracts instead (`make vllm` first; README: the demo's time both ways).
+if [ "${DEMO_ENGINE:-transformers}" = vllm ]; then
+  ENGINE_ARGS=(--engine vllm --threads "${DEMO_VLLM_THREADS:-2}" --vllm-batch-size 32 --no-progress)
+else
+  ENGINE_ARGS=(--batch-size 64 --num-workers "${DEMO_WORKERS:-2}")
+fi
 timed regenerate eagle3-hf regenerate --input "$OUT/prompts.jsonl" --output "$OUT/conversations.jsonl" \
-  --verifier "$VERIFIER" --max-new-tokens "$GEN_TOKENS" --batch-size 64 --num-workers "${DEMO_WORKERS:-2}" \
+  --verifier "$VERIFIER" --max-new-tokens "$GEN_TOKENS" "${ENGINE_ARGS[@]}" \
   --features-out "$OUT/features" --prepared-out "$OUT/prepared" --max-seq-len "$MAX_LEN" --features-dtype bf16
 
 stage "vocab: the $DRAFT_VOCAB most frequent assistant tokens"
