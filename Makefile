@@ -43,8 +43,9 @@ test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
 test-fast: venv lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-demo: venv
-	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+# DEMO_ENGINE=vllm make demo: vLLM (installed first) answers and extracts instead of the in-process verifier
+demo: venv $(if $(filter vllm,$(DEMO_ENGINE)),vllm)
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
 demo-large: venv
 	DEMO_SIZE=large PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
