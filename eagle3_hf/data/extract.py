@@ -142,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--vllm-batch-size", type=int, default=8, help="prompts per vLLM generate call")
     engine.add_argument("--vllm-timeout", type=float, default=None,
                         help="seconds vLLM may go without finishing a batch, model load included, before it is "
-                             "stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
+                             "stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h); with --endpoint, seconds per "
+                             "request and its file (default 600)")
     engine.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
     engine.add_argument("--endpoint", default=None, metavar="URL",
                         help="with --engine vllm: a running vLLM OpenAI server started with the extraction config "
