@@ -56,19 +56,23 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
 def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
                          log_file: str | Path | None = None, **kwargs: Any):  # -> VllmFeatureServer
     """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens)."""
-    from ..engines.vllm_env import VllmFeatureServer, vllm_python
+    from ..engines.vllm_env import vllm_python
+    from ..engines.vllm_feature_launcher import VllmFeatureServer
 
     vllm_python()  # vLLM missing: one line, before anything loads
     return VllmFeatureServer(server_request(verifier, **kwargs), threads=threads, debug=debug, timeout=timeout,
                              log_file=log_file)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, port_default: int,
+                         port_help: str | None = None) -> None:
+    """The options `serve-features` and `serve-vllm` share, in their --help order: what is served (the
+    verifier, its layers and engine settings, as `server_request` takes them) and where. The address's
+    help and the port's default differ: a feature server picks a free port, vLLM's server vLLM's usual one."""
     parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
     parser.add_argument("--revision", default=None)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (0.0.0.0 for trainers on other machines; default loopback)")
-    parser.add_argument("--port", type=int, default=0, help="port (default 0: any free port, printed)")
+    parser.add_argument("--host", default="127.0.0.1", help=host_help)
+    parser.add_argument("--port", type=int, default=port_default, help=port_help)
     parser.add_argument("--aux-layers", default=None,
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
     parser.add_argument("--torch-dtype", default="auto",
@@ -76,11 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=8, help="requests prefilled together at most")
+
+
+def add_process_arguments(parser: argparse.ArgumentParser, *, log_file_help: str) -> None:
+    """The options both commands share for the vLLM process itself, after their own (--help order)."""
     parser.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds the model load may take (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
-    parser.add_argument("--log-file", default=None, help="vLLM's log (default: a temporary file)")
+    parser.add_argument("--log-file", default=None, help=log_file_help)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser, host_help="address to listen on (0.0.0.0 for trainers on other machines; "
+                                           "default loopback)",
+                         port_default=0, port_help="port (default 0: any free port, printed)")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests prefilled together at most")
+    add_process_arguments(parser, log_file_help="vLLM's log (default: a temporary file)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,32 +23,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .serve_features import server_request
+from .serve_features import add_process_arguments, add_server_arguments, server_request
 
 DEFAULT_PORT = 8000
 PRINTED_STORAGE = "/tmp/eagle3_vllm_storage"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
-    parser.add_argument("--revision", default=None)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--aux-layers", default=None,
-                        help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
-    parser.add_argument("--torch-dtype", default="auto",
-                        help="vLLM's dtype (auto = the checkpoint's, as extract --engine vllm)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_server_arguments(parser, host_help="address to listen on (default loopback)", port_default=DEFAULT_PORT)
     parser.add_argument("--connector", choices=["auto", "cpu", "stock"], default="auto",
                         help="vLLM's stock hidden-states connector (CUDA) or the project's CPU one (auto: by CUDA)")
     parser.add_argument("--storage", default=None,
                         help="the connector's directory (default: a fresh temporary one, removed at exit)")
-    parser.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds the model load may take (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
-    parser.add_argument("--log-file", default=None, help="vLLM's log (default: beside the storage directory)")
+    add_process_arguments(parser, log_file_help="vLLM's log (default: beside the storage directory)")
     parser.add_argument("--print-command", action="store_true",
                         help="print the server's command and exit (to run it on the serving machine yourself)")
 

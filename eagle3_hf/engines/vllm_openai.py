@@ -18,15 +18,13 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from .server_process import ServerProcess
 from .vllm_env import (
     TIMEOUT_ENV,
     VllmError,
@@ -106,7 +104,7 @@ def server_models(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
         return list(json.loads(response.read()).get("data") or [])
 
 
-class VllmOpenAIServer:
+class VllmOpenAIServer(ServerProcess):
     """vLLM's API server with the extraction config, as a context manager (the CLI's foreground, the tests).
 
     Entering starts it in its own process group with a fresh storage directory (unless one is given) and
@@ -114,16 +112,19 @@ class VllmOpenAIServer:
     is a VllmError with the last line of its log. Leaving stops it (SIGTERM, then SIGKILL of the group) and
     removes the storage directory it made."""
 
+    poll_interval_s = 0.5
+    ready_before_exit_check = False  # another server on the port could answer: an exit is checked first
+    kill_group_after_exit = True  # the engine core and any worker run in the server's group: none outlives it
+
     def __init__(self, verifier: str, layer_ids: list[int], *, port: int, host: str = "127.0.0.1",
                  storage: str | Path | None = None, threads: int = 1, timeout: float | None = None,
                  log_file: str | Path | None = None, debug: bool = False, **kwargs: Any):
         self.verifier, self.layer_ids, self.host, self.port = verifier, list(layer_ids), host, int(port)
         self.given_storage = Path(storage) if storage else None
-        self.threads, self.debug, self.kwargs = threads, debug, kwargs
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.threads, self.kwargs = threads, kwargs
+        super().__init__(default_timeout() if timeout is None else float(timeout), debug)
         self.log_file = Path(log_file) if log_file else None
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
-        self._proc: subprocess.Popen | None = None
         self._made: Path | None = None
 
     def command(self) -> tuple[list[str], dict[str, str]]:
@@ -137,7 +138,7 @@ class VllmOpenAIServer:
             env["PYTHONPATH"] = HERE
         return [str(python), "-m", API_SERVER, *args], env
 
-    def __enter__(self) -> VllmOpenAIServer:
+    def _start(self) -> None:
         if self.given_storage is not None:
             self.storage = self.given_storage
             self.storage.mkdir(parents=True, exist_ok=True)
@@ -145,75 +146,31 @@ class VllmOpenAIServer:
             remove_orphaned_extractions(tempfile.gettempdir(), prefix=STORAGE_PREFIX)
             self._made = self.storage = Path(tempfile.mkdtemp(prefix=STORAGE_PREFIX))
         argv, env = self.command()
-        log_path = self.log_file or self.storage.parent / f"{self.storage.name}.log"
-        self._log_path = log_path
-        log = None if self.debug else open(log_path, "w", encoding="utf-8")
-        try:
-            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=None if log is None else subprocess.STDOUT,
-                                          start_new_session=True)
-        finally:
-            if log is not None:
-                log.close()
+        self._log_path = self.log_file or self.storage.parent / f"{self.storage.name}.log"
+        self._launch(argv, env)
+        assert self._proc is not None
         if self._made is not None:
             (self._made / "pids").write_text(f"{os.getpid()} {self._proc.pid}\n", encoding="utf-8")
-        deadline = time.monotonic() + self.timeout
+
+    def _ready(self) -> bool:
         try:
-            while True:
-                status = self._proc.poll()
-                if status is not None:
-                    tail = [ln for ln in self._log_text().splitlines() if ln.strip()][-1:] or [f"exit status {status}"]
-                    raise VllmError(f"vLLM's OpenAI server for {self.verifier} exited before answering: "
-                                    f"{tail[0].strip()}", details=self._log_text())
-                try:
-                    if server_models(self.url, timeout=2.0):
-                        return self
-                except (OSError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise VllmError(f"vLLM's OpenAI server at {self.url} did not answer within {self.timeout:.0f} s "
-                                    f"and was stopped ({TIMEOUT_ENV} sets the limit)", details=self._log_text())
-                time.sleep(0.5)
-        except BaseException:
-            self.__exit__()
-            raise
+            return bool(server_models(self.url, timeout=2.0))
+        except (OSError, ValueError):
+            return False
 
-    def _log_text(self) -> str:
-        path = getattr(self, "_log_path", None)
-        return path.read_text(encoding="utf-8", errors="replace") if path and path.is_file() else ""
+    def _exit_error(self, status: int) -> VllmError:
+        return VllmError(f"vLLM's OpenAI server for {self.verifier} exited before answering: "
+                         f"{self._last_line(self._log_text(), status)}", details=self._log_text())
 
-    def wait(self) -> int:
-        assert self._proc is not None, "use VllmOpenAIServer as a context manager"
-        return self._proc.wait()
+    def _timeout_error(self) -> VllmError:
+        return VllmError(f"vLLM's OpenAI server at {self.url} did not answer within {self.timeout:.0f} s "
+                         f"and was stopped ({TIMEOUT_ENV} sets the limit)", details=self._log_text())
 
-    def terminate(self) -> None:
-        """SIGTERM without waiting: safe inside a signal handler."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the engine core and any worker run in the server's group: none outlives it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.stop()
-        finally:
-            if self._made is not None:
-                shutil.rmtree(self._made, ignore_errors=True)
-                if self.log_file is None:
-                    Path(f"{self._made}.log").unlink(missing_ok=True)
+    def _cleanup(self) -> None:
+        if self._made is not None:
+            shutil.rmtree(self._made, ignore_errors=True)
+            if self.log_file is None:
+                Path(f"{self._made}.log").unlink(missing_ok=True)
 
 
 def server_error(url: str, error: Exception) -> str:
