@@ -31,6 +31,7 @@ from .shards import (
     HEADER_KEYS,
     ShardWriter,
     dequantize,
+    journal_entries,
     journals,
     merge_manifests,
     read_journal,
@@ -118,14 +119,8 @@ class FeatureCache:
             with open(path, "rb") as f:
                 f.seek(start)
                 raw = f.read()
-            for line in raw.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                start += len(line)
+            for size, entry in journal_entries(raw):
+                start += size
                 for s in entry.get("samples", []):
                     self._index.setdefault(s["id"], s)
             self._read_to[path] = start

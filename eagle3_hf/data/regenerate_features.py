@@ -432,12 +432,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "engine", "transformers") == "vllm":
-        if not args.features_out:
-            raise ValueError("regenerate --engine vllm writes features: give --features-out (and --prepared-out)")
-        from .vllm_regenerate import run as run_vllm
+    from . import vllm_regenerate
 
-        return run_vllm(args)
+    if vllm_regenerate.chosen(args):
+        return vllm_regenerate.run(args)
     if not args.features_out:
         return plain.run(args)
     if not args.verifier:

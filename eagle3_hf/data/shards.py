@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -169,19 +169,27 @@ def check_header(existing: dict, new: dict, where: str) -> None:
             )
 
 
+def journal_entries(raw: bytes) -> Iterator[tuple[int, Any]]:
+    """(byte length of its line, parsed entry) for each line of journal bytes, in order, up to the first line
+    that is torn (no newline: a writer killed mid-append, or still appending) or not JSON; nothing from that
+    line on is yielded."""
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            return
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        yield len(line), entry
+
+
 def read_journal(path: Path, repair: bool = False) -> tuple[dict | None, list[dict]]:
     """(header, records) of one journal. A torn last line (killed mid-append) is ignored, or cut if repair."""
     header, records, good_bytes = None, [], 0
     with open(path, "rb") as f:
         raw = f.read()
-    for line in raw.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        good_bytes += len(line)
+    for size, entry in journal_entries(raw):
+        good_bytes += size
         if "header" in entry:
             header = entry["header"]
         else:

@@ -84,7 +84,10 @@ def wait_for_lock(path: str, deadline: float) -> None:
 class EndpointExtraction:
     """The records of `VllmExtraction` (engines/vllm_env.py), from a running server: {"key", "path",
     "next_token"} per prompt, in submission order. Use as a context manager: leaving deletes the files of
-    requests not yet taken (an error, a Ctrl-C)."""
+    requests not yet taken (an error, a Ctrl-C).
+
+    `result` has VllmExtraction's keys: "vllm_version" (from the answers' system_fingerprint, None when it
+    names none) and "connector", always None here (the server chose its connector; its answers do not say which)."""
 
     def __init__(self, url: str, prompts: Iterable[tuple[int, list[int]]], model: str, concurrency: int = 8,
                  timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
@@ -92,7 +95,6 @@ class EndpointExtraction:
         self.prompts, self.concurrency = prompts, max(1, int(concurrency))
         self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
         self.peak_pending_bytes = 0
-        self.requests = 0
         self.result: dict[str, Any] = {"connector": None, "vllm_version": None}
         self._futures: deque[Future] = deque()
         self._pool: ThreadPoolExecutor | None = None
@@ -169,7 +171,6 @@ class EndpointExtraction:
                     exhausted = True
                     break
                 self._futures.append(self._pool.submit(self._one, key, ids))
-                self.requests += 1
             if not self._futures:
                 return
             record = self._futures[0].result()

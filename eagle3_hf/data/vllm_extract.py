@@ -158,8 +158,8 @@ class VllmFeatureSpec:
               writer: ShardWriter, bar: Any) -> None:
         """Each file vLLM reports -> checked, mapped, into a shard, deleted (a kill before its commit redoes it).
         `submit[key]` is the row of the dataset `rows` the record's key names. Records from a server carry its
-        next token: the first samples are held back until those tokens vouch for the layers (check_next_token),
-        so that a misconfigured server never leaves a shard behind."""
+        next token: the first samples are held back until those tokens vouch for the layers (check_next_token,
+        refuse_unvouched), so that a misconfigured server never leaves a shard behind."""
         held: list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
         for record in records:
             i = submit[int(record["key"])]
@@ -175,7 +175,7 @@ class VllmFeatureSpec:
                     continue
             self._add(held, writer, bar)
         if held:  # fewer samples than PROBE from a server, none of whose next tokens agreed
-            self.check_next_token(-1, 0, held[-1][0], final=True)
+            self.refuse_unvouched(held[-1][0])
 
     @staticmethod
     def _add(held: list, writer: ShardWriter, bar: Any) -> None:
@@ -190,16 +190,24 @@ class VllmFeatureSpec:
         """Whether a server's own next tokens have agreed with the captured states at least once."""
         return self.next_token_agreements > 0
 
-    def check_next_token(self, served: int, greedy: int, sample_id: str, final: bool = False) -> None:
+    def check_next_token(self, served: int, greedy: int, sample_id: str) -> None:
         """A server's own next token against the greedy token of the state it saved last (vLLM's id N, normed
         here): they agree unless the server captures other layers or norms differently. All of the first
-        PROBE disagreeing (or all, when fewer) stops the run, nothing written (a near-tie flips one, not four)."""
-        from .vllm_endpoint import PROBE, EndpointError
+        PROBE disagreeing stops the run, nothing written (a near-tie flips one, not four); with fewer samples
+        than PROBE, `refuse_unvouched` after the last."""
+        from .vllm_endpoint import PROBE
 
-        if not final:
-            self.next_token_checks += 1
-            self.next_token_agreements += int(served == greedy)
-        if (final or self.next_token_checks == PROBE) and self.next_token_agreements == 0:
+        self.next_token_checks += 1
+        self.next_token_agreements += int(served == greedy)
+        if self.next_token_checks == PROBE:
+            self.refuse_unvouched(sample_id)
+
+    def refuse_unvouched(self, sample_id: str) -> None:
+        """Stop the run (EndpointError, naming `sample_id`, the last sample checked) unless a server's next token
+        has agreed at least once: after PROBE checks, or when the records end with samples still held."""
+        from .vllm_endpoint import EndpointError
+
+        if self.next_token_agreements == 0:
             raise EndpointError(f"the server's next token differs from the verifier's greedy token on its last saved "
                                 f"state for all of the first {self.next_token_checks} samples (last {sample_id!r}): "
                                 f"it does not capture vLLM layer ids {self.layer_ids} of this verifier (start it with "
@@ -233,7 +241,8 @@ def extract_features_vllm(
 ) -> dict[str, Any]:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary.
     With `endpoint`, a running vLLM OpenAI server computes them (data/vllm_endpoint.py; `batch_size`
-    requests in flight), and no vLLM is needed here."""
+    requests in flight), and no vLLM is needed here; the summary's "connector" is then None (the server's
+    answers do not name it)."""
     from tqdm.auto import tqdm
 
     from ..engines.vllm_env import VllmExtraction, vllm_python

@@ -281,10 +281,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true")
 
 
+def chosen(args: argparse.Namespace) -> bool:
+    """Whether `regenerate`'s arguments take this route (--engine vllm) instead of the in-process one."""
+    return getattr(args, "engine", "transformers") == "vllm"
+
+
 def run(args: argparse.Namespace) -> int:
     """`regenerate --engine vllm --features-out F`; prints the summary as one JSON line on stdout."""
     from .conversations import load_conversations
 
+    if not args.features_out:
+        raise ValueError("regenerate --engine vllm writes features: give --features-out (and --prepared-out)")
     if not args.verifier:
         raise ValueError("regenerate --engine vllm needs --verifier (the checkpoint vLLM loads)")
     if args.num_workers != 1:
