@@ -34,9 +34,6 @@ from .configuration_eagle3 import Eagle3Config
 
 if TYPE_CHECKING:
     import numpy as np
-    from transformers import PreTrainedModel
-
-    from .modeling_eagle3 import Eagle3DraftModel
 
 EMBED_KEY = "embed_tokens.weight"
 LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors list them
@@ -312,18 +309,21 @@ def refuse_non_drafter(name: str | os.PathLike, path: Path, raw: dict[str, Any])
     raise ValueError(f"{name} is not an EAGLE-3 drafter (it is {what}): a drafter has fc.weight and midlayer.*")
 
 
-def load_drafter(cls: type[Eagle3DraftModel], name_or_path: str | os.PathLike, *args: Any,
-                 verifier: PreTrainedModel | torch.Tensor | None = None, revision: str | None = None,
-                 token: str | bool | None = None, dtype: torch.dtype | str | None = None,
-                 torch_dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
-                 cache_dir: str | None = None, device: str | torch.device | None = None,
-                 **kwargs: Any) -> Eagle3DraftModel:
-    """Load any supported layout into `cls`, asserting every name and shape lines up."""
-    if args:
-        raise TypeError(f"unexpected positional arguments {args}")
-    kwargs.pop("trust_remote_code", None)  # never needed: the drafter's code is this file
-    if kwargs:
-        raise TypeError(f"unsupported from_pretrained arguments: {sorted(kwargs)}")
+@dataclass(frozen=True)
+class DrafterCheckpoint:
+    """A drafter checkpoint read and checked: where it lies, its config, its tensors under the standard names
+    (the identity mapping filled in for a full vocabulary), and which layout it came in."""
+
+    path: Path
+    config: Eagle3Config
+    tensors: dict[str, torch.Tensor]
+    layout: str  # "standard" | "speculators"
+
+
+def read_drafter_checkpoint(name_or_path: str | os.PathLike, revision: str | None = None,
+                            token: str | bool | None = None, cache_dir: str | None = None) -> DrafterCheckpoint:
+    """Read any supported layout, asserting every name and shape lines up (`Eagle3DraftModel.from_pretrained`
+    builds the model from it)."""
     path = resolve_checkpoint(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -334,7 +334,6 @@ def load_drafter(cls: type[Eagle3DraftModel], name_or_path: str | os.PathLike, *
     refuse_non_drafter(name_or_path, path, raw)
     tensors = standard_names(read_safetensors_dir(path), speculators)
     config = config_from_published(raw, tensors)
-    config._attn_implementation = attn_implementation or "sdpa"
     if "d2t" not in tensors and "t2d" not in tensors and config.draft_vocab_size == config.vocab_size:
         tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)  # full vocabulary: identity
         tensors["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
@@ -350,27 +349,7 @@ def load_drafter(cls: type[Eagle3DraftModel], name_or_path: str | os.PathLike, *
         if tuple(tensors[key].shape) != shape:
             raise ValueError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, config implies {shape}")
     validate_vocab_mapping(tensors["d2t"], tensors["t2d"], config.draft_vocab_size, config.vocab_size)
-
-    model = cls(config)
-    has_embed = EMBED_KEY in tensors
-    result = model.load_state_dict(tensors, strict=False)
-    if result.unexpected_keys or [k for k in result.missing_keys if k != EMBED_KEY]:
-        raise ValueError(f"{path}: state dict mismatch {result}")
-    model.embed_tokens_loaded = has_embed
-    if verifier is not None:
-        model.load_verifier_embeddings(verifier)
-    target_dtype = dtype or torch_dtype
-    if isinstance(target_dtype, str) and target_dtype != "auto":
-        target_dtype = getattr(torch, target_dtype)
-    # PreTrainedModel.to is wrapped with functools.wraps, whose typeshed stub loses the bound self: mypy would
-    # read the argument as `self`
-    if isinstance(target_dtype, torch.dtype):
-        model.to(target_dtype)  # type: ignore[arg-type]
-    if device is not None:
-        model.to(device)  # type: ignore[arg-type]
-    model.eval()
-    model.source_layout = "speculators" if speculators else "standard"
-    return model
+    return DrafterCheckpoint(path, config, tensors, "speculators" if speculators else "standard")
 
 
 # ---------------------------------------------------------------- writing the speculators layout
@@ -407,20 +386,16 @@ def speculators_config(config: Eagle3Config, verifier_architectures: list[str] |
     }
 
 
-def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike,
-                     verifier: PreTrainedModel | torch.Tensor | None = None) -> Path:
-    """Write the speculators layout: `layers.0.*` names and the verifier's embedding included
-    (speculators' loader leaves a missing embedding at zero; vLLM shares identical ones)."""
+def write_speculators(state_dict: dict[str, torch.Tensor], config: Eagle3Config, out_dir: str | os.PathLike,
+                      verifier_architectures: list[str] | None = None) -> Path:
+    """Write a drafter's state dict (embed_tokens included) in the speculators layout: `layers.0.*` names."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if verifier is not None:
-        model.load_verifier_embeddings(verifier)
-    model._check_embeddings()
-    state = standard_state_dict(model.state_dict(), model.config, include_embed_tokens=True)
+    state = standard_state_dict(state_dict, config, include_embed_tokens=True)
     renamed = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v.contiguous()
                for k, v in state.items()}
     save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
-    architectures = list(getattr(getattr(verifier, "config", None), "architectures", None) or []) or None
     with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(speculators_config(model.config, architectures), f, indent=2)
+        json.dump(speculators_config(config, verifier_architectures), f, indent=2)
     return out
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -28,7 +29,15 @@ from transformers.utils import ModelOutput
 
 from ..verifier.family import logit_softcap as verifier_logit_softcap
 from ..verifier.family import softcap_logits
-from .checkpoint import draft_to_target, load_drafter, standard_state_dict, target_to_draft, validate_vocab_mapping
+from .checkpoint import (
+    EMBED_KEY,
+    draft_to_target,
+    read_drafter_checkpoint,
+    standard_state_dict,
+    target_to_draft,
+    validate_vocab_mapping,
+    write_speculators,
+)
 from .configuration_eagle3 import Eagle3Config
 from .ttt_attention import DraftKeys, Eagle3Attention, PackedDocumentKeys, document_spans, shift_within_documents
 
@@ -369,11 +378,55 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     @classmethod
     def from_pretrained(  # type: ignore[override]  # narrower than PreTrainedModel's: a path or repo id, no None
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
-        verifier: PreTrainedModel | torch.Tensor | None = None, **kwargs: Any,
+        verifier: PreTrainedModel | torch.Tensor | None = None, revision: str | None = None,
+        token: str | bool | None = None, dtype: torch.dtype | str | None = None,
+        torch_dtype: torch.dtype | str | None = None, attn_implementation: str | None = None,
+        cache_dir: str | None = None, device: str | torch.device | None = None, **kwargs: Any,
     ) -> Eagle3DraftModel:
         """Load our layout, the standard layout other tools publish, or the speculators layout, from a
-        directory or a Hub repo id. `verifier` (a model) fills embed_tokens when the checkpoint has none."""
-        return load_drafter(cls, pretrained_model_name_or_path, *args, verifier=verifier, **kwargs)
+        directory or a Hub repo id, asserting every name and shape lines up (checkpoint.read_drafter_checkpoint).
+        `verifier` (a model) fills embed_tokens when the checkpoint has none."""
+        if args:
+            raise TypeError(f"unexpected positional arguments {args}")
+        kwargs.pop("trust_remote_code", None)  # never needed: the drafter's code is this file
+        if kwargs:
+            raise TypeError(f"unsupported from_pretrained arguments: {sorted(kwargs)}")
+        checkpoint = read_drafter_checkpoint(pretrained_model_name_or_path, revision=revision, token=token,
+                                             cache_dir=cache_dir)
+        config, tensors = checkpoint.config, checkpoint.tensors
+        config._attn_implementation = attn_implementation or "sdpa"
+        model = cls(config)
+        has_embed = EMBED_KEY in tensors
+        result = model.load_state_dict(tensors, strict=False)
+        if result.unexpected_keys or [k for k in result.missing_keys if k != EMBED_KEY]:
+            raise ValueError(f"{checkpoint.path}: state dict mismatch {result}")
+        model.embed_tokens_loaded = has_embed
+        if verifier is not None:
+            model.load_verifier_embeddings(verifier)
+        target_dtype = dtype or torch_dtype
+        if isinstance(target_dtype, str) and target_dtype != "auto":
+            target_dtype = getattr(torch, target_dtype)
+        # PreTrainedModel.to is wrapped with functools.wraps, whose typeshed stub loses the bound self: mypy would
+        # read the argument as `self`
+        if isinstance(target_dtype, torch.dtype):
+            model.to(target_dtype)  # type: ignore[arg-type]
+        if device is not None:
+            model.to(device)  # type: ignore[arg-type]
+        model.eval()
+        model.source_layout = checkpoint.layout
+        return model
+
+    def save_speculators(self, out_dir: str | os.PathLike,
+                         verifier: PreTrainedModel | torch.Tensor | None = None) -> Path:
+        """Write the speculators layout: `layers.0.*` names and the verifier's embedding included
+        (speculators' loader leaves a missing embedding at zero; vLLM shares identical ones)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if verifier is not None:
+            self.load_verifier_embeddings(verifier)
+        self._check_embeddings()
+        architectures = list(getattr(getattr(verifier, "config", None), "architectures", None) or []) or None
+        return write_speculators(self.state_dict(), self.config, out, architectures)
 
     # transformers wraps PreTrainedModel.push_to_hub (functools.wraps), so mypy reads its signature as
     # (*args, **kwargs); this one is keyword-only on purpose

@@ -18,7 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model.checkpoint import save_speculators
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_verifier
 
@@ -28,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "speculators":
         if verifier is None and not model.embed_tokens_loaded:
             raise SystemExit("--format speculators needs --verifier (the layout carries the verifier's embedding)")
-        save_speculators(model, args.output, verifier=verifier)
+        model.save_speculators(args.output, verifier=verifier)
     else:
         model.save_pretrained(args.output, include_embed_tokens=args.include_embed_tokens)
     print(f"wrote the {args.format} layout to {args.output}")

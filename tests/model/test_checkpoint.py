@@ -10,7 +10,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.model.checkpoint import save_speculators
 
 from tests.helpers.drafters import DRAFT_VOCAB, HIDDEN, STANDARD_KEYS, VOCAB, packed_batch, tiny_model
 
@@ -95,7 +94,7 @@ def test_published_standard_and_speculators_layouts_give_the_same_logits(tmp_pat
     }))
     standard = Eagle3DraftModel.from_pretrained(published, verifier=model)
     assert standard.config.aux_hidden_state_indices == [2, 4, 5]
-    speculators_dir = save_speculators(model, tmp_path / "speculators")
+    speculators_dir = model.save_speculators(tmp_path / "speculators")
     spec_config = json.loads((speculators_dir / "config.json").read_text())
     assert spec_config["speculators_model_type"] == "eagle3" and spec_config["architectures"] == ["Eagle3Speculator"]
     spec_keys = set(read(speculators_dir))
