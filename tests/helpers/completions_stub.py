@@ -18,7 +18,6 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -27,9 +26,10 @@ from safetensors.torch import save_file
 from eagle3_hf.engines.vllm_openai import layers_name
 
 from tests.helpers.feature_stub import LAYER_IDS, vllm_layout
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 
-class CompletionsStub:
+class CompletionsStub(LoopbackServer):
     def __init__(self, model, root: str, storage: Path, behaviour: str = "ok", layer_ids=LAYER_IDS,
                  max_model_len: int = 512, write_delay: float = 0.05):
         self.model, self.root, self.storage, self.behaviour = model, root, Path(storage), behaviour
@@ -39,10 +39,7 @@ class CompletionsStub:
         self.storage.mkdir(parents=True, exist_ok=True)
         stub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, status: int, payload: dict) -> None:
                 body = json.dumps(payload).encode()
                 self.send_response(status)
@@ -89,9 +86,7 @@ class CompletionsStub:
                                          daemon=True).start()
                 self._send(200, answer)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        super().__init__(Handler)
 
     def _write(self, path: Path, tensors: dict, fd: int, kind: str) -> None:
         time.sleep(self.write_delay)
@@ -100,11 +95,3 @@ class CompletionsStub:
         if kind != "full":  # "full": vLLM's writer releases the lock in a finally, after its save raised
             save_file(tensors, str(path))
         os.close(fd)
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()

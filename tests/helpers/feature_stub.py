@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from eagle3_hf.data.vllm_extract import features_from_states, vllm_layer_ids
 from eagle3_hf.verifier.capture import final_norm
 from eagle3_hf.verifier.family import default_aux_indices
 
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, reference_states
 
 AUX = list(default_aux_indices(LAYERS))
@@ -34,7 +34,7 @@ def vllm_layout(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([hs[i] for i in LAYER_IDS[:-1]] + [pre], dim=1).contiguous()
 
 
-class Stub:
+class Stub(LoopbackServer):
     """A feature server stand-in on loopback. behaviour: "ok", "slow" (never answers in time), "down:N" (503 for
     the first N requests), "nan:ID" (a NaN in the sample whose first token is ID), "hang:N" (every request after
     the first N waits 60 s). `requested` lists the token ids of every request, in arrival order."""
@@ -45,10 +45,7 @@ class Stub:
         self.lock = threading.Lock()  # reference_states hooks the shared model: one forward at a time
         stub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, status, body, kind="application/json"):
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
@@ -81,17 +78,7 @@ class Stub:
                 data = save_safetensors({"hidden_states": states, "token_ids": torch.tensor(ids)})
                 self._send(200, data, "application/octet-stream")
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 def identity(fingerprint: str, hidden: int = HIDDEN, layers: int = LAYERS) -> dict:

@@ -12,7 +12,8 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 
 def reply_for(messages: list[dict]) -> str:
@@ -20,7 +21,7 @@ def reply_for(messages: list[dict]) -> str:
     return f"[{len(messages)}] re: {last[:24]}"
 
 
-class OpenAIStub:
+class OpenAIStub(LoopbackServer):
     def __init__(self, delay: float = 0.0, fail_first: int = 0, reject: Callable[[list[dict]], bool] | None = None,
                  api_key: str | None = None, model: str = "stub-model", drop: set[int] = frozenset(), port: int = 0):
         self.delay, self.fail_first, self.reject, self.api_key, self.model = delay, fail_first, reject, api_key, model
@@ -30,10 +31,7 @@ class OpenAIStub:
         self.in_flight = self.max_in_flight = 0
         stub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep test output quiet
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, code: int, payload: dict, drop: bool = False) -> None:
                 body = json.dumps(payload).encode()
                 self.send_response(code)
@@ -83,20 +81,4 @@ class OpenAIStub:
                     with stub.lock:
                         stub.in_flight -= 1
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> OpenAIStub:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        """Stop accepting: new connections are refused (a killed server); replies in flight still finish."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        super().__init__(Handler, port)
