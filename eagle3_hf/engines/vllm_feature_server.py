@@ -50,13 +50,19 @@ MAX_BODY = 64 << 20  # a request is token ids as JSON: 64 MiB is millions of tok
 
 
 def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped: a container without an init) counts as gone,
+    as in vllm_env.process_alive (this script cannot import the package)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale(root: str) -> list[str]:

@@ -1,11 +1,24 @@
-"""The cleanup of extractions whose reader was killed outright, and of killed `serve-vllm` servers (no vLLM)."""
+"""The cleanup of extractions whose reader was killed outright, and of killed `serve-vllm` servers and feature
+servers (no vLLM)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 
+import pytest
+
 from eagle3_hf.engines.vllm_env import EXTRACT_PREFIX, process_alive, remove_orphaned_extractions
+from eagle3_hf.engines.vllm_feature_launcher import FEATURE_SERVER
+
+
+def feature_server_script():
+    """vllm_feature_server.py as the vLLM venv runs it: a script beside its runner, not a package module."""
+    spec = importlib.util.spec_from_file_location("vllm_feature_server_script", FEATURE_SERVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def exited_pid() -> int:
@@ -41,14 +54,27 @@ def test_a_directory_without_pids_is_removed_once_old(tmp_path):
     assert remove_orphaned_extractions(str(tmp_path)) == [str(torn)]
 
 
-def test_a_zombie_counts_as_exited():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+@pytest.mark.parametrize("alive", [process_alive, feature_server_script().pid_alive],
+                         ids=["extractions", "feature-server"])
+def test_a_zombie_counts_as_exited(alive):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    assert alive(proc.pid)
     deadline = time.monotonic() + 30
-    while process_alive(proc.pid):  # exited but not reaped: a zombie
+    while alive(proc.pid):  # exited but not reaped: a zombie
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    proc.wait()
-    assert not process_alive(proc.pid)
+    assert proc.poll() is not None  # reaped only now: it was a zombie while `alive` said gone
+    assert not alive(proc.pid)
+
+
+def test_a_killed_feature_servers_storage_is_removed_by_the_next_start(tmp_path):
+    script = feature_server_script()
+    killed, running = tmp_path / f"{script.PREFIX}killed", tmp_path / f"{script.PREFIX}running"
+    for d, pid in ((killed, exited_pid()), (running, os.getpid())):
+        d.mkdir()
+        (d / "pid").write_text(f"{pid}\n")
+    assert script.remove_stale(str(tmp_path)) == [str(killed)]
+    assert running.exists()
 
 
 def test_a_killed_vllm_servers_storage_and_log_are_removed_by_the_next_start(tmp_path):
