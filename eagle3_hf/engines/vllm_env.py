@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Eagle3Error
+from .vllm_extract_runner import process_alive
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 STAMP = ".eagle3_hf_vllm"
@@ -156,21 +157,6 @@ EXTRACT_RUNNER = Path(__file__).resolve().parent / "vllm_extract_runner.py"
 
 
 EXTRACT_PREFIX = "eagle3_vllm_extract_"
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped: a container without an init) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def remove_orphaned_extractions(root: str, prefix: str = EXTRACT_PREFIX) -> list[str]:

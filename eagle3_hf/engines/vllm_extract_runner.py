@@ -77,6 +77,22 @@ class ReaderGone(RuntimeError):
     """The reader that started this runner has exited (killed): nobody takes the files or reads the result."""
 
 
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped: a container without an init) counts as gone.
+    Here, not in vllm_env.py, because the feature server (vLLM venv) needs it too and imports only this file."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def reader_gone(storage: str, parent: int) -> bool:
     """True (and this runner's files removed) once the reader that started it has exited: killed, nobody
     will take or delete them, and the temporary directory must not fill the disk."""

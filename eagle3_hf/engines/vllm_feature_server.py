@@ -43,26 +43,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from vllm_extract_runner import load_llm, prefill_params, wait_written  # noqa: E402  (this directory, above)
+from vllm_extract_runner import load_llm, prefill_params, process_alive, wait_written  # noqa: E402  (this directory, above)
 
 PREFIX = "eagle3_feature_server_"
 MAX_BODY = 64 << 20  # a request is token ids as JSON: 64 MiB is millions of tokens
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped: a container without an init) counts as gone,
-    as in vllm_env.process_alive (this script cannot import the package)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def remove_stale(root: str) -> list[str]:
@@ -76,7 +60,7 @@ def remove_stale(root: str) -> list[str]:
             pid = 0  # no pid file yet: a server starting right now, or a torn one; age decides
             if time.time() - os.path.getmtime(path) < 600:
                 continue
-        if pid and pid_alive(pid):
+        if pid and process_alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

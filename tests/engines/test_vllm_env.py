@@ -7,9 +7,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from eagle3_hf.engines.vllm_env import EXTRACT_PREFIX, process_alive, remove_orphaned_extractions
+from eagle3_hf.engines.vllm_env import EXTRACT_PREFIX, remove_orphaned_extractions
+from eagle3_hf.engines.vllm_extract_runner import process_alive
 from eagle3_hf.engines.vllm_feature_launcher import FEATURE_SERVER
 
 
@@ -54,9 +53,8 @@ def test_a_directory_without_pids_is_removed_once_old(tmp_path):
     assert remove_orphaned_extractions(str(tmp_path)) == [str(torn)]
 
 
-@pytest.mark.parametrize("alive", [process_alive, feature_server_script().pid_alive],
-                         ids=["extractions", "feature-server"])
-def test_a_zombie_counts_as_exited(alive):
+def test_a_zombie_counts_as_exited():
+    alive = process_alive  # the extraction cleanup's and the feature server's rule
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     assert alive(proc.pid)
     deadline = time.monotonic() + 30
@@ -69,11 +67,19 @@ def test_a_zombie_counts_as_exited(alive):
 
 def test_a_killed_feature_servers_storage_is_removed_by_the_next_start(tmp_path):
     script = feature_server_script()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exited, not reaped: a container without init
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     killed, running = tmp_path / f"{script.PREFIX}killed", tmp_path / f"{script.PREFIX}running"
-    for d, pid in ((killed, exited_pid()), (running, os.getpid())):
+    for d, pid in ((killed, zombie.pid), (running, os.getpid())):
         d.mkdir()
         (d / "pid").write_text(f"{pid}\n")
-    assert script.remove_stale(str(tmp_path)) == [str(killed)]
+    try:
+        assert script.remove_stale(str(tmp_path)) == [str(killed)]
+    finally:
+        zombie.wait()
     assert running.exists()
 
 
