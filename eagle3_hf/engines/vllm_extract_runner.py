@@ -39,7 +39,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -306,10 +305,9 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(os.path.dirname(os.path.abspath(argv[0])), ignore_errors=True)
         return 3
     except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
-        message = str(exc).strip().splitlines()
-        result = {"error": {"type": type(exc).__name__, "message": message[0] if message else "",
-                            "full_message": str(exc), "traceback": traceback.format_exc()}}
-        status = 3
+        from vllm_runner import error_result  # this directory: the script's own (sys.path[0])
+
+        result, status = error_result(exc), 3
     with open(argv[1], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return status

@@ -44,6 +44,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from vllm_extract_runner import load_llm, prefill_params, process_alive, wait_written  # noqa: E402  (this directory, above)
+from vllm_runner import error_result  # noqa: E402
 
 PREFIX = "eagle3_feature_server_"
 MAX_BODY = 64 << 20  # a request is token ids as JSON: 64 MiB is millions of tokens
@@ -261,10 +262,8 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # the launcher reads the error file and reports one line
         error = request.get("error_file")
         if error and not isinstance(exc, KeyboardInterrupt):
-            message = str(exc).strip().splitlines()
             with open(error, "w", encoding="utf-8") as f:
-                json.dump({"error": {"type": type(exc).__name__, "message": message[0] if message else "",
-                                     "full_message": str(exc), "traceback": traceback.format_exc()}}, f)
+                json.dump(error_result(exc), f)
         if isinstance(exc, KeyboardInterrupt):
             return 0
         return 3

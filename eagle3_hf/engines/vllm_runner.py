@@ -129,6 +129,14 @@ def run(request: dict) -> dict:
     return {"vllm_version": vllm.__version__, **runs}
 
 
+def error_result(exc: BaseException) -> dict:
+    """The failure as the caller reads it (vllm_env.py): one line to print, the whole text and the traceback
+    to show when asked. The extraction runner and the feature server, beside this file, report the same way."""
+    message = str(exc).strip().splitlines()
+    return {"error": {"type": type(exc).__name__, "message": message[0] if message else "",
+                      "full_message": str(exc), "traceback": traceback.format_exc()}}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -138,10 +146,7 @@ def main(argv: list[str]) -> int:
     try:
         result, status = run(request), 0
     except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
-        message = str(exc).strip().splitlines()
-        result = {"error": {"type": type(exc).__name__, "message": message[0] if message else "",
-                            "full_message": str(exc), "traceback": traceback.format_exc()}}
-        status = 3
+        result, status = error_result(exc), 3
     with open(argv[1], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return status
