@@ -36,8 +36,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
-    from eagle3_hf.data.shards import ShardWriter, make_header, merge_manifests
+    from eagle3_hf.features.packing import PackedCollator, PackedDataset
+    from eagle3_hf.features.reader import FeatureDataset
+    from eagle3_hf.features.store import ShardWriter, make_header, merge_manifests
 
     work = Path(tempfile.mkdtemp(prefix="eagle3_bench_read_"))
     H, g = args.hidden, torch.Generator().manual_seed(0)

@@ -45,7 +45,7 @@ class Clock:
 
 
 def _features_pass(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int, Path]:
-    from eagle3_hf.data.regenerate_features import regenerate_with_features
+    from eagle3_hf.features.transformers_generation import regenerate_with_features
 
     with Clock() as clock:
         stats = regenerate_with_features(prompts, work / "c.jsonl", work / "f", backend, batch_size=batch_size,
@@ -73,11 +73,11 @@ def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) ->
 
 def _before(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int]:
     from eagle3_hf.data.conversations import load_conversations
-    from eagle3_hf.data.extract import extract_features
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
     from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
     from eagle3_hf.data.prepared_format import save_prepared
     from eagle3_hf.data.regenerate import regenerate
+    from eagle3_hf.features.extract import extract_features
 
     work.mkdir(parents=True)
     with Clock() as clock:

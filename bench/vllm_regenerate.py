@@ -32,7 +32,7 @@ VERIFIER = "smollm2-135m-instruct"
 
 def feature_tokens(features: Path) -> int:
     """Sample tokens in a finished feature directory (its manifest)."""
-    from eagle3_hf.data.shards import load_manifest
+    from eagle3_hf.features.store import load_manifest
 
     return sum(int(s["length"]) for s in load_manifest(features)["samples"])
 
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
 
     from eagle3_hf.data.conversations import write_jsonl
-    from eagle3_hf.data.vllm_regenerate import generate_plain, prompt_ids
     from eagle3_hf.demo_data.prompts import short_prompts
+    from eagle3_hf.features.vllm_generation import generate_plain, prompt_ids
     from eagle3_hf.verifier.loading import load_tokenizer
 
     prompts = short_prompts(args.prompts)

@@ -58,9 +58,9 @@ def optimizer_steps(summary: dict) -> int:
 
 def source_prompts(args) -> list[dict]:
     """`--source-prompts` short prompts that are not in our data, by id and by text (eagle3_hf.demo_data.overlap)."""
-    from eagle3_hf.data.shards import load_manifest
     from eagle3_hf.demo_data.overlap import find_overlaps
     from eagle3_hf.demo_data.prompts import short_prompts
+    from eagle3_hf.features.store import load_manifest
 
     ours = {s["id"] for s in load_manifest(args.data_dir)["samples"]}
     pool = [p for p in short_prompts(len(ours) + 2 * args.source_prompts) if p["id"] not in ours]
@@ -127,7 +127,7 @@ def drift_measurement(args, out: Path, steps: int, path: Path, aux: list[int]) -
 
 def build_sources(args, out: Path, wanted=lambda name: True) -> dict[str, dict]:
     """Drafters trained on other conversations, each answered and extracted by its own verifier version."""
-    from eagle3_hf.data.shards import load_manifest
+    from eagle3_hf.features.store import load_manifest
 
     from experiments.drift import DriftRecipe, build_drifted_verifiers
 

@@ -77,8 +77,8 @@ def prediction(rows: list[dict], fit_points: int = 4) -> str:
 
 def subset_make_up(data_dir: str, point: int, validation_fraction: float) -> dict:
     """Source mix and mean length of the training subset a point trains on (what --max-train-tokens selects)."""
-    from eagle3_hf.data.dataset import FeatureDataset
     from eagle3_hf.data.subsets import describe
+    from eagle3_hf.features.reader import FeatureDataset
 
     ds = FeatureDataset(data_dir, "train", validation_fraction, verify="none", max_tokens=point or None)
     return describe(ds.sample_ids, ds.lengths)

@@ -106,7 +106,7 @@ def dump_batches(args: argparse.Namespace, train_argv: list[str], ours_dir: Path
 def validation_metrics(args: argparse.Namespace, drafter_dir: Path) -> dict:
     """Per-step accuracy and simulated τ on the validation split, through our model and our metrics."""
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.data.dataset import FeatureDataset
+    from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.train.metrics import drafter_step_accuracies
     from eagle3_hf.verifier.loading import verifier_io_weights
 

@@ -12,7 +12,7 @@ import torch
 
 from eagle3_hf import cli
 from eagle3_hf.data import shards
-from eagle3_hf.data.dataset import FeatureDataset
+from eagle3_hf.features.reader import FeatureDataset
 
 from tests.helpers.data import extract_in_process, make_prepared
 

@@ -74,8 +74,8 @@ def imported_top_levels(path: Path) -> set[str]:
 
 
 # bottom to top: a subpackage may import itself and those before it, never one after it
-LAYERS = ["constants", "errors", "engines", "verifier", "model", "publish", "demo_data", "data", "train", "decoding",
-          "evaluation", "scripts", "cli"]
+LAYERS = ["constants", "errors", "engines", "verifier", "model", "publish", "demo_data", "data", "features", "train",
+          "decoding", "evaluation", "scripts", "cli"]
 # the one upward edge: `Eagle3DraftModel.push_to_hub` (transformers' API, on the model) runs the publish step,
 # imported inside that method
 ALLOWED_UPWARD = {("eagle3_hf.model.modeling_eagle3", "eagle3_hf.publish.hub")}
@@ -204,7 +204,7 @@ def imports_of_tests(root: Path) -> dict[str, list[str]]:
 
 
 def test_no_test_module_imports_another_test_module_or_conftest():
-    assert "tests.helpers.data.make_prepared" in imported_modules(TESTS / "data" / "test_extract.py")  # real edges
+    assert "tests.helpers.data.make_prepared" in imported_modules(TESTS / "features" / "test_extract.py")  # real edges
     offenders = imports_of_tests(TESTS)
     assert not offenders, f"shared code belongs in tests/helpers/, shared fixtures in a conftest.py: {offenders}"
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data.dataset import FeatureDataset
+from ..features.reader import FeatureDataset
 
 _HEADER_FIELDS = ("source", "dtype", "aux_layer_indices", "tokenizer_fingerprint")
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 from transformers import AutoConfig, set_seed
 
 from eagle3_hf.constants import TRAINING_FILE
-from eagle3_hf.data.shards import merge_manifests
+from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
-from eagle3_hf.train.endpoint import DEFAULT_WORKERS, build_endpoint_datasets
+from eagle3_hf.train.feature_server_data import DEFAULT_WORKERS, build_endpoint_datasets
 from eagle3_hf.train.setup import (
     build_datasets,
     build_drafter,
@@ -49,9 +49,9 @@ from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
 
 if TYPE_CHECKING:
-    from eagle3_hf.data.dataset import PackedCollator
-    from eagle3_hf.data.online import OnlineFeatureCollator
-    from eagle3_hf.data.online_endpoint import EndpointFeatureCollator
+    from eagle3_hf.features.feature_server import EndpointFeatureCollator
+    from eagle3_hf.features.packing import PackedCollator
+    from eagle3_hf.features.transformers_online import OnlineFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
 

@@ -15,7 +15,7 @@ from ..model.checkpoint import draft_to_target
 from .loss import drafter_loss, step_targets
 
 if TYPE_CHECKING:
-    from ..data.dataset import SampleSource
+    from ..features.packing import SampleSource
     from ..model.modeling_eagle3 import Eagle3DraftModel
 
 
@@ -105,7 +105,7 @@ def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_
                             batch_size: int = 4, ttt_steps: int | None = None) -> dict[str, float]:
     """Per-step accuracy, conditional accuracy and simulated τ of a drafter on a feature dataset (and the
     per-step loss when a teacher is attached) — the numbers the trainer logs, outside any Trainer."""
-    from ..data.dataset import PackedCollator, PackedDataset
+    from ..features.packing import PackedCollator, PackedDataset
 
     steps = int(ttt_steps or model.config.ttt_steps)
     packed = PackedDataset(dataset, max_seq_len, seed=None)

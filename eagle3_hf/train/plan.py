@@ -106,7 +106,7 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
 
 def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
     """(tokens, mean sample length) of the recipe's `data_dir` when its features are already extracted."""
-    from ..data.shards import load_manifest
+    from ..features.store import load_manifest
 
     data_dir = recipe.get("data_dir")
     if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
@@ -254,7 +254,7 @@ def verifier_params(cfg: dict[str, Any]) -> dict[str, float]:
 
 def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
     """Bytes the shard writer stores per token: input_ids and verifier_greedy int32, loss_mask uint8, three
-    aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (eagle3_hf/data/shards.py)."""
+    aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (features/store.py)."""
     ids = 4 + 4 + 1
     if dtype == "bf16":
         return ids + 4 * target_hidden * 2

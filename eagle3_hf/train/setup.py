@@ -30,8 +30,8 @@ from .arguments import DataArguments, ModelArguments
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from ..data.dataset import PackedCollator, PackedDataset
-    from ..data.online import OnlineFeatureCollator
+    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.transformers_online import OnlineFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -111,14 +111,15 @@ def finetune_advice(source_acc_0: float) -> str:
 def build_datasets(data_args: DataArguments, model_args: ModelArguments
                    ) -> tuple[PackedDataset, PackedDataset, PackedCollator | OnlineFeatureCollator, dict]:
     """(train, eval, collator, manifest-like info). Offline reads shards; online runs the verifier."""
-    from ..data.dataset import FeatureDataset, PackedCollator, PackedDataset
+    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.reader import FeatureDataset
 
     vf = data_args.validation_fraction
     pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
                                 overlong=data_args.overlong)
     if data_args.online:
-        from ..data.online import OnlineFeatureCollator, PreparedDataset
         from ..data.prepared_format import read_prepared_meta
+        from ..features.transformers_online import OnlineFeatureCollator, PreparedDataset
         from ..verifier.loading import load_verifier
 
         if not data_args.prepared_dir:

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _steps_per_epoch(features: Path, validation_fraction: float, max_seq_len: int, batch: int) -> int:
     """Independently of the trainer: packed training rows / batch size."""
-    from eagle3_hf.data.dataset import FeatureDataset, PackedDataset
+    from eagle3_hf.features.packing import PackedDataset
+    from eagle3_hf.features.reader import FeatureDataset
 
     rows = len(PackedDataset(FeatureDataset(features, "train", validation_fraction), max_seq_len))
     return math.ceil(rows / batch)

@@ -23,8 +23,8 @@ import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
+from eagle3_hf.features.extract import extract_features
 
 SYN_VOCAB, SYN_HIDDEN, SYN_LAYERS = 256, 64, 6
 FINGERPRINT = "synthetic-tokenizer"
@@ -81,7 +81,7 @@ def build_offline_data(root: Path, verifier: LlamaForCausalLM, num_samples: int 
     features = root / "features"
     extract_features(verifier, FINGERPRINT, prepared, features, aux_indices=[1, 3, 4], dtype="float32",
                      samples_per_shard=16, verifier_name=verifier_name, progress=False)
-    from eagle3_hf.data.dataset import FeatureDataset
+    from eagle3_hf.features.reader import FeatureDataset
 
     counts = torch.zeros(SYN_VOCAB)
     all_samples = FeatureDataset(features, split="all")

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel, cli
-from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
-from eagle3_hf.data.shards import MANIFEST, sample_sha256, sha256_file
 from eagle3_hf.data.vocab import load_vocab
+from eagle3_hf.features.packing import PackedCollator, PackedDataset
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.store import MANIFEST, sample_sha256, sha256_file
 from eagle3_hf.train.arguments import Eagle3TrainingArguments
 from eagle3_hf.train.trainer import Eagle3Trainer
 

@@ -16,8 +16,9 @@ import torch
 from safetensors import safe_open
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
-from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
 from eagle3_hf.data.vocab import load_vocab, vocab_from_target_ids
+from eagle3_hf.features.packing import PackedCollator, PackedDataset
+from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.scripts.train import main as train_main
 from eagle3_hf.train.arguments import Eagle3TrainingArguments
 from eagle3_hf.train.metrics import drafter_step_accuracies

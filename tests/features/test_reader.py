@@ -9,16 +9,10 @@ import random
 import pytest
 import torch
 
-from eagle3_hf.data.dataset import (
-    FeatureDataset,
-    PackedCollator,
-    PackedDataset,
-    _first_fit_decreasing,
-    in_validation,
-    select_split,
-)
-from eagle3_hf.data.extract import extract_features
-from eagle3_hf.data.online import OnlineFeatureCollator, PreparedDataset
+from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
+from eagle3_hf.features.reader import FeatureDataset, in_validation, select_split
+from eagle3_hf.features.transformers_online import OnlineFeatureCollator, PreparedDataset
 
 from tests.helpers.data import make_prepared
 from tests.helpers.verifiers import make_tiny_verifier

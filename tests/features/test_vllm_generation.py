@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from eagle3_hf.data.conversations import load_conversations
-from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.prepare import prepare_conversations
-from eagle3_hf.data.vllm_regenerate import eos_ids, generate_plain, prompt_ids
 from eagle3_hf.evaluation.feature_diff import diff_features
+from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.vllm_generation import eos_ids, generate_plain, prompt_ids
 
 from tests.helpers.data import kill_after_shards
 from tests.helpers.serveable import BF16_STEP, serveable_verifier

@@ -15,7 +15,7 @@ prefill covers the whole history. Refused by id, counted in the manifest like ex
 for those), `template_rewrites_history`, `no_loss_tokens` (after --max-seq-len), `nan_or_inf`.
 
 Numerics: a KV-cached, left-padded batched pass instead of extract's one full forward per sample, so the
-features differ from extract's by float rounding (tests/data/test_regenerate_features.py states the tolerance).
+features differ from extract's by float rounding (tests/features/test_transformers_generation.py states the tolerance).
 
 --num-workers N: N processes (this one and N-1 spawned), each a rank of the feature directory as under
 `extract` with torchrun, taking length-sorted batches from one queue (a process slowed by a busy machine
@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ..data import regenerate as plain
+from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
+from ..data.prepared_format import save_prepared
+from ..data.regenerate import ConversationTurns, TransformersBackend, completed_ids
 from ..verifier.family import check_aux_indices, default_aux_indices
-from . import regenerate as plain
 from .extract import verifier_info
-from .prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
-from .prepared_format import save_prepared
-from .regenerate import ConversationTurns, TransformersBackend, completed_ids
-from .shards import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
+from .store import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -250,7 +250,7 @@ def write_prepared(features_out: Path, out_dir: Path, tokenizer: PreTrainedToken
     import datasets
     from safetensors import safe_open
 
-    from .prepare import build_meta, new_stats
+    from ..data.prepare import build_meta, new_stats
 
     manifest = load_manifest(features_out)
     by_shard: dict[str, list[dict]] = {}
@@ -295,7 +295,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
     from tqdm.auto import tqdm
 
-    from .fingerprint import tokenizer_fingerprint
+    from ..data.fingerprint import tokenizer_fingerprint
 
     output, features_out = Path(output), Path(features_out)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -426,22 +426,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     feats.add_argument("--aux-layers", default=None, help="three output_hidden_states indices (default 2,N//2,N-3)")
     feats.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this many tokens")
     feats.add_argument("--samples-per-shard", type=int, default=64)
-    from .vllm_regenerate import add_arguments as add_vllm_arguments
+    from .vllm_generation import add_arguments as add_vllm_arguments
 
     add_vllm_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import vllm_regenerate
+    from . import vllm_generation
 
-    if vllm_regenerate.chosen(args):
-        return vllm_regenerate.run(args)
+    if vllm_generation.chosen(args):
+        return vllm_generation.run(args)
     if not args.features_out:
         return plain.run(args)
     if not args.verifier:
         raise ValueError("regenerate: --features-out needs the in-process --verifier (an endpoint returns no "
                          "hidden states)")
-    from .conversations import load_conversations
+    from ..data.conversations import load_conversations
 
     torch.manual_seed(args.seed)
     backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype,

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from eagle3_hf.data.conversations import write_jsonl
-from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.extract import extract_features
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.data.regenerate import TransformersBackend, regenerate
-from eagle3_hf.data.regenerate_features import regenerate_with_features
 from eagle3_hf.evaluation.feature_diff import diff_features
+from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.transformers_generation import regenerate_with_features
 
 from tests.helpers.data import kill_after_shards, rows  # rows: JSONL rows by id, refusing duplicates
 
@@ -108,7 +108,7 @@ import sys, time, torch
 torch.set_num_threads(1)
 from eagle3_hf.data.conversations import load_conversations
 from eagle3_hf.data.regenerate import TransformersBackend
-from eagle3_hf.data.regenerate_features import regenerate_with_features
+from eagle3_hf.features.transformers_generation import regenerate_with_features
 verifier_dir, src, out, feats = sys.argv[1:5]
 backend = TransformersBackend(verifier_dir, device="cpu", max_new_tokens=6)
 backend.model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(0.05))

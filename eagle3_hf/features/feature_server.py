@@ -9,10 +9,10 @@ read it, the bytes travel once, the batch is built and they are dropped. With `-
 (feature_cache.py) each sample is fetched once, kept in DIR as `extract` would write it, and read from there
 afterwards (later epochs, reruns, a resumed run).
 
-"Exactly": the mapping is extract --engine vllm's own (vllm_extract.check_states, features_from_states: aux
+"Exactly": the mapping is extract --engine vllm's own (vllm_offline.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
 soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
-(shards.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
+(store.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
 the same rounding as the offline shards, the batch is bit-equal to the offline one when vLLM returns the same
 states for the same sample.
 
@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import Eagle3Error
-from .dataset import PackedCollator
-from .shards import canonical_dtype, dequantize, quantize
-from .vllm_extract import check_states, features_from_states
+from .packing import PackedCollator
+from .store import canonical_dtype, dequantize, quantize
+from .vllm_offline import check_states, features_from_states
 
 if TYPE_CHECKING:
     from torch import nn
 
     from .feature_cache import FeatureCache
-    from .online import PreparedDataset
+    from .transformers_online import PreparedDataset
 
 # what must match between the server and the training run
 IDENTITY_KEYS = ("hidden_size", "num_hidden_layers", "tokenizer_fingerprint")

@@ -13,8 +13,8 @@ import datasets
 import pytest
 import torch
 
-from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.extract import extract_features
+from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.verifier.capture import capture_features
 
 from tests.helpers.data import extract_in_process, kill_after_shards, make_prepared
@@ -99,7 +99,7 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from eagle3_hf.data.extract import extract_features
+from eagle3_hf.features.extract import extract_features
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
 if float(delay) > 0:
@@ -149,7 +149,7 @@ def test_ranks_take_disjoint_slices_and_merge(tmp_path, verifier, fingerprint):
         j = a.sample_ids.index(sid)
         assert torch.equal(a[j]["aux_hidden_states"], b[i]["aux_hidden_states"])
     # merging again later gives the same manifest
-    from eagle3_hf.data.shards import merge_manifests
+    from eagle3_hf.features.store import merge_manifests
 
     assert merge_manifests(dp, write=False) == json.loads((dp / "manifest.json").read_text())
 

@@ -7,11 +7,11 @@ engines/vllm_extract_runner.py) prefills each sample's token ids once (max_token
 *before* the final norm. So the aux states are stored as vLLM wrote them, and here, in this venv, the
 verifier's own final norm turns id N into `last_hidden_state` (post-norm, as our shards define it) and its
 own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `import-features` uses
-(importers.load_verifier_head, capture.greedy_tokens). Only the norm and the head are read from the
+(verifier/head.load_verifier_head, capture.greedy_tokens). Only the norm and the head are read from the
 checkpoint, never the body. vLLM's runner only writes files; each is checked (token ids, rows, layers,
 hidden size, finite), taken into a shard and deleted at once.
 
-Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (shards.ShardWriter); the
+Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (store.ShardWriter); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
 its own vLLM instance.
 """
@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..data.prepared_format import open_prepared, prepared_lengths
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from .importers import load_verifier_head
-from .prepared_format import open_prepared, prepared_lengths
-from .shards import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
+from ..verifier.head import load_verifier_head
+from .store import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
 
 if TYPE_CHECKING:
     import datasets
 
-    from .vllm_endpoint import EndpointExtraction
+    from .vllm_server import EndpointExtraction
 
 SOURCE = "vllm"
 ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
@@ -195,7 +195,7 @@ class VllmFeatureSpec:
         here): they agree unless the server captures other layers or norms differently. All of the first
         PROBE disagreeing stops the run, nothing written (a near-tie flips one, not four); with fewer samples
         than PROBE, `refuse_unvouched` after the last."""
-        from .vllm_endpoint import PROBE
+        from .vllm_server import PROBE
 
         self.next_token_checks += 1
         self.next_token_agreements += int(served == greedy)
@@ -205,7 +205,7 @@ class VllmFeatureSpec:
     def refuse_unvouched(self, sample_id: str) -> None:
         """Stop the run (EndpointError, naming `sample_id`, the last sample checked) unless a server's next token
         has agreed at least once: after PROBE checks, or when the records end with samples still held."""
-        from .vllm_endpoint import EndpointError
+        from .vllm_server import EndpointError
 
         if self.next_token_agreements == 0:
             raise EndpointError(f"the server's next token differs from the verifier's greedy token on its last saved "
@@ -240,7 +240,7 @@ def extract_features_vllm(
     endpoint: str | None = None,
 ) -> dict[str, Any]:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary.
-    With `endpoint`, a running vLLM OpenAI server computes them (data/vllm_endpoint.py; `batch_size`
+    With `endpoint`, a running vLLM OpenAI server computes them (features/vllm_server.py; `batch_size`
     requests in flight), and no vLLM is needed here; the summary's "connector" is then None (the server's
     answers do not name it)."""
     from tqdm.auto import tqdm
@@ -264,7 +264,7 @@ def extract_features_vllm(
         raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
     served = None
     if endpoint is not None:
-        from .vllm_endpoint import check_server
+        from .vllm_server import check_server
 
         served = check_server(endpoint, verifier, spec.path, longest, spec.layer_ids)
     writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
@@ -287,7 +287,7 @@ def extract_features_vllm(
             prompts = ((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
             run: VllmExtraction | EndpointExtraction
             if served is not None:
-                from .vllm_endpoint import EndpointExtraction
+                from .vllm_server import EndpointExtraction
 
                 run = EndpointExtraction(str(endpoint), prompts, model=str(served["id"]), concurrency=batch_size,
                                          timeout=ENDPOINT_TIMEOUT_S if timeout is None else timeout)

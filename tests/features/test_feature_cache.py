@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_hf.data.dataset import FeatureDataset, PackedDataset
-from eagle3_hf.data.feature_cache import FeatureCache
-from eagle3_hf.data.online import PreparedDataset
-from eagle3_hf.data.online_endpoint import EndpointFeatureCollator, FeatureClient
-from eagle3_hf.data.shards import make_header, merge_manifests
+from eagle3_hf.features.feature_cache import FeatureCache
+from eagle3_hf.features.feature_server import EndpointFeatureCollator, FeatureClient
+from eagle3_hf.features.packing import PackedDataset
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.store import make_header, merge_manifests
+from eagle3_hf.features.transformers_online import PreparedDataset
 from eagle3_hf.verifier.capture import final_norm
 
 from tests.helpers.feature_stub import AUX, LAYER_IDS, Stub, identity, offline_features

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_hf.cli import main
-from eagle3_hf.data.dataset import FeatureDataset
 from eagle3_hf.evaluation.feature_diff import diff_features
+from eagle3_hf.features.reader import FeatureDataset
 
 from tests.helpers.completions_stub import CompletionsStub
 from tests.helpers.feature_stub import offline_features
@@ -181,8 +181,8 @@ def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsy
 @pytest.mark.slow
 def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_dir, fingerprint):
     vllm_or_fail()
-    from eagle3_hf.data.extract import extract_features
     from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
+    from eagle3_hf.features.extract import extract_features
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)
     extract_features(model, fingerprint, prepared, tmp_path / "f_transformers", samples_per_shard=4,

@@ -19,8 +19,9 @@ from torch.utils.data import Dataset
 
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
-from .dataset import PackedCollator, select_split
-from .shards import canonical_dtype, dequantize, quantize
+from .packing import PackedCollator
+from .reader import select_split
+from .store import canonical_dtype, dequantize, quantize
 
 if TYPE_CHECKING:
     import datasets
@@ -32,7 +33,7 @@ class PreparedDataset(Dataset):
 
     def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None):
-        from .prepared_format import open_prepared, prepared_lengths
+        from ..data.prepared_format import open_prepared, prepared_lengths
 
         ds = open_prepared(prepared, tokenizer_fingerprint)
         ids = list(ds["id"])

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.shards import (
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.store import (
     ShardWriter,
     canonical_dtype,
     check_header,
@@ -109,8 +109,8 @@ def test_header_mismatch_names_field(tmp_path):
 
 
 def test_fp8_table_decode_and_collate(tmp_path):
-    from eagle3_hf.data.dataset import PackedCollator, PackedDataset
-    from eagle3_hf.data.shards import fp8_to_float32
+    from eagle3_hf.features.packing import PackedCollator, PackedDataset
+    from eagle3_hf.features.store import fp8_to_float32
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ref, got = codes.float(), fp8_to_float32(codes)

@@ -1,10 +1,10 @@
 """`--online-endpoint URL`: the training script's datasets when a feature server computes the features.
 
 The prepared dataset and its packing plan are read as `--online` reads them; the collator
-(data/online_endpoint.py) fetches each batch's states from the server. The server is checked before
+(features/feature_server.py) fetches each batch's states from the server. The server is checked before
 anything is built: unreachable, or serving another verifier than `--verifier` (hidden size, layer count)
 or another tokenizer than the prepared dataset's (fingerprint), it is refused with one line. With
-`--cache-features DIR` the fetched features are kept in DIR (data/feature_cache.py) and read from there after.
+`--cache-features DIR` the fetched features are kept in DIR (features/feature_cache.py) and read from there after.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .arguments import DataArguments, ModelArguments
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from ..data.dataset import PackedDataset
-    from ..data.online_endpoint import EndpointFeatureCollator
+    from ..features.feature_server import EndpointFeatureCollator
+    from ..features.packing import PackedDataset
 
 logger = logging.getLogger("eagle3_hf.train")
 DEFAULT_WORKERS = 2  # data-loader workers that keep the next batches' requests in flight
@@ -28,13 +28,13 @@ DEFAULT_WORKERS = 2  # data-loader workers that keep the next batches' requests 
 def build_endpoint_datasets(data_args: DataArguments, model_args: ModelArguments, verifier_config: PreTrainedConfig
                             ) -> tuple[PackedDataset, PackedDataset, EndpointFeatureCollator, dict]:
     """(train, eval, collator, info) as setup.build_datasets returns them, features from the server."""
-    from ..data.dataset import PackedDataset
-    from ..data.feature_cache import FeatureCache
-    from ..data.importers import load_verifier_head
-    from ..data.online import PreparedDataset
-    from ..data.online_endpoint import EndpointFeatureCollator, FeatureClient
     from ..data.prepared_format import read_prepared_meta
-    from ..data.shards import canonical_dtype, make_header
+    from ..features.feature_cache import FeatureCache
+    from ..features.feature_server import EndpointFeatureCollator, FeatureClient
+    from ..features.packing import PackedDataset
+    from ..features.store import canonical_dtype, make_header
+    from ..features.transformers_online import PreparedDataset
+    from ..verifier.head import load_verifier_head
     from ..verifier.loading import resolve_verifier
 
     url = str(data_args.online_endpoint)

@@ -32,61 +32,16 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..verifier.capture import final_norm, greedy_tokens
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap, text_config
-from .shards import ShardWriter, canonical_dtype, make_header, merge_manifests
+from ..verifier.capture import greedy_tokens
+from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from ..verifier.head import load_verifier_head
+from .store import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedModel
 
 SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
-
-
-# ---------------------------------------------------------------- the verifier's head, without its body
-
-def load_verifier_head(verifier: PreTrainedModel | str | Path,
-                       revision: str | None = None) -> tuple[nn.Module, nn.Module, Any]:
-    """(final norm, lm_head, text config) of a verifier, in float32 on the CPU.
-
-    A loaded model is used as is. For a checkpoint directory of safetensors only those tensors are read
-    (the model is built on the meta device), so importing for a 1 T-parameter verifier needs megabytes.
-    """
-    if isinstance(verifier, nn.Module):
-        return final_norm(verifier), verifier.get_output_embeddings(), text_config(verifier)
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..verifier.loading import load_verifier, resolve_verifier
-
-    path = Path(resolve_verifier(str(verifier)))
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:  # a Hub id or another format: load it whole
-        model = load_verifier(str(verifier), revision=revision)
-        return final_norm(model), model.get_output_embeddings(), text_config(model)
-    config = AutoConfig.from_pretrained(path)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
-    norm, head, embed = final_norm(model), model.get_output_embeddings(), model.get_input_embeddings()
-    names = {id(m): n for n, m in model.named_modules()}
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            where.update({k: f for k in st.keys()})
-    for module in (norm, head):
-        state = {}
-        for pname, _ in module.named_parameters(recurse=False):
-            key = f"{names[id(module)]}.{pname}"
-            if key not in where and module is head and pname == "weight":
-                key = f"{names[id(embed)]}.weight"  # tied embeddings: the head is the embedding matrix
-            if key not in where:
-                raise KeyError(f"{path}: tensor {key!r} not found in {[f.name for f in files]}")
-            with safe_open(where[key], framework="pt") as st:
-                state[pname] = st.get_tensor(key).float()
-        module.load_state_dict(state, assign=True)
-        module.float().requires_grad_(False)
-    return norm, head, text_config(model)
 
 
 # ---------------------------------------------------------------- readers
@@ -97,7 +52,7 @@ def _token_key(ids: torch.Tensor) -> str:
 
 def _ids_from_prepared(prepared: datasets.Dataset | str | Path) -> dict[str, list[str]]:
     """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
-    from .prepared_format import open_prepared
+    from ..data.prepared_format import open_prepared
 
     ds = open_prepared(prepared)
     rows = ds.with_format("torch", columns=["input_ids"])
@@ -279,8 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.loading import load_tokenizer
-    from .fingerprint import tokenizer_fingerprint
 
     if args.aux_layers and args.engine_layer_ids:
         raise SystemExit("give --aux-layers or --engine-layer-ids, not both")

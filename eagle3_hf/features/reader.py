@@ -1,29 +1,24 @@
-"""Reading features back: a memory-mapped dataset, a deterministic packing plan, and the batch collator.
+"""Reading features back: a memory-mapped dataset over the store's shards (`store.py`).
 
 FeatureDataset maps each shard once (numpy memmap) and builds every tensor as a view at the sample's byte
 offset, so opening a 900 GB directory reads only the manifest and a sample costs only its own bytes. Shards
 are checked on open (size, truncation, sha256 by default) so a corrupt file fails loudly with its name.
-PackedDataset plans rows from lengths alone (first-fit-decreasing) and PackedCollator turns rows into the
-[B, L] batch the trainer consumes: per-document position ids, document ids, nothing mixed, nothing lost.
+Packing those samples into the trainer's rows is `packing.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..constants import PAD_DOCUMENT
-from .shards import SAMPLE_KEYS, dequantize, load_manifest, sha256_file
+from .store import SAMPLE_KEYS, dequantize, load_manifest, sha256_file
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
               "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
@@ -125,7 +120,7 @@ class FeatureDataset(Dataset):
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]
         if max_tokens is not None:  # nested, source-stratified, seeded subsets for data scaling (data/subsets.py)
-            from .subsets import token_subset
+            from ..data.subsets import token_subset
 
             chosen = token_subset([s["id"] for s in self._samples], [int(s["length"]) for s in self._samples],
                                   max_tokens, subset_seed)
@@ -198,7 +193,7 @@ class FeatureDataset(Dataset):
         raw = self.raw(index, start, end)
         sample = self._samples[index]
         if self.verify == "sample" and (start, end) in ((0, None), (0, sample["length"])):
-            from .shards import sample_sha256
+            from .store import sample_sha256
 
             if sample_sha256(raw) != sample["sha256"]:
                 raise ValueError(f"sample {sample['id']!r} in shard {self.features_dir / sample['shard']} is corrupt "
@@ -217,200 +212,3 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return self.get(index)
-
-
-# ---------------------------------------------------------------- packing
-
-class SampleSource(Protocol):
-    """What `PackedDataset` packs: samples with their token counts (FeatureDataset, online.PreparedDataset)."""
-
-    @property
-    def lengths(self) -> Sequence[int]: ...
-
-    def __getitem__(self, index: int) -> dict[str, Any]: ...
-
-
-def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices; items placed largest first into the lowest-numbered bin with room.
-
-    A max segment tree over remaining capacity finds that bin in O(log n); unopened bins start full, so the
-    leftmost bin with room is either an open one or the next new one.
-    """
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-    n = max(1, len(sizes))
-    size = 1
-    while size < n:
-        size *= 2
-    tree = [0] * (2 * size)
-    for leaf in range(n):
-        tree[size + leaf] = capacity
-    for node in range(size - 1, 0, -1):
-        tree[node] = max(tree[2 * node], tree[2 * node + 1])
-    bins: list[list[int]] = []
-    for item in order:
-        need, node = sizes[item], 1
-        while node < size:
-            node = 2 * node if tree[2 * node] >= need else 2 * node + 1
-        leaf = node - size
-        if leaf == len(bins):
-            bins.append([])
-        bins[leaf].append(item)
-        tree[node] -= need
-        node //= 2
-        while node:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-    return bins
-
-
-class PackedDataset(Dataset):
-    """Rows of at most `max_seq_len` tokens, each a list of (sample index, start, end) pieces.
-
-    The plan depends only on `dataset.lengths`, `max_seq_len`, `packing`, `overlong` and `seed`, so every
-    rank and every run builds the same rows. overlong: "truncate" keeps the first max_seq_len tokens, "split"
-    cuts a sample into max_seq_len pieces (each its own document), "error" refuses; counts go to `.stats`.
-    `seed` shuffles the order of rows (None keeps first-fit order).
-    """
-
-    def __init__(self, dataset: SampleSource, max_seq_len: int, packing: bool = True, overlong: str = "truncate",
-                 seed: int | None = 0):
-        if overlong not in ("truncate", "split", "error"):
-            raise ValueError(f"overlong must be 'truncate', 'split' or 'error', got {overlong!r}")
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-        self.dataset, self.max_seq_len = dataset, max_seq_len
-        lengths = list(dataset.lengths)
-        ids = getattr(dataset, "sample_ids", None)
-        stats: dict[str, float] = {"samples": len(lengths), "empty": 0, "truncated": 0, "truncated_tokens": 0,
-                                   "split": 0}
-        pieces: list[tuple[int, int, int]] = []
-        for i, n in enumerate(lengths):
-            if n == 0:
-                stats["empty"] += 1
-            elif n <= max_seq_len:
-                pieces.append((i, 0, n))
-            elif overlong == "error":
-                name = ids[i] if ids is not None else f"#{i}"
-                raise ValueError(f"sample {name!r} has {n} tokens > max_seq_len {max_seq_len} "
-                                 f"(choose overlong='truncate' or 'split')")
-            elif overlong == "truncate":
-                pieces.append((i, 0, max_seq_len))
-                stats["truncated"] += 1
-                stats["truncated_tokens"] += n - max_seq_len
-            else:
-                pieces.extend((i, s, min(s + max_seq_len, n)) for s in range(0, n, max_seq_len))
-                stats["split"] += 1
-        if packing:
-            bins = _first_fit_decreasing([e - s for _, s, e in pieces], max_seq_len)
-            # inside a row keep dataset order, so a row reads its shards front to back
-            self.rows = [sorted(pieces[j] for j in b) for b in bins]
-        else:
-            self.rows = [[p] for p in pieces]
-        if seed is not None:
-            random.Random(seed).shuffle(self.rows)
-        tokens = sum(e - s for _, s, e in pieces)
-        stats.update(rows=len(self.rows), tokens=tokens,
-                     fill=round(tokens / (len(self.rows) * max_seq_len), 4) if self.rows else 0.0)
-        self.stats = stats
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def _piece(self, i: int, start: int, end: int) -> dict:
-        if isinstance(self.dataset, FeatureDataset):
-            return self.dataset.get(i, start, end, decode=False)
-        if hasattr(self.dataset, "get"):
-            return self.dataset.get(i, start, end)
-        item = self.dataset[i]
-        n = len(item["input_ids"])
-        return {k: (v[start:end] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
-                for k, v in item.items()}
-
-    def __getitem__(self, r: int) -> dict:
-        """One row, unpadded: per-token tensors concatenated over its documents, plus document bookkeeping.
-
-        Features of a FeatureDataset stay StoredFeatures (views) until the collator decodes them.
-        """
-        parts, position_ids, document_ids, pieces, prefixes, shards = [], [], [], [], [], []
-        for d, (i, s, e) in enumerate(self.rows[r]):
-            item = self._piece(i, s, e)
-            parts.append(item)
-            position_ids.append(torch.arange(e - s))
-            document_ids.append(torch.full((e - s,), d, dtype=torch.long))
-            pieces.append((item.get("sample_id", str(i)), s, e))
-            shards.append(item.get("shard"))
-            if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
-                prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
-        row: dict = {}
-        for k, v in parts[0].items():
-            if torch.is_tensor(v):
-                row[k] = torch.cat([p[k] for p in parts])
-            elif isinstance(v, StoredFeatures):
-                row[k] = StoredFeatures([piece for p in parts for piece in p[k].pieces])
-        row.update(position_ids=torch.cat(position_ids), document_ids=torch.cat(document_ids), pieces=pieces,
-                   shards=shards, max_seq_len=self.max_seq_len)
-        if prefixes:
-            row["prefix_input_ids"] = prefixes
-        return row
-
-
-class PackedCollator:
-    """Rows -> one batch of [B, L] tensors, L = max_seq_len, padded (document_ids -1, loss_mask False)."""
-
-    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None):
-        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
-
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        L = self.max_seq_len or rows[0]["max_seq_len"]
-        B = len(rows)
-        aux_dim = rows[0]["aux_hidden_states"].shape[-1]
-        hidden = rows[0]["last_hidden_state"].shape[-1]
-        batch = {
-            "input_ids": torch.full((B, L), self.pad_token_id, dtype=torch.long),
-            "aux_hidden_states": torch.empty(B, L, aux_dim, dtype=torch.float32),  # [B, L, 3H]
-            "last_hidden_state": torch.empty(B, L, hidden, dtype=torch.float32),  # [B, L, H]
-            "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
-            "loss_mask": torch.zeros(B, L, dtype=torch.bool),
-            "position_ids": torch.zeros(B, L, dtype=torch.long),
-            "document_ids": torch.full((B, L), PAD_DOCUMENT, dtype=torch.long),
-        }
-        for b, row in enumerate(rows):
-            n = row["input_ids"].shape[0]
-            if n > L:
-                raise ValueError(f"row {b} has {n} tokens > max_seq_len {L}")
-            for key, out in batch.items():
-                value = row[key]
-                if isinstance(value, StoredFeatures):
-                    value.decode_into(out[b, :n])
-                else:
-                    out[b, :n] = value
-                if key in ("aux_hidden_states", "last_hidden_state"):
-                    out[b, n:] = 0  # padding (the buffers are not pre-zeroed: one write pass per byte)
-        for key in ("aux_hidden_states", "last_hidden_state"):
-            refuse_non_finite(batch[key], rows, key)
-        return batch
-
-
-def refuse_non_finite(features: torch.Tensor, rows: list[dict], key: str) -> None:
-    """Name the sample and shard of a NaN/Inf feature before it trains: its checksum can be valid (a faulty
-    extraction or import wrote it), and one NaN makes every weight NaN at the next step.
-
-    The fast path is one reduction over the batch (a sum is finite when every term is); only a non-finite
-    sum, or an overflowing one, pays for the per-element search.
-    """
-    if bool(torch.isfinite(features.sum())):
-        return
-    for b, row in enumerate(rows):
-        bad = ~torch.isfinite(features[b]).all(dim=-1)  # [L]
-        if not bool(bad.any()):
-            continue
-        token = int(bad.nonzero()[0])
-        start = 0
-        pieces = row.get("pieces") or [(f"row {b}", 0, features.shape[1])]
-        shards = row.get("shards") or [None] * len(pieces)
-        for (sample_id, s, e), shard in zip(pieces, shards):
-            if token < start + e - s:
-                where = f"in shard {shard}" if shard else "from the verifier (online)"
-                raise ValueError(f"sample {sample_id!r} {where} has NaN/Inf in {key} (token {s + token - start}); "
-                                 "re-extract it or remove it from the manifest")
-            start += e - s

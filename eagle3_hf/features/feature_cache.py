@@ -1,7 +1,7 @@
 """`--cache-features DIR` with `--online-endpoint`: what the feature server sent is kept, in extract's format.
 
 The first time a sample is needed its states come from the server; the collator rounds them to the storage
-dtype (shards.quantize) and this cache commits them through the same ShardWriter `extract` uses, so DIR is
+dtype (store.quantize) and this cache commits them through the same ShardWriter `extract` uses, so DIR is
 an ordinary feature directory (checksummed safetensors shards, per-writer journals; FeatureDataset reads
 it; `manifest.json` is merged at the end of training and removed by the next write, so it is never stale).
 A sample in DIR is read back instead of fetched: the stored bits are the ones the online batch is rounded
@@ -27,7 +27,7 @@ import torch
 
 from ..constants import MANIFEST
 from ..errors import Eagle3Error
-from .shards import (
+from .store import (
     HEADER_KEYS,
     ShardWriter,
     dequantize,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..verifier.family import check_aux_indices, default_aux_indices
-from .vllm_extract import checkpoint_dtype, vllm_layer_ids
+from .vllm_offline import checkpoint_dtype, vllm_layer_ids
 
 
 def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
@@ -34,9 +34,9 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
     from transformers import AutoConfig
 
+    from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.family import text_config
     from ..verifier.loading import load_tokenizer, resolve_verifier
-    from .fingerprint import tokenizer_fingerprint
 
     path = resolve_verifier(str(verifier))
     config = text_config(AutoConfig.from_pretrained(path, revision=revision))

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..data.prepared_format import open_prepared, prepared_lengths
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
-from .prepared_format import open_prepared, prepared_lengths
-from .shards import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
+from .store import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
 
 if TYPE_CHECKING:
     import datasets
@@ -153,9 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     """`extract --engine vllm`."""
+    from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.loading import load_tokenizer
-    from .fingerprint import tokenizer_fingerprint
-    from .vllm_extract import extract_features_vllm
+    from .vllm_offline import extract_features_vllm
 
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise SystemExit("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
@@ -175,8 +175,8 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.loading import load_tokenizer, load_verifier
-    from .fingerprint import tokenizer_fingerprint
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     if args.endpoint and args.engine != "vllm":

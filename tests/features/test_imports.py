@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_hf.data.dataset import FeatureDataset
-from eagle3_hf.data.extract import extract_features
-from eagle3_hf.data.importers import import_features, load_verifier_head
+from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.imports import import_features
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.verifier.head import load_verifier_head
 
 from tests.helpers.data import make_prepared
 

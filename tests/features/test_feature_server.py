@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_hf.data.dataset import FeatureDataset, PackedCollator, PackedDataset
-from eagle3_hf.data.online import PreparedDataset
-from eagle3_hf.data.online_endpoint import EndpointFeatureCollator, FeatureClient, FeatureServerError
 from eagle3_hf.errors import worker_message
+from eagle3_hf.features.feature_server import EndpointFeatureCollator, FeatureClient, FeatureServerError
+from eagle3_hf.features.packing import PackedCollator, PackedDataset
+from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.transformers_online import PreparedDataset
 from eagle3_hf.verifier.capture import final_norm
 
 from tests.helpers.feature_stub import AUX, LAYER_IDS, Stub, identity, offline_features, vllm_layout
@@ -148,7 +149,8 @@ def test_non_finite_states_are_refused_naming_the_sample(model, prepared, finger
 
 def test_a_worker_error_is_its_own_line():
     wrapped = ("Caught FeatureServerError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
-               "last):\n  File \"x.py\", line 1, in f\n    raise X\neagle3_hf.data.online_endpoint.FeatureServerError:"
+               "last):\n  File \"x.py\", line 1, in f\n    raise X\n"
+               "eagle3_hf.features.feature_server.FeatureServerError:"
                " feature server http://h:1: sample 'a' failed 4 times (timed out)\n")
     assert worker_message(wrapped) == "feature server http://h:1: sample 'a' failed 4 times (timed out)"
     assert worker_message("plain message") == "plain message"
@@ -170,8 +172,8 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
     server): equal losses and equal weights, bit for bit at the same bf16 rounding; no feature file left."""
     from safetensors.torch import load_file
 
-    from eagle3_hf.data.serve_features import start_feature_server
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
+    from eagle3_hf.features.serve_features import start_feature_server
 
     vllm_or_fail()
     verifier = serveable_verifier()

@@ -10,7 +10,7 @@ One runner process, one engine load (engines/vllm_extract_runner.py with a gener
    (prepare_conversations, build_meta) in this process: the prepared dataset is exactly what `prepare
    --input OUTPUT` makes, saved to --prepared-out.
 3. extract: those samples are prefilled through the same engine with the extraction connector and mapped
-   and written exactly as `extract --engine vllm` does (vllm_extract.VllmFeatureSpec: aux states at the aux
+   and written exactly as `extract --engine vllm` does (vllm_offline.VllmFeatureSpec: aux states at the aux
    ids, the verifier's final norm on vLLM's id N for `last_hidden_state`, its lm_head for `verifier_greedy`,
    the same checks, shards, manifest and source "vllm").
 
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from .regenerate import ConversationTurns, ConversationWriter, completed_ids
+from ..data.regenerate import ConversationTurns, ConversationWriter, completed_ids
 
 if TYPE_CHECKING:
     import datasets
@@ -114,8 +114,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict], tokenizer: PreTraine
 def prepare_answers(output: Path, wanted: set[str], tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
                     max_seq_len: int | None) -> tuple[datasets.Dataset, dict]:
     """Phase 2: `prepare`'s dataset and meta for the answered conversations of this input (--output's order)."""
-    from .conversations import load_conversations
-    from .prepare import build_meta, new_stats, prepare_conversations
+    from ..data.conversations import load_conversations
+    from ..data.prepare import build_meta, new_stats, prepare_conversations
 
     convs = [c for c in load_conversations(str(output)) if str(c["id"]) in wanted]
     stats = new_stats()
@@ -151,12 +151,12 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
     engine; resumes where a killed run stopped. Returns a summary."""
     from tqdm.auto import tqdm
 
+    from ..data.fingerprint import tokenizer_fingerprint
+    from ..data.prepared_format import open_prepared, prepared_lengths, save_prepared
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
-    from .fingerprint import tokenizer_fingerprint
-    from .prepared_format import open_prepared, prepared_lengths, save_prepared
-    from .shards import ShardWriter, wait_and_merge
-    from .vllm_extract import VllmFeatureSpec
+    from .store import ShardWriter, wait_and_merge
+    from .vllm_offline import VllmFeatureSpec
 
     vllm_python()  # vLLM missing: one line, before anything is written
     output, features_out = Path(output), Path(features_out)
@@ -247,7 +247,7 @@ def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: i
     ([(output ids, finish reason)], the runner's result)."""
     from ..engines.vllm_env import VllmExtraction
     from ..verifier.loading import load_tokenizer, resolve_verifier
-    from .vllm_extract import checkpoint_dtype
+    from .vllm_offline import checkpoint_dtype
 
     path = resolve_verifier(str(verifier))
     gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
@@ -265,7 +265,7 @@ def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: i
 # ------------------------------------------------------------ CLI (`regenerate --engine vllm`)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine choice and vLLM's knobs, in regenerate's parser (regenerate_features.add_arguments)."""
+    """The engine choice and vLLM's knobs, in regenerate's parser (transformers_generation.add_arguments)."""
     group = parser.add_argument_group("--engine vllm (answers and features from vLLM, one engine load; `make vllm`)")
     group.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                        help="with --features-out: transformers (in this process) or vllm (generate, prepare, then "
@@ -288,7 +288,7 @@ def chosen(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """`regenerate --engine vllm --features-out F`; prints the summary as one JSON line on stdout."""
-    from .conversations import load_conversations
+    from ..data.conversations import load_conversations
 
     if not args.features_out:
         raise ValueError("regenerate --engine vllm writes features: give --features-out (and --prepared-out)")
