@@ -76,6 +76,7 @@ def main() -> None:
 
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
     from eagle3_hf.features.extract import extract_features
+    from eagle3_hf.features.write import StoreOptions
     from eagle3_hf.verifier.family import default_aux_indices
     from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
 
@@ -106,7 +107,7 @@ def main() -> None:
     def extract(out: Path, feat_dtype: str) -> float:
         shutil.rmtree(out, ignore_errors=True)
         t = time.perf_counter()
-        extract_features(model, fp, ds, out, dtype=feat_dtype, samples_per_shard=16, progress=False)
+        extract_features(model, fp, ds, out, dtype=feat_dtype, store=StoreOptions(16), progress=False)
         sync()
         return time.perf_counter() - t
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle3_hf import cli
-from eagle3_hf.data import shards
+from eagle3_hf.features import store as shards
 from eagle3_hf.features.reader import FeatureDataset
 
 from tests.helpers.data import extract_in_process, make_prepared

@@ -4,7 +4,7 @@ The pipeline's offline mode (docs/contracts.md). One verifier forward per sample
 do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one). Under
 `torchrun` / `accelerate launch` each rank takes samples i with i % world_size == rank, writes its own
 shards and journal, and rank 0 merges all journals into manifest.json once every sample is accounted for.
-Killed at any point, the same command resumes (see shards.py for why nothing is lost or duplicated).
+Killed at any point, the same command resumes (write.py, store.py). The route itself is `TransformersFeatures`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data.prepared_format import open_prepared, prepared_lengths
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
-from .store import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
+from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .store import canonical_dtype
+from .write import MERGE_TIMEOUT_S, StoreOptions, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -33,80 +33,51 @@ if TYPE_CHECKING:
 
 
 def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict:
-    config = text_config(verifier)
+    """The manifest's `verifier` record of a loaded verifier."""
+    return verifier_identity(verifier, name, revision).as_dict()
+
+
+def verifier_identity(verifier: PreTrainedModel, name: str | None = None,
+                      revision: str | None = None) -> VerifierIdentity:
     name = name or getattr(verifier.config, "_name_or_path", None) or type(verifier).__name__
-    return {"name": str(name), "revision": revision, "num_hidden_layers": int(config.num_hidden_layers),
-            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size)}
+    return VerifierIdentity.of(text_config(verifier), str(name), revision)
 
 
-def extract_features(
-    verifier: PreTrainedModel,
-    tokenizer_fingerprint: str,
-    prepared_dataset: datasets.Dataset | str | Path,
-    out_dir: str | Path,
-    aux_indices: Sequence[int] | None = None,
-    dtype: str = "bfloat16",
-    samples_per_shard: int = 64,
-    max_shard_bytes: int = 1 << 30,
-    verifier_name: str | None = None,
-    verifier_revision: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    progress: bool = True,
-    merge_timeout_s: float | None = 48 * 3600,
-) -> dict[str, Any]:
-    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary dict.
+class TransformersFeatures:
+    """The verifier in this process, through forward hooks: one forward per sample, no padding, so a sample's
+    features do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one."""
 
-    Appending to a directory built with another verifier, tokenizer, aux layers or dtype is refused.
-    """
-    from tqdm.auto import tqdm
+    def __init__(self, verifier: PreTrainedModel, tokenizer_fingerprint: str, aux_indices: Sequence[int] | None = None,
+                 dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None):
+        self.verifier = verifier
+        who = verifier_identity(verifier, verifier_name, verifier_revision)
+        indices = check_aux_indices(aux_indices or default_aux_indices(who.num_hidden_layers), who.num_hidden_layers)
+        self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype))
 
-    env_rank, env_world = dist_env()
-    rank = env_rank if rank is None else rank
-    world_size = env_world if world_size is None else world_size
-    out_dir = Path(out_dir)
-    info = verifier_info(verifier, verifier_name, verifier_revision)
-    indices = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]),
-                                info["num_hidden_layers"])
-    ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
-    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype))
-    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=samples_per_shard,
-                         max_shard_bytes=max_shard_bytes)
-    all_ids = list(ds["id"])
-    todo = [i for i in range(rank, len(ds), world_size) if all_ids[i] not in writer.done_ids]
-    lengths = prepared_lengths(ds)
-    resumed = len(range(rank, len(ds), world_size)) - len(todo)
-    bar = tqdm(total=int(sum(lengths[i] for i in todo)), unit="tok", unit_scale=True, desc=f"extract r{rank}",
-               disable=not progress, dynamic_ncols=True)
-    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
-    start = time.perf_counter()
-    try:
-        for i in todo:
-            row = rows[i]
-            sample_id = all_ids[i]
-            input_ids = row["input_ids"].long()  # [T]
-            if input_ids.numel() == 0:
-                writer.skip(sample_id, "empty")
-                continue
-            feats = capture_features(verifier, input_ids, indices)
-            writer.add(sample_id, input_ids, row["loss_mask"], feats["aux_hidden_states"],
-                       feats["last_hidden_state"], feats["verifier_greedy"])
-            bar.update(input_ids.numel())
-            bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
-    finally:
-        writer.close()
-        bar.close()
-    elapsed = time.perf_counter() - start
-    summary = {"rank": rank, "world_size": world_size, "written_samples": writer.written_samples,
-               "written_tokens": writer.written_tokens, "resumed_past": resumed,
-               "skipped": dict(writer.skipped_counts), "seconds": round(elapsed, 3),
-               "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None}
-    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if rank == 0:
-        manifest = wait_and_merge(out_dir, all_ids, merge_timeout_s)
-        summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
-    return summary
+    def check(self, lengths: Sequence[int]) -> None:
+        pass  # any length the verifier takes; an overlong sample fails in its forward, naming nothing written
+
+    def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
+        for sample in samples:
+            feats = capture_features(self.verifier, sample.input_ids, self.identity.aux_layer_indices)
+            yield SampleFeatures(sample, feats["aux_hidden_states"], feats["last_hidden_state"],
+                                 feats["verifier_greedy"])
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+def extract_features(verifier: PreTrainedModel, tokenizer_fingerprint: str,
+                     prepared_dataset: datasets.Dataset | str | Path, out_dir: str | Path,
+                     aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                     store: StoreOptions | None = None, verifier_name: str | None = None,
+                     verifier_revision: str | None = None, rank: int | None = None, world_size: int | None = None,
+                     progress: bool = True, merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> dict[str, Any]:
+    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict."""
+    source = TransformersFeatures(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name,
+                                  verifier_revision)
+    return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
+                          progress=progress, merge_timeout_s=merge_timeout_s).as_dict()
 
 
 # ---------------------------------------------------------------- CLI
@@ -162,8 +133,9 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
                          "--device (use --tensor-parallel-size)")
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
-                                    dtype=args.dtype, samples_per_shard=args.samples_per_shard,
-                                    max_shard_bytes=args.max_shard_mb << 20, verifier_name=args.verifier,
+                                    dtype=args.dtype, store=StoreOptions(args.samples_per_shard,
+                                                                         args.max_shard_mb << 20),
+                                    verifier_name=args.verifier,
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
                                     max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
                                     batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
@@ -203,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         verifier.to(device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self from mypy
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux, dtype=args.dtype,
-                               samples_per_shard=args.samples_per_shard, max_shard_bytes=args.max_shard_mb << 20,
+                               store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
                                verifier_name=args.verifier, verifier_revision=args.revision,
                                progress=not args.no_progress)
     if offload_tmp is not None:

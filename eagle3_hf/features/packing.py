@@ -19,7 +19,8 @@ from .reader import FeatureDataset, StoredFeatures
 
 
 class SampleSource(Protocol):
-    """What `PackedDataset` packs: samples with their token counts (FeatureDataset, transformers_online.PreparedDataset)."""
+    """What `PackedDataset` packs: samples with their token counts (reader.FeatureDataset,
+    transformers_online.PreparedDataset)."""
 
     @property
     def lengths(self) -> Sequence[int]: ...

@@ -157,6 +157,7 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
     from ..verifier.loading import load_tokenizer
     from .store import ShardWriter, wait_and_merge
     from .vllm_offline import VllmFeatureSpec
+    from .write import PreparedRows
 
     vllm_python()  # vLLM missing: one line, before anything is written
     output, features_out = Path(output), Path(features_out)
@@ -220,7 +221,10 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
                     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True,
                                desc="regenerate vllm", disable=not progress, dynamic_ncols=True)
                     run.extract((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
-                    spec.write(run.records(), rows, all_ids, submit, writer, bar)
+                    for feats in spec.features(run.records(), PreparedRows(rows, all_ids, submit)):
+                        writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
+                                   feats.aux_hidden_states, feats.last_hidden_state, feats.verifier_greedy)
+                        bar.update(feats.sample.input_ids.numel())
                     result = run.result or {}
             finally:
                 write.close()

@@ -11,7 +11,7 @@ own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `i
 checkpoint, never the body. vLLM's runner only writes files; each is checked (token ids, rows, layers,
 hidden size, finite), taken into a shard and deleted at once.
 
-Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (store.ShardWriter); the
+Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (write.write_features); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
 its own vLLM instance.
 """
@@ -19,19 +19,19 @@ its own vLLM instance.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..data.prepared_format import open_prepared, prepared_lengths
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
-from .store import ShardWriter, canonical_dtype, dist_env, make_header, wait_and_merge
+from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .store import canonical_dtype
+from .write import StoreOptions, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -137,14 +137,14 @@ class VllmFeatureSpec:
         self.indices = check_aux_indices(aux_indices or default_aux_indices(self.num_layers), self.num_layers)
         self.layer_ids = vllm_layer_ids(self.indices, self.num_layers)
         self.softcap = logit_softcap(config)
-        info = {"name": str(verifier_name or verifier), "revision": verifier_revision,
-                "num_hidden_layers": self.num_layers, "hidden_size": self.hidden, "vocab_size": int(config.vocab_size)}
+        who = VerifierIdentity.of(config, str(verifier_name or verifier), verifier_revision)
         provenance = {"engine": "vllm", "vllm_layer_ids": self.layer_ids, "vllm_dtype": self.vllm_dtype,
                       "last_hidden_state": f"the verifier's final norm applied to vLLM's id {self.num_layers} "
                                            "(pre-norm)",
                       "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
-        self.header = make_header(info, tokenizer_fingerprint, self.indices, canonical_dtype(dtype), source=SOURCE,
-                                  provenance=provenance)
+        self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(self.indices), canonical_dtype(dtype),
+                                       SOURCE, provenance)
+        self.header = self.identity.header()
         self.next_token_checks = self.next_token_agreements = 0  # a server's own tokens (check_next_token)
 
     def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16, tensor_parallel_size: int = 1,
@@ -154,36 +154,28 @@ class VllmFeatureSpec:
                 "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,
                 "max_pending": max_pending, "tensor_parallel_size": tensor_parallel_size, "connector": connector}
 
-    def write(self, records: Iterable[dict[str, Any]], rows: Any, all_ids: list[str], submit: list[int],
-              writer: ShardWriter, bar: Any) -> None:
-        """Each file vLLM reports -> checked, mapped, into a shard, deleted (a kill before its commit redoes it).
-        `submit[key]` is the row of the dataset `rows` the record's key names. Records from a server carry its
-        next token: the first samples are held back until those tokens vouch for the layers (check_next_token,
-        refuse_unvouched), so that a misconfigured server never leaves a shard behind."""
-        held: list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
+    def features(self, records: Iterable[dict[str, Any]], samples: Sequence[PreparedSample]
+                 ) -> Iterator[SampleFeatures]:
+        """Each file vLLM reports -> checked, mapped, deleted, yielded (a kill before its shard's commit redoes
+        it). A record's key is its sample's place in `samples`. Records from a server carry its next token: the
+        first samples are held back until those tokens vouch for the layers (check_next_token, refuse_unvouched),
+        so that a misconfigured server never leaves a shard behind."""
+        held: list[SampleFeatures] = []
         for record in records:
-            i = submit[int(record["key"])]
-            row, sample_id = rows[i], all_ids[i]
-            input_ids = row["input_ids"].long()
-            states = read_states(record["path"], sample_id, input_ids, self.layer_ids, self.hidden)
+            sample = samples[int(record["key"])]
+            states = read_states(record["path"], sample.sample_id, sample.input_ids, self.layer_ids, self.hidden)
             feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap)
             os.unlink(record["path"])
-            held.append((sample_id, input_ids, row["loss_mask"], feats))
+            held.append(SampleFeatures(sample, feats["aux_hidden_states"], feats["last_hidden_state"],
+                                       feats["verifier_greedy"]))
             if record.get("next_token") is not None and not self.vouched:
-                self.check_next_token(int(record["next_token"]), int(feats["verifier_greedy"][-1]), sample_id)
+                self.check_next_token(int(record["next_token"]), int(feats["verifier_greedy"][-1]), sample.sample_id)
                 if not self.vouched:
                     continue
-            self._add(held, writer, bar)
+            yield from held
+            held.clear()
         if held:  # fewer samples than PROBE from a server, none of whose next tokens agreed
-            self.refuse_unvouched(held[-1][0])
-
-    @staticmethod
-    def _add(held: list, writer: ShardWriter, bar: Any) -> None:
-        for sample_id, input_ids, loss_mask, feats in held:
-            writer.add(sample_id, input_ids, loss_mask, feats["aux_hidden_states"], feats["last_hidden_state"],
-                       feats["verifier_greedy"])
-            bar.update(input_ids.numel())
-        held.clear()
+            self.refuse_unvouched(held[-1].sample.sample_id)
 
     @property
     def vouched(self) -> bool:
@@ -214,104 +206,83 @@ class VllmFeatureSpec:
                                 "`eagle3-hf serve-vllm`)")
 
 
-def extract_features_vllm(
-    verifier: str,
-    tokenizer_fingerprint: str,
-    prepared_dataset: datasets.Dataset | str | Path,
-    out_dir: str | Path,
-    aux_indices: Sequence[int] | None = None,
-    dtype: str = "bfloat16",
-    samples_per_shard: int = 64,
-    max_shard_bytes: int = 1 << 30,
-    verifier_name: str | None = None,
-    verifier_revision: str | None = None,
-    vllm_dtype: str = "auto",
-    max_model_len: int | None = None,
-    tensor_parallel_size: int = 1,
-    batch_size: int = 8,
-    max_pending: int = 16,
-    threads: int = 1,
-    timeout: float | None = None,
-    connector: str = "auto",
-    debug: bool = False,
-    progress: bool = True,
-    rank: int | None = None,
-    world_size: int | None = None,
-    endpoint: str | None = None,
-) -> dict[str, Any]:
-    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary.
-    With `endpoint`, a running vLLM OpenAI server computes them (features/vllm_server.py; `batch_size`
-    requests in flight), and no vLLM is needed here; the summary's "connector" is then None (the server's
-    answers do not name it)."""
-    from tqdm.auto import tqdm
+class VllmFeatures:
+    """vLLM as a `FeatureSource`: an engine of our own in vLLM's venv (`VllmExtraction`), or a running OpenAI
+    server started by `serve-vllm` (`endpoint`; features/vllm_server.py), with `batch_size` requests in flight."""
 
-    from ..engines.vllm_env import VllmExtraction, vllm_python
+    def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                 batch_size: int = 8, max_pending: int = 16, threads: int = 1, timeout: float | None = None,
+                 connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = ""):
+        self.spec, self.identity = spec, spec.identity
+        self.max_model_len, self.tensor_parallel_size = max_model_len, tensor_parallel_size
+        self.batch_size, self.max_pending, self.threads, self.timeout = batch_size, max_pending, threads, timeout
+        self.connector, self.debug, self.endpoint, self.verifier = connector, debug, endpoint, verifier
+        self.served: dict[str, Any] | None = None
+        self.result: dict[str, Any] = {}
+        self.peak = 0
+
+    def check(self, lengths: Sequence[int]) -> None:
+        longest = max(lengths, default=0)
+        if self.max_model_len is not None and longest + 1 > self.max_model_len:
+            raise ValueError(f"--max-model-len {self.max_model_len}: the longest sample has {longest} tokens "
+                             "(+1 generated)")
+        if self.endpoint is not None:
+            from .vllm_server import check_server
+
+            self.served = check_server(self.endpoint, self.verifier, self.spec.path, longest, self.spec.layer_ids)
+
+    def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
+        from ..engines.vllm_env import VllmExtraction
+
+        longest = max((len(s.input_ids) for s in samples), default=0)
+        request = self.spec.request(int(self.max_model_len or longest + 1), self.batch_size, self.max_pending,
+                                    self.tensor_parallel_size, self.connector)
+        prompts = ((k, samples[k].input_ids.tolist()) for k in range(len(samples)))
+        run: VllmExtraction | EndpointExtraction
+        if self.served is not None:
+            from .vllm_server import EndpointExtraction
+
+            run = EndpointExtraction(str(self.endpoint), prompts, model=str(self.served["id"]),
+                                     concurrency=self.batch_size,
+                                     timeout=ENDPOINT_TIMEOUT_S if self.timeout is None else self.timeout)
+        else:
+            run = VllmExtraction(request, prompts, threads=self.threads, debug=self.debug, timeout=self.timeout)
+        with run:
+            yield from self.spec.features(run.records(), samples)
+            self.result = run.result or {}
+            self.peak = run.peak_pending_bytes
+
+    def report(self) -> dict[str, Any]:
+        """The route's facts; "connector" is None from a server (its answers do not name it)."""
+        out = {"engine": "vllm", "vllm_version": self.result.get("vllm_version"), "vllm_dtype": self.spec.vllm_dtype,
+               "connector": self.result.get("connector"), "vllm_load_seconds": self.result.get("load_seconds"),
+               "peak_temporary_bytes": self.peak}
+        if self.endpoint is not None:
+            spec = self.spec
+            out.update(endpoint=self.endpoint,
+                       next_token_agreement=round(spec.next_token_agreements / max(spec.next_token_checks, 1), 4))
+        return out
+
+
+def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_dataset: datasets.Dataset | str | Path,
+                          out_dir: str | Path, aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                          store: StoreOptions | None = None, verifier_name: str | None = None,
+                          verifier_revision: str | None = None, vllm_dtype: str = "auto",
+                          max_model_len: int | None = None, tensor_parallel_size: int = 1, batch_size: int = 8,
+                          max_pending: int = 16, threads: int = 1, timeout: float | None = None,
+                          connector: str = "auto", debug: bool = False, progress: bool = True,
+                          rank: int | None = None, world_size: int | None = None,
+                          endpoint: str | None = None) -> dict[str, Any]:
+    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict.
+    With `endpoint`, a running vLLM OpenAI server computes them and no vLLM is needed here."""
+    from ..engines.vllm_env import vllm_python
 
     if endpoint is None:
         vllm_python()  # vLLM missing: one line, before anything is written
-    env_rank, env_world = dist_env()
-    rank = env_rank if rank is None else rank
-    world_size = env_world if world_size is None else world_size
-    out_dir = Path(out_dir)
     spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name, verifier_revision,
                            vllm_dtype)
-    ds = open_prepared(prepared_dataset, tokenizer_fingerprint)
-    all_ids = list(ds["id"])
-    mine = range(rank, len(ds), world_size)
-    lengths = prepared_lengths(ds)
-    longest = max((lengths[i] for i in mine), default=0)  # checked before anything is written, done ones included
-    if max_model_len is not None and longest + 1 > max_model_len:
-        raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
-    served = None
-    if endpoint is not None:
-        from .vllm_server import check_server
-
-        served = check_server(endpoint, verifier, spec.path, longest, spec.layer_ids)
-    writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
-                         max_shard_bytes=max_shard_bytes)
-    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
-    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
-    submit = [i for i in todo if lengths[i] > 0]
-    request = spec.request(int(max_model_len or max((lengths[i] for i in submit), default=0) + 1), batch_size,
-                           max_pending, tensor_parallel_size, connector)
-    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"extract vllm r{rank}",
-               disable=not progress, dynamic_ncols=True)
-    start = time.perf_counter()
-    vllm_result: dict[str, Any] = {}
-    peak = 0
-    try:
-        for i in todo:
-            if lengths[i] == 0:
-                writer.skip(all_ids[i], "empty")
-        if submit:
-            prompts = ((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
-            run: VllmExtraction | EndpointExtraction
-            if served is not None:
-                from .vllm_server import EndpointExtraction
-
-                run = EndpointExtraction(str(endpoint), prompts, model=str(served["id"]), concurrency=batch_size,
-                                         timeout=ENDPOINT_TIMEOUT_S if timeout is None else timeout)
-            else:
-                run = VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout)
-            with run:
-                spec.write(run.records(), rows, all_ids, submit, writer, bar)
-                vllm_result = run.result or {}
-                peak = run.peak_pending_bytes
-    finally:
-        writer.close()
-        bar.close()
-    elapsed = time.perf_counter() - start
-    summary = {"engine": "vllm", "vllm_version": vllm_result.get("vllm_version"), "vllm_dtype": spec.vllm_dtype,
-               "connector": vllm_result.get("connector"), "rank": rank, "world_size": world_size,
-               "written_samples": writer.written_samples, "written_tokens": writer.written_tokens,
-               "resumed_past": len(mine) - len(todo), "skipped": dict(writer.skipped_counts),
-               "seconds": round(elapsed, 3), "vllm_load_seconds": vllm_result.get("load_seconds"),
-               "tokens_per_s": round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None,
-               "peak_temporary_bytes": peak}
-    if endpoint is not None:
-        summary.update(endpoint=endpoint, next_token_agreement=round(spec.next_token_agreements
-                                                                     / max(spec.next_token_checks, 1), 4))
-    if rank == 0:
-        manifest = wait_and_merge(out_dir, all_ids, 48 * 3600)
-        summary.update(total_samples=len(manifest["samples"]), total_skipped=manifest["skipped"])
-    return summary
+    source = VllmFeatures(spec, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                          batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
+                          connector=connector, debug=debug, endpoint=endpoint, verifier=verifier)
+    return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
+                          progress=progress, desc="extract vllm").as_dict()

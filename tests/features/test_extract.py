@@ -15,6 +15,7 @@ import torch
 
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features
 
 from tests.helpers.data import extract_in_process, kill_after_shards, make_prepared
@@ -32,9 +33,9 @@ def verifier():
 def test_features_equal_capture(tmp_path, verifier, fingerprint):
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=10, vocab=V)
     summary = extract_features(verifier, fingerprint, prepared, tmp_path / "f32", dtype="float32",
-                               samples_per_shard=4, progress=False)
+                               store=StoreOptions(4), progress=False)
     assert summary["written_samples"] == 10 and summary["total_samples"] == 10
-    extract_features(verifier, fingerprint, prepared, tmp_path / "bf16", samples_per_shard=5, progress=False)
+    extract_features(verifier, fingerprint, prepared, tmp_path / "bf16", store=StoreOptions(5), progress=False)
     rows = datasets.load_from_disk(str(prepared)).with_format("torch")
     f32 = FeatureDataset(tmp_path / "f32", split="all")
     bf16 = FeatureDataset(tmp_path / "bf16", split="all")
@@ -63,7 +64,7 @@ def test_nan_sample_skipped_and_counted(tmp_path, fingerprint):
     assert all(bad not in rows[i]["input_ids"] for i in range(6) if i != 2)
     with torch.no_grad():
         model.model.embed_tokens.weight[bad] = float("nan")
-    summary = extract_features(model, fingerprint, prepared, tmp_path / "out", samples_per_shard=2, progress=False)
+    summary = extract_features(model, fingerprint, prepared, tmp_path / "out", store=StoreOptions(2), progress=False)
     assert summary["skipped"] == {"nan_or_inf": 1} and summary["total_skipped"] == {"nan_or_inf": 1}
     ds = FeatureDataset(tmp_path / "out", split="all")
     assert ds.sample_ids == ["s000", "s001", "s003", "s004", "s005"]
@@ -100,11 +101,12 @@ import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
 from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.write import StoreOptions
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
 if float(delay) > 0:
     model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(float(delay)))
-extract_features(model, fingerprint, prepared, out, samples_per_shard=2, progress=False)
+extract_features(model, fingerprint, prepared, out, store=StoreOptions(2), progress=False)
 """
 
 
@@ -135,11 +137,11 @@ def test_sigkill_resume_bit_identical(tmp_path, tiny_verifier_dir, fingerprint):
 def test_ranks_take_disjoint_slices_and_merge(tmp_path, verifier, fingerprint):
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=9, vocab=V)
     single, dp = tmp_path / "single", tmp_path / "dp"
-    extract_features(verifier, fingerprint, prepared, single, samples_per_shard=2, progress=False)
-    r1 = extract_features(verifier, fingerprint, prepared, dp, samples_per_shard=2, progress=False, rank=1,
+    extract_features(verifier, fingerprint, prepared, single, store=StoreOptions(2), progress=False)
+    r1 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=1,
                           world_size=2)
     assert r1["written_samples"] == 4 and not (dp / "manifest.json").exists()  # rank 1 never merges
-    r0 = extract_features(verifier, fingerprint, prepared, dp, samples_per_shard=2, progress=False, rank=0,
+    r0 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=0,
                           world_size=2)
     assert r0["written_samples"] == 5 and r0["total_samples"] == 9
     a, b = FeatureDataset(single, split="all"), FeatureDataset(dp, split="all")

@@ -13,6 +13,7 @@ from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
 from eagle3_hf.features.reader import FeatureDataset, in_validation, select_split
 from eagle3_hf.features.transformers_online import OnlineFeatureCollator, PreparedDataset
+from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import make_prepared
 from tests.helpers.verifiers import make_tiny_verifier
@@ -27,7 +28,7 @@ def verifier():
 def features(tmp_path_factory, verifier, fingerprint):
     root = tmp_path_factory.mktemp("feat")
     prepared = make_prepared(root / "prep", fingerprint, n=14, lo=3, hi=30, vocab=2048)
-    extract_features(verifier, fingerprint, prepared, root / "f32", dtype="float32", samples_per_shard=4,
+    extract_features(verifier, fingerprint, prepared, root / "f32", dtype="float32", store=StoreOptions(4),
                      progress=False)
     return root
 

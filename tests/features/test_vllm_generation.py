@@ -24,6 +24,7 @@ from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.vllm_generation import eos_ids, generate_plain, prompt_ids
+from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import kill_after_shards
 from tests.helpers.serveable import BF16_STEP, serveable_verifier
@@ -103,7 +104,7 @@ def test_vllm_regenerate_end_to_end_killed_and_resumed(tmp_path, tokenizer, fing
 
     # ... and within bf16 rounding of transformers' extract, the same greedy tokens
     by_transformers = tmp_path / "f_transformers"
-    extract_features(verifier, fingerprint, prepared, by_transformers, samples_per_shard=2, verifier_name=str(vdir),
+    extract_features(verifier, fingerprint, prepared, by_transformers, store=StoreOptions(2), verifier_name=str(vdir),
                      progress=False)
     report = diff_features(by_transformers, feats)
     assert report["samples_compared"] == 6 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0

@@ -27,6 +27,7 @@ from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.vllm_offline import features_from_states, read_states, vllm_layer_ids
+from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features, final_norm
 from eagle3_hf.verifier.family import logit_softcap
 
@@ -154,7 +155,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     tokenizer.save_pretrained(vdir)
     prepared = walk_prepared(tmp_path / "prepared", fingerprint)
     by_transformers, by_vllm = tmp_path / "f_transformers", tmp_path / "f_vllm"
-    extract_features(verifier, fingerprint, prepared, by_transformers, samples_per_shard=4, verifier_name=str(vdir),
+    extract_features(verifier, fingerprint, prepared, by_transformers, store=StoreOptions(4), verifier_name=str(vdir),
                      progress=False)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
@@ -229,7 +230,7 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path
     tokenizer.save_pretrained(vdir)
     prepared = walk_prepared(tmp_path / "prepared", fingerprint)
     reference, out = tmp_path / "f_transformers", tmp_path / "f_vllm"
-    extract_features(verifier, fingerprint, prepared, reference, samples_per_shard=2, verifier_name=str(vdir),
+    extract_features(verifier, fingerprint, prepared, reference, store=StoreOptions(2), verifier_name=str(vdir),
                      progress=False)
     command = [EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
                "--output", str(out), "--samples-per-shard", "2", "--vllm-batch-size", "2", "--no-progress"]

@@ -183,9 +183,10 @@ def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_di
     vllm_or_fail()
     from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
     from eagle3_hf.features.extract import extract_features
+    from eagle3_hf.features.write import StoreOptions
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)
-    extract_features(model, fingerprint, prepared, tmp_path / "f_transformers", samples_per_shard=4,
+    extract_features(model, fingerprint, prepared, tmp_path / "f_transformers", store=StoreOptions(4),
                      verifier_name=str(verifier_dir), progress=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

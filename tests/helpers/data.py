@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
 from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.write import StoreOptions
 
 SYN_VOCAB, SYN_HIDDEN, SYN_LAYERS = 256, 64, 6
 FINGERPRINT = "synthetic-tokenizer"
@@ -80,7 +81,7 @@ def build_offline_data(root: Path, verifier: LlamaForCausalLM, num_samples: int 
     prepared = prepared_dataset(root / "prepared", num_samples, seed)
     features = root / "features"
     extract_features(verifier, FINGERPRINT, prepared, features, aux_indices=[1, 3, 4], dtype="float32",
-                     samples_per_shard=16, verifier_name=verifier_name, progress=False)
+                     store=StoreOptions(16), verifier_name=verifier_name, progress=False)
     from eagle3_hf.features.reader import FeatureDataset
 
     counts = torch.zeros(SYN_VOCAB)
@@ -143,7 +144,7 @@ def extract_in_process(verifier_dir, prepared, out, fingerprint):
     torch.set_num_threads(1)  # the child's setting: same kernels, same bits
     try:
         model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
-        extract_features(model, fingerprint, prepared, out, samples_per_shard=2, progress=False)
+        extract_features(model, fingerprint, prepared, out, store=StoreOptions(2), progress=False)
     finally:
         torch.set_num_threads(threads)
 

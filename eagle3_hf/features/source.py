@@ -1,0 +1,120 @@
+"""One interface for every way to get the verifier's hidden states.
+
+A route (transformers hooks, transformers while generating, vLLM offline, vLLM's OpenAI server, our feature server,
+files written by speculators or SpecForge) is a `FeatureSource`: it names what it captures (`SourceIdentity`: the
+verifier, its widths, the aux layer indices, the tokenizer it was rendered with, the storage dtype, the capture
+path) and turns prepared samples into `SampleFeatures`. Everything downstream (the store's shards, the reader,
+training's identity check) sees only these two records, so the trainer never knows which route ran and a new
+engine is one more module beside the others:
+
+| route | module |
+|---|---|
+| transformers hooks, offline | `extract.py` (`TransformersFeatures`) |
+| transformers in the training process (online) | `transformers_online.py` |
+| transformers, answers and features in one pass | `transformers_generation.py` |
+| vLLM offline (`extract --engine vllm`) | `vllm_offline.py` (`VllmFeatures`) |
+| vLLM answers and features | `vllm_generation.py` |
+| vLLM's OpenAI server (`extract --engine vllm --endpoint`) | `vllm_server.py`, through `VllmFeatures` |
+| our feature server (online training) | `feature_server.py`, `serve_features.py`, `feature_cache.py` |
+| speculators / SpecForge files | `imports.py` |
+
+The offline routes write through one loop (`write.write_features`); the store is `store.py`, its reader
+`reader.py`, packing into training rows `packing.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .store import make_header
+
+
+@dataclass(frozen=True)
+class VerifierIdentity:
+    """The verifier a feature directory was captured from: the manifest's `verifier` record."""
+
+    name: str
+    revision: str | None
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "revision": self.revision, "num_hidden_layers": self.num_hidden_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> VerifierIdentity:
+        return cls(str(record.get("name")), record.get("revision"), int(record.get("num_hidden_layers") or 0),
+                   int(record.get("hidden_size") or 0), int(record.get("vocab_size") or 0))
+
+    @classmethod
+    def of(cls, config: Any, name: str, revision: str | None = None) -> VerifierIdentity:
+        """From a verifier's (text) config."""
+        return cls(str(name), revision, int(config.num_hidden_layers), int(config.hidden_size),
+                   int(config.vocab_size))
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """What a feature source captures: written as every shard directory's header, checked when appending to one
+    and when training reads it."""
+
+    verifier: VerifierIdentity
+    tokenizer_fingerprint: str
+    aux_layer_indices: tuple[int, ...]
+    dtype: str  # storage dtype, canonical (`store.canonical_dtype`)
+    source: str = "transformers"  # the capture path: "transformers", "vllm", "vllm/speculators", ...
+    provenance: Mapping[str, Any] | None = field(default=None, compare=False)  # how the route mapped the states
+
+    def header(self) -> dict[str, Any]:
+        """The shard header / manifest head (`store.HEADER_KEYS`, then the provenance)."""
+        extra = {} if self.provenance is None else {"provenance": dict(self.provenance)}
+        return make_header(self.verifier.as_dict(), self.tokenizer_fingerprint, self.aux_layer_indices, self.dtype,
+                           source=self.source, **extra)
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> SourceIdentity:
+        """From a manifest or a journal header."""
+        return cls(VerifierIdentity.from_dict(header.get("verifier") or {}), str(header.get("tokenizer_fingerprint")),
+                   tuple(int(i) for i in header.get("aux_layer_indices") or ()), str(header.get("dtype")),
+                   str(header.get("source", "transformers")), header.get("provenance"))
+
+
+@dataclass
+class PreparedSample:
+    """One prepared sample, as a route reads it."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T]
+
+
+@dataclass
+class SampleFeatures:
+    """What a route makes of one sample: the three aux states concatenated, the post-norm final state and the
+    verifier's full-vocabulary greedy token per position."""
+
+    sample: PreparedSample
+    aux_hidden_states: torch.Tensor  # [T, 3H]
+    last_hidden_state: torch.Tensor  # [T, H], after the final norm
+    verifier_greedy: torch.Tensor  # [T]
+
+
+class FeatureSource(Protocol):
+    """A route to hidden states. `check` sees the lengths of every sample of this rank before anything is written
+    (a context too short, a server serving another verifier: refused with nothing on disk); `states` may answer in
+    any order and hold samples back, but answers each sample at most once; `report` adds the route's own facts
+    (engine version, load time) to the extraction summary."""
+
+    identity: SourceIdentity
+
+    def check(self, lengths: Sequence[int]) -> None: ...
+
+    def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]: ...
+
+    def report(self) -> dict[str, Any]: ...

@@ -1,0 +1,124 @@
+"""The one write loop of every offline route: this rank's slice of a prepared dataset, through a `FeatureSource`,
+into the store's shards.
+
+Rank slice (samples i with i % world_size == rank, under `torchrun` / `accelerate launch`), resumption (samples a
+journal already holds are not asked for again), empty samples recorded as skipped, progress in tokens, the
+writer closed whatever happens, then rank 0 merges every rank's journal into manifest.json once every sample is
+accounted for. Killed at any point, the same command resumes (store.py says why nothing is lost or duplicated).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..data.prepared_format import open_prepared, prepared_lengths
+from .source import FeatureSource, PreparedSample
+from .store import ShardWriter, dist_env, wait_and_merge
+
+if TYPE_CHECKING:
+    import datasets
+
+MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journals
+
+
+@dataclass
+class StoreOptions:
+    """How the shards are cut."""
+
+    samples_per_shard: int = 64
+    max_shard_bytes: int = 1 << 30
+
+
+@dataclass
+class ExtractionSummary:
+    """What one rank's extraction did; printed by `extract` as one JSON line."""
+
+    rank: int
+    world_size: int
+    written_samples: int
+    written_tokens: int
+    resumed_past: int
+    skipped: dict[str, int]
+    seconds: float
+    tokens_per_s: float | None
+    route: dict[str, Any] = field(default_factory=dict)  # the source's own report (engine, version, load time)
+    total_samples: int | None = None  # rank 0, after the merge
+    total_skipped: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "route"}
+        if self.total_samples is None:
+            del out["total_samples"], out["total_skipped"]
+        return {**self.route, **out}
+
+
+class PreparedRows(Sequence[PreparedSample]):
+    """Rows `index` of a prepared dataset, read when asked for (a route may hold only a few at a time)."""
+
+    def __init__(self, rows: Any, ids: list[str], positions: list[int]):
+        self.rows, self.ids, self.positions = rows, ids, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, k: int) -> PreparedSample:  # type: ignore[override]  # no slices
+        row = self.rows[self.positions[k]]
+        return PreparedSample(self.ids[self.positions[k]], row["input_ids"].long(), row["loss_mask"])
+
+
+def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Path, out_dir: str | Path, *,
+                   store: StoreOptions | None = None, rank: int | None = None, world_size: int | None = None,
+                   progress: bool = True, desc: str = "extract",
+                   merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> ExtractionSummary:
+    """Write `source`'s features for this rank's slice of `prepared` to `out_dir`. Appending to a directory
+    written with another identity (verifier, tokenizer, aux layers, dtype, capture path) is refused."""
+    from tqdm.auto import tqdm
+
+    store = store or StoreOptions()
+    env_rank, env_world = dist_env()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    out_dir = Path(out_dir)
+    ds = open_prepared(prepared, source.identity.tokenizer_fingerprint)
+    all_ids = list(ds["id"])
+    mine = range(rank, len(ds), world_size)
+    lengths = prepared_lengths(ds)
+    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+
+    source.check([lengths[i] for i in mine])  # before anything is written, done samples included
+    writer = ShardWriter(out_dir, source.identity.header(), rank=rank, samples_per_shard=store.samples_per_shard,
+                         max_shard_bytes=store.max_shard_bytes)
+    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
+    submit = [i for i in todo if lengths[i] > 0]
+    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"{desc} r{rank}",
+               disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    try:
+        for i in todo:
+            if lengths[i] == 0:
+                writer.skip(all_ids[i], "empty")
+        if submit:
+            for feats in source.states(PreparedRows(rows, all_ids, submit)):
+                writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
+                           feats.aux_hidden_states, feats.last_hidden_state, feats.verifier_greedy)
+                bar.update(feats.sample.input_ids.numel())
+                bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
+    finally:
+        writer.close()
+        bar.close()
+    elapsed = time.perf_counter() - start
+    summary = ExtractionSummary(rank, world_size, writer.written_samples, writer.written_tokens, len(mine) - len(todo),
+                                dict(writer.skipped_counts), round(elapsed, 3),
+                                round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None, source.report())
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if rank == 0:
+        manifest = wait_and_merge(out_dir, all_ids, merge_timeout_s)
+        summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
+    return summary
