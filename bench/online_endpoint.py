@@ -149,8 +149,8 @@ def main() -> None:
         watcher = threading.Thread(target=poll, daemon=True)
         watcher.start()
         for r in range(args.rounds):
-            runs["offline"].append(train_once(common, ["--data-dir", str(feats)], root / f"off{r}"))
-            runs["online"].append(train_once(common, ["--online-endpoint", server.url, "--prepared-dir",
+            runs["offline"].append(train_once(common, ["--features", str(feats)], root / f"off{r}"))
+            runs["online"].append(train_once(common, ["--features", server.url, "--prepared-dir",
                                                       str(prepared), "--feature-dtype", "bf16"], root / f"on{r}"))
         stop.set()
         watcher.join()

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "rewrite assistant turns with the verifier (in-process or endpoint); --features-out: + features"),
     "extract": ("eagle3_hf.features.extract", "run the verifier and write hidden states to sharded safetensors"),
     "serve-features": ("eagle3_hf.features.serve_features",
-                       "keep vLLM loaded and serve hidden states over HTTP to `train --online-endpoint URL`"),
+                       "keep vLLM loaded and serve hidden states over HTTP to `train --features URL`"),
     "serve-vllm": ("eagle3_hf.features.serve_vllm",
                    "start vLLM's OpenAI server with the extraction config, for `extract --engine vllm --endpoint`"),
     "import-features": ("eagle3_hf.features.imports", "import hidden states written by speculators or SpecForge"),

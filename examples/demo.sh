@@ -58,7 +58,7 @@ stage "train: accelerate launch examples/train.py ($EPOCHS epochs, from scratch,
 PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 timed train accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --num_processes "$TRAIN_PROCS" \
   --main_process_port "$PORT" \
-  examples/train.py --verifier "$VERIFIER" --data-dir "$OUT/features" --output-dir "$OUT/drafter" \
+  examples/train.py --verifier "$VERIFIER" --features "$OUT/features" --output-dir "$OUT/drafter" \
   --num-train-epochs "$EPOCHS" --learning-rate "$LR" --max-seq-len "$TRAIN_ROW" \
   --per-device-train-batch-size 1 --warmup-steps 0.05 --lr-scheduler-type cosine \
   --validation-fraction "$VAL" --logging-steps 10 --eval-strategy epoch --save-strategy epoch --save-total-limit 1 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train an EAGLE-3 drafter: `accelerate launch examples/train.py --data-dir feats/ --output-dir runs/drafter`.
+"""Train an EAGLE-3 drafter: `accelerate launch examples/train.py --features feats/ --output-dir runs/drafter`.
 
 The training script ships inside the package, so that `eagle3-hf train` works from an installed wheel; read
 it at eagle3_hf/scripts/train.py (one page, top to bottom: arguments, datasets, drafter, teacher, Trainer,

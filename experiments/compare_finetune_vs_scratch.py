@@ -1,8 +1,8 @@
 """Should I finetune an existing drafter or train from scratch? Both on our data, at the same target-side budget.
 
-    python -m experiments.compare_finetune_vs_scratch --data-dir feats/ --source pub=org/eagle3 --output-dir cmp/
+    python -m experiments.compare_finetune_vs_scratch --features feats/ --source pub=org/eagle3 --output-dir cmp/
     # on the embedded default, building the sources here (docs/finetune_vs_scratch.md has the measured run):
-    python -m experiments.compare_finetune_vs_scratch --data-dir runs/cmp/ours/features \\
+    python -m experiments.compare_finetune_vs_scratch --features runs/cmp/ours/features \\
         --prepared-dir runs/cmp/ours/prepared --conversations runs/cmp/ours/conversations.jsonl \\
         --build-sources --drift-steps 8 --other-vocab-size 1024 --output-dir runs/cmp/out --epochs 2 --long-epochs 8
 
@@ -41,7 +41,7 @@ SOURCE_KEYS = ("source_prompts", "source_tokens", "source_epochs", "learning_rat
 
 def training_args(args, data_dir: Path, out: Path, epochs: float, seed: int, verifier: str | None = None,
                   extra: list[str] = ()) -> list[str]:
-    return ["--verifier", verifier or args.verifier, "--data-dir", str(data_dir), "--output-dir", str(out),
+    return ["--verifier", verifier or args.verifier, "--features", str(data_dir), "--output-dir", str(out),
             "--num-train-epochs", str(epochs), "--learning-rate", str(args.learning_rate),
             "--max-seq-len", str(args.max_seq_len), "--per-device-train-batch-size", "2",
             "--warmup-steps", "0.05", "--lr-scheduler-type", "cosine", "--seed", str(seed),
@@ -220,7 +220,7 @@ def run_once(args, run: str, source: dict, target: Path, epochs: float) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True, type=Path)
+    parser.add_argument("--features", dest="data_dir", required=True, type=Path)
     parser.add_argument("--prepared-dir", help="needed with --build-sources (drift measured on it)")
     parser.add_argument("--conversations", type=Path,
                         help="our conversations (JSONL): source prompts overlapping them are skipped")

@@ -8,7 +8,7 @@ mean sample length) and a PNG of simulated τ (validation) and real τ against t
 are reused on a rerun. `--predict-largest` leaves the largest point out of the fit and sets the fit's
 prediction for it against its measurement.
 
-    python -m experiments.data_scaling --data-dir demo_out/small/features --output-dir runs/scaling --parallel 1 \
+    python -m experiments.data_scaling --features demo_out/small/features --output-dir runs/scaling --parallel 1 \
         --points 0,51200,25600,12800 --eval dev=40 mt-bench=80 --table docs/data_scaling.md --plot docs/data_scaling.png
 """
 
@@ -86,7 +86,8 @@ def subset_make_up(data_dir: str, point: int, validation_fraction: float) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True, help="features (with vocab.safetensors) of the largest dataset")
+    p.add_argument("--features", dest="data_dir", required=True,
+                   help="features (with vocab.safetensors) of the largest dataset")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--verifier", default="smollm2-135m-instruct")
     p.add_argument("--points", default="10000,20000,40000,80000,0", help="training tokens; 0 = all")
@@ -118,7 +119,7 @@ def main() -> None:
         name = f"tokens-{point or 'all'}"
         run_dir = out / name
         if not (run_dir / "eagle3_training.json").is_file():
-            run_logged([*CLI, "train", "--verifier", args.verifier, "--data-dir", args.data_dir,
+            run_logged([*CLI, "train", "--verifier", args.verifier, "--features", args.data_dir,
                         "--output-dir", str(run_dir), "--num-train-epochs", str(args.epochs),
                         *shlex.split(args.train_args), *(["--max-train-tokens", str(point)] if point else [])],
                        out / f"{name}.log", env)

@@ -12,10 +12,10 @@ same packed batches for the same steps from the same seed, both evaluated by our
    validation split, then `eagle3-hf evaluate` on each `--eval` prompt set (real τ, k=3, greedy, lossless).
 
     .venv/bin/python -m bench.train_step --setup-speculators          # once: .bench-venv/speculators
-    .venv/bin/python -m experiments.quality_vs_speculators --data-dir demo_out/small/features \
+    .venv/bin/python -m experiments.quality_vs_speculators --features demo_out/small/features \
         --max-train-tokens 25600 [--epochs 3] [--lr 2e-3 --spec-lr 1e-3] [--eval dev=40 mt-bench=0]
 
---data-dir is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors
+--features is an `eagle3-hf extract` (or `regenerate --features-out`) directory holding vocab.safetensors
 (`make demo` writes one). Stages whose output exists are reused with `--reuse` (e.g. to re-evaluate). Writes a
 table to stdout and `results.json` under --output-dir. `experiments/speculators_lr_sweep.py` runs this at
 several learning rates and sets each side's best against the other's.
@@ -42,7 +42,7 @@ DEFAULT_LR = {"ours": 2e-3, "speculators": 1e-3}  # ours: the small demo's; spec
 
 def our_train_argv(args: argparse.Namespace, output_dir: Path) -> list[str]:
     """The `eagle3-hf train` arguments of our run; the batch dump parses the same ones."""
-    return ["--verifier", args.verifier, "--data-dir", args.data_dir, "--output-dir", str(output_dir),
+    return ["--verifier", args.verifier, "--features", args.data_dir, "--output-dir", str(output_dir),
             "--num-train-epochs", str(args.epochs), "--learning-rate", str(args.lr),
             "--max-seq-len", str(args.max_seq_len), "--per-device-train-batch-size", str(args.batch_size),
             "--warmup-steps", "0.05", "--lr-scheduler-type", "cosine",
@@ -152,7 +152,7 @@ def reader_agreement(spec_dir: Path, work: Path, verifier: str, ttt_steps: int =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True, help="features directory with vocab.safetensors")
+    parser.add_argument("--features", dest="data_dir", required=True, help="features directory with vocab.safetensors")
     parser.add_argument("--output-dir", default=str(REPO / "bench" / "out" / "quality_vs_speculators"))
     parser.add_argument("--verifier", default="smollm2-135m-instruct")
     parser.add_argument("--epochs", type=int, default=3)

@@ -5,7 +5,7 @@ validation metrics come from its `eagle3_training.json`; the best few by simulat
 then decoded for real (`eagle3-hf evaluate` on MT-bench prompts, never trained on). Runs already finished
 in --output-dir are reused, so a killed sweep resumes. Writes a Markdown table (--table, e.g. docs/recipe.md).
 
-    .venv/bin/python -m experiments.recipe --data-dir demo_out/small/features --prepared-dir demo_out/small/prepared \
+    .venv/bin/python -m experiments.recipe --features demo_out/small/features --prepared-dir demo_out/small/prepared \
         --output-dir runs/recipe --table docs/recipe.md
 """
 
@@ -78,7 +78,7 @@ def train_args(name: str, args: argparse.Namespace, out: Path, env: dict) -> lis
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True)
+    p.add_argument("--features", dest="data_dir", required=True)
     p.add_argument("--prepared-dir", required=True, help="for the draft-vocabulary variants")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--verifier", default="smollm2-135m-instruct")
@@ -104,7 +104,7 @@ def main() -> None:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     todo = [n for n in names if not (out / n / "eagle3_training.json").is_file()]
     commands = {n: [sys.executable, "-m", "eagle3_hf.cli", "train", "--verifier", args.verifier,
-                    "--data-dir", args.data_dir, "--output-dir", str(out / n), "--num-train-epochs", str(args.epochs),
+                    "--features", args.data_dir, "--output-dir", str(out / n), "--num-train-epochs", str(args.epochs),
                     *shlex.split(args.base_args), *train_args(n, args, out, env)] for n in todo}
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         for name, (rc, seconds) in zip(todo, pool.map(lambda n: run(commands[n], out / f"{n}.log", env), todo)):

@@ -8,7 +8,7 @@ side's best lr is the one with the highest real Ï„ there (validation simulated Ï
 bests, and each side's default lr (ours 2e-3, speculators 1e-3), are decoded on the test set (`--test`, all 80
 MT-bench questions by default). Both sides get the same grid: the same tuning effort.
 
-    .venv/bin/python -m experiments.speculators_lr_sweep --data-dir demo_out/small/features \\
+    .venv/bin/python -m experiments.speculators_lr_sweep --features demo_out/small/features \\
         --max-train-tokens 25600 --epochs 3 --lrs 1e-3 2e-3 4e-3 --output-dir runs/spec_sweep
 
 Finished runs are reused on a rerun. Writes `sweep.json` under --output-dir and, with --table, a Markdown table.
@@ -34,7 +34,7 @@ SIDES = tuple(DEFAULT_LR)  # each side's checkpoint folder under lr-X/ is its na
 def run_lr(args: argparse.Namespace, lr: float, env: dict) -> dict:
     """Train both sides at `lr` and decode both on the development set; quality_vs_speculators' results."""
     out = Path(args.output_dir) / f"lr-{lr:g}"
-    cmd = [sys.executable, "-m", "experiments.quality_vs_speculators", "--data-dir", args.data_dir,
+    cmd = [sys.executable, "-m", "experiments.quality_vs_speculators", "--features", args.data_dir,
            "--output-dir", str(out), "--epochs", str(args.epochs), "--lr", f"{lr:g}", "--spec-lr", f"{lr:g}",
            "--max-train-tokens", str(args.max_train_tokens), "--eval", *args.select,
            "--eval-tokens", str(args.select_tokens), "--verifier", args.verifier, "--reuse"]
@@ -60,7 +60,7 @@ def pick_lrs(by_lr: dict[float, dict]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True, help="features directory with vocab.safetensors")
+    p.add_argument("--features", dest="data_dir", required=True, help="features directory with vocab.safetensors")
     p.add_argument("--output-dir", default="runs/spec_sweep")
     p.add_argument("--verifier", default="smollm2-135m-instruct")
     p.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 2e-3, 4e-3])

@@ -19,7 +19,7 @@ fi
 if [ "$step" = train ] || [ "$step" = all ]; then
   PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --num_processes 2 --main_process_port "$PORT" \
-    examples/train.py --verifier $V --data-dir $T/features_vllm --output-dir $T/drafter_vllm \
+    examples/train.py --verifier $V --features $T/features_vllm --output-dir $T/drafter_vllm \
     --num-train-epochs 6 --learning-rate 2e-3 --max-seq-len 256 \
     --per-device-train-batch-size 1 --warmup-steps 0.05 --lr-scheduler-type cosine \
     --validation-fraction 0.05 --logging-steps 10 --eval-strategy epoch --save-strategy epoch --save-total-limit 1 \

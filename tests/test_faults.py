@@ -180,7 +180,7 @@ def test_sigkill_during_two_process_zero3_training_then_resume_matches_uninterru
     def command(out: Path, port: int, *extra: str) -> list[str]:
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(root / "accelerate_configs/cpu_2proc.yaml"), "--main_process_port", str(port),
-                str(root / "examples/train.py"), "--verifier", str(synthetic["verifier_dir"]), "--data-dir",
+                str(root / "examples/train.py"), "--verifier", str(synthetic["verifier_dir"]), "--features",
                 str(synthetic["features"]), "--output-dir", str(out),
                 "--deepspeed", str(root / "ds_configs/zero3.json"),
                 "--num-train-epochs", "3", "--validation-fraction", "0.2", "--save-strategy", "steps",

@@ -48,7 +48,7 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["train", "--data-dir", "{missing}", "--output-dir", "{tmp}/run"], "no features here"),
+    (["train", "--features", "{missing}", "--output-dir", "{tmp}/run"], "no features here"),
     (["export", "{missing}", "--output", "{tmp}/exported"], "neither a checkpoint directory nor a Hub repo id"),
     (["import-features", "speculators", "{missing}", "--data", "{missing}", "--output", "{tmp}/imp",
       "--verifier", "smollm2-135m-instruct"], "not a prepared dataset"),
@@ -131,7 +131,7 @@ def test_prepare_records_the_ids_it_skipped(tmp_path):
 
 def test_finetune_from_a_verifier_says_it_is_not_a_drafter(synthetic, tmp_path, capsys):
     verifier_dir = str(synthetic["verifier_dir"])
-    rc = cli.main(["train", "--verifier", verifier_dir, "--data-dir", str(synthetic["features"]), "--output-dir",
+    rc = cli.main(["train", "--verifier", verifier_dir, "--features", str(synthetic["features"]), "--output-dir",
                    str(tmp_path / "run"), "--finetune-from", verifier_dir, "--max-seq-len", "64",
                    "--report-to", "none", "--disable-tqdm", "true"])
     assert rc != 0
@@ -164,7 +164,7 @@ def test_train_script_reports_user_errors_in_one_line(tmp_path):
     """`accelerate launch examples/train.py ...` is how most users train: its bad input reads like the CLI's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("EAGLE3_HF_DEBUG", None)
-    result = subprocess.run([sys.executable, str(ROOT / "examples/train.py"), "--data-dir", str(tmp_path / "none"),
+    result = subprocess.run([sys.executable, str(ROOT / "examples/train.py"), "--features", str(tmp_path / "none"),
                              "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
                             env=env, cwd=ROOT)
     assert_one_line_error(result, str(tmp_path / "none"))

@@ -1,4 +1,4 @@
-"""`--cache-features DIR` with `--online-endpoint`: what the feature server sent is kept, in extract's format.
+"""`--cache-features DIR` with `--features`: what the feature server sent is kept, in extract's format.
 
 The first time a sample is needed its states come from the server; the collator rounds them to the storage
 dtype (store.quantize) and this cache commits them through the same ShardWriter `extract` uses, so DIR is

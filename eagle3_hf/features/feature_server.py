@@ -1,8 +1,9 @@
 """Online training from a live feature server: each batch's hidden states computed by vLLM on demand.
 
 `eagle3-hf serve-features --verifier V` keeps vLLM loaded with extract_hidden_states (its own venv, its own
-machine if need be); a trainer started with `--online-endpoint URL` reads the prepared dataset and its
-packing plan as `--online` does, and `EndpointFeatureCollator` sends every document of a row to the server
+machine if need be); a trainer started with `--features URL` reads the prepared dataset and its
+packing plan as `--features hf` does (the verifier in the trainer), and `EndpointFeatureCollator` sends
+every document of a row to the server
 (the whole sample's token ids, as `extract --engine vllm` prefilled it), turns the states that come back
 into exactly the batch offline mode builds, and keeps nothing: the server deletes each file once it has
 read it, the bytes travel once, the batch is built and they are dropped. With `--cache-features DIR`
@@ -60,7 +61,7 @@ class FeatureClient:
     def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
-            raise FeatureServerError(f"--online-endpoint {url!r}: an http:// URL, as `eagle3-hf serve-features` "
+            raise FeatureServerError(f"--features {url!r}: an http:// URL, as `eagle3-hf serve-features` "
                                      "prints it")
         self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
         self.expected: dict[str, Any] | None = None  # the identity checked at start

@@ -1,7 +1,7 @@
 """`eagle3-hf serve-features`: vLLM loaded once with extract_hidden_states, serving hidden states over HTTP.
 
 The server (engines/vllm_feature_server.py, in the vLLM venv) answers a trainer started with
-`--online-endpoint URL`: token ids in, the states vLLM's connector wrote out (the file deleted once read).
+`--features URL`: token ids in, the states vLLM's connector wrote out (the file deleted once read).
 It serves the layers `extract --engine vllm` captures (the aux indices + N) with the same engine settings,
 and tells who it is on GET /identity: hidden size, layer count, aux indices, and the tokenizer fingerprint
 computed here from the verifier's tokenizer, which a trainer compares with its prepared dataset's.
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     with server:
         who = server.identity
         print(f"feature server: {server.url} (verifier {who['verifier']}, hidden {who['hidden_size']}, "
-              f"{who['num_hidden_layers']} layers, vLLM ids {who['layer_ids']}); train with --online-endpoint "
+              f"{who['num_hidden_layers']} layers, vLLM ids {who['layer_ids']}); train with --features "
               f"{server.url}", flush=True)
         print(json.dumps({"url": server.url, "identity": who}), flush=True)
 

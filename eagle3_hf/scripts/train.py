@@ -5,21 +5,21 @@ installed wheel: `eagle3-hf train ...` runs it, and so does `accelerate launch e
 file only calls this one). The same script runs in every setting; only the launcher changes:
 
     # one CPU or GPU
-    accelerate launch examples/train.py --data-dir feats/ --output-dir runs/drafter
+    accelerate launch examples/train.py --features feats/ --output-dir runs/drafter
     # 8 GPUs with DeepSpeed ZeRO-3 (configs in accelerate_configs/ and ds_configs/)
     accelerate launch --config_file accelerate_configs/8gpu_zero3.yaml examples/train.py \
         --config examples/recipes/kimi_k25_8gpu_zero3.yaml
     # from an installed wheel, without the repository
-    accelerate launch -m eagle3_hf.scripts.train --data-dir feats/ --output-dir runs/drafter
+    accelerate launch -m eagle3_hf.scripts.train --features feats/ --output-dir runs/drafter
     # from an existing drafter instead of from scratch (a directory or a Hub repo id, any layout)
-    accelerate launch examples/train.py --data-dir feats/ --finetune-from org/some-eagle3 --output-dir runs/ft
+    accelerate launch examples/train.py --features feats/ --finetune-from org/some-eagle3 --output-dir runs/ft
     # no features on disk: the verifier runs in the training process
-    accelerate launch examples/train.py --online --prepared-dir prepared/ --output-dir runs/online
+    accelerate launch examples/train.py --features hf --prepared-dir prepared/ --output-dir runs/online
     # no features on disk: a vLLM feature server (`eagle3-hf serve-features`, another machine if need be)
-    accelerate launch examples/train.py --online-endpoint http://HOST:PORT --prepared-dir prepared/ --output-dir runs/o
+    accelerate launch examples/train.py --features http://HOST:PORT --prepared-dir prepared/ --output-dir runs/o
 
 Arguments are transformers' TrainingArguments plus TTT (`--ttt-steps`, `--ttt-step-weight`) and the model
-and data arguments of `eagle3_hf.train.setup`; `--config FILE.yaml` gives defaults that the command line
+and data arguments of `eagle3_hf.train.arguments`; `--config FILE.yaml` gives defaults that the command line
 overrides; `--help` lists them all. The machinery (trainer, loss, metrics, checkpoint layout) lives in the
 package; docs/contracts.md describes what the drafter is trained to match.
 """
@@ -35,23 +35,14 @@ from transformers import AutoConfig, set_seed
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
-from eagle3_hf.train.feature_server_data import DEFAULT_WORKERS, build_endpoint_datasets
-from eagle3_hf.train.setup import (
-    build_datasets,
-    build_drafter,
-    check_features_fit,
-    finetune_advice,
-    finish_process,
-    load_vocabulary,
-)
+from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
+from eagle3_hf.train.training_data import DEFAULT_WORKERS, build_datasets, check_features_fit, load_vocabulary
 from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
 
 if TYPE_CHECKING:
-    from eagle3_hf.features.feature_server import EndpointFeatureCollator
-    from eagle3_hf.features.packing import PackedCollator
-    from eagle3_hf.features.transformers_online import OnlineFeatureCollator
+    pass
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -65,24 +56,19 @@ def main(argv: list[str] | None = None) -> dict:
                                                  revision=model_args.verifier_revision)
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
-    #    each), read from the feature shards (or computed by the verifier with --online); the draft vocabulary.
-    collator: PackedCollator | OnlineFeatureCollator | EndpointFeatureCollator
-    if data_args.cache_features and not data_args.online_endpoint:
-        raise SystemExit("--cache-features keeps what --online-endpoint fetches: pass both (or train on --data-dir)")
-    if data_args.online_endpoint:  # a feature server (`eagle3-hf serve-features`) computes them on demand
-        train, evals, collator, info = build_endpoint_datasets(data_args, model_args, verifier_config)
-        if args.dataloader_num_workers == 0:  # workers keep the next batches' requests in flight
-            args.dataloader_num_workers = DEFAULT_WORKERS
-    else:
-        train, evals, collator, info = build_datasets(data_args, model_args)
-    check_features_fit(info, verifier_config, data_args, model_args)
-    d2t, t2d = load_vocabulary(data_args, info, verifier_config)
+    #    each), their features read from shards or computed while training (--features); the draft vocabulary.
+    features = build_datasets(data_args, model_args, verifier_config)
+    train, evals = features.train, features.evals
+    if features.endpoint and args.dataloader_num_workers == 0:  # workers keep the next requests in flight
+        args.dataloader_num_workers = DEFAULT_WORKERS
+    check_features_fit(features, verifier_config, model_args)
+    d2t, t2d = load_vocabulary(data_args, features, verifier_config)
 
     # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
     #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly).
     set_seed(args.seed)
-    model, init = build_drafter(model_args, verifier_config, d2t, t2d, info["aux_layer_indices"],
-                                info["tokenizer_fingerprint"])
+    model, init = build_drafter(model_args, verifier_config, d2t, t2d, list(features.aux_layer_indices),
+                                features.tokenizer_fingerprint)
 
     # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
     #    draft vocabulary, read by tensor name so a huge verifier is never instantiated.
@@ -94,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 5. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
     #    rest (accelerate / DeepSpeed, accumulation, checkpoints, best model by simulated τ) is transformers'.
-    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
+    trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
+                            data_collator=features.collator)
     if model_args.finetune_from and len(evals):
         before = trainer.evaluate(metric_key_prefix="source")
         init["source_metrics"] = before
@@ -109,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(args.output_dir)
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
-        data={"name": info["source_dir"], "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
+        data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
               "num_train_rows": len(train), "packing": train.stats},
-        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "online": data_args.online,
-                "online_endpoint": data_args.online_endpoint},
+        recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
+                "online": features.online},
     )
     summary["log_history"] = trainer.state.log_history
     if trainer.is_world_process_zero():

@@ -69,31 +69,32 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    data_dir: str | None = field(default=None, metadata={"help": "features directory from `eagle3-hf extract`"})
-    prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for --online"})
-    online: bool = field(default=False, metadata={"help": "verifier in the training process, nothing on disk"})
-    online_endpoint: str | None = field(
-        default=None, metadata={"help": "URL of a feature server (`eagle3-hf serve-features`): each batch's hidden "
-                                        "states computed by vLLM on demand, used once (kept only with "
-                                        "--cache-features); with --prepared-dir"})
+    features: str | None = field(
+        default=None, metadata={"help": "where the features come from: a directory (from `eagle3-hf extract`), "
+                                        "`hf` / `hf:VERIFIER` (the verifier in this process, nothing on disk), or "
+                                        "http://HOST:PORT (a feature server, `eagle3-hf serve-features`, each "
+                                        "batch's states computed by vLLM on demand and used once); the last two "
+                                        "read the samples from --prepared-dir"})
+    prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for online --features"})
     feature_dtype: str | None = field(
-        default=None, metadata={"help": "with --online-endpoint: features rounded as a shard of this dtype stores "
+        default=None, metadata={"help": "with a feature server: features rounded as a shard of this dtype stores "
                                         "them (bf16, fp8, fp32; default bf16, as `extract`)"})
     cache_features: str | None = field(
-        default=None, metadata={"help": "with --online-endpoint: keep the fetched features in this directory "
+        default=None, metadata={"help": "with a feature server: keep the fetched features in this directory "
                                         "(extract's shard format) and read them from there in later epochs and "
                                         "reruns, instead of asking the server again"})
     online_timeout: float = field(default=600.0, metadata={"help": "seconds one feature request may take"})
     online_retries: int = field(default=3, metadata={"help": "retries of a feature request that timed out or "
                                                               "found the server down, before the run stops"})
-    vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the data dir)"})
+    vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the feature or "
+                                                                      "prepared directory)"})
     max_seq_len: int = field(default=2048)
     packing: bool = field(default=True)
     overlong: str = field(default="truncate", metadata={"choices": ["truncate", "split", "error"]})
     validation_fraction: float = field(default=0.05)
     max_train_tokens: int | None = field(
         default=None, metadata={"help": "train on whole training samples up to this many tokens, a seeded shuffle "
-                                        "stratified by prompt source, nested across budgets (offline; the "
+                                        "stratified by prompt source, nested across budgets (a feature directory; the "
                                         "validation split is unchanged) — for data-scaling curves"}
     )
     config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})

@@ -105,10 +105,10 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
 
 
 def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
-    """(tokens, mean sample length) of the recipe's `data_dir` when its features are already extracted."""
+    """(tokens, mean sample length) of the recipe's `features` directory when its features are already extracted."""
     from ..features.store import load_manifest
 
-    data_dir = recipe.get("data_dir")
+    data_dir = recipe.get("features")
     if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
         return None
     lengths = [int(s["length"]) for s in load_manifest(data_dir)["samples"]]
@@ -116,10 +116,10 @@ def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
 
 
 def draft_vocab_from_features(recipe: dict) -> int | None:
-    """The draft vocabulary size of the recipe's `data_dir/vocab.safetensors` (what training will use)."""
+    """The draft vocabulary size of the recipe's `features/vocab.safetensors` (what training will use)."""
     from safetensors import safe_open
 
-    path = Path(recipe.get("vocab") or Path(recipe.get("data_dir") or "/nonexistent") / "vocab.safetensors")
+    path = Path(recipe.get("vocab") or Path(recipe.get("features") or "/nonexistent") / "vocab.safetensors")
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
@@ -404,11 +404,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accelerate-config", default=None, help="accelerate config YAML (default: 1 process)")
     parser.add_argument("--verifier-config", default=None, help="verifier config.json (default: the recipe's verifier)")
     parser.add_argument("--dataset-tokens", type=float, default=None,
-                        help="tokens in the dataset, for disk and FLOPs (default: counted in the recipe's data_dir)")
+                        help="tokens in the dataset, for disk and FLOPs (default: counted in the recipe's "
+                             "features directory)")
     parser.add_argument("--mean-document-tokens", type=float, default=None,
-                        help="mean conversation length for attention FLOPs (default: from the data_dir, else a row)")
+                        help="mean conversation length for attention FLOPs (default: from the features "
+                             "directory, else a row)")
     parser.add_argument("--draft-vocab", type=int, default=None,
-                        help="draft vocabulary size (default: the data_dir's vocab.safetensors, else 32000)")
+                        help="draft vocabulary size (default: the features directory's vocab.safetensors, else 32000)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU (H100 80, H200 141)")
     parser.add_argument("--reserve-gib", type=float, default=2.0, help="kept back for the CUDA context, NCCL")
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
@@ -431,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
     print(format_plan(plan, title))
     if tokens is None:
-        print("  (no dataset size: pass --dataset-tokens, or point the recipe's data_dir at extracted features, "
+        print("  (no dataset size: pass --dataset-tokens, or point the recipe's features at an extracted directory, "
               "for disk, FLOPs and time)")
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1), encoding="utf-8")

@@ -3,8 +3,8 @@
 The script is what a user reads top to bottom (`eagle3-hf train` and `accelerate launch examples/train.py`
 both run it); this module holds what it calls:
 the arguments (HfArgumentParser dataclasses; `--config FILE.yaml|json` supplies defaults that the command
-line overrides), the packed datasets (offline shards, or `--online` with the verifier producing features
-in-process), the vocabulary, and the drafter (from scratch, or `--finetune-from` a directory / Hub repo in
+line overrides), the packed datasets of `--features` (a directory of shards, the verifier in this process, or a
+feature server), the vocabulary, and the drafter (from scratch, or `--finetune-from` a directory / Hub repo in
 any supported layout, its mismatches reported loudly).
 """
 
@@ -15,23 +15,17 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..constants import VOCAB_FILE
 from ..model.configuration_eagle3 import Eagle3Config
 from ..model.modeling_eagle3 import Eagle3DraftModel
-from ..verifier.family import text_config
-from ..verifier.fit import misfits
-from .arguments import DataArguments, ModelArguments
+from .arguments import ModelArguments
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from ..features.packing import PackedCollator, PackedDataset
-    from ..features.transformers_online import OnlineFeatureCollator
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -104,76 +98,6 @@ def finetune_advice(source_acc_0: float) -> str:
                 f"160 steps, no gain in real τ on 4 MT-bench questions) ({where})")
     return (f"below {bound:.3f}, the weakest source measured: nothing measured says finetuning pays; compare both "
             f"on your data ({where})")
-
-
-# ---------------------------------------------------------------- data
-
-def build_datasets(data_args: DataArguments, model_args: ModelArguments
-                   ) -> tuple[PackedDataset, PackedDataset, PackedCollator | OnlineFeatureCollator, dict]:
-    """(train, eval, collator, manifest-like info). Offline reads shards; online runs the verifier."""
-    from ..features.packing import PackedCollator, PackedDataset
-    from ..features.reader import FeatureDataset
-
-    vf = data_args.validation_fraction
-    pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
-                                overlong=data_args.overlong)
-    if data_args.online:
-        from ..data.prepared_format import read_prepared_meta
-        from ..features.transformers_online import OnlineFeatureCollator, PreparedDataset
-        from ..verifier.loading import load_verifier
-
-        if not data_args.prepared_dir:
-            raise SystemExit("--online needs --prepared-dir")
-        if data_args.max_train_tokens is not None:
-            raise SystemExit("--max-train-tokens applies to offline features (--data-dir)")
-        fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
-        verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
-        collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
-        train = PackedDataset(PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint), **pack)
-        evals = PackedDataset(PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint), **pack)
-        info = {"aux_layer_indices": list(collator.aux_indices), "tokenizer_fingerprint": fingerprint,
-                "source_dir": data_args.prepared_dir}
-        return train, evals, collator, info
-    if not data_args.data_dir:
-        raise SystemExit("pass --data-dir (features from `eagle3-hf extract`) or --online --prepared-dir")
-    train_features = FeatureDataset(data_args.data_dir, "train", vf, max_tokens=data_args.max_train_tokens)
-    eval_features = FeatureDataset(data_args.data_dir, "validation", vf, verify="none")
-    manifest = train_features.manifest
-    info = {"aux_layer_indices": list(manifest["aux_layer_indices"]),
-            "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"), "source_dir": data_args.data_dir,
-            "verifier": manifest.get("verifier", {})}
-    train = PackedDataset(train_features, **pack)
-    evals = PackedDataset(eval_features, **pack)
-    return train, evals, PackedCollator(max_seq_len=data_args.max_seq_len), info
-
-
-def check_features_fit(info: dict, verifier_config: PreTrainedConfig, data_args: DataArguments,
-                       model_args: ModelArguments) -> None:
-    """Features extracted from another verifier (another hidden size) are refused before anything is built."""
-    recorded = info.get("verifier", {}).get("hidden_size") or None  # the width the drafter's fc will read
-    found = misfits(verifier_config, target_hidden_size=recorded, what="features")
-    if found:
-        raise SystemExit(f"{data_args.data_dir}: features have hidden size {found[0].value}, the verifier "
-                         f"{model_args.verifier} has {found[0].expected}")
-
-
-def load_vocabulary(data_args: DataArguments, info: dict,
-                    verifier_config: PreTrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) of `--vocab` (default: the data directory's), refused if built for another tokenizer."""
-    from ..data.vocab import load_vocab
-
-    vocab_size = int(text_config(verifier_config).vocab_size)
-    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), info["tokenizer_fingerprint"], vocab_size)
-    return d2t, t2d
-
-
-def default_vocab_path(data_args: DataArguments) -> str:
-    if data_args.vocab:
-        return data_args.vocab
-    for base in (data_args.data_dir, data_args.prepared_dir):
-        if base and (Path(base) / VOCAB_FILE).is_file():
-            return str(Path(base) / VOCAB_FILE)
-    raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
 
 
 def finish_process(code: int) -> int:

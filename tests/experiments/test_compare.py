@@ -66,7 +66,7 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
                 str(tmp_path / "feats" / "vocab.safetensors")]) == 0
 
     out = tmp_path / "cmp"
-    args = ["--data-dir", str(tmp_path / "feats"), "--prepared-dir", str(tmp_path / "prep"),
+    args = ["--features", str(tmp_path / "feats"), "--prepared-dir", str(tmp_path / "prep"),
             "--conversations", str(convs), "--build-sources", "--source-prompts", "10",
             "--source-tokens", "4", "--drift-steps", "1", "--drift-held-out", "2",
             "--other-vocab-size", "128", "--verifier", verifier, "--output-dir", str(out), "--epochs", "1",

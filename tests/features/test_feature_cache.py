@@ -183,7 +183,7 @@ def train(served: Path, url: str, out: Path, *extra: str) -> list[float]:
     from eagle3_hf.scripts.train import main
 
     summary = main(["--verifier", str(served / "verifier"), "--vocab", str(served / "vocab.safetensors"),
-                    "--prepared-dir", str(served / "prepared"), "--online-endpoint", url, "--output-dir", str(out),
+                    "--prepared-dir", str(served / "prepared"), "--features", url, "--output-dir", str(out),
                     "--max-seq-len", "64", "--packing", "false", "--per-device-train-batch-size", "2",
                     "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--logging-steps", "1",
                     "--eval-strategy", "no", "--save-strategy", "no", "--disable-tqdm", "true", "--seed", "7",
@@ -232,7 +232,7 @@ def test_a_cache_of_another_tokenizer_is_one_line_naming_dir(served, model, fing
     FeatureCache(cache, make_header(INFO, "another-tokenizer", AUX, "bfloat16", source="vllm")).put({})
     with Stub(model, identity(fingerprint)) as stub:
         code = run_script(["--verifier", str(served / "verifier"), "--prepared-dir", str(served / "prepared"),
-                           "--online-endpoint", stub.url, "--cache-features", str(cache), "--output-dir",
+                           "--features", stub.url, "--cache-features", str(cache), "--output-dir",
                            str(tmp_path / "run"), "--vocab", str(served / "vocab.safetensors")])
         assert stub.posts == 0
     err = capsys.readouterr().err.strip().splitlines()

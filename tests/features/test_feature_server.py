@@ -1,4 +1,4 @@
-"""`--online-endpoint`: the feature client against a stub server (fast), and (slow, vLLM's CPU build) the real
+"""`--features`: the feature client against a stub server (fast), and (slow, vLLM's CPU build) the real
 feature server trained on online against the same steps offline.
 
 The stub answers like vllm_feature_server.py: GET /identity, POST /features with the safetensors bytes of
@@ -79,7 +79,7 @@ def test_a_server_for_another_verifier_is_refused_before_the_first_step(tmp_path
     from eagle3_hf.scripts.train import run_script
 
     with Stub(None, identity(fingerprint, hidden=HIDDEN)) as stub:  # tiny_verifier_dir has hidden 64
-        code = run_script(["--verifier", str(tiny_verifier_dir), "--online-endpoint", stub.url, "--prepared-dir",
+        code = run_script(["--verifier", str(tiny_verifier_dir), "--features", stub.url, "--prepared-dir",
                            str(prepared), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"])
         assert stub.posts == 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -104,7 +104,7 @@ def test_an_unreachable_server_is_one_line(tmp_path, prepared, capsys, tiny_veri
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = run_script(["--verifier", str(tiny_verifier_dir), "--online-endpoint", f"http://127.0.0.1:{port}",
+    code = run_script(["--verifier", str(tiny_verifier_dir), "--features", f"http://127.0.0.1:{port}",
                        "--prepared-dir", str(prepared), "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
@@ -196,12 +196,12 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
               "--logging-steps", "1", "--save-strategy", "no", "--eval-strategy", "no", "--max-seq-len", "64",
               "--per-device-train-batch-size", "1", "--learning-rate", "1e-2", "--disable-tqdm", "true",
               "--seed", "7", "--validation-fraction", "0.2"]
-    off = _train(common + ["--data-dir", str(feats), "--output-dir", str(tmp_path / "off")], 2, env)
+    off = _train(common + ["--features", str(feats), "--output-dir", str(tmp_path / "off")], 2, env)
     assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-3000:]
     before = set(Path(tempfile.gettempdir()).glob("eagle3_feature_server_*"))
     with start_feature_server(str(vdir), max_model_len=128, timeout=600) as server:
         assert server.identity["layer_ids"] == every.manifest["provenance"]["vllm_layer_ids"]
-        on = _train(common + ["--online-endpoint", server.url, "--prepared-dir", str(prepared),
+        on = _train(common + ["--features", server.url, "--prepared-dir", str(prepared),
                               "--output-dir", str(tmp_path / "on")], 2, env)
         assert on.returncode == 0, on.stdout[-3000:] + on.stderr[-3000:]
         left = [p for p in Path(server.storage).rglob("*") if p.name != "pid"]

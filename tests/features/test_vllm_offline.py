@@ -209,7 +209,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     greedy = torch.cat([b[i]["verifier_greedy"] for i in range(len(b))]).unique()
     d2t, t2d = vocab_from_target_ids(greedy, VOCAB)
     save_vocab(by_vllm / "vocab.safetensors", d2t, t2d, fingerprint, coverage=1.0)
-    trained = train_main(["--verifier", str(vdir), "--data-dir", str(by_vllm), "--output-dir", str(tmp_path / "run"),
+    trained = train_main(["--verifier", str(vdir), "--features", str(by_vllm), "--output-dir", str(tmp_path / "run"),
                           "--num-train-epochs", "8", "--logging-steps", "1", "--save-strategy", "no",
                           "--eval-strategy", "no",
                           "--max-seq-len", "128", "--per-device-train-batch-size", "2", "--learning-rate", "1e-2",

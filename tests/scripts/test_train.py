@@ -18,7 +18,7 @@ from tests.helpers.data import COMMON
 
 ROOT = Path(__file__).resolve().parents[2]
 # one flag of each argument group: model, data, TTT, transformers' TrainingArguments, the --config file
-FLAGS = ["--finetune-from", "--data-dir", "--online", "--ttt-step-weight", "--learning-rate", "--output-dir",
+FLAGS = ["--finetune-from", "--features", "--prepared-dir", "--ttt-step-weight", "--learning-rate", "--output-dir",
          "--config"]
 
 
@@ -43,7 +43,7 @@ def test_the_cli_and_the_example_run_the_packaged_script(monkeypatch):
 
     seen: list[list[str]] = []
     monkeypatch.setattr(train, "main", lambda argv=None: seen.append(list(argv)) or {})
-    args = ["--data-dir", "feats", "--output-dir", "out", "--debug", "underflow_overflow", "--max-steps", "1"]
+    args = ["--features", "feats", "--output-dir", "out", "--debug", "underflow_overflow", "--max-steps", "1"]
     assert cli.main(["train", *args]) == 0
     monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / "train.py"), *args])
     with pytest.raises(SystemExit) as done:
@@ -82,10 +82,10 @@ def test_a_wheel_install_trains_from_outside_the_repository(tmp_path, synthetic)
 
     cli = str(venv / "bin" / "eagle3-hf")
     help_run = subprocess.run([cli, "train", "--help"], capture_output=True, text=True, env=env, cwd=away, timeout=300)
-    assert help_run.returncode == 0 and "--data-dir" in help_run.stdout, help_run.stderr[-2000:]
+    assert help_run.returncode == 0 and "--features" in help_run.stdout, help_run.stderr[-2000:]
 
     out = tmp_path / "drafter"
-    run = subprocess.run([cli, "train", "--verifier", str(synthetic["verifier_dir"]), "--data-dir",
+    run = subprocess.run([cli, "train", "--verifier", str(synthetic["verifier_dir"]), "--features",
                           str(synthetic["features"]), "--output-dir", str(out), "--max-steps", "2",
                           "--validation-fraction", "0.2", "--save-strategy", "no", "--eval-strategy", "no", *COMMON],
                          capture_output=True, text=True, env=env, cwd=away, timeout=900)

@@ -29,7 +29,7 @@ def free_port() -> int:
 def common_args(synthetic, out: Path, batch: int) -> list[str]:
     i = COMMON.index("--per-device-train-batch-size")
     args = COMMON[:i] + COMMON[i + 2:]
-    return ["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
+    return ["--verifier", str(synthetic["verifier_dir"]), "--features", str(synthetic["features"]),
             "--output-dir", str(out), "--num-train-epochs", "3", "--validation-fraction", "0.2",
             "--logging-steps", "1", "--per-device-train-batch-size", str(batch), *args]
 

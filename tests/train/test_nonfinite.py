@@ -60,7 +60,7 @@ def test_non_finite_rows_with_valid_checksums_stop_train_naming_sample_and_shard
                                                                                  value):
     sample_id, shard = poison(synthetic["features"], tmp_path / "features", value)
     out = tmp_path / "run"
-    rc = cli.main(["train", "--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(tmp_path / "features"),
+    rc = cli.main(["train", "--verifier", str(synthetic["verifier_dir"]), "--features", str(tmp_path / "features"),
                    "--output-dir", str(out), *COMMON])
     assert rc != 0
     last = capsys.readouterr().err.strip().splitlines()[-1]

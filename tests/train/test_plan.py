@@ -75,7 +75,7 @@ def test_dataset_size_and_draft_vocabulary_come_from_the_recipes_features(tmp_pa
     verifier = save_verifier(tmp_path / "verifier")
     features = build_offline_data(tmp_path, verifier, num_samples=12)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"verifier: {tmp_path / 'verifier'}\ndata_dir: {features}\nmax_seq_len: 128\n")
+    recipe.write_text(f"verifier: {tmp_path / 'verifier'}\nfeatures: {features}\nmax_seq_len: 128\n")
     assert cli_main(["plan", str(recipe), "--json", str(tmp_path / "plan.json")]) == 0
     got = json.loads((tmp_path / "plan.json").read_text())
     manifest = json.loads((features / "manifest.json").read_text())

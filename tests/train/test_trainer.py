@@ -101,7 +101,7 @@ def test_ttt_settings_of_the_run_are_the_drafters(synthetic, tmp_path):
 
 def test_training_drives_step_accuracies_up(synthetic, tmp_path):
     out = tmp_path / "run"
-    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
+    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--features", str(synthetic["features"]),
                           "--output-dir", str(out), "--num-train-epochs", "16", "--validation-fraction", "0.2",
                           "--warmup-steps", "5", "--save-strategy", "no", "--eval-strategy", "no", *COMMON])
     train_logs = [h for h in summary["log_history"] if "acc_0" in h]
@@ -119,7 +119,7 @@ def _launch(synthetic, out: Path, extra: list[str], port: int) -> subprocess.Com
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs/cpu_2proc.yaml"), "--main_process_port", str(port),
            str(ROOT / "examples/train.py"), "--verifier", str(synthetic["verifier_dir"]),
-           "--data-dir", str(synthetic["features"]), "--output-dir", str(out), "--num-train-epochs", "2",
+           "--features", str(synthetic["features"]), "--output-dir", str(out), "--num-train-epochs", "2",
            "--validation-fraction", "0.2", *COMMON, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -151,7 +151,7 @@ def test_accelerate_launch_two_cpu_processes(synthetic, tmp_path, mode, port):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 152 s measured (README, Development)
 def test_sigkill_and_resume_matches_uninterrupted_run(synthetic, tmp_path):
-    args = ["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
+    args = ["--verifier", str(synthetic["verifier_dir"]), "--features", str(synthetic["features"]),
             "--num-train-epochs", "4", "--validation-fraction", "0.2", "--save-strategy", "steps",
             "--save-steps", "2", "--save-total-limit", "10", "--eval-strategy", "no", *COMMON]
     script = str(ROOT / "examples/train.py")
@@ -219,7 +219,7 @@ def test_finetune_from_mismatched_source_warns_and_reports_source_accuracy(synth
     source = fresh_drafter(synthetic, seed=5, aux=(2, 3, 5))  # trained for other aux layers
     source.config.verifier_name_or_path = "another-verifier"
     source.save_pretrained(tmp_path / "source")
-    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
+    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--features", str(synthetic["features"]),
                           "--output-dir", str(tmp_path / "ft"), "--finetune-from", str(tmp_path / "source"),
                           "--num-train-epochs", "1", "--validation-fraction", "0.2", "--save-strategy", "no",
                           "--eval-strategy", "no", *COMMON])
@@ -233,8 +233,8 @@ def test_finetune_from_mismatched_source_warns_and_reports_source_accuracy(synth
 
 
 def test_online_mode_trains_with_nothing_on_disk(synthetic, tmp_path):
-    """--online: the verifier produces each batch's features in the training process; no shards."""
-    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--online", "--prepared-dir",
+    """--features hf: the verifier produces each batch's features in the training process; no shards."""
+    summary = train_main(["--verifier", str(synthetic["verifier_dir"]), "--features", "hf", "--prepared-dir",
                           str(synthetic["root"] / "prepared"), "--vocab",
                           str(synthetic["features"] / "vocab.safetensors"), "--output-dir", str(tmp_path / "online"),
                           "--num-train-epochs", "8", "--validation-fraction", "0.2", "--save-strategy", "no",

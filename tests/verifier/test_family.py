@@ -66,7 +66,7 @@ def test_family_end_to_end(family, tmp_path, tokenizer):
                      "--dtype", "fp32", "--no-progress"]) == 0
     assert cli.main(["vocab", "--data", str(out / "prepared"), "--draft-vocab-size", "512", "--output",
                      str(out / "features" / "vocab.safetensors")]) == 0
-    assert cli.main(["train", "--verifier", v, "--data-dir", str(out / "features"),
+    assert cli.main(["train", "--verifier", v, "--features", str(out / "features"),
                      "--output-dir", str(out / "drafter"),
                      "--num-train-epochs", "4", "--learning-rate", "5e-3", "--max-seq-len", "96",
                      "--per-device-train-batch-size", "2", "--validation-fraction", "0.25", "--eval-strategy", "no",

@@ -1,0 +1,190 @@
+"""What `train --features` resolves to: the packed training and validation splits, the collator that makes their
+batches, and what the features are of, for every route alike.
+
+`--features DIR` reads the shards `extract` wrote; `--features hf[:VERIFIER]` runs the verifier in this process on
+the samples of `--prepared-dir`, nothing on disk; `--features http://HOST:PORT` asks a feature server (`eagle3-hf
+serve-features`) for each batch's states. The server is checked before anything is built: unreachable, or serving
+another verifier than `--verifier` (hidden size, layer count) or another tokenizer than the prepared dataset's
+(fingerprint), it is refused with one line. With `--cache-features DIR` its features are kept in DIR
+(features/feature_cache.py) and read from there after. Whatever the route, the features' verifier is checked
+against `--verifier` the same way (`check_features_fit`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..constants import VOCAB_FILE
+from ..verifier.family import logit_softcap, text_config
+from ..verifier.fit import misfits
+from .arguments import DataArguments, ModelArguments
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from ..features.feature_server import EndpointFeatureCollator
+    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.source import VerifierIdentity
+    from ..features.transformers_online import OnlineFeatureCollator
+
+logger = logging.getLogger("eagle3_hf.train")
+DEFAULT_WORKERS = 2  # data-loader workers that keep a feature server's next batches' requests in flight
+
+
+@dataclass
+class TrainingFeatures:
+    """What `--features` resolved to: the packed splits, the collator that makes their batches, and what the
+    features are of (checked against the verifier the same way for every route)."""
+
+    train: PackedDataset
+    evals: PackedDataset
+    collator: PackedCollator | OnlineFeatureCollator | EndpointFeatureCollator
+    aux_layer_indices: tuple[int, ...]
+    tokenizer_fingerprint: str
+    verifier: VerifierIdentity  # the verifier the features are (or will be) captured from
+    source: str  # the feature or prepared directory, for the summary and the messages
+    endpoint: str | None = None  # a feature server's URL
+    online: bool = False  # computed while training, nothing on disk
+
+
+def build_datasets(data_args: DataArguments, model_args: ModelArguments,
+                   verifier_config: PreTrainedConfig) -> TrainingFeatures:
+    """The training data of `--features`: shards read back, or features computed while training (the verifier in
+    this process, or a feature server) for the samples of `--prepared-dir`."""
+    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.reader import FeatureDataset
+    from ..features.source import FeatureSpec, VerifierIdentity
+
+    if not data_args.features:
+        raise SystemExit(f"pass --features: {FeatureSpec.SYNTAX}")
+    spec = FeatureSpec.parse(data_args.features)
+    if spec.online:
+        if not data_args.prepared_dir:
+            raise SystemExit(f"--features {data_args.features} computes features while training: pass --prepared-dir "
+                             "(the prepared dataset whose samples it reads)")
+        if data_args.max_train_tokens is not None:
+            raise SystemExit("--max-train-tokens applies to a feature directory (--features DIR)")
+    if data_args.cache_features and spec.kind != "server":
+        raise SystemExit("--cache-features keeps what a feature server sends: pass --features http://HOST:PORT")
+    if spec.kind == "server":
+        return build_endpoint_datasets(spec.target, data_args, model_args, verifier_config)
+    vf = data_args.validation_fraction
+    pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
+                                overlong=data_args.overlong)
+    if spec.kind == "transformers":
+        from ..data.prepared_format import read_prepared_meta
+        from ..features.transformers_online import OnlineFeatureCollator, PreparedDataset
+        from ..verifier.loading import load_verifier
+
+        if spec.target and spec.target != model_args.verifier:
+            raise SystemExit(f"--features {data_args.features} names another verifier than --verifier "
+                             f"{model_args.verifier}: the teacher and the features must come from one verifier")
+        assert data_args.prepared_dir is not None  # checked above for every online spec
+        fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
+        verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
+        collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
+        train = PackedDataset(PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint), **pack)
+        evals = PackedDataset(PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint), **pack)
+        who = VerifierIdentity.of(text_config(verifier_config), model_args.verifier, model_args.verifier_revision)
+        return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
+                                data_args.prepared_dir, online=True)
+    train_features = FeatureDataset(spec.target, "train", vf, max_tokens=data_args.max_train_tokens)
+    eval_features = FeatureDataset(spec.target, "validation", vf, verify="none")
+    manifest = train_features.manifest
+    return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
+                            PackedCollator(max_seq_len=data_args.max_seq_len),
+                            tuple(int(i) for i in manifest["aux_layer_indices"]),
+                            str(manifest.get("tokenizer_fingerprint")),
+                            VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target)
+
+
+def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedConfig,
+                       model_args: ModelArguments) -> None:
+    """Features of another verifier (another hidden size) are refused before anything is built, whatever the
+    route."""
+    recorded = features.verifier.hidden_size or None  # the width the drafter's fc will read
+    found = misfits(verifier_config, target_hidden_size=recorded, what="features")
+    if found:
+        raise SystemExit(f"{features.source}: features have hidden size {found[0].value}, the verifier "
+                         f"{model_args.verifier} has {found[0].expected}")
+
+
+def load_vocabulary(data_args: DataArguments, features: TrainingFeatures,
+                    verifier_config: PreTrainedConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of `--vocab` (default: the feature or prepared directory's), refused if built for another
+    tokenizer."""
+    from ..data.vocab import load_vocab
+
+    vocab_size = int(text_config(verifier_config).vocab_size)
+    d2t, t2d, _ = load_vocab(default_vocab_path(data_args), features.tokenizer_fingerprint, vocab_size)
+    return d2t, t2d
+
+
+def default_vocab_path(data_args: DataArguments) -> str:
+    if data_args.vocab:
+        return data_args.vocab
+    from ..features.source import FeatureSpec
+
+    directory = data_args.features if data_args.features and not FeatureSpec.parse(data_args.features).online \
+        else None
+    for base in (directory, data_args.prepared_dir):
+        if base and (Path(base) / VOCAB_FILE).is_file():
+            return str(Path(base) / VOCAB_FILE)
+    raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
+
+
+def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: ModelArguments,
+                            verifier_config: PreTrainedConfig) -> TrainingFeatures:
+    """`--features http://HOST:PORT`: setup.build_datasets' record, features from the server."""
+    from ..data.prepared_format import read_prepared_meta
+    from ..features.feature_cache import FeatureCache
+    from ..features.feature_server import EndpointFeatureCollator, FeatureClient
+    from ..features.packing import PackedDataset
+    from ..features.source import VerifierIdentity
+    from ..features.store import canonical_dtype, make_header
+    from ..features.transformers_online import PreparedDataset
+    from ..verifier.head import load_verifier_head
+    from ..verifier.loading import resolve_verifier
+
+    assert data_args.prepared_dir is not None  # build_datasets checks it for every online --features
+    fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
+    config = text_config(verifier_config)
+    client = FeatureClient(url, timeout=data_args.online_timeout, retries=data_args.online_retries)
+    expected = {"hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
+                "tokenizer_fingerprint": fingerprint}
+    identity = client.check(expected, names={"hidden_size": f", {model_args.verifier}",
+                                             "num_hidden_layers": f", {model_args.verifier}",
+                                             "tokenizer_fingerprint": f", {data_args.prepared_dir}"})
+    norm, head, _ = load_verifier_head(resolve_verifier(model_args.verifier), model_args.verifier_revision)
+    vf = data_args.validation_fraction
+    pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
+                                overlong=data_args.overlong)
+    train_samples = PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint)
+    eval_samples = PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint)
+    every = PreparedDataset(data_args.prepared_dir, "all", vf, fingerprint)  # both splits' samples, by id
+    dtype = canonical_dtype(data_args.feature_dtype or "bfloat16")
+    cache = None
+    if data_args.cache_features:  # extract --engine vllm's header: DIR is an ordinary feature directory
+        verifier = {"name": str(model_args.verifier), "revision": model_args.verifier_revision,
+                "num_hidden_layers": expected["num_hidden_layers"], "hidden_size": expected["hidden_size"],
+                "vocab_size": int(config.vocab_size)}
+        provenance = {"engine": "vllm", "feature_server": url, "vllm_version": identity.get("vllm_version"),
+                      "vllm_layer_ids": list(identity["layer_ids"])}
+        cache = FeatureCache(data_args.cache_features, make_header(verifier, fingerprint, identity["aux_layer_indices"],
+                                                                   dtype, source="vllm", provenance=provenance))
+    collator = EndpointFeatureCollator(client, every, norm, head, logit_softcap(verifier_config),
+                                       identity["aux_layer_indices"], identity["layer_ids"], expected["hidden_size"],
+                                       max_seq_len=data_args.max_seq_len, storage_dtype=dtype, cache=cache)
+    logger.info("features from %s (verifier %s, vLLM %s, ids %s), rounded to %s%s", url, identity.get("verifier"),
+                identity.get("vllm_version"), identity["layer_ids"], collator.storage_dtype,
+                f", kept in {cache.dir}" if cache else "")
+    served = VerifierIdentity(str(identity.get("verifier") or url), None, int(identity["num_hidden_layers"]),
+                              int(identity["hidden_size"]), int(config.vocab_size))
+    return TrainingFeatures(PackedDataset(train_samples, **pack), PackedDataset(eval_samples, **pack), collator,
+                            tuple(int(i) for i in identity["aux_layer_indices"]), fingerprint, served,
+                            data_args.prepared_dir, endpoint=url, online=True)
