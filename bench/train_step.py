@@ -197,8 +197,9 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from safetensors.torch import load_file
 
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
-    from eagle3_hf.train.loss import count_loss_tokens, drafter_loss
+    from eagle3_hf.train.loss import drafter_loss
     from eagle3_hf.train.metrics import StepStats
+    from eagle3_hf.train.targets import PLAN_KEY, plan_batches
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
@@ -215,6 +216,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     )
     config._attn_implementation = spec["attn"]
     model = Eagle3DraftModel(config)
+    model.packed_attention = spec.get("packed_attention", "auto")
     model.set_vocab_mapping(data["d2t"], data["t2d"])
     embed = torch.randn(m["vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(1)) * 0.02
     model.load_verifier_embeddings(embed)
@@ -241,11 +243,14 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     stats = StepStats(spec["ttt_steps"])
 
     def step(batches: list[dict]) -> None:
-        items = sum(count_loss_tokens(b, model.t2d) for b in batches)  # num_items_in_batch
+        plans = plan_batches(batches, spec["ttt_steps"], model.t2d)  # Eagle3Trainer._get_num_items_in_batch
+        items = torch.tensor(sum(p.loss_counts[0] for p in plans))  # num_items_in_batch
         optimizer.zero_grad(set_to_none=True)
-        for b in batches:
+        for b, plan in zip(batches, plans):
+            b = {**b, PLAN_KEY: plan}
             loss = drafter_loss(model, b, model.t2d, spec["ttt_steps"], spec["step_weight"])
-            stats.update(loss.outputs.logits, b, model.d2t, model.t2d, loss.step_losses, logits_mask=loss.logits_mask)
+            stats.update(loss.outputs.logits, b, model.d2t, model.t2d, loss.step_losses, logits_mask=loss.logits_mask,
+                         head_rows=loss.head_rows)
             loss.normalised(items).backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -303,6 +308,9 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=256,
                         help="the untimed warm-up step (AdamW state, first calls) runs on this many columns of a row")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--packed-attention", default="auto", choices=["auto", "row", "document"],
+                        help="ours: one attention call per TTT step over the row, or one per document (auto: "
+                             "document on the CPU, as the Trainer)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of every run and of the matmul bound (default 1: on a shared machine a "
                              "co-tenant stalls a 2-thread run at every barrier, 1 thread only slows it down)")
@@ -369,7 +377,8 @@ def main() -> None:
                         continue
                     for impl in order:
                         spec = {"model": dict(CONFIGS[name], max_position_embeddings=4096), "layout": layout,
-                                "attn": args.attn, "ttt_steps": TTT_STEPS, "step_weight": STEP_WEIGHT,
+                                "attn": args.attn, "packed_attention": args.packed_attention,
+                                "ttt_steps": TTT_STEPS, "step_weight": STEP_WEIGHT,
                                 "threads": args.threads, "steps": args.steps if layout == "packed" else 1,
                                 "warmup": 1, "warmup_tokens": args.warmup_tokens,
                                 "frozen_lm_head": impl == "ours-frozen-head", "profile": args.profile}

@@ -39,7 +39,8 @@ from .checkpoint import (
     write_speculators,
 )
 from .configuration_eagle3 import Eagle3Config
-from .ttt_attention import DraftKeys, Eagle3Attention, PackedDocumentKeys, document_spans, shift_within_documents
+from .head_rows import HeadRows, gather_rows
+from .ttt_attention import DraftKeys, Eagle3Attention, TTTKeys, packed_keys, shift_within_documents
 
 
 @dataclass
@@ -71,21 +72,22 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], keys: PackedDocumentKeys | DraftKeys,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], keys: TTTKeys | DraftKeys,
                 mlp_rows: torch.Tensor | None = None) -> torch.Tensor:
         """embeds [B, L, H] (the next tokens' embeddings), hidden [B, L, H] (projected verifier features or the
         previous step's output) -> the pre-norm output [B, L, H] that the next step feeds back.
 
-        With `mlp_rows` ([B, L] bool) the MLP runs there only: elsewhere the output is never read (see the
-        model's forward)."""
+        With `mlp_rows` (flat positions [R] into [B * L], `HeadRows.mlp`) the MLP runs there only: elsewhere the
+        output is never read (see the model's forward)."""
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [B, L, 2H], embedding first
         hidden = residual + self.self_attn(x, position_embeddings, keys)  # [B, L, H]
         if mlp_rows is None:
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        kept = hidden[mlp_rows]  # [N, H]
-        return hidden.index_put((mlp_rows,), kept + self.mlp(self.post_attention_layernorm(kept)))
+        kept = gather_rows(hidden, mlp_rows)  # [R, H]
+        out = hidden.reshape(-1, hidden.shape[-1]).index_add(0, mlp_rows, self.mlp(self.post_attention_layernorm(kept)))
+        return out.view_as(hidden)
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -114,6 +116,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     request (engines take the verifier's own)."""
 
     source_layout: str  # "standard" or "speculators": set by from_pretrained
+    # the TTT unroll's attention (ttt_attention.packed_keys): "auto" = per document on a CPU, one call per step
+    # over the batch elsewhere; not part of the checkpoint
+    packed_attention: str = "auto"
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
@@ -266,6 +271,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         last_hidden_state: torch.Tensor | None = None,
         logits_mask: tuple[torch.Tensor, ...] | None = None,
         teacher_mask: torch.Tensor | None = None,
+        head_rows: HeadRows | None = None,
     ) -> Eagle3Output:
         """TTT unroll over packed rows.
 
@@ -278,7 +284,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         matmuls of the step, to the positions the loss and the metrics read (see `Eagle3Output`); the MLP then
         runs only where step i or a later one reads the output (a position's step-i output feeds only its own
         later steps; the keys every position attends to are step 0's, computed before any MLP), so
-        `hidden_states` elsewhere lack the MLP term.
+        `hidden_states` elsewhere lack the MLP term. `head_rows` gives the same selection as row indices whose
+        counts the host knows (no host synchronisation); given masks alone, the counts are read once here.
+
+        Attention: `packed_attention` ("auto", "row" or "document", see `ttt_attention.packed_keys`) chooses
+        one call per step over the whole batch (the accelerator path) or one per document.
         """
         self._check_embeddings()
         steps = int(ttt_steps or self.config.ttt_steps)
@@ -287,35 +297,35 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             document_ids = torch.zeros_like(input_ids)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        read = None  # per step: where step i or a later one reads the output
-        if logits_mask is not None:
-            read = list(logits_mask)
-            for step in reversed(range(steps - 1)):
-                read[step] = read[step] | read[step + 1]
+        if head_rows is None and logits_mask is not None:
+            head_rows = HeadRows.from_masks(logits_mask, teacher_mask)
 
         hidden = self.project_features(aux_hidden_states)  # [B, L, H]
-        keys = PackedDocumentKeys(document_spans(document_ids))  # grows by one step's keys per step
+        keys = packed_keys(document_ids, steps, self.packed_attention)  # grows by one step's keys per step
         normed, all_hidden, all_valid = [], [], []
         for step in range(steps):
             tokens, valid = shift_within_documents(input_ids, document_ids, step + 1)  # token t+1+i
             embeds = self.embed_tokens(tokens)  # [B, L, H]
             rope = self.rotary_emb(embeds, position_ids + step)  # the i-th draft sits i places later
-            hidden = self.midlayer(embeds, hidden, rope, keys, None if read is None else read[step])  # [B, L, H]
-            kept = hidden if logits_mask is None else hidden[logits_mask[step]]  # [B, L, H] or [N_i, H]
+            mlp_rows = None if head_rows is None else head_rows.mlp[step]
+            hidden = self.midlayer(embeds, hidden, rope, keys, mlp_rows)  # [B, L, H]
+            kept = hidden if head_rows is None else gather_rows(hidden, head_rows.logits[step])  # [B, L, H] | [N_i, H]
             normed.append(self.norm(kept).reshape(-1, hidden.shape[-1]))
             all_hidden.append(hidden)
             all_valid.append(valid)
         # No step reads another step's logits, so the head runs once over every step's rows: one GEMM and one
         # weight gradient instead of one per step plus their sum (about 1.4x faster for the head on a CPU).
         logits = self.lm_head(torch.cat(normed)).split([n.shape[0] for n in normed])
-        all_logits = list(logits) if logits_mask is not None else [x.view(batch, length, -1) for x in logits]
+        all_logits = list(logits) if head_rows is not None else [x.view(batch, length, -1) for x in logits]
         teacher = None
         if last_hidden_state is not None and self.verifier_lm_head is not None:
-            read_at = last_hidden_state if teacher_mask is None else last_hidden_state[teacher_mask]
+            read_at = last_hidden_state
+            if head_rows is not None and head_rows.teacher is not None:
+                read_at = gather_rows(last_hidden_state, head_rows.teacher)  # [M, H]
             teacher = self.teacher_distribution(read_at)
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
-                            teacher_probs=teacher, logits_mask=None if logits_mask is None else tuple(logits_mask),
-                            teacher_mask=teacher_mask)
+                            teacher_probs=teacher, logits_mask=None if head_rows is None else head_rows.logits_mask,
+                            teacher_mask=None if head_rows is None else head_rows.teacher_mask)
 
     @torch.no_grad()
     def teacher_distribution(self, last_hidden_state: torch.Tensor) -> torch.Tensor:

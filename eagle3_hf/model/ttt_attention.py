@@ -4,8 +4,11 @@ Several documents share a packed row and must never see each other; at TTT step 
 i places later *in its own document* (`shift_within_documents`) and attends causally to its document's step-0
 keys plus only its own keys of steps 1..i (the diagonal, `_causal_with_diagonals`). `Eagle3Attention` is
 Llama's GQA attention with q/k/v over cat(embedding, hidden); it computes the diagonal pattern without
-building the mask. What a query may see is the `keys` object the attention is called with:
-`PackedDocumentKeys` during the unroll, `DraftKeys` (a KV cache, causal or a tree mask) at inference.
+building the mask. What a query may see is the `keys` object the attention is called with: during the unroll
+`PackedRowKeys` (one attention call per step over the whole batch, a mask from `document_ids` built on the
+device: no host synchronisation, the accelerator path) or `PackedDocumentKeys` (one call per document and step,
+less arithmetic: the CPU path), chosen by `packed_keys`; `DraftKeys` (a KV cache, causal or a tree mask) at
+inference.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
@@ -82,7 +86,7 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                keys: PackedDocumentKeys | DraftKeys) -> torch.Tensor:
+                keys: TTTKeys | DraftKeys) -> torch.Tensor:
         """x [B, L, 2H] -> [B, L, H]: project, attend to what `keys` holds (the TTT unroll's per-document keys,
         or an inference cache), o_proj."""
         q, k, v = self.project(x, position_embeddings)
@@ -99,8 +103,10 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Through transformers' attention interface (eager / sdpa / flex), mask additive [B|1, 1, Lq, Lk].
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """Through transformers' attention interface (eager / sdpa / flex), mask [B|1, 1, Lq, Lk] (additive;
+        bool for sdpa) or a flex BlockMask.
 
         `mask=None` means causal (top-left aligned, query r sees keys 0..r): sdpa and the flash kernels take it
         as their causal fast path (no mask tensor, masked blocks skipped, GQA without copying keys); the other
@@ -114,51 +120,67 @@ class Eagle3Attention(nn.Module):
         return out  # [B, Lq, nh, hd]
 
     def attend_with_diagonals(self, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                              diag_keys: list[torch.Tensor], diag_values: list[torch.Tensor]) -> torch.Tensor:
-        """One document at TTT step i = len(diag_keys): query t attends causally to k0[:t+1] and to its own
-        diagonal keys diag_keys[j][t] (steps 1..i). q [1, nh, n, hd], k0/v0 and each diagonal [1, nkv, n, hd].
-        Returns [1, n, nh, hd]. Exact, in one causal call of the attention interface, without the i n x n
-        diagonal blocks of which only the diagonals count:
+                              diag_keys: list[torch.Tensor], diag_values: list[torch.Tensor],
+                              mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """TTT step i = len(diag_keys): query t attends to the step-0 keys k0 the mask allows and to its own
+        diagonal keys diag_keys[j][t] (steps 1..i). q [B, nh, n, hd], k0/v0 and each diagonal [B, nkv, n, hd].
+        Returns [B, n, nh, hd]. Exact, in one call of the attention interface, without the i n x n diagonal
+        blocks of which only the diagonals count:
 
-        each diagonal key becomes a *virtual* key shared by all queries, placed before the document's keys.
-        Keys and values get E extra feature dims (zero for k0 / v0); virtual key j is the unit vector on the
-        dim(s) of slot j, virtual value j the unit vector on dim j. Query t carries its own diagonal score
+        each diagonal key becomes a *virtual* key shared by all queries, placed before the step-0 keys. Keys
+        and values get E extra feature dims (zero for k0 / v0); virtual key j is the unit vector on the dim(s)
+        of slot j, virtual value j the unit vector on dim j. Query t carries its own diagonal score
         q_t . k_j[t] in slot j, so the kernel scores virtual key j exactly as diagonal j and the softmax
-        normalises over causal and diagonal keys together; output dim hd + j is then the probability p_j(t),
-        and the diagonal values are added back as sum_j p_j(t) v_j[t]. With i leading all-zero dummy queries
-        (outputs dropped), query t sits at row i + t, so plain causal attention shows it exactly keys
-        0..i+t = the i virtual keys and k0[:t+1]. In half precision a score travels as a hi + lo pair (two
-        dims of its slot) that the kernel sums in fp32, so it keeps fp32 precision.
+        normalises over step-0 and diagonal keys together; output dim hd + j is then the probability p_j(t),
+        and the diagonal values are added back as sum_j p_j(t) v_j[t].
+
+        `mask=None`: one document (B = 1), causal. i leading all-zero dummy queries (outputs dropped) put query
+        t at row i + t, so plain causal attention shows it exactly keys 0..i+t = the i virtual keys and
+        k0[:t+1]. Otherwise `mask` says what each query sees over [i virtual keys | k0] (`PackedRowKeys`:
+        every virtual key, and the step-0 keys of its own document up to itself).
+
+        When the kernel runs in half precision (half q/k/v, or autocast to a half dtype, which casts the
+        attention's inputs), a score travels as a hi + lo pair (two dims of its slot) that the kernel sums in
+        fp32, so it keeps fp32 precision.
         """
-        _, heads, n, head_dim = q.shape
+        batch, heads, n, head_dim = q.shape
         kv_heads, i = k0.shape[1], len(diag_keys)
         if i == 0:
-            return self.attend(q, k0, v0, None)
+            return self.attend(q, k0, v0, mask)
         groups = heads // kv_heads
-        split = q.dtype not in (torch.float32, torch.float64)
+        split = _kernel_dtype(q) not in (torch.float32, torch.float64)
         acc = torch.float32 if split else q.dtype
         width = 2 if split else 1  # dims per slot
         extra = -(-width * i // 8) * 8  # head dims stay a multiple of 8 (flash kernels)
-        qg = q.view(1, kv_heads, groups, n, head_dim).to(acc)
+        qg = q.view(batch, kv_heads, groups, n, head_dim).to(acc)
         scores = torch.stack([(qg * kd.to(acc).unsqueeze(2)).sum(-1) for kd in diag_keys], dim=-1)
-        scores = scores.reshape(1, heads, n, i)  # raw q_t . k_j[t]; the interface applies the scaling
+        scores = scores.reshape(batch, heads, n, i)  # raw q_t . k_j[t]; the interface applies the scaling
         if split:
-            hi = scores.to(q.dtype)
-            scores = torch.stack([hi, (scores - hi.to(acc)).to(q.dtype)], dim=-1).reshape(1, heads, n, 2 * i)
-        q_ext = F.pad(torch.cat([q, scores], dim=-1), (0, extra - width * i, i, 0))  # + i dummy query rows
+            hi = scores.to(torch.bfloat16 if _kernel_dtype(q) == torch.bfloat16 else torch.float16)
+            scores = torch.stack([hi, (scores - hi.to(acc)).to(hi.dtype)], dim=-1).reshape(batch, heads, n, 2 * i)
+        dummy = i if mask is None else 0
+        q_ext = F.pad(torch.cat([q, scores.to(q.dtype)], dim=-1), (0, extra - width * i, dummy, 0))
         slot = torch.arange(i, device=q.device)
-        key_unit = q.new_zeros(i, head_dim + extra)
+        key_unit = q.new_zeros(i, head_dim + extra, dtype=k0.dtype)
         for w in range(width):
             key_unit[slot, head_dim + width * slot + w] = 1.0
-        value_unit = q.new_zeros(i, head_dim + extra)
+        value_unit = q.new_zeros(i, head_dim + extra, dtype=v0.dtype)
         value_unit[slot, head_dim + slot] = 1.0
-        k_ext = torch.cat([key_unit.expand(1, kv_heads, i, -1), F.pad(k0, (0, extra))], dim=2)
-        v_ext = torch.cat([value_unit.expand(1, kv_heads, i, -1), F.pad(v0, (0, extra))], dim=2)
-        out = self.attend(q_ext, k_ext, v_ext, None)[:, i:]  # [1, n, nh, hd + extra]
-        probs = out[..., head_dim : head_dim + i].unsqueeze(-2)  # [1, n, nh, 1, i]: p_j(t)
-        diag_v = torch.stack(diag_values, dim=-1).transpose(1, 2).unsqueeze(3)  # [1, n, nkv, 1, hd, i]
-        diag_v = diag_v.expand(1, n, kv_heads, groups, head_dim, i).reshape(1, n, heads, head_dim, i)
-        return out[..., :head_dim] + (diag_v * probs).sum(-1)
+        k_ext = torch.cat([key_unit.expand(batch, kv_heads, i, -1), F.pad(k0, (0, extra))], dim=2)
+        v_ext = torch.cat([value_unit.expand(batch, kv_heads, i, -1), F.pad(v0, (0, extra))], dim=2)
+        out = self.attend(q_ext, k_ext, v_ext, mask)[:, dummy:]  # [B, n, nh, hd + extra]
+        probs = out[..., head_dim : head_dim + i].unsqueeze(-2)  # [B, n, nh, 1, i]: p_j(t)
+        diag_v = torch.stack(diag_values, dim=-1).transpose(1, 2).unsqueeze(3)  # [B, n, nkv, 1, hd, i]
+        diag_v = diag_v.expand(batch, n, kv_heads, groups, head_dim, i).reshape(batch, n, heads, head_dim, i)
+        return out[..., :head_dim] + (diag_v * probs.to(diag_v.dtype)).sum(-1)
+
+
+def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernel computes in: autocast casts its inputs (RoPE leaves q fp32 under it)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return q.dtype
 
 
 class PackedDocumentKeys:
@@ -201,6 +223,80 @@ class PackedDocumentKeys:
         return torch.stack(rows, dim=0)
 
 
+class PackedRowKeys:
+    """The same pattern as `PackedDocumentKeys`, in one attention call per TTT step over the whole batch: the
+    diagonal keys become virtual keys (`Eagle3Attention.attend_with_diagonals`) and a mask built once per
+    batch on the device from `document_ids` keeps each query to its own document's step-0 keys up to itself.
+    No host synchronisation, whatever the number of documents; attention is computed over whole rows (the
+    GPU path: what recipes and gpu_check run)."""
+
+    def __init__(self, document_ids: torch.Tensor, steps: int):
+        self.document_ids, self.steps = document_ids, steps
+        self.keys: list[torch.Tensor] = []  # per step: [B, nkv, L, hd]
+        self.values: list[torch.Tensor] = []
+        self._mask: torch.Tensor | None = None
+
+    def attend(self, attn: Eagle3Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, nh, L, hd] of step i = the number of steps seen before -> [B, L, nh * hd]."""
+        self.keys.append(k)
+        self.values.append(v)
+        batch, heads, length, head_dim = q.shape
+        i = len(self.keys) - 1
+        out = attn.attend_with_diagonals(q, self.keys[0], self.values[0], self.keys[1:], self.values[1:],
+                                         self.mask(attn.config._attn_implementation, i, q.dtype))
+        return out.reshape(batch, length, heads * head_dim)
+
+    def mask(self, implementation: str, diagonals: int, dtype: torch.dtype) -> torch.Tensor | BlockMask:
+        """What step `diagonals` sees over [virtual keys | step-0 keys]: bool [B, 1, L, i + L] for sdpa, additive
+        for eager, a BlockMask (block-sparse over documents) for flex_attention."""
+        if implementation == "flex_attention":
+            return document_block_mask(self.document_ids, diagonals)
+        if self._mask is None:  # built once per batch, for the largest number of virtual keys
+            self._mask = document_mask(self.document_ids, self.steps - 1)
+        allowed = self._mask[..., self.steps - 1 - diagonals :]
+        if implementation == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(dtype).min)
+
+
+def document_mask(document_ids: torch.Tensor, virtual: int) -> torch.Tensor:
+    """bool [B, 1, L, virtual + L]: every query sees the `virtual` leading keys, then the keys of its own
+    document up to itself (padding, id -1, sees earlier padding: finite, never read)."""
+    batch, length = document_ids.shape
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, L, L]
+    causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+    allowed = torch.cat([same.new_ones(batch, length, virtual), same & causal], dim=-1)
+    return allowed[:, None]
+
+
+def document_block_mask(document_ids: torch.Tensor, virtual: int) -> BlockMask:
+    """`document_mask` as a flex_attention BlockMask: blocks of other documents are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, length = document_ids.shape
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        key = (kv_idx - virtual).clamp(min=0)
+        own = (document_ids[b, q_idx] == document_ids[b, key]) & (key <= q_idx)
+        return (kv_idx < virtual) | own
+
+    return create_block_mask(mask_mod, batch, None, length, virtual + length, device=document_ids.device)
+
+
+def packed_keys(document_ids: torch.Tensor, steps: int, mode: str = "auto") -> PackedRowKeys | PackedDocumentKeys:
+    """The TTT unroll's keys: `row` (one attention call per step over the batch, no host synchronisation) or
+    `document` (one call per document and step over its own keys only: less arithmetic, which wins on a CPU,
+    where a host synchronisation costs nothing). `auto`: `document` on the CPU, `row` on any accelerator."""
+    if mode == "auto":
+        mode = "document" if document_ids.device.type == "cpu" else "row"
+    if mode == "row":
+        return PackedRowKeys(document_ids, steps)
+    if mode == "document":
+        return PackedDocumentKeys(document_spans(document_ids))
+    raise ValueError(f"packed attention must be 'auto', 'row' or 'document', not {mode!r}")
+
+
 class DraftKeys:
     """What a query sees at inference: a KV cache plus the new positions, causally, or as `attention_mask`
     (bool [q, S + q], True: may attend) says for a draft tree. After `attend`, `present` is the grown cache."""
@@ -220,6 +316,9 @@ class DraftKeys:
                    if self.attention_mask is None else self.attention_mask.to(q.device))
         mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
         return attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
+
+
+TTTKeys = PackedRowKeys | PackedDocumentKeys
 
 
 def _causal_mask(n_q: int, n_k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

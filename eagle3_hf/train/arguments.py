@@ -44,12 +44,35 @@ class Eagle3TrainingArguments(TrainingArguments):
         default=False, metadata={"help": "keep lm_head fixed (no gradient, no optimizer state): with "
                                          "--init-lm-head verifier, speculators' recipe"}
     )
+    packed_attention: str = field(
+        default="auto", metadata={"help": "TTT attention over packed rows: 'row' (one call per step over the batch, no "
+                                          "host synchronisation: the accelerator path), 'document' (one call per "
+                                          "document and step: less arithmetic, faster on a CPU), 'auto' (document "
+                                          "on the CPU, row elsewhere)", "choices": ["auto", "row", "document"]}
+    )
     metric_for_best_model: str | None = field(default="simulated_acceptance_length")
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
     save_safetensors: bool = field(default=True)
     # transformers' default replaces a NaN/Inf step loss by the window's mean: the log would hide it
     logging_nan_inf_filter: bool = field(default=False)
+    # every trained parameter gets a gradient at every step (the embedding and a frozen lm_head are not trained),
+    # so DDP needs no extra pass over the graph to find unused ones
+    ddp_find_unused_parameters: bool | None = field(default=False)
+
+    def __post_init__(self) -> None:
+        refuse_unsupported(bool(self.gradient_checkpointing), self.hidden_optimizer, bool(self.deepspeed))
+        super().__post_init__()
+
+
+def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deepspeed: bool) -> None:
+    """One-line refusals of combinations that would otherwise fail deep inside a run or be silently changed."""
+    if gradient_checkpointing:
+        raise ValueError("--gradient_checkpointing is not supported: the drafter has one layer, whose activations "
+                         "are what the TTT unroll reuses; lower --max-seq-len or the batch size instead")
+    if hidden_optimizer == "muon" and deepspeed:
+        raise ValueError("--hidden-optimizer muon cannot run under DeepSpeed (it builds the optimizer its config "
+                         "names): train Muon with DDP, or drop --hidden-optimizer with a DeepSpeed config")
 
 
 @dataclass

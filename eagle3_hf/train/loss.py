@@ -1,10 +1,7 @@
-"""The TTT targets and the loss — defined once; the Trainer, the metrics, the benches and gpu_check call it.
+"""The TTT loss — defined once; the Trainer, the metrics, the benches and gpu_check call it.
 
-For step i the drafter's output at position t predicts token t + 2 + i (docs/contracts.md, TTT). Its teacher is the
-verifier's distribution at position t + 1 + i (restricted to the draft vocabulary, renormalised), its
-greedy reference is `verifier_greedy[t + 1 + i]`, and it counts only where token t + 2 + i is an
-assistant token of the same document. Positions whose greedy token lies outside the draft vocabulary
-carry no loss but count as misses in accuracy (such a token can never be accepted).
+The targets it scores against (which position predicts what, where it counts) are `targets.step_targets`, whose
+module docstring states the alignment; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,36 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.ttt_attention import shift_within_documents
+from .targets import PLAN_KEY, BatchPlan, StepTargets, batch_plan, count_loss_tokens, head_positions, step_targets
 
 if TYPE_CHECKING:
+    from ..model.head_rows import HeadRows
     from ..model.modeling_eagle3 import Eagle3Output
 
-
-@dataclass
-class StepTargets:
-    teacher_position_valid: torch.Tensor  # [B, L] bool: scored at this step (assistant, same document)
-    greedy: torch.Tensor  # [B, L] long: the verifier's greedy token being predicted
-    in_vocab: torch.Tensor  # [B, L] bool: greedy token is in the draft vocabulary
-    shift: int  # teacher / greedy position = t + shift
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        return self.teacher_position_valid & self.in_vocab
-
-
-def step_targets(batch: dict[str, torch.Tensor], step: int, t2d: torch.Tensor) -> StepTargets:
-    """Where step `step` is scored and against what (see the module docstring)."""
-    doc = batch["document_ids"]
-    greedy, _ = shift_within_documents(batch["verifier_greedy"], doc, step + 1)
-    assistant, valid = shift_within_documents(batch["loss_mask"].bool(), doc, step + 2)
-    scored = assistant & valid
-    return StepTargets(scored, greedy, t2d[greedy] & scored, step + 1)
-
-
-def count_loss_tokens(batch: dict[str, torch.Tensor], t2d: torch.Tensor) -> torch.Tensor:
-    """Step-0 loss positions: the Trainer's `num_items_in_batch`, so the loss doesn't depend on packing."""
-    return step_targets(batch, 0, t2d.to(batch["verifier_greedy"].device)).loss_mask.sum()
+__all__ = ["PLAN_KEY", "BatchPlan", "DrafterLoss", "StepTargets", "count_loss_tokens", "drafter_loss", "head_positions",
+           "soft_cross_entropy_at", "step_targets", "ttt_loss"]
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
@@ -95,13 +70,15 @@ def _rows_of(positions: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor
 
 def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor,
                           shift: int, logits_mask: torch.Tensor | None = None,
-                          teacher_mask: torch.Tensor | None = None) -> torch.Tensor:
+                          teacher_mask: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]).
 
     student [B, L, Vd] (or its rows [N, Vd] at `logits_mask`), teacher_probs [B, L, Vd] (or its rows at
     `teacher_mask`; fp32, the teacher distribution shared by every TTT step), mask [B, L] (already guarantees
-    t + shift is in t's document; inside both masks)."""
-    flat = mask.flatten().nonzero().squeeze(1)  # b * L + t
+    t + shift is in t's document; inside both masks). `positions`: the mask's flat positions b * L + t
+    (`BatchPlan.loss_rows`), so that no host synchronisation finds them."""
+    flat = mask.flatten().nonzero().squeeze(1) if positions is None else positions  # b * L + t
     if flat.numel() == 0:
         return student_logits.sum() * 0.0
     vocab = student_logits.shape[-1]
@@ -111,31 +88,19 @@ def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Ten
                                    student_rows, teacher_rows)
 
 
-def head_positions(batch: dict[str, torch.Tensor], steps: int,
-                   t2d: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(per step, where its logits are read: scored positions; where the teacher is read: t + 1 + i for the
-    loss positions t of step i). Passed to the forward as `logits_mask` / `teacher_mask`, they keep both
-    heads off prompt tokens and document tails."""
-    logits_mask, teacher_mask = [], torch.zeros_like(batch["document_ids"], dtype=torch.bool)
-    for i in range(steps):
-        targets = step_targets(batch, i, t2d)
-        logits_mask.append(targets.teacher_position_valid)
-        teacher_mask[:, i + 1 :] |= targets.loss_mask[:, : -(i + 1)]
-    return tuple(logits_mask), teacher_mask
-
-
-def ttt_loss(outputs: Eagle3Output, batch: dict[str, torch.Tensor], t2d: torch.Tensor,
-             step_weight: float) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch."""
+def ttt_loss(outputs: Eagle3Output, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float,
+             plan: BatchPlan | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch.
+    With the batch's `plan`, no host synchronisation."""
     teacher = outputs.teacher_probs
     assert outputs.logits is not None and teacher is not None  # a forward with a teacher attached
     total = outputs.logits[0].new_zeros(())
     step_losses = []
     for i, logits in enumerate(outputs.logits):
-        mask = step_targets(batch, i, t2d).loss_mask
+        mask = (step_targets(batch, i, t2d) if plan is None else plan.targets[i]).loss_mask
         step_loss = soft_cross_entropy_at(logits, teacher, mask, i + 1,
                                           None if outputs.logits_mask is None else outputs.logits_mask[i],
-                                          outputs.teacher_mask)
+                                          outputs.teacher_mask, None if plan is None else plan.loss_rows[i])
         total = total + (step_weight**i) * step_loss
         step_losses.append((step_loss.detach(), mask.sum()))
     return total, step_losses
@@ -150,6 +115,7 @@ class DrafterLoss:
     step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None  # per step (loss sum, loss tokens)
     outputs: Eagle3Output  # the model's forward output
     logits_mask: tuple[torch.Tensor, ...] | None  # where each step's logits were computed (None: every position)
+    head_rows: HeadRows | None = None  # the same as row indices (what StepStats.update reads without a sync)
 
     def normalised(self, num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The loss the optimizer sees: `total` over the step-0 loss tokens of the whole optimizer step.
@@ -171,13 +137,16 @@ def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Te
     to the loss is made here and a bench measures exactly the Trainer's step.
 
     `model` may be wrapped (DDP, DeepSpeed); `t2d` is the drafter's mask. `heads_where_read` computes the
-    draft and teacher heads only at the positions the loss and the metrics read (`head_positions`).
+    draft and teacher heads only at the positions the loss and the metrics read (`head_positions`), as row
+    indices from the batch's plan (`targets.batch_plan`: the Trainer's, made once per optimizer step, or one
+    made here with a single host synchronisation).
     Divide `total` by the global loss-token count (`loss_tokens` summed over the batches of an optimizer step).
     """
     features = batch["aux_hidden_states"]
     if feature_noise_std > 0:
         features = features + torch.randn_like(features) * feature_noise_std
-    logits_mask, teacher_mask = head_positions(batch, ttt_steps, t2d) if heads_where_read else (None, None)
+    plan = batch_plan(batch, ttt_steps, t2d) if heads_where_read else None
+    head_rows = None if plan is None else plan.head_rows
     outputs = model(
         input_ids=batch["input_ids"],
         aux_hidden_states=features,
@@ -185,10 +154,11 @@ def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Te
         document_ids=batch["document_ids"],
         last_hidden_state=batch["last_hidden_state"],
         ttt_steps=ttt_steps,
-        logits_mask=logits_mask,
-        teacher_mask=teacher_mask,
+        head_rows=head_rows,
     )
     total = step_losses = None
     if outputs.teacher_probs is not None:
-        total, step_losses = ttt_loss(outputs, batch, t2d, step_weight)
-    return DrafterLoss(total, count_loss_tokens(batch, t2d), step_losses, outputs, logits_mask)
+        total, step_losses = ttt_loss(outputs, batch, t2d, step_weight, plan)
+    loss_tokens = count_loss_tokens(batch, t2d) if plan is None else plan.targets[0].loss_mask.sum()
+    return DrafterLoss(total, loss_tokens, step_losses, outputs, None if head_rows is None else head_rows.logits_mask,
+                       head_rows)

@@ -16,61 +16,78 @@ from .loss import drafter_loss, step_targets
 
 if TYPE_CHECKING:
     from ..features.packing import SampleSource
+    from ..model.head_rows import HeadRows
     from ..model.modeling_eagle3 import Eagle3DraftModel
+
+
+_FIELDS = ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens")
 
 
 @dataclass
 class StepStats:
-    """Counts accumulated over batches (and reduced over processes) -> accuracy, conditional accuracy, τ."""
+    """Counts accumulated over batches (and reduced over processes) -> accuracy, conditional accuracy, τ.
+
+    The counts stay on the batches' device as one float64 tensor [6, steps] (`_FIELDS` x TTT steps): `update`
+    adds to it without reading anything back, and the host reads it when the metrics are asked for (logging),
+    not at every micro-step."""
 
     steps: int
-    scored: list = field(default_factory=list)
-    correct: list = field(default_factory=list)
-    cond_scored: list = field(default_factory=list)
-    cond_correct: list = field(default_factory=list)
-    loss_sum: list = field(default_factory=list)
-    loss_tokens: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens"):
-            setattr(self, name, [0.0] * self.steps)
+    totals: torch.Tensor | None = None  # [6, steps] float64, or None before the first batch
+    _host: list[list[float]] | None = field(default=None, repr=False)
 
     def as_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        return torch.tensor([self.scored, self.correct, self.cond_scored, self.cond_correct, self.loss_sum,
-                             self.loss_tokens], dtype=torch.float64, device=device)
+        if self.totals is None:
+            return torch.zeros(len(_FIELDS), self.steps, dtype=torch.float64, device=device)
+        return self.totals.to(device) if device is not None else self.totals
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepStats:
-        stats = cls(t.shape[1])
-        rows = t.double().cpu().tolist()
-        stats.scored, stats.correct, stats.cond_scored, stats.cond_correct, stats.loss_sum, stats.loss_tokens = rows
-        return stats
+        return cls(t.shape[1], t.double())
+
+    def _rows(self) -> list[list[float]]:
+        if self._host is None:  # the one read of the device, cached until the next update
+            self._host = self.as_tensor().cpu().tolist()
+        return self._host
+
+    scored = property(lambda self: self._rows()[0])
+    correct = property(lambda self: self._rows()[1])
+    cond_scored = property(lambda self: self._rows()[2])
+    cond_correct = property(lambda self: self._rows()[3])
+    loss_sum = property(lambda self: self._rows()[4])
+    loss_tokens = property(lambda self: self._rows()[5])
 
     @torch.no_grad()
     def update(self, logits: tuple[torch.Tensor, ...], batch: dict, d2t: torch.Tensor, t2d: torch.Tensor,
                step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               logits_mask: tuple[torch.Tensor, ...] | None = None) -> None:
+               logits_mask: tuple[torch.Tensor, ...] | None = None, head_rows: HeadRows | None = None) -> None:
         """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,
-        equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor."""
+        equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor.
+
+        `logits[i]` holds every position [B, L, Vd], or the rows at `head_rows.logits[i]` / `logits_mask[i]`
+        (which hold every scored position); with `head_rows` no host synchronisation."""
         all_right = None
+        per_step = []
         for i in range(self.steps):
             targets = step_targets(batch, i, t2d)
-            if logits_mask is None:
-                draft = logits[i].argmax(dim=-1)
-            else:  # rows at logits_mask[i], which holds every scored position
+            if head_rows is not None:
+                draft = torch.zeros_like(targets.greedy).view(-1).index_copy_(
+                    0, head_rows.logits[i], logits[i].argmax(dim=-1)).view_as(targets.greedy)
+            elif logits_mask is not None:  # a bool mask: the host reads how many rows it selects
                 draft = torch.zeros_like(targets.greedy)
                 draft[logits_mask[i]] = logits[i].argmax(dim=-1)
+            else:
+                draft = logits[i].argmax(dim=-1)
             right = (draft_to_target(d2t, draft) == targets.greedy) & targets.teacher_position_valid
             scored = targets.teacher_position_valid
-            self.scored[i] += float(scored.sum())
-            self.correct[i] += float(right.sum())
             cond = scored if all_right is None else scored & all_right
-            self.cond_scored[i] += float(cond.sum())
-            self.cond_correct[i] += float((right & cond).sum())
             all_right = right if all_right is None else all_right & right
-            if step_losses is not None:
-                self.loss_sum[i] += float(step_losses[i][0])
-                self.loss_tokens[i] += float(step_losses[i][1])
+            zero = scored.new_zeros((), dtype=torch.float64)
+            loss_sum, loss_tokens = (zero, zero) if step_losses is None else step_losses[i]
+            per_step.append(torch.stack([scored.sum().double(), right.sum().double(), cond.sum().double(),
+                                         (right & cond).sum().double(), loss_sum.double(), loss_tokens.double()]))
+        added = torch.stack(per_step, dim=1)  # [6, steps]
+        self.totals = added if self.totals is None else self.totals + added.to(self.totals.device)
+        self._host = None
 
     def weighted_loss(self, step_weight: float) -> float:
         """Σ_i γ^i S_i / N_0: the training loss (`DrafterLoss.normalised`) over everything accumulated, where
@@ -78,15 +95,16 @@ class StepStats:
         return sum(step_weight**i * s for i, s in enumerate(self.loss_sum)) / max(self.loss_tokens[0], 1.0)
 
     def metrics(self) -> dict[str, float]:
+        rows = dict(zip(_FIELDS, self._rows()))
         out: dict[str, float] = {}
         caccs = []
         for i in range(self.steps):
-            out[f"acc_{i}"] = self.correct[i] / max(self.scored[i], 1.0)
-            cacc = self.cond_correct[i] / max(self.cond_scored[i], 1.0)
+            out[f"acc_{i}"] = rows["correct"][i] / max(rows["scored"][i], 1.0)
+            cacc = rows["cond_correct"][i] / max(rows["cond_scored"][i], 1.0)
             out[f"cond_acc_{i}"] = cacc
             caccs.append(cacc)
-            if self.loss_tokens[i]:
-                out[f"loss_{i}"] = self.loss_sum[i] / self.loss_tokens[i]
+            if rows["loss_tokens"][i]:
+                out[f"loss_{i}"] = rows["loss_sum"][i] / rows["loss_tokens"][i]
         out["simulated_acceptance_length"] = simulated_acceptance_length(caccs)
         return out
 
@@ -117,5 +135,5 @@ def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_
         batch = {k: v.to(device) for k, v in batch.items()}
         step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
         assert step.outputs.logits is not None
-        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)
+        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)  # every position's logits
     return stats.metrics()

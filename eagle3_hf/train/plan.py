@@ -297,6 +297,25 @@ def model_state_bytes(params: dict[str, int], launch: Launch) -> ModelStates:
             "rule": "DeepSpeed estimate_zero3_model_states_mem_needs + bf16 frozen, partitioned"}
 
 
+def ddp_bucket_bytes(params: dict[str, int], launch: Launch) -> int:
+    """DDP's gradient buckets: without ZeRO and with more than one process, the reducer holds a flat fp32 copy
+    of every trained gradient (transformers leaves `gradient_as_bucket_view` off), on top of the gradients."""
+    return 4 * params["trained"] if launch.zero_stage == 0 and launch.num_processes > 1 else 0
+
+
+def zero3_gathered_bytes(config: Eagle3Config, ttt_steps: int, freeze_lm_head: bool = False) -> int:
+    """bf16 bytes ZeRO-3 all-gathers per micro-step: a module's partitioned weights are gathered at every call
+    and released after it, so those the TTT unroll calls once per step (the frozen verifier embedding, the
+    layer) are gathered `ttt_steps` times in the forward and again in the backward (the layer's); fc, lm_head
+    (once over every step's rows) and the teacher rows once each way (the frozen ones forward only)."""
+    h, inter, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
+    (nkv, hd, target), nh = _sizes(config), config.num_attention_heads
+    layer = 2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + 3 * h
+    embed, fc, head, teacher = config.vocab_size * h, 3 * target * h, vd * h, vd * target
+    elements = ttt_steps * (embed + 2 * layer + 2 * h) + 2 * fc + (1 if freeze_lm_head else 2) * head + teacher
+    return 2 * elements
+
+
 def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: float | None, *,
                draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
                peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8) -> dict:
@@ -315,7 +334,8 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
     states = model_state_bytes(params, launch)
     autocast = params["trained"] if dtype == "bf16" and launch.zero_stage == 0 else 0  # DeepSpeed: bf16 weights
     step = step_peak_bytes(config, micro_tokens, steps, 0, dtype, autocast_params=autocast)  # grads: in the states
-    total = states["gpu"] + step
+    buckets = ddp_bucket_bytes(params, launch)
+    total = states["gpu"] + step + buckets
     capacity = (gpu_memory_gib - reserve_gib) * GIB
     plan: dict[str, Any] = {
         "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
@@ -325,10 +345,19 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
                     **{f"params_{k}": v for k, v in params.items()}},
         "launch": vars(launch), "micro_batch_tokens": micro_tokens, "dtype": dtype,
         "memory": {"model_states": states["gpu"], "model_states_rule": states["rule"], "cpu_offload": states["cpu"],
-                   "step_peak": step, "total": total, "gpu_memory_gib": gpu_memory_gib, "reserve_gib": reserve_gib,
+                   "step_peak": step, "ddp_buckets": buckets, "total": total, "gpu_memory_gib": gpu_memory_gib,
+                   "reserve_gib": reserve_gib,
                    "fits": total <= capacity},
         "notes": [],
     }
+    if launch.zero_stage == 3:
+        gathered = zero3_gathered_bytes(config, steps, frozen_head)
+        plan["zero3_gathered_per_micro_step"] = gathered
+        plan["notes"].append(f"ZeRO-3 all-gathers {gathered / GIB:.1f} GiB of bf16 weights per micro-batch (the frozen "
+                             f"embedding and the layer at every TTT step); "
+                             + ("DDP needs no gather: prefer it, the drafter fits one GPU" if
+                                16 * params["trained"] + 4 * params["frozen"] + step + 4 * params["trained"]
+                                <= capacity else "the drafter does not fit one GPU with DDP"))
     if recipe.get("hidden_optimizer", "adamw") != "adamw":
         plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
                              "state, not two, for the hidden weights: an upper bound")
@@ -371,6 +400,8 @@ def format_plan(plan: dict, title: str) -> str:
         f"  memory/GPU  model states {m['model_states'] / GIB:7.1f} GiB  ({m['model_states_rule']})",
         f"              step peak    {m['step_peak'] / GIB:7.1f} GiB  (TTT activations + logits + loss, "
         f"{plan['micro_batch_tokens']} tokens/micro-batch)",
+        *([f"              DDP buckets  {m['ddp_buckets'] / GIB:7.1f} GiB  (the reducer's fp32 copy of the gradients)"]
+          if m.get("ddp_buckets") else []),
         f"              total        {m['total'] / GIB:7.1f} GiB  of {m['gpu_memory_gib']:g} GiB "
         f"({m['reserve_gib']:g} GiB kept for the CUDA context)",
     ]

@@ -10,6 +10,7 @@ acceptance length in the logs and in `evaluate()`, and saving in the standard EA
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +20,10 @@ from transformers import Trainer
 
 from ..constants import TRAINING_ARGS_FILE
 from ..errors import NonFiniteError, describe_non_finite, non_finite_names
-from .loss import count_loss_tokens, drafter_loss
+from .arguments import refuse_unsupported
+from .loss import drafter_loss
 from .metrics import StepStats
+from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -42,6 +45,8 @@ class Eagle3Trainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # DeepSpeed may come from the accelerate config rather than --deepspeed: refuse Muon there too
+        refuse_unsupported(bool(self.args.gradient_checkpointing), self.args.hidden_optimizer, self.is_deepspeed_enabled)
         drafter = self.accelerator.unwrap_model(self.model)
         if getattr(drafter, "verifier_lm_head", None) is None:
             raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
@@ -54,8 +59,10 @@ class Eagle3Trainer(Trainer):
             drafter.init_lm_head_from_verifier()
         if self.args.freeze_lm_head:
             drafter.freeze_lm_head()
+        drafter.packed_attention = self.args.packed_attention
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
+        self._guard_loss: torch.Tensor | None = None  # the first non-finite loss of this optimizer step, if any
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
@@ -75,9 +82,13 @@ class Eagle3Trainer(Trainer):
         return self.accelerator.unwrap_model(self.model)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        t2d = self._drafter().t2d
-        count = sum(count_loss_tokens(batch, t2d) for batch in batch_samples)
-        count = torch.as_tensor(count, device=device)
+        """The optimizer step's loss tokens; on the way, each micro-batch's plan (`targets.BatchPlan`: where the
+        heads and the loss read, as indices), all made with one read of the device, so that the micro-steps
+        make none."""
+        plans = plan_batches(batch_samples, self.args.ttt_steps, self._drafter().t2d)
+        for batch, plan in zip(batch_samples, plans):
+            batch[PLAN_KEY] = plan
+        count = torch.tensor(sum(plan.loss_counts[0] for plan in plans), device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return count
@@ -91,22 +102,32 @@ class Eagle3Trainer(Trainer):
         outputs = step.outputs
         assert outputs.logits is not None  # the TTT forward returns every step's logits
         stats = self._train_stats if model.training else self._eval_stats
-        stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask)
+        stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask,
+                     head_rows=step.head_rows)
         loss = step.normalised(num_items_in_batch)
+        if model.training:
+            self._guard_non_finite(loss)
         if model.training and self.args.average_tokens_across_devices and self.args.world_size > 1:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; we want the global sum
         return (loss, outputs) if return_outputs else loss
 
-    def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Stop at the first non-finite loss: the next optimizer step would make every weight NaN."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if not bool(torch.isfinite(loss).all()):
+    def _guard_non_finite(self, loss: torch.Tensor) -> None:
+        """Stop at a non-finite loss before the optimizer step it would reach (it would make every weight NaN).
+
+        The check reads the device once per optimizer step, at its last micro-batch and before that batch's
+        backward (DeepSpeed steps its optimizer inside the backward): earlier micro-batches only keep the first
+        non-finite loss on the device."""
+        loss = loss.detach().float()
+        kept = self._guard_loss
+        self._guard_loss = loss if kept is None else torch.where(torch.isfinite(kept), loss, kept)
+        if not self.accelerator.sync_gradients:
+            return
+        value, self._guard_loss = self._guard_loss.item(), None
+        if not math.isfinite(value):
             raise NonFiniteError(
-                f"non-finite training loss {loss.item()} at step {self.state.global_step + 1} "
+                f"non-finite training loss {value} at step {self.state.global_step + 1} "
                 f"(learning rate {self._get_learning_rate() if self.lr_scheduler else self.args.learning_rate}); "
                 "stopping before it reaches the weights or a checkpoint")
-        return loss
 
     # ------------------------------------------------------------------ metrics
 

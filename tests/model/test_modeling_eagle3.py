@@ -121,10 +121,12 @@ def reference_unroll(model, ids, aux, steps):
     return logits
 
 
+@pytest.mark.parametrize("packed", ["row", "document"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_unroll_equals_per_document_brute_force(attn):
+def test_packed_unroll_equals_per_document_brute_force(attn, packed):
     model = tiny_model()
     model.config._attn_implementation = attn
+    model.packed_attention = packed
     rows = [[7, 9, 4], [12, 1, 3]]
     ids, aux, pos, doc = packed_batch(rows, 22)
     steps = 4
@@ -145,8 +147,10 @@ def test_packed_unroll_equals_per_document_brute_force(attn):
     assert checked > 40
 
 
-def test_no_leakage_between_packed_documents():
+@pytest.mark.parametrize("packed", ["row", "document"])
+def test_no_leakage_between_packed_documents(packed):
     model = tiny_model()
+    model.packed_attention = packed
     ids, aux, pos, doc = packed_batch([[6, 8]], 14)
     base = model(ids, aux, pos, doc, ttt_steps=3)
     ids2, aux2 = ids.clone(), aux.clone()

@@ -82,3 +82,25 @@ def test_dataset_size_and_draft_vocabulary_come_from_the_recipes_features(tmp_pa
     assert got["data"]["tokens"] == sum(s["length"] for s in manifest["samples"])
     assert got["drafter"]["draft_vocab_size"] == 128  # the fixture's vocab.safetensors, not the 32000 default
     assert got["data"]["disk_bf16"] == feature_bytes_per_token(64, "bf16") * got["data"]["tokens"]
+
+
+@pytest.mark.parametrize("recipe,verifier", [("llama31_8b_8gpu_ddp.yaml", "llama31_8b_text_config.json"),
+                                             ("qwen3_8b_8gpu_ddp.yaml", "qwen3_8b_text_config.json"),
+                                             ("kimi_k25_8gpu_ddp.yaml", "kimi_k25_text_config.json")])
+def test_8gpu_recipes_run_ddp_because_the_plan_says_the_drafter_fits(capsys, tmp_path, recipe, verifier):
+    out_json = tmp_path / "plan.json"
+    rc = cli_main(["plan", str(ROOT / "examples/recipes" / recipe), "--accelerate-config",
+                   str(ROOT / "accelerate_configs/8gpu_ddp.yaml"), "--verifier-config",
+                   str(ROOT / "examples/recipes" / verifier), "--json", str(out_json)])
+    text, result = capsys.readouterr().out, json.loads(out_json.read_text())
+    assert rc == 0 and "verdict     fits" in text and "DDP buckets" in text
+    assert result["launch"]["zero_stage"] == 0 and result["launch"]["num_processes"] == 8
+    assert result["memory"]["ddp_buckets"] == 4 * result["drafter"]["params_trained"]  # fp32 gradient copy
+
+
+def test_zero3_plan_reports_the_weights_gathered_per_micro_batch(capsys, tmp_path):
+    rc, text, eight = plan(capsys, tmp_path, "kimi_k25_8gpu_zero3.yaml", "8gpu_zero3.yaml")
+    gathered = eight["zero3_gathered_per_micro_step"]
+    embedding = 2 * 163840 * 7168  # the frozen bf16 verifier embedding, 2.35 GB, gathered at each of 3 TTT steps
+    assert rc == 0 and 3 * embedding < gathered < 3 * embedding + 2 * 8 * 2**30
+    assert "ZeRO-3 all-gathers" in text and "prefer it" in text
