@@ -1,23 +1,32 @@
-"""One-GPU check at the reference shape: the drafter's training step, its memory against `eagle3-hf plan`, and a
-tiny extraction + speculative decoding run on the device. Run through `gpu_check/gpu_check.sh`; writes one JSON.
+"""One-GPU acceptance run: the real Eagle3Trainer's step at the recipes' drafter shapes, its memory against
+`eagle3-hf plan`, its host synchronisations, bf16 against fp32, and a tiny extraction + speculative decoding run on
+the device. Run through `gpu_check/gpu_check.sh`; writes one JSON ($OUT/gpu_check.json when $OUT is set).
 
-1. Training step of the Kimi-K2.5 drafter (hidden 7168, 56 x 128 heads, 8 KV heads, intermediate 18432, draft
-   vocabulary 32 000, verifier vocabulary 163 840) on one 2048-token packed row (4 documents of 512), TTT 3,
-   for each attention implementation (`sdpa`, `flex_attention`): as the 1-GPU recipe trains (fp32 weights, bf16
-   autocast, `drafter_loss`, clip, fused AdamW; on the CPU fp32). Reports tokens/s, MFU = model FLOPs
-   (`eagle3_hf.train.plan.train_flops_per_token`) / step time / the chip's dense bf16 peak, and peak memory beside
-   the plan's prediction (model states + step peak, and the step alone).
+1. Training step of two drafters on one 2048-token packed row (4 documents of 512), through `Eagle3Trainer`
+   (`_get_num_items_in_batch`, `training_step`, clip 0.5, the Trainer's fused AdamW and scheduler), bf16 autocast
+   as `--bf16` runs it, the row attention path (one call per TTT step), for each attention implementation
+   (`sdpa`, `flex_attention`):
+   - `llama31_8b`: hidden 4096, 32 x 128 heads, 8 KV heads, intermediate 14336, draft vocabulary 32 000 of
+     128 256, TTT 7;
+   - `kimi_k25`: hidden 7168, 56 x 128 heads, 8 KV heads, intermediate 18432, draft vocabulary 32 000 of
+     163 840, TTT 3 (its recipe).
+   Reports tokens/s, MFU = model FLOPs (`eagle3_hf.train.plan.train_flops_per_token`) / step time / the chip's
+   dense bf16 peak, peak memory beside the plan's prediction, host synchronisations of one micro-step (the
+   counter tests/train/test_host_syncs.py uses, and PyTorch's CUDA sync debug mode), and the loss of the same
+   batch under bf16 autocast and in fp32.
 2. Extraction + speculative decoding: a tiny learnable verifier on the device, its features captured and
    written with the project's shard writer, a tiny drafter trained on them for a few hundred steps, then
    speculative decoding checked token for token against the verifier's own greedy decoding (lossless).
 
-`--device cpu --tiny` runs the same code at a tiny shape (CI). Exit status 0 only when every part passed.
+`--device cpu --tiny` runs the same code at a tiny shape (CI). Exit status 0 only when every part passed (finite
+losses, at most 2 host synchronisations per micro-step, bf16 within 2 % of fp32, lossless decoding).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,6 +51,9 @@ from eagle3_hf.train.plan import (  # noqa: E402
 )
 
 KIMI_TEXT_CONFIG = REPO / "examples/recipes/kimi_k25_text_config.json"
+LLAMA_TEXT_CONFIG = REPO / "examples/recipes/llama31_8b_text_config.json"
+MAX_SYNCS = 2  # per micro-step, as tests/train/test_host_syncs.py holds it on the CPU
+BF16_LOSS_RTOL = 2e-2  # bf16 autocast against fp32, as tests/train/test_step_equivalence.py
 TINY_TEXT_CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
                     "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096}
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -134,8 +146,71 @@ def make_train_step(model: Eagle3DraftModel, device: str, bf16: bool, steps: int
     return step
 
 
-def train_step_check(config: Eagle3Config, attn: str, device: str, bf16: bool, row_len: int, documents: int,
-                     timed_steps: int, peak_flops: float | None) -> dict:
+def trainer_for(model: Eagle3DraftModel, device: str, bf16: bool, steps: int, out_dir: Path):
+    """The real Eagle3Trainer around `model`, as the recipes configure it: bf16 autocast on the accelerator, the
+    row attention path (one call per TTT step), clip 0.5, the Trainer's default (fused) AdamW."""
+    from eagle3_hf.train.arguments import Eagle3TrainingArguments
+    from eagle3_hf.train.trainer import Eagle3Trainer
+
+    args = Eagle3TrainingArguments(output_dir=str(out_dir), use_cpu=device == "cpu", bf16=bf16, ttt_steps=steps,
+                                   packed_attention="row", max_grad_norm=0.5, learning_rate=1e-4, weight_decay=0.0,
+                                   report_to="none", disable_tqdm=True, per_device_train_batch_size=1)
+    return Eagle3Trainer(model=model, args=args)
+
+
+def trainer_step(trainer, model, batch: dict) -> torch.Tensor:
+    """One optimizer step as the Trainer's inner loop runs it: plans and loss tokens (get_batch_samples), the
+    micro-step (`training_step`: forward, loss, metrics, backward), clip, optimizer and scheduler step."""
+    batch = dict(batch)  # the Trainer leaves the batch's plan in it
+    num_items = trainer._get_num_items_in_batch([batch], trainer.args.device)
+    loss = trainer.training_step(model, batch, num_items)
+    trainer.accelerator.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+def count_host_syncs(trainer, model, batch: dict, device: str) -> dict:
+    """One micro-step under the project's sync counter (eagle3_hf.train.host_sync, as tests/train/test_host_syncs.py
+    counts it on the CPU) and, on CUDA, under PyTorch's sync debug mode (every synchronising call warns)."""
+    import warnings
+
+    from eagle3_hf.train.host_sync import HostSyncCounter
+
+    batch = dict(batch)
+    num_items = trainer._get_num_items_in_batch([batch], trainer.args.device)  # once per optimizer step
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught, HostSyncCounter() as syncs:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.training_step(model, batch, num_items)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    model.zero_grad(set_to_none=True)
+    cuda_syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return {"host_syncs_per_micro_step": syncs.total, "host_sync_ops": dict(syncs.ops),
+            "cuda_sync_warnings": len(cuda_syncs) if device == "cuda" else None, "cuda_sync_first": cuda_syncs[:3]}
+
+
+def bf16_agreement(trainer, model, batch: dict, device: str) -> dict:
+    """The same batch's loss under bf16 autocast and in fp32, same weights (before any step)."""
+    batch = dict(batch)
+    num_items = trainer._get_num_items_in_batch([batch], trainer.args.device)
+    model.eval()
+    with torch.no_grad():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss16 = float(trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items))
+        loss32 = float(trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items))
+    model.train()
+    return {"loss_bf16": loss16, "loss_fp32": loss32, "bf16_vs_fp32_loss_rel": abs(loss16 - loss32) / abs(loss32)}
+
+
+def train_step_check(name: str, config: Eagle3Config, attn: str, device: str, bf16: bool, row_len: int,
+                     documents: int, ttt_steps: int, timed_steps: int, peak_flops: float | None, out_dir: Path) -> dict:
     torch.manual_seed(0)
     config._attn_implementation = attn
     with torch.device(device):
@@ -144,44 +219,50 @@ def train_step_check(config: Eagle3Config, attn: str, device: str, bf16: bool, r
         model.load_verifier_embeddings(torch.randn(vocab, config.hidden_size) * 0.02)
         model.attach_teacher(torch.randn(vocab, target) * 0.02)  # rows of the draft vocabulary are kept
     model.train()
-    step = make_train_step(model, device, bf16)
+    trainer = trainer_for(model, device, bf16, ttt_steps, out_dir)
     batch = packed_row(config, row_len, documents, device)
+    agreement = bf16_agreement(trainer, model, batch, device)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1000)
+    model = trainer.accelerator.prepare_model(model)  # as train() does: autocast around forward under --bf16
     memory = Memory(device)
     t0 = time.perf_counter()
-    first_loss = step(batch)  # warm-up: AdamW state, kernels, flex_attention's compilation
+    first_loss = float(trainer_step(trainer, model, batch))  # warm-up: AdamW state, kernels, flex compilation
     sync(device)
     warmup_s = time.perf_counter() - t0
+    syncs = count_host_syncs(trainer, model, batch, device)
     before = memory.current()
     memory.reset_peak()
     times, losses = [], []
     for _ in range(timed_steps):
         t0 = time.perf_counter()
-        losses.append(step(batch))
+        losses.append(trainer_step(trainer, model, batch))
         sync(device)
         times.append(time.perf_counter() - t0)
     peak = memory.peak()
+    loss_values = [first_loss, *(float(x) for x in losses)]
     step_s = statistics.median(times)
     params = param_counts(config)
-    flops = row_len * train_flops_per_token(config, 3, row_len / documents)
+    flops = row_len * train_flops_per_token(config, ttt_steps, row_len / documents)
     states = model_state_bytes(params, Launch())["gpu"]
     dtype = "bf16" if bf16 else "fp32"
     autocast = params["trained"] if bf16 else 0
-    step_pred = step_peak_bytes(config, row_len, 3, 4 * params["trained"], dtype, autocast_params=autocast)
+    step_pred = step_peak_bytes(config, row_len, ttt_steps, 4 * params["trained"], dtype, autocast_params=autocast)
     measured_step = peak - before
     result = {
-        "attn_implementation": attn, "dtype": dtype, "tokens": row_len, "documents": documents,
-        "warmup_s": warmup_s, "step_s": times, "tokens_per_s": row_len / step_s,
-        "model_tflop_per_step": flops / 1e12, "losses": [first_loss, *losses],
-        "loss_finite": all(map(lambda x: x == x and abs(x) != float("inf"), [first_loss, *losses])),
+        "shape": name, "attn_implementation": attn, "dtype": dtype, "tokens": row_len, "documents": documents,
+        "ttt_steps": ttt_steps, "hidden_size": config.hidden_size, "warmup_s": warmup_s, "step_s": times,
+        "tokens_per_s": row_len / step_s, "model_tflop_per_step": flops / 1e12, "losses": loss_values,
+        "loss_finite": all(x == x and abs(x) != float("inf") for x in loss_values),
         "peak_memory_gib": peak / GIB, "step_memory_gib": measured_step / GIB,
         "plan_step_peak_gib": step_pred / GIB, "step_memory_measured_over_plan": measured_step / step_pred,
+        **syncs, **agreement,
     }
     if device == "cuda":  # the allocator's peak is absolute: compare it with the plan's per-GPU total
-        plan_total = states + step_peak_bytes(config, row_len, 3, 0, dtype, autocast_params=autocast)
+        plan_total = states + step_peak_bytes(config, row_len, ttt_steps, 0, dtype, autocast_params=autocast)
         result.update(plan_total_gib=plan_total / GIB, peak_measured_over_plan_total=peak / plan_total)
     if peak_flops:
         result["mfu"] = flops / step_s / peak_flops
-    del model, step
+    del model, trainer
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -275,6 +356,18 @@ def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> 
 # ---------------------------------------------------------------------------------------------- driver
 
 
+def shapes(tiny: bool) -> list[tuple[str, Eagle3Config, int]]:
+    """(name, drafter config, TTT steps) of the acceptance run: the Llama-3.1-8B drafter at 7 TTT steps and the
+    Kimi-K2.5 drafter at its recipe's 3; `--tiny`: one tiny drafter at 3 (CI)."""
+    if tiny:
+        return [("tiny", Eagle3Config.from_verifier(TINY_TEXT_CONFIG, draft_vocab_size=256, ttt_steps=3), 3)]
+    out = []
+    for name, path, steps in (("llama31_8b", LLAMA_TEXT_CONFIG, 7), ("kimi_k25", KIMI_TEXT_CONFIG, 3)):
+        config = Eagle3Config.from_verifier(json.loads(path.read_text()), draft_vocab_size=32000, ttt_steps=steps)
+        out.append((name, config, steps))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -283,23 +376,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="attention implementations to time (default: sdpa,flex_attention on CUDA; sdpa on CPU)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per implementation")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
-    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--out", default=None,
+                        help="the report (default: $OUT/gpu_check.json when $OUT is set, else gpu_check.json)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible (use --device cpu --tiny for the CPU path)")
     started = time.perf_counter()
-    text_config = TINY_TEXT_CONFIG if args.tiny else json.loads(KIMI_TEXT_CONFIG.read_text())
-    config = Eagle3Config.from_verifier(text_config, draft_vocab_size=256 if args.tiny else 32000, ttt_steps=3)
     row_len, documents = (256, 4) if args.tiny else (2048, 4)
     bf16 = args.device == "cuda"
     peak_flops, peak_note = chip_peak_flops(args.device, args.peak_tflops)
     report: dict = {"device": args.device, "tiny": args.tiny, "torch": torch.__version__,
                     "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak": peak_note,
-                    "drafter": {"hidden_size": config.hidden_size, "heads": config.num_attention_heads,
-                                "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-                                "intermediate_size": config.intermediate_size,
-                                "draft_vocab_size": config.draft_vocab_size, "vocab_size": config.vocab_size},
+                    "drafters": {name: {"hidden_size": c.hidden_size, "heads": c.num_attention_heads,
+                                        "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                                        "intermediate_size": c.intermediate_size, "ttt_steps": steps,
+                                        "draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size}
+                                 for name, c, steps in shapes(args.tiny)},
                     "train_step": [], "errors": [], "notes": []}
     attns = [a.strip() for a in (args.attn or ("sdpa,flex_attention" if bf16 else "sdpa")).split(",") if a.strip()]
     if args.device == "cpu" and "flex_attention" in attns:  # PyTorch: "FlexAttention does not support backward on CPU"
@@ -308,22 +403,31 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     report["transformers"] = transformers.__version__
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every part, so a run cut short still leaves what it measured
         Path(args.out).write_text(json.dumps(report, indent=1), encoding="utf-8")
 
-    for attn in attns:
-        try:
-            row = train_step_check(config, attn, args.device, bf16, row_len, documents, args.steps, peak_flops)
-        except Exception as err:  # noqa: BLE001 - one implementation failing must not hide the others
-            report["errors"].append(f"train_step {attn}: {type(err).__name__}: {err}")
-            traceback.print_exc()
-            continue
-        report["train_step"].append(row)
-        save()
-        print(f"{attn:15s} {row['tokens_per_s']:10.0f} tok/s  step {statistics.median(row['step_s']):.3f} s  "
-              f"MFU {row.get('mfu', float('nan')):.1%}  step memory {row['step_memory_gib']:.2f} GiB "
-              f"(plan {row['plan_step_peak_gib']:.2f})", flush=True)
+    print(f"{'shape':10s} {'attention':15s} {'tok/s':>9s} {'step s':>7s} {'MFU':>6s} {'peak GiB':>8s} {'plan GiB':>8s} "
+          f"{'syncs':>5s} {'cuda':>4s} {'bf16/fp32 loss':>14s}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_trainer_") as trainer_dir:
+        for name, config, ttt_steps in shapes(args.tiny):
+            for attn in attns:
+                try:
+                    row = train_step_check(name, config, attn, args.device, bf16, row_len, documents, ttt_steps,
+                                           args.steps, peak_flops, Path(trainer_dir))
+                except Exception as err:  # noqa: BLE001 - one implementation failing must not hide the others
+                    report["errors"].append(f"train_step {name} {attn}: {type(err).__name__}: {err}")
+                    traceback.print_exc()
+                    continue
+                report["train_step"].append(row)
+                save()
+                plan_gib = row.get("plan_total_gib", row["plan_step_peak_gib"])
+                peak_gib = row["peak_memory_gib"] if "plan_total_gib" in row else row["step_memory_gib"]
+                print(f"{name:10s} {attn:15s} {row['tokens_per_s']:9.0f} {statistics.median(row['step_s']):7.3f} "
+                      f"{row.get('mfu', float('nan')):6.1%} {peak_gib:8.2f} {plan_gib:8.2f} "
+                      f"{row['host_syncs_per_micro_step']:5d} {row['cuda_sync_warnings'] or 0:4d} "
+                      f"{row['bf16_vs_fp32_loss_rel']:14.2e}", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
             report["extract_speculative"] = extraction_and_speculative(args.device, Path(tmp) / "features",
@@ -337,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
     report["seconds"] = time.perf_counter() - started
     report["ok"] = (not report["errors"] and all(r["loss_finite"] for r in report["train_step"])
+                    and all(r["host_syncs_per_micro_step"] <= MAX_SYNCS for r in report["train_step"])
+                    and all(r["bf16_vs_fp32_loss_rel"] < BF16_LOSS_RTOL for r in report["train_step"])
                     and report.get("extract_speculative", {}).get("lossless_ok", False))
     save()
     print(f"{'OK' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s -> {args.out}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One command on one GPU (H200: well under 8 minutes): the hidden-7168 drafter's bf16 training step with sdpa
-# and flex_attention (tokens/s, MFU, peak memory against `eagle3-hf plan`), then a tiny extraction +
-# speculative-decoding run with the lossless check. Writes gpu_check.json (or --out FILE).
+# One command on one GPU (H200: well under 8 minutes): the Trainer's bf16 step at the Llama-3.1-8B and Kimi-K2.5 drafter shapes with sdpa
+# and flex_attention (tokens/s, MFU, peak memory against `eagle3-hf plan`, host syncs, bf16 vs fp32), then a tiny extraction +
+# speculative-decoding run with the lossless check. Writes $OUT/gpu_check.json (or gpu_check.json, or --out FILE).
 #
 #   gpu_check/gpu_check.sh                       # on the GPU machine
 #   gpu_check/gpu_check.sh --device cpu --tiny   # the same code at a tiny shape (CI)

@@ -54,12 +54,16 @@ def head_positions(batch: dict[str, torch.Tensor], steps: int,
     """(per step, where its logits are read: scored positions; where the teacher is read: t + 1 + i for the
     loss positions t of step i). Passed to the forward as `logits_mask` / `teacher_mask`, they keep both
     heads off prompt tokens and document tails."""
-    logits_mask, teacher_mask = [], torch.zeros_like(batch["document_ids"], dtype=torch.bool)
-    for i in range(steps):
-        targets = step_targets(batch, i, t2d)
-        logits_mask.append(targets.teacher_position_valid)
-        teacher_mask[:, i + 1 :] |= targets.loss_mask[:, : -(i + 1)]
-    return tuple(logits_mask), teacher_mask
+    targets = [step_targets(batch, i, t2d) for i in range(steps)]
+    return tuple(t.teacher_position_valid for t in targets), teacher_positions(targets)
+
+
+def teacher_positions(targets: list[StepTargets]) -> torch.Tensor:
+    """[B, L] bool: t + 1 + i for the loss positions t of every step i (where the teacher is read)."""
+    teacher_mask = torch.zeros_like(targets[0].teacher_position_valid)
+    for i, t in enumerate(targets):
+        teacher_mask[:, i + 1 :] |= t.loss_mask[:, : -(i + 1)]
+    return teacher_mask
 
 
 @dataclass
@@ -82,9 +86,7 @@ class _PendingPlan:
         self.steps = steps
         self.targets = [step_targets(batch, i, t2d) for i in range(steps)]
         self.logits_mask = tuple(t.teacher_position_valid for t in self.targets)
-        self.teacher_mask = torch.zeros_like(batch["document_ids"], dtype=torch.bool)
-        for i, t in enumerate(self.targets):  # the teacher at t + 1 + i for step i's loss positions t
-            self.teacher_mask[:, i + 1 :] |= t.loss_mask[:, : -(i + 1)]
+        self.teacher_mask = teacher_positions(self.targets)
         self.loss_masks = [t.loss_mask for t in self.targets]
         self.counts = mask_counts([*HeadRows.count_masks(self.logits_mask, self.teacher_mask), *self.loss_masks])
 

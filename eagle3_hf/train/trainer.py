@@ -46,7 +46,8 @@ class Eagle3Trainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # DeepSpeed may come from the accelerate config rather than --deepspeed: refuse Muon there too
-        refuse_unsupported(bool(self.args.gradient_checkpointing), self.args.hidden_optimizer, self.is_deepspeed_enabled)
+        run = self.args
+        refuse_unsupported(bool(run.gradient_checkpointing), run.hidden_optimizer, self.is_deepspeed_enabled)
         drafter = self.accelerator.unwrap_model(self.model)
         if getattr(drafter, "verifier_lm_head", None) is None:
             raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")

@@ -1,4 +1,5 @@
-"""gpu_check/gpu_check.sh's CPU path: the same code as on the GPU at a tiny shape, one JSON with every part passed."""
+"""gpu_check/gpu_check.sh's CPU path: the same code as on the GPU (the real Trainer's step) at a tiny shape, one JSON
+with every part passed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def test_gpu_check_cpu_tiny_writes_a_passing_report(tmp_path):
     assert report["ok"] and not report["errors"] and report["tiny"] and report["device"] == "cpu"
     (row,) = report["train_step"]
     assert row["attn_implementation"] == "sdpa" and len(row["step_s"]) == 2 and row["tokens"] == 256
+    assert row["shape"] == "tiny" and row["ttt_steps"] == 3
+    # the real Trainer's micro-step: at most the one read of the non-finite guard, as tests/train/test_host_syncs.py
+    assert row["host_syncs_per_micro_step"] <= 2, row["host_sync_ops"]
+    assert row["bf16_vs_fp32_loss_rel"] < 2e-2  # the same batch under bf16 autocast and in fp32
     assert row["tokens_per_s"] == pytest.approx(row["tokens"] / statistics.median(row["step_s"]))  # timed steps
     assert row["loss_finite"] and row["losses"][-1] < row["losses"][0]  # the optimizer stepped
     # MFU divides by the plan's model FLOPs: they are the step's, as PyTorch counts them, within 10% (attention,

@@ -105,3 +105,19 @@ def test_row_attention_in_bf16_is_within_bf16_tolerance(autocast):
         # bf16 keeps 8 bits: inputs rounded to 2^-9 relative, scores of size ~10 -> weights within a few %
         err = ((row.double() - ref) * valid).abs()
         assert err.max() < 0.08 and err.mean() < 0.01, (err.max(), err.mean())
+
+
+@pytest.mark.slow
+def test_flex_attention_block_mask_equals_the_reference():
+    """flex_attention gets a BlockMask from document_ids (blocks of other documents skipped); its forward runs on
+    the CPU (compiled: ~30 s here), its backward only on a GPU (gpu_check times it there)."""
+    model = tiny_model()
+    attn = model.midlayer.self_attn
+    attn.config._attn_implementation = "flex_attention"
+    _, _, _, doc = packed_batch(ROWS, LENGTH)
+    tensors = step_tensors(attn, len(ROWS), LENGTH, 3)
+    valid = (doc != -1)[..., None]
+    with torch.no_grad():
+        got = unroll(attn, PackedRowKeys(doc, 3), tensors)
+    for row, ref in zip(got, brute_force(attn, tensors, doc)):
+        torch.testing.assert_close((row * valid).double(), ref, atol=1e-5, rtol=1e-5)

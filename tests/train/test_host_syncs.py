@@ -79,3 +79,21 @@ def test_the_counter_sees_what_the_old_step_did():
         x.index_select(0, torch.tensor([0, 2]))
     assert dict(syncs.ops) == {"_local_scalar_dense": 1, "index": 1, "index_put_": 1, "nonzero": 1,
                                "unique_consecutive": 1, "Tensor.tolist": 1, "Tensor.cpu": 1, "repeat_interleave": 1}
+
+
+def test_a_non_finite_micro_batch_stops_the_optimizer_step_it_belongs_to(tmp_path):
+    """Read once per optimizer step, the guard still stops at the first non-finite loss of the step, before the
+    last micro-batch's backward and before any optimizer step (the weights stay as they were)."""
+    from eagle3_hf.errors import NonFiniteError
+
+    trainer = tiny_trainer(tmp_path, 3, gradient_accumulation_steps=2)
+    poisoned, clean = trainer_batch(128, 2, seed=1), trainer_batch(128, 2, seed=2)
+    poisoned["aux_hidden_states"][0, 5] = float("nan")
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    num_items = trainer._get_num_items_in_batch([poisoned, clean], trainer.args.device)
+    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    trainer.training_step(trainer.model, poisoned, num_items)  # no read of the device here
+    trainer.accelerator.gradient_state._set_sync_gradients(True)
+    with pytest.raises(NonFiniteError, match="non-finite training loss nan at step 1"):
+        trainer.training_step(trainer.model, clean, num_items)
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
