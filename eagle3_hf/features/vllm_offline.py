@@ -238,6 +238,7 @@ def extract_features_vllm(
     rank: int | None = None,
     world_size: int | None = None,
     endpoint: str | None = None,
+    vllm_storage: str | None = None,
 ) -> dict[str, Any]:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns a summary.
     With `endpoint`, a running vLLM OpenAI server computes them (features/vllm_server.py; `batch_size`
@@ -266,7 +267,7 @@ def extract_features_vllm(
     if endpoint is not None:
         from .vllm_server import check_server
 
-        served = check_server(endpoint, verifier, spec.path, longest, spec.layer_ids)
+        served = check_server(endpoint, verifier, spec.path, longest, spec.layer_ids, vllm_storage)
     writer = ShardWriter(out_dir, spec.header, rank=rank, samples_per_shard=samples_per_shard,
                          max_shard_bytes=max_shard_bytes)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
@@ -290,7 +291,8 @@ def extract_features_vllm(
                 from .vllm_server import EndpointExtraction
 
                 run = EndpointExtraction(str(endpoint), prompts, model=str(served["id"]), concurrency=batch_size,
-                                         timeout=ENDPOINT_TIMEOUT_S if timeout is None else timeout)
+                                         timeout=ENDPOINT_TIMEOUT_S if timeout is None else timeout,
+                                         storage=served["storage"])
             else:
                 run = VllmExtraction(request, prompts, threads=threads, debug=debug, timeout=timeout)
             with run:

@@ -171,8 +171,8 @@ def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsy
     assert kv["kv_connector"] == "CpuHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_hidden_states"
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/data/hs", "use_synchronization_lock": True}
     assert "--no-enable-prefix-caching" in argv and args["--port"] == "8123" and args["--dtype"] == "float32"
-    names = argv[argv.index("--served-model-name") + 1:argv.index("--served-model-name") + 3]
-    assert names == [str(verifier_dir), "eagle3-hf-layers-1-3-5-6"]
+    names = argv[argv.index("--served-model-name") + 1:]
+    assert names == [str(verifier_dir), "eagle3-hf-layers-1-3-5-6", "eagle3-hf-storage-/data/hs"]
 
 
 # ---------------------------------------------------------------- slow: vLLM's own API server on its CPU build
