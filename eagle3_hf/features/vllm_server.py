@@ -103,10 +103,10 @@ class StoragePolicy:
                 print(f"[extract] {self.url} does not name its storage directory: reading and deleting only its "
                       f"files in {self.storage} (--vllm-storage sets it)", file=sys.stderr)
         storage = self.storage
-        for name in (path, path + ".lock"):
+        for name, which in ((path, "which"), (path + ".lock", "whose .lock")):
             real = os.path.realpath(name)
             if os.path.dirname(real) != storage or os.path.basename(real) != os.path.basename(name):
-                shown = "" if real == name else f", which resolves to {real}"
+                shown = "" if real == name else f", {which} resolves to {real}"
                 raise EndpointError(f"{where}{shown}, outside its storage {storage}: {REFUSED}")
         return os.path.join(storage, os.path.basename(path))
 

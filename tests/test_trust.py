@@ -1,0 +1,112 @@
+"""Trust at every boundary: what a server's answer, a features directory or a checkpoint says is checked before
+it is acted on, and every refusal is the one line the user sees, with the target left as it was.
+
+The endpoint cases run `extract --engine vllm --endpoint` against a server that lies in its first answer
+(tests/helpers/hostile_vllm.py); the rest each feed one malformed input to the function that guards it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3_hf.cli import main
+
+from tests.helpers.completions_stub import CompletionsStub
+from tests.helpers.hostile_vllm import HostileStub
+from tests.helpers.serveable import serveable_verifier, walk_prepared
+
+REFUSED = "refused (nothing read or removed)"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return serveable_verifier()
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory, model, tokenizer):
+    path = tmp_path_factory.mktemp("serveable")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prepared(tmp_path, fingerprint):
+    return walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+
+
+def extract(url: str, verifier_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
+    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(verifier_dir), "--data",
+                 str(prepared), "--output", str(out), "--vllm-batch-size", "1", "--no-progress", *extra])
+
+
+def errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def expected_line(attack: str, stub: HostileStub) -> str:
+    url, storage, victim = stub.url, os.path.realpath(stub.storage), os.path.realpath(stub.victim)
+    answered = stub.answered[0] if stub.answered else ""
+    name = os.path.basename(answered)
+    where = f"{url} answered hidden_states_path {answered!r}"
+    return "error: " + {
+        "outside": f"{where}, outside its storage {storage}: {REFUSED}",
+        "dotdot": f"{where}, which has a '..' component: {REFUSED}",
+        "symlink": f"{where}, which resolves to {victim}/precious.safetensors, outside its storage {storage}: "
+                   f"{REFUSED}",
+        "lock-symlink": f"{where}, whose .lock resolves to {victim}/precious.lock, outside its storage {storage}: "
+                        f"{REFUSED}",
+        "late-symlink": f"{storage}/{name} became a symlink (to {victim}/precious.safetensors) after {url} "
+                        f"answered: {REFUSED}",
+        "foreign-name": f"{where}, not the name vLLM's connector gives this request's file "
+                        f"(cmpl-<request id>-0-<suffix>.safetensors): {REFUSED}",
+        "stale-name": f"{where}, not the name vLLM's connector gives this request's file "
+                      f"(cmpl-<request id>-0-<suffix>.safetensors): {REFUSED}",
+        "relative": f"{where}, not an absolute path: {REFUSED}",
+        "oversized": f"{url} sent more than 1024 KiB for one answer: not what vLLM sends; refused",
+        "slow": f"{url} did not answer a completion within 1 s (--vllm-timeout sets the limit)",
+    }[attack]
+
+
+@pytest.mark.parametrize("attack", ["outside", "dotdot", "symlink", "lock-symlink", "late-symlink", "foreign-name",
+                                    "stale-name", "relative", "oversized", "slow"])
+def test_a_hostile_answer_is_refused_in_one_line_and_nothing_outside_is_touched(tmp_path, model, verifier_dir,
+                                                                                 prepared, attack, capsys):
+    storage, victim = tmp_path / "storage", tmp_path / "victim"
+    with HostileStub(model, str(verifier_dir), storage, victim, attack) as stub:
+        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
+        assert code == 1
+        assert errors(capsys) == [expected_line(attack, stub)]
+    for path, before in stub.untouched.items():  # the bait: still there, as it was
+        if isinstance(before, str):
+            assert path.is_symlink() and os.readlink(path) == before, path
+        else:
+            assert path.read_bytes() == before, path
+    if attack in ("oversized", "slow"):  # the client never learnt the honest file's name: it lies there still
+        assert [p.name for p in storage.glob("*.safetensors")] == [os.path.basename(stub.answered[0])]
+    assert not list((tmp_path / "f").glob("shard-*"))
+
+
+def test_a_server_that_names_no_storage_is_kept_to_its_first_answers_directory(tmp_path, model, verifier_dir,
+                                                                                prepared, capsys):
+    storage = tmp_path / "storage"
+    with CompletionsStub(model, str(verifier_dir), storage, name_storage=False) as stub:
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    err = capsys.readouterr().err
+    assert (f"[extract] {stub.url} does not name its storage directory: reading and deleting only its files in "
+            f"{os.path.realpath(storage)} (--vllm-storage sets it)") in err
+    assert os.listdir(storage) == []
+
+
+def test_vllm_storage_that_contradicts_the_server_is_refused_before_any_request(tmp_path, model, verifier_dir,
+                                                                                  prepared, capsys):
+    (tmp_path / "mine").mkdir()
+    with CompletionsStub(model, str(verifier_dir), tmp_path / "storage") as stub:
+        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-storage", str(tmp_path / "mine"))
+        assert code == 1 and stub.posts == 0
+    assert errors(capsys) == [f"error: {stub.url} writes its states to {tmp_path / 'storage'}, not --vllm-storage "
+                              f"{tmp_path / 'mine'}"]
