@@ -136,8 +136,10 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments
         return train, evals, collator, info
     if not data_args.data_dir:
         raise SystemExit("pass --data-dir (features from `eagle3-hf extract`) or --online --prepared-dir")
-    train_features = FeatureDataset(data_args.data_dir, "train", vf, max_tokens=data_args.max_train_tokens)
-    eval_features = FeatureDataset(data_args.data_dir, "validation", vf, verify="none")
+    partial = data_args.allow_partial_features
+    train_features = FeatureDataset(data_args.data_dir, "train", vf, max_tokens=data_args.max_train_tokens,
+                                    allow_partial=partial)
+    eval_features = FeatureDataset(data_args.data_dir, "validation", vf, verify="none", allow_partial=partial)
     manifest = train_features.manifest
     info = {"aux_layer_indices": list(manifest["aux_layer_indices"]),
             "tokenizer_fingerprint": manifest.get("tokenizer_fingerprint"), "source_dir": data_args.data_dir,
