@@ -110,3 +110,88 @@ def test_vllm_storage_that_contradicts_the_server_is_refused_before_any_request(
         assert code == 1 and stub.posts == 0
     assert errors(capsys) == [f"error: {stub.url} writes its states to {tmp_path / 'storage'}, not --vllm-storage "
                               f"{tmp_path / 'mine'}"]
+
+
+# ---------------------------------------------------------------- features of an unfinished extraction
+
+def test_training_on_an_unfinished_extraction_is_refused_unless_allowed(synthetic, tmp_path, capsys):
+    import shutil
+
+    features = tmp_path / "features"
+    shutil.copytree(synthetic["features"], features)
+    (features / "manifest.json").unlink()  # `extract` still running, or killed: journals only
+    args = ["train", "--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(features), "--output-dir",
+            str(tmp_path / "run"), "--max-seq-len", "64", "--max-steps", "1", "--per-device-train-batch-size", "1",
+            "--report-to", "none", "--disable-tqdm", "true", "--save-strategy", "no", "--eval-strategy", "no"]
+    assert main(args) == 1
+    assert errors(capsys) == [f"error: {features}: an unfinished extraction (no manifest.json; its journals hold 48 "
+                              "samples): rerun the extract command to finish it, or pass --allow-partial-features "
+                              "to use what is there"]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert main([*args, "--allow-partial-features"]) == 0
+    err = capsys.readouterr().err
+    assert (f"[features] warning: {features}: an unfinished extraction (no manifest.json; its journals hold 48 "
+            "samples): using 48 samples (--allow-partial-features)") in err
+    assert not (features / "manifest.json").exists()  # reading never merges: the writer's rerun does
+
+
+# ---------------------------------------------------------------- the verifier's head and embedding
+
+def _untied_checkpoint_without_head(path: Path, tie: bool) -> Path:
+    """A tiny Llama saved with its lm_head tensor removed from model.safetensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.pop("lm_head.weight")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if tie:  # the same files, but the config says the head is the embedding
+        import json
+
+        config_file = path / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tie_word_embeddings": True}))
+    return path
+
+
+def test_a_missing_head_is_the_embedding_only_when_the_config_ties_them(tmp_path):
+    from eagle3_hf.verifier.head import load_verifier_head
+    from eagle3_hf.verifier.loading import verifier_io_weights
+
+    untied = _untied_checkpoint_without_head(tmp_path / "untied", tie=False)
+    with pytest.raises(ValueError) as err:
+        load_verifier_head(untied)
+    assert str(err.value) == (f"{untied}: tensor 'lm_head.weight' not found in ['model.safetensors'] (config.json "
+                              "has tie_word_embeddings false: the head is its own tensor)")
+    with pytest.raises(ValueError) as err:
+        verifier_io_weights(str(untied))
+    assert str(err.value) == (f"{untied}: no *lm_head.weight tensor in {untied / 'model.safetensors'} and its "
+                              "config.json has tie_word_embeddings false: the head is not the embedding")
+    tied = _untied_checkpoint_without_head(tmp_path / "tied", tie=True)
+    _norm, head, _config = load_verifier_head(tied)
+    embed, head_weight = verifier_io_weights(str(tied))
+    assert head.weight.equal(embed) and head_weight.equal(embed)
+
+
+def test_an_unreachable_or_private_verifier_is_not_called_missing(hub, tmp_path):
+    from huggingface_hub import constants
+
+    from eagle3_hf.verifier.loading import verifier_io_weights
+
+    from tests.helpers.hub_server import client_pointed_at
+
+    with client_pointed_at(hub.url, cache_dir=tmp_path / "cache"):
+        with pytest.raises(OSError) as err:
+            verifier_io_weights("nobody/private-verifier")
+        assert str(err.value) == ("cannot read model.safetensors.index.json of nobody/private-verifier from the Hub: "
+                                  "no such repository, or a private one HF_TOKEN cannot see")
+        constants.HF_HUB_OFFLINE = True  # restored on leaving client_pointed_at
+        with pytest.raises(OSError) as err:
+            verifier_io_weights("org/verifier")
+        assert str(err.value) == ("cannot read model.safetensors.index.json of org/verifier from the Hub: the Hub "
+                                  "cannot be reached (network, proxy or HF_HUB_OFFLINE=1) and the file is not in the "
+                                  "local cache")
