@@ -195,3 +195,23 @@ def test_an_unreachable_or_private_verifier_is_not_called_missing(hub, tmp_path)
         assert str(err.value) == ("cannot read model.safetensors.index.json of org/verifier from the Hub: the Hub "
                                   "cannot be reached (network, proxy or HF_HUB_OFFLINE=1) and the file is not in the "
                                   "local cache")
+
+
+# ---------------------------------------------------------------- an empty validation split
+
+def test_an_empty_validation_split_reports_no_metrics_instead_of_fake_ones(synthetic, tmp_path, caplog):
+    import json
+    import logging
+
+    run = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="eagle3_hf.train"):
+        assert main(["train", "--verifier", str(synthetic["verifier_dir"]), "--data-dir", str(synthetic["features"]),
+                     "--output-dir", str(run), "--max-seq-len", "64", "--num-train-epochs", "1",
+                     "--per-device-train-batch-size", "8", "--validation-fraction", "0", "--report-to", "none",
+                     "--disable-tqdm", "true"]) == 0
+    assert ("the validation split is empty (--validation-fraction 0.0): evaluation is off, no accuracy or simulated "
+            "τ is reported") in caplog.messages
+    summary = json.loads((run / "eagle3_training.json").read_text())
+    assert summary["metrics"] == {"step_accuracy": [None] * 3, "step_conditional_accuracy": [None] * 3,
+                                  "simulated_acceptance_length": None}
+    assert not [h for h in summary["log_history"] if any(k.startswith("eval_") for k in h)]  # no accuracy 0, τ 1.0

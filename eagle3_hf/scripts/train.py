@@ -31,6 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, set_seed
+from transformers.trainer_utils import IntervalStrategy
 
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         train, evals, collator, info = build_datasets(data_args, model_args)
     check_features_fit(info, verifier_config, data_args, model_args)
+    if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
+        logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
+                       "simulated τ is reported", data_args.validation_fraction)
+        args.eval_strategy = IntervalStrategy.NO
     d2t, t2d = load_vocabulary(data_args, info, verifier_config)
 
     # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
