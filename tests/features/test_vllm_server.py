@@ -199,6 +199,7 @@ def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_di
                                  "--samples-per-shard", "4", "--vllm-batch-size", "4", "--no-progress"],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "does not name its storage directory" not in result.stderr  # the served name told the client
         assert os.listdir(storage) == ["pids"]  # every file and lock taken; the pids say whose directory it is
     assert not storage.exists()  # the server's storage goes with it
     summary = json.loads(result.stdout.strip().splitlines()[-1])
