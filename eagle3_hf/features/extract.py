@@ -120,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --engine vllm: a running vLLM OpenAI server started with the extraction config "
                              "(`eagle3-hf serve-vllm`) computes the states, --vllm-batch-size requests at a time; "
                              "this machine must see its storage directory")
+    engine.add_argument("--vllm-storage", default=None, metavar="DIR",
+                        help="with --endpoint: the server's storage directory, the only place whose files are read "
+                             "and deleted (default: the one `eagle3-hf serve-vllm` names)")
 
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
@@ -139,7 +142,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
                                     max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
                                     batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
-                                    endpoint=args.endpoint,
+                                    endpoint=args.endpoint, vllm_storage=args.vllm_storage,
                                     debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
                                     progress=not args.no_progress)
     print(json.dumps(summary))

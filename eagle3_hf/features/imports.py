@@ -69,7 +69,15 @@ def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = Non
 
     src = Path(src)
     hs_dir = Path(hidden_states_dir) if hidden_states_dir else src / "hidden_states"
-    rows = load_from_disk(str(src)).with_format("torch", columns=["input_ids", "loss_mask"])
+    try:
+        table = load_from_disk(str(src))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{src}: not a speculators prepared dataset (`datasets.save_to_disk` output)") from None
+    absent = [c for c in ("input_ids", "loss_mask") if c not in (table.column_names or [])]
+    if absent:
+        raise ValueError(f"{src}: the speculators dataset has no {' or '.join(repr(c) for c in absent)} column "
+                         f"(found {sorted(table.column_names or [])})")
+    rows = table.with_format("torch", columns=["input_ids", "loss_mask"])
     for i in range(len(rows)):
         path = hs_dir / f"hs_{i}.safetensors"
         row = rows[i]
@@ -79,11 +87,19 @@ def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = Non
             continue
 
         def load(path: Path = path) -> dict[str, Any]:
-            with safe_open(path, framework="pt") as st:
-                keys = set(st.keys())
-                if not {"hidden_states", "token_ids"} <= keys:
-                    raise KeyError(f"{path}: expected tensors 'hidden_states' and 'token_ids', found {sorted(keys)}")
-                hs, tok = st.get_tensor("hidden_states"), st.get_tensor("token_ids")  # [T, K, H], [T]
+            try:
+                with safe_open(path, framework="pt") as st:
+                    keys = set(st.keys())
+                    if not {"hidden_states", "token_ids"} <= keys:
+                        raise ValueError(f"{path}: no tensor {_absent(keys, ('hidden_states', 'token_ids'))} "
+                                         f"(found {sorted(keys)})")
+                    hs, tok = st.get_tensor("hidden_states"), st.get_tensor("token_ids")  # [T, K, H], [T]
+            except ValueError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
+                raise ValueError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+            if tok.dim() != 1:
+                raise ValueError(f"{path}: token_ids has shape {tuple(tok.shape)}, expected [T]")
             if hs.dim() != 3 or hs.shape[1] != 4:
                 raise ValueError(f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [T, 4, H] (3 aux "
                                  f"layers + the last layer; launch vLLM with --include-last-layer)")
@@ -91,6 +107,15 @@ def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = Non
                     "needs_norm": True}
 
         yield {**base, "load": load}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _absent(have: Any, keys: Sequence[str]) -> str:
+    return " or ".join(repr(k) for k in keys if k not in have)
 
 
 def _torch_load_safe(path: Path) -> dict:
@@ -116,9 +141,15 @@ def read_specforge(src: str | Path) -> Iterator[dict]:
     for i, path in sorted(files):
         def load(path: Path = path) -> dict[str, Any]:
             d = _torch_load_safe(path)
-            missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
-            if missing:
-                raise KeyError(f"{path}: missing key(s) {missing} (has {sorted(d)})")
+            keys = ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state")
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}: holds a {type(d).__name__}, expected a dict of tensors {list(keys)}")
+            if any(k not in d for k in keys):
+                raise ValueError(f"{path}: no key {_absent(d, keys)} (has {sorted(map(str, d))})")
+            for k in keys:
+                if not isinstance(d[k], torch.Tensor) or d[k].dim() == 0:
+                    raise ValueError(f"{path}: key {k!r} holds {type(d[k]).__name__} "
+                                     f"{tuple(getattr(d[k], 'shape', ()))}, expected a tensor")
             aux, last = d["aux_hidden_state"], d["hidden_state"]
             return {"token_ids": d["input_ids"].reshape(-1).long(), "loss_mask": d["loss_mask"].reshape(-1),
                     "aux": aux.reshape(-1, aux.shape[-1]), "last": last.reshape(-1, last.shape[-1]),

@@ -91,15 +91,17 @@ class FeatureDataset(Dataset):
     """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
 
     verify: "shard" (sizes + sha256 of every shard on open, the default), "sample" (sizes on open, each sample's
-    sha256 when read) or "none" (sizes only).
+    sha256 when read) or "none" (sizes only). allow_partial: read an unfinished extraction's samples (with a
+    warning) instead of refusing it (store.load_manifest).
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 verify: str = "shard", max_tokens: int | None = None, subset_seed: int = 0):
+                 verify: str = "shard", max_tokens: int | None = None, subset_seed: int = 0,
+                 allow_partial: bool = False):
         if verify not in ("shard", "sample", "none"):
             raise ValueError(f"verify must be 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
-        self.manifest = load_manifest(self.features_dir)
+        self.manifest = load_manifest(self.features_dir, allow_partial)
         self.verify, self.split = verify, split
         verifier = self.manifest["verifier"]
         self.hidden_size = int(verifier["hidden_size"])

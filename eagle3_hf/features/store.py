@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from ..constants import MANIFEST
+from ..errors import Eagle3Error
 
 FORMAT, VERSION = "eagle3_hf.features", 1
 DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
@@ -211,8 +212,10 @@ def journals(out_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def merge_manifests(out_dir: str | Path, write: bool = True) -> dict:
-    """Merge every rank's journal into one manifest (shards in file-name order), written atomically."""
+def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -> dict:
+    """Merge every rank's journal into one manifest (shards in file-name order), written atomically. `missing`:
+    samples of the dataset no rank has written or skipped yet (a merge that stopped waiting), recorded so that
+    readers refuse the manifest as unfinished (load_manifest)."""
     out_dir = Path(out_dir)
     header, shards, samples = None, [], []
     skipped: dict[str, list[str]] = {}  # reason -> sample ids
@@ -243,13 +246,23 @@ def merge_manifests(out_dir: str | Path, write: bool = True) -> dict:
     manifest.update({"shards": shards, "samples": samples,
                      "skipped": {k: len(v) for k, v in sorted(skipped.items())},
                      "skipped_ids": {k: v for k, v in sorted(skipped.items())}})
+    if missing:
+        manifest["missing_samples"] = int(missing)
     if write:
         atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
-def load_manifest(features_dir: str | Path) -> dict:
-    """manifest.json, or the journals merged in memory when an extraction has not finished."""
+class PartialFeaturesError(Eagle3Error):
+    """A feature directory whose extraction has not finished (still running, or stopped): part of the data."""
+
+
+_warned_partial: set[str] = set()
+
+
+def read_manifest(features_dir: str | Path) -> dict:
+    """manifest.json, or the journals merged in memory: what a writer resuming an extraction reads. Readers that
+    train or evaluate use load_manifest, which refuses an unfinished extraction."""
     path = Path(features_dir) / MANIFEST
     if path.is_file():
         with open(path, encoding="utf-8") as f:
@@ -259,7 +272,32 @@ def load_manifest(features_dir: str | Path) -> dict:
         if manifest.get("version") != VERSION:
             raise ValueError(f"{path}: feature format version {manifest.get('version')} is not supported ({VERSION})")
         return manifest
-    return merge_manifests(features_dir, write=False)
+    manifest = merge_manifests(features_dir, write=False)
+    manifest["unfinished"] = True  # journals only: no merge has declared the extraction done
+    return manifest
+
+
+def load_manifest(features_dir: str | Path, allow_partial: bool = False) -> dict:
+    """The manifest of a finished extraction. One that has not finished (no manifest.json, only the journals of a
+    run still writing or stopped; or a manifest merged with samples missing) is part of the data: refused in one
+    line (PartialFeaturesError) unless `allow_partial`, which reads what is there and says how much on stderr."""
+    manifest = read_manifest(features_dir)
+    missing = int(manifest.get("missing_samples") or 0)
+    if not manifest.get("unfinished") and not missing:
+        return manifest
+    found = len(manifest["samples"])
+    done = found + sum(int(n) for n in manifest.get("skipped", {}).values())
+    held = f"{found} of {done + missing} samples" if missing else f"{found} samples"
+    where = (f"its manifest lists {held}, {missing} not yet extracted" if missing
+             else f"no manifest.json; its journals hold {held}")
+    if not allow_partial:
+        raise PartialFeaturesError(f"{features_dir}: an unfinished extraction ({where}): rerun the extract command "
+                                   "to finish it, or pass --allow-partial-features to use what is there")
+    if str(features_dir) not in _warned_partial:
+        _warned_partial.add(str(features_dir))
+        print(f"[features] warning: {features_dir}: an unfinished extraction ({where}): using {held} "
+              "(--allow-partial-features)", file=sys.stderr)
+    return manifest
 
 
 def dist_env() -> tuple[int, int]:
@@ -281,7 +319,7 @@ def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, p
             if not want <= done:
                 print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
                       f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
-            return merge_manifests(out_dir, write=True)
+            return merge_manifests(out_dir, write=True, missing=len(want - done))
         if not told:
             print(f"[extract] rank 0 done; waiting for {len(want - done)} samples of the other ranks to merge "
                   f"{out_dir}/manifest.json", file=sys.stderr)
@@ -307,8 +345,11 @@ class ShardWriter:
         self.samples_per_shard, self.max_shard_bytes = max(1, samples_per_shard), max_shard_bytes
         self.dtype = canonical_dtype(header["dtype"])
         manifest_path = self.out_dir / MANIFEST
-        if manifest_path.is_file():
-            check_header(load_manifest(self.out_dir), header, str(manifest_path))
+        # a manifest.json lists what was there: the first commit removes it (readers then see journals only,
+        # an unfinished extraction, until the end of the run merges them again)
+        self._manifest_on_disk = manifest_path.is_file()
+        if self._manifest_on_disk:
+            check_header(read_manifest(self.out_dir), header, str(manifest_path))
         self.done_ids: set[str] = set()
         self.next_idx = 0
         for r, path in journals(self.out_dir).items():
@@ -395,6 +436,10 @@ class ShardWriter:
 
     def _commit(self, idx: int | None, samples: list[dict], ids: list[str], skipped: dict[str, list[str]]) -> None:
         record: dict[str, Any] = {"shard": None, "samples": [], "skipped": skipped}
+        if self._manifest_on_disk:
+            (self.out_dir / MANIFEST).unlink(missing_ok=True)
+            _fsync_dir(self.out_dir)
+            self._manifest_on_disk = False
         if idx is not None:
             name = shard_name(self.rank, idx)
             tensors = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}

@@ -212,11 +212,13 @@ class VllmFeatures:
 
     def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  batch_size: int = 8, max_pending: int = 16, threads: int = 1, timeout: float | None = None,
-                 connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = ""):
+                 connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = "",
+                 vllm_storage: str | None = None):
         self.spec, self.identity = spec, spec.identity
         self.max_model_len, self.tensor_parallel_size = max_model_len, tensor_parallel_size
         self.batch_size, self.max_pending, self.threads, self.timeout = batch_size, max_pending, threads, timeout
         self.connector, self.debug, self.endpoint, self.verifier = connector, debug, endpoint, verifier
+        self.vllm_storage = vllm_storage  # the only directory whose files a server may name (vllm_server.py)
         self.served: dict[str, Any] | None = None
         self.result: dict[str, Any] = {}
         self.peak = 0
@@ -229,7 +231,8 @@ class VllmFeatures:
         if self.endpoint is not None:
             from .vllm_server import check_server
 
-            self.served = check_server(self.endpoint, self.verifier, self.spec.path, longest, self.spec.layer_ids)
+            self.served = check_server(self.endpoint, self.verifier, self.spec.path, longest, self.spec.layer_ids,
+                                       self.vllm_storage)
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
         from ..engines.vllm_env import VllmExtraction
@@ -244,7 +247,8 @@ class VllmFeatures:
 
             run = EndpointExtraction(str(self.endpoint), prompts, model=str(self.served["id"]),
                                      concurrency=self.batch_size,
-                                     timeout=ENDPOINT_TIMEOUT_S if self.timeout is None else self.timeout)
+                                     timeout=ENDPOINT_TIMEOUT_S if self.timeout is None else self.timeout,
+                                     storage=self.served["storage"])
         else:
             run = VllmExtraction(request, prompts, threads=self.threads, debug=self.debug, timeout=self.timeout)
         with run:
@@ -272,7 +276,7 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           max_pending: int = 16, threads: int = 1, timeout: float | None = None,
                           connector: str = "auto", debug: bool = False, progress: bool = True,
                           rank: int | None = None, world_size: int | None = None,
-                          endpoint: str | None = None) -> dict[str, Any]:
+                          endpoint: str | None = None, vllm_storage: str | None = None) -> dict[str, Any]:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict.
     With `endpoint`, a running vLLM OpenAI server computes them and no vLLM is needed here."""
     from ..engines.vllm_env import vllm_python
@@ -283,6 +287,7 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                            vllm_dtype)
     source = VllmFeatures(spec, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                           batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
-                          connector=connector, debug=debug, endpoint=endpoint, verifier=verifier)
+                          connector=connector, debug=debug, endpoint=endpoint, verifier=verifier,
+                          vllm_storage=vllm_storage)
     return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
                           progress=progress, desc="extract vllm").as_dict()

@@ -16,17 +16,28 @@ the server's layer ids are not the ones asked for (or its final norm differs), a
 
 Requests run `concurrency` at a time (the server batches them), in order; each has a timeout, 5xx answers
 and dropped connections are retried, and a file whose request this client abandoned is deleted.
+
+What this client trusts of an answer (docs/security.md): nothing it has not checked. It reads and deletes only
+files inside the server's storage directory (`--vllm-storage`, else the one `serve-vllm` names in /v1/models,
+else the first answer's directory, said on stderr) and named as vLLM's connector names this request's file
+(`cmpl-<the request id this client sent>-0-<suffix>.safetensors`, so no file that existed before the request
+can match); symlinks are resolved first. Any other path is refused in one line, untouched. An answer is at
+most ANSWER_LIMIT bytes and must arrive whole within the timeout.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,11 +53,69 @@ class EndpointError(Eagle3Error):
 
 
 def remove_file(path: str) -> None:
+    """Delete a file vLLM wrote and its lock: only ever called with a path `StoragePolicy.vet` accepted."""
     for p in (path, path + ".lock"):
         try:
             os.unlink(p)
         except FileNotFoundError:
             pass
+
+
+REFUSED = "refused (nothing read or removed)"
+
+
+class StoragePolicy:
+    """Which paths an answer may name: files of the connector's pattern for this request, in one directory.
+
+    `storage` is the directory (`--vllm-storage`, or what the server names); None takes the first vetted
+    answer's directory. Paths are compared after resolving symlinks, so a link inside the directory that
+    points out of it, or a `..`, is outside. Thread-safe: answers arrive on the pool's threads."""
+
+    def __init__(self, url: str, storage: str | None):
+        self.url = url
+        self.storage = os.path.realpath(storage) if storage else None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def pattern(request_id: str) -> re.Pattern[str]:
+        """The name vLLM's hidden-states connector gives a completion's file: `<engine request id>.safetensors`,
+        the engine id being `cmpl-<X-Request-Id>-<prompt index>` plus vLLM's random suffix."""
+        return re.compile(rf"cmpl-{re.escape(request_id)}-0(?:-[0-9A-Za-z]{{1,64}})?\.safetensors")
+
+    def vet(self, path: object, request_id: str) -> str:
+        """The resolved path of the file to read, or EndpointError (one line) without touching anything."""
+        where = f"{self.url} answered hidden_states_path {path!r}"
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise EndpointError(f"{where}, not an absolute path: {REFUSED}")
+        if ".." in path.split(os.sep):
+            raise EndpointError(f"{where}, which has a '..' component: {REFUSED}")
+        if not self.pattern(request_id).fullmatch(os.path.basename(path)):
+            raise EndpointError(f"{where}, not the name vLLM's connector gives this request's file "
+                                f"(cmpl-<request id>-0-<suffix>.safetensors): {REFUSED}")
+        with self._lock:
+            if self.storage is None:
+                folder = os.path.dirname(path)
+                if not os.path.isdir(folder):
+                    raise EndpointError(f"{self.url} writes its states to {folder}, which this machine cannot see: "
+                                        "run the client on the server's machine or share that directory at the "
+                                        "same path")
+                self.storage = os.path.realpath(folder)
+                print(f"[extract] {self.url} does not name its storage directory: reading and deleting only its "
+                      f"files in {self.storage} (--vllm-storage sets it)", file=sys.stderr)
+        storage = self.storage
+        for name, which in ((path, "which"), (path + ".lock", "whose .lock")):
+            real = os.path.realpath(name)
+            if os.path.dirname(real) != storage or os.path.basename(real) != os.path.basename(name):
+                shown = "" if real == name else f", {which} resolves to {real}"
+                raise EndpointError(f"{where}{shown}, outside its storage {storage}: {REFUSED}")
+        return os.path.join(storage, os.path.basename(path))
+
+    def check_still_inside(self, path: str) -> None:
+        """Just before the file is read: it must not have become a link since it was vetted."""
+        for name in (path, path + ".lock"):
+            if os.path.islink(name):
+                raise EndpointError(f"{name} became a symlink (to {os.path.realpath(name)}) after {self.url} "
+                                    f"answered: {REFUSED}")
 
 
 class WriteFailed(OSError):
@@ -60,11 +129,15 @@ def wait_for_lock(path: str, deadline: float) -> None:
     lock = path + ".lock"
     while True:
         try:
-            fd = os.open(lock, os.O_RDONLY)
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)  # a lock that became a link is not followed
         except FileNotFoundError:
             if os.path.exists(path):
                 return  # no lock (use_synchronization_lock off) and the file is there
             fd = -1
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise EndpointError(f"{lock} became a symlink (to {os.path.realpath(lock)}): {REFUSED}") from None
         if fd >= 0:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -90,10 +163,11 @@ class EndpointExtraction:
     names none) and "connector", always None here (the server chose its connector; its answers do not say which)."""
 
     def __init__(self, url: str, prompts: Iterable[tuple[int, list[int]]], model: str, concurrency: int = 8,
-                 timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
+                 timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, storage: str | None = None):
         self.url, self.model = url.rstrip("/"), model
         self.prompts, self.concurrency = prompts, max(1, int(concurrency))
         self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
+        self.policy = StoragePolicy(self.url, storage)
         self.peak_pending_bytes = 0
         self.result: dict[str, Any] = {"connector": None, "vllm_version": None}
         self._futures: deque[Future] = deque()
@@ -103,15 +177,21 @@ class EndpointExtraction:
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="eagle3-endpoint")
         return self
 
-    def _post(self, ids: list[int]) -> dict[str, Any]:
+    def _post(self, ids: list[int], request_id: str) -> dict[str, Any]:
+        from ..engines.vllm_openai import read_answer
+
         body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                            "return_token_ids": True}).encode()
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json",
+                                                      "X-Request-Id": request_id})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    answer = read_answer(response, self.url, time.monotonic() + self.timeout)
+                if not isinstance(answer, dict):
+                    raise EndpointError(f"{self.url} answered a completion that is not a JSON object")
+                return answer
             except urllib.error.HTTPError as exc:
                 if exc.code < 500 or attempt == self.retries:
                     raise EndpointError(self._why(exc)) from None
@@ -121,6 +201,8 @@ class EndpointExtraction:
             except TimeoutError:
                 raise EndpointError(f"{self.url} did not answer a completion within {self.timeout:.0f} s "
                                     "(--vllm-timeout sets the limit)") from None
+            except ValueError as exc:
+                raise EndpointError(str(exc)) from None
             time.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 
@@ -130,20 +212,21 @@ class EndpointExtraction:
         return server_error(self.url, exc)
 
     def _one(self, key: int, ids: list[int]) -> dict[str, Any]:
-        answer = self._post(ids)
+        request_id = f"eagle3-{uuid.uuid4().hex}"  # the connector names the file for it: no older file can match
+        answer = self._post(ids, request_id)
         params = answer.get("kv_transfer_params") or {}
-        path = params.get("hidden_states_path")
+        path = params.get("hidden_states_path") if isinstance(params, dict) else None
         if not path:
             raise EndpointError(f"{self.url} answered without kv_transfer_params.hidden_states_path: it was not "
                                 "started with the extraction config (`eagle3-hf serve-vllm`)")
-        choice = (answer.get("choices") or [{}])[0]
-        prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
-        if prompt_tokens is not None and int(prompt_tokens) != len(ids):
+        path = self.policy.vet(path, request_id)
+        choices = answer.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        usage = answer.get("usage")
+        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if prompt_tokens is not None and prompt_tokens != len(ids):
             remove_file(path)
-            raise EndpointError(f"{self.url} prefilled {prompt_tokens} tokens for a prompt of {len(ids)}")
-        if not os.path.isdir(os.path.dirname(path) or "."):
-            raise EndpointError(f"{self.url} writes its states to {os.path.dirname(path)}, which this machine cannot "
-                                "see: run the client on the server's machine or share that directory at the same path")
+            raise EndpointError(f"{self.url} prefilled {prompt_tokens!r} tokens for a prompt of {len(ids)}")
         try:
             wait_for_lock(path, time.monotonic() + self.timeout)
         except WriteFailed:
@@ -156,7 +239,10 @@ class EndpointExtraction:
         if self.result["vllm_version"] is None:
             fingerprint = str(answer.get("system_fingerprint") or "")
             self.result["vllm_version"] = fingerprint.split("-")[1] if fingerprint.startswith("vllm-") else None
-        tokens = choice.get("token_ids") or []
+        tokens = choice.get("token_ids")
+        if tokens and not (isinstance(tokens, list) and isinstance(tokens[0], int)):
+            remove_file(path)
+            raise EndpointError(f"{self.url} answered token_ids {str(tokens)[:80]}, not a list of token ids")
         return {"key": key, "path": path, "prompt_tokens": len(ids), "next_token": int(tokens[0]) if tokens else None}
 
     def records(self) -> Iterator[dict[str, Any]]:
@@ -175,6 +261,7 @@ class EndpointExtraction:
                 return
             record = self._futures[0].result()
             self._futures.popleft()
+            self.policy.check_still_inside(record["path"])
             self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes(record["path"]))
             yield record
 
@@ -201,15 +288,22 @@ class EndpointExtraction:
         self._futures.clear()
 
 
-def check_server(url: str, verifier: str, verifier_path: str, longest: int, layer_ids: list[int]) -> dict[str, Any]:
+def check_server(url: str, verifier: str, verifier_path: str, longest: int, layer_ids: list[int],
+                 storage: str | None = None) -> dict[str, Any]:
     """The model the server at `url` serves, checked against `--verifier`, the layer ids and the longest sample;
     one line (EndpointError) when it is missing, serves another model, captures other layers (as its second
-    served-model name says) or takes shorter prompts."""
-    from ..engines.vllm_openai import served_layer_ids, server_error, server_models
+    served-model name says) or takes shorter prompts. Its "storage" is the directory whose files the client
+    may read and delete: `storage` (--vllm-storage), which the server's own must not contradict, else the one
+    it names (it must be visible here), else None (the first answer's, StoragePolicy)."""
+    from ..engines.vllm_openai import served_layer_ids, served_storage, server_error, server_models
 
     try:
         models = server_models(url, timeout=30.0)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except TimeoutError:
+        raise EndpointError(f"{url}/v1/models did not answer within 30 s") from None
+    except ValueError as exc:
+        raise EndpointError(str(exc)) from None
+    except (urllib.error.URLError, OSError) as exc:
         raise EndpointError(server_error(url, exc)) from None
     if not models:
         raise EndpointError(f"{url}/v1/models lists no model")
@@ -232,5 +326,18 @@ def check_server(url: str, verifier: str, verifier_path: str, longest: int, laye
     if limit is not None and longest + 1 > int(limit):
         raise EndpointError(f"{url} takes at most {limit} tokens (its --max-model-len); the longest sample has "
                             f"{longest} (+1 generated)")
+    model["storage"] = storage_directory(url, storage, served_storage(models))
     return model
+
+
+def storage_directory(url: str, given: str | None, named: str | None) -> str | None:
+    """The storage directory the client keeps to: `given` (--vllm-storage) or the server's `named` one; one line
+    when it is not a directory here or when the two differ."""
+    if given and named and os.path.realpath(given) != os.path.realpath(named):
+        raise EndpointError(f"{url} writes its states to {named}, not --vllm-storage {given}")
+    folder = given or named
+    if folder and not os.path.isdir(folder):
+        raise EndpointError(f"{url} writes its states to {folder}, which this machine cannot see: run the client "
+                            "on the server's machine or share that directory at the same path")
+    return folder
 

@@ -441,15 +441,25 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     # transformers wraps PreTrainedModel.push_to_hub (functools.wraps), so mypy reads its signature as
     # (*args, **kwargs); this one is keyword-only on purpose
     def push_to_hub(  # type: ignore[override]
-        self, repo_id: str, *, token: str | None = None, private: bool | None = None,
-        revision: str | None = None, commit_message: str | None = None, run_check: bool = True, **unused: Any,
+        self, repo_id: str, *, token: str | bool | None = None, private: bool | None = None,
+        revision: str | None = None, commit_message: str | None = None, commit_description: str | None = None,
+        create_pr: bool = False, max_shard_size: int | str | None = None, tags: list[str] | None = None,
+        run_check: bool = True, **unknown: Any,
     ) -> str:
         """Check the drafter (eagle3_hf.publish.check), write our model card and upload the standard layout.
-        transformers' own push would replace the card with a generic one and skip the check."""
+        transformers' own push would replace the card with a generic one and skip the check. Takes the
+        arguments transformers' PushToHubMixin documents; any other is refused (TypeError), never dropped."""
         from ..publish.hub import push_drafter
 
+        if unknown:
+            raise TypeError(f"push_to_hub: unknown argument(s) {', '.join(sorted(unknown))} (it takes token, private, "
+                            "revision, commit_message, commit_description, create_pr, tags, run_check)")
+        if max_shard_size is not None:
+            raise ValueError("push_to_hub: max_shard_size is not taken: a drafter is pushed as one model.safetensors, "
+                             "the layout serving engines load")
         return push_drafter(self, repo_id, token=token, private=bool(private), revision=revision,
-                            commit_message=commit_message, run_check=run_check)
+                            commit_message=commit_message, run_check=run_check, commit_description=commit_description,
+                            create_pr=create_pr, tags=tags)
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

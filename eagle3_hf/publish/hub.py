@@ -126,21 +126,24 @@ def _local_verifier(folder: Path) -> str | None:
 def push_drafter(
     model_or_dir: Any,
     repo_id: str,
-    token: str | None = None,
+    token: str | bool | None = None,
     private: bool = False,
     revision: str | None = None,
     commit_message: str | None = None,
     run_check: bool = True,
+    commit_description: str | None = None,
+    create_pr: bool = False,
+    tags: list[str] | None = None,
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
     Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when
-    missing. Raises `DrafterCheckError` when the checkpoint would not serve, `HubError` for auth / network /
-    conflicts.
+    missing. `tags` are added to the card's own. Raises `DrafterCheckError` when the checkpoint would not serve,
+    `HubError` for auth / network / conflicts.
     """
     from huggingface_hub import HfApi, get_token
 
-    token = token or get_token()
+    token = token if isinstance(token, str) and token else get_token()  # True: the stored token, as transformers
     if not token:
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token with write access)")
     with tempfile.TemporaryDirectory(prefix="eagle3_push_") as tmp:
@@ -163,15 +166,27 @@ def push_drafter(
         if revision not in (None, "main"):
             with hub_errors(f"create branch {revision!r} in", repo_id, token):
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-        write_model_card(folder, repo_id)
+        card = write_model_card(folder, repo_id)
+        if tags:
+            _add_tags(card, tags)
         with hub_errors("upload to", repo_id, token):
             info = api.upload_folder(
                 repo_id=repo_id, folder_path=str(folder), revision=revision,
                 commit_message=commit_message or "Upload EAGLE-3 drafter (eagle3_hf)",
+                commit_description=commit_description, create_pr=create_pr,
                 allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS,
             )
     logger.info("pushed %s: %s", repo_id, info.commit_url)
     return info  # a CommitInfo: the commit URL as a str, with .oid, like PreTrainedModel.push_to_hub
+
+
+def _add_tags(card_path: Path, tags: list[str]) -> None:
+    """The card's tags plus `tags` (push_to_hub's argument), in the card's YAML header."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(card_path)
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *tags]))
+    card.save(card_path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ import os
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, set_seed
+from transformers.trainer_utils import IntervalStrategy
 
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
@@ -63,6 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.dataloader_num_workers = DEFAULT_WORKERS
     check_features_fit(features, verifier_config, model_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
+    if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
+        logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
+                       "simulated τ is reported", data_args.validation_fraction)
+        args.eval_strategy = IntervalStrategy.NO
 
     # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
     #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly).

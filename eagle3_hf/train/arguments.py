@@ -109,6 +109,9 @@ class DataArguments:
     online_timeout: float = field(default=600.0, metadata={"help": "seconds one feature request may take"})
     online_retries: int = field(default=3, metadata={"help": "retries of a feature request that timed out or "
                                                               "found the server down, before the run stops"})
+    allow_partial_features: bool = field(
+        default=False, metadata={"help": "train on an unfinished extraction's samples (--features DIR without its "
+                                         "manifest.json), with a warning saying how many, instead of refusing it"})
     vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the feature or "
                                                                       "prepared directory)"})
     max_seq_len: int = field(default=2048)

@@ -93,8 +93,10 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
         who = VerifierIdentity.of(text_config(verifier_config), model_args.verifier, model_args.verifier_revision)
         return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
                                 data_args.prepared_dir, online=True)
-    train_features = FeatureDataset(spec.target, "train", vf, max_tokens=data_args.max_train_tokens)
-    eval_features = FeatureDataset(spec.target, "validation", vf, verify="none")
+    partial = data_args.allow_partial_features
+    train_features = FeatureDataset(spec.target, "train", vf, max_tokens=data_args.max_train_tokens,
+                                    allow_partial=partial)
+    eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial)
     manifest = train_features.manifest
     return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
                             PackedCollator(max_seq_len=data_args.max_seq_len),

@@ -44,14 +44,17 @@ def load_verifier_head(verifier: PreTrainedModel | str | Path,
     for f in files:
         with safe_open(f, framework="pt") as st:
             where.update({k: f for k in st.keys()})
+    tied = bool(getattr(config, "tie_word_embeddings", False))  # what transformers itself reads to tie them
     for module in (norm, head):
         state = {}
         for pname, _ in module.named_parameters(recurse=False):
             key = f"{names[id(module)]}.{pname}"
-            if key not in where and module is head and pname == "weight":
+            if key not in where and module is head and pname == "weight" and tied:
                 key = f"{names[id(embed)]}.weight"  # tied embeddings: the head is the embedding matrix
             if key not in where:
-                raise KeyError(f"{path}: tensor {key!r} not found in {[f.name for f in files]}")
+                untied = " (config.json has tie_word_embeddings false: the head is its own tensor)" \
+                    if module is head and not tied else ""
+                raise ValueError(f"{path}: tensor {key!r} not found in {[f.name for f in files]}{untied}")
             with safe_open(where[key], framework="pt") as st:
                 state[pname] = st.get_tensor(key).float()
         module.load_state_dict(state, assign=True)

@@ -111,11 +111,47 @@ def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = N
     return model
 
 
+def hub_read_error(name: str, filename: str, exc: Exception) -> OSError:
+    """Why `filename` of `name` could not be read from the Hub, in one line naming the file: an absent file is
+    not this (the caller handles it); a private or gated repository, a bad token, no network and offline mode
+    each say so. Tokens never reach the message (the server's text is not quoted)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"cannot read {filename} of {name} from the Hub"
+    if isinstance(exc, GatedRepoError):
+        why = "a gated repository: accept its terms on the Hub and set HF_TOKEN to a token of that account"
+    elif isinstance(exc, RepositoryNotFoundError):
+        why = "no such repository, or a private one HF_TOKEN cannot see"
+    elif isinstance(exc, RevisionNotFoundError):
+        why = "no such revision (--verifier-revision)"
+    elif isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code in (401, 403):
+        why = f"the Hub refused the token ({exc.response.status_code}): set HF_TOKEN to a valid token with read access"
+    elif isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "an error"
+        why = f"the Hub answered {status}"
+    elif isinstance(exc, LocalEntryNotFoundError):  # offline, or the Hub unreachable, and the file not cached
+        why = ("the Hub cannot be reached (network, proxy or HF_HUB_OFFLINE=1) and the file is not in the local "
+               "cache")
+    else:
+        why = f"{type(exc).__name__} (network, proxy or HF_ENDPOINT)"
+    return OSError(f"{where}: {why}")
+
+
 def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
-    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline."""
+    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline. The head
+    falls back to the embedding only when the config ties them; a file that could not be fetched (auth,
+    network) is an error, not a missing file."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     local = Path(resolve_verifier(name_or_path))
 
@@ -124,8 +160,12 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
             return local / filename if (local / filename).is_file() else None
         try:
             return Path(hf_hub_download(name_or_path, filename, revision=revision))
-        except Exception:  # noqa: BLE001 - absent index: a single-file checkpoint
-            return None
+        except EntryNotFoundError as exc:
+            if isinstance(exc, LocalEntryNotFoundError):  # not cached and the Hub not reachable: not "absent"
+                raise hub_read_error(name_or_path, filename, exc) from None
+            return None  # the repository has no such file (a single-file checkpoint has no index)
+        except Exception as exc:  # noqa: BLE001 - every other failure is auth or transport: one line
+            raise hub_read_error(name_or_path, filename, exc) from None
 
     index_file = fetch("model.safetensors.index.json")
     if index_file is not None:
@@ -145,7 +185,12 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
     embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
     if embed_key is None:
         raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
-    head_key = head_key or embed_key  # tied embeddings
+    if head_key is None:
+        config = AutoConfig.from_pretrained(str(local) if local.is_dir() else name_or_path, revision=revision)
+        if not getattr(config, "tie_word_embeddings", False):
+            raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {index_file or single} and its "
+                             "config.json has tie_word_embeddings false: the head is not the embedding")
+        head_key = embed_key  # tied embeddings
 
     def read(key: str) -> torch.Tensor:
         with safe_open(str(fetch(where[key])), framework="pt") as f:

@@ -122,7 +122,7 @@ def test_sigkill_resume_bit_identical(tmp_path, tiny_verifier_dir, fingerprint):
     extract_in_process(tiny_verifier_dir, prepared, full, fingerprint)  # meanwhile, the uninterrupted run
     kill_after_shards(proc, killed / "manifest.r000.jsonl", 3, timeout=120)
     assert not (killed / "manifest.json").exists()
-    partial = FeatureDataset(killed, split="all")  # the journal alone is a readable, consistent state
+    partial = FeatureDataset(killed, split="all", allow_partial=True)  # the journal alone: readable, consistent
     assert 6 <= len(partial) < 16
     extract_in_process(tiny_verifier_dir, prepared, killed, fingerprint)
     names = sorted(p.name for p in full.iterdir())

@@ -150,3 +150,54 @@ def test_speculators_wrong_shape_named(tmp_path, tiny_verifier_dir, fingerprint)
     with pytest.raises(ValueError, match=r"hs_0\.safetensors: hidden_states has shape \(3, 3, 64\)"):
         import_features("speculators", src, tmp_path / "out", str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
                         progress=False)
+
+
+def _speculators(src, tensors=None, columns=("input_ids", "loss_mask"), raw: bytes | None = None):
+    rows = {"input_ids": [[5, 6, 7]], "loss_mask": [[1, 1, 1]]}
+    datasets.Dataset.from_dict({c: rows[c] for c in columns}).save_to_disk(str(src))
+    (src / "hidden_states").mkdir()
+    path = src / "hidden_states" / "hs_0.safetensors"
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize("case", ["no-token-ids", "corrupt", "no-loss-mask", "specforge-no-key",
+                                  "specforge-not-a-dict", "specforge-scalar"])
+def test_a_malformed_file_is_one_line_naming_the_file_and_key(tmp_path, tiny_verifier_dir, case, capsys):
+    from eagle3_hf.cli import main
+
+    src, fmt = tmp_path / "src", "speculators"
+    if case == "no-token-ids":
+        path = _speculators(src, {"hidden_states": torch.zeros(3, 4, 64)})
+        line = f"{path}: no tensor 'token_ids' (found ['hidden_states'])"
+    elif case == "corrupt":
+        path = _speculators(src, raw=b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+        line = f"{path}: not a readable safetensors file ("
+    elif case == "no-loss-mask":
+        _speculators(src, {"hidden_states": torch.zeros(3, 4, 64)}, columns=("input_ids",))
+        line = f"{src}: the speculators dataset has no 'loss_mask' column (found ['input_ids'])"
+    else:
+        fmt = "specforge"
+        (src / "rows_0-2000").mkdir(parents=True)
+        path = src / "rows_0-2000" / "data_0.ckpt"
+        ok = {"input_ids": torch.arange(3), "loss_mask": torch.ones(3), "aux_hidden_state": torch.zeros(1, 3, 192),
+              "hidden_state": torch.zeros(1, 3, 64)}
+        if case == "specforge-no-key":
+            torch.save({k: v for k, v in ok.items() if k != "hidden_state"}, path)
+            line = f"{path}: no key 'hidden_state' (has ['aux_hidden_state', 'input_ids', 'loss_mask'])"
+        elif case == "specforge-not-a-dict":
+            torch.save(torch.zeros(3), path)
+            line = (f"{path}: holds a Tensor, expected a dict of tensors ['input_ids', 'loss_mask', "
+                    "'aux_hidden_state', 'hidden_state']")
+        else:
+            torch.save({**ok, "hidden_state": torch.tensor(1.0)}, path)
+            line = f"{path}: key 'hidden_state' holds Tensor (), expected a tensor"
+    capsys.readouterr()  # the fixture's own progress bars
+    code = main(["import-features", fmt, str(src), "--verifier", str(tiny_verifier_dir), "--output",
+                 str(tmp_path / "out"), "--aux-layers", ",".join(map(str, AUX)), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("error: " + line), (err[0], line)

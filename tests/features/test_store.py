@@ -125,3 +125,53 @@ def test_fp8_table_decode_and_collate(tmp_path):
             assert torch.equal(batch["last_hidden_state"][b, at:at + e - s], ds[i]["last_hidden_state"][s:e])
             at += e - s
         assert (batch["aux_hidden_states"][b, at:] == 0).all()
+
+
+# ---------------------------------------------------------------- an unfinished extraction is refused unless asked for
+
+def test_journals_without_a_manifest_are_refused_unless_partial_is_allowed(tmp_path, capsys):
+    from eagle3_hf.features.store import PartialFeaturesError, load_manifest
+
+    out = tmp_path / "f"
+    w = ShardWriter(out, _header("float32"), samples_per_shard=2)
+    for i in range(5):
+        w.add(f"x{i}", *_sample(8, i))
+    w.close()  # killed before the merge: journals only
+    with pytest.raises(PartialFeaturesError) as err:
+        FeatureDataset(out, split="all")
+    assert str(err.value) == (f"{out}: an unfinished extraction (no manifest.json; its journals hold 5 samples): "
+                              "rerun the extract command to finish it, or pass --allow-partial-features to use "
+                              "what is there")
+    assert len(FeatureDataset(out, split="all", allow_partial=True)) == 5
+    assert capsys.readouterr().err.strip() == (f"[features] warning: {out}: an unfinished extraction (no "
+                                               "manifest.json; its journals hold 5 samples): using 5 samples "
+                                               "(--allow-partial-features)")
+    merge_manifests(out)
+    assert len(load_manifest(out)["samples"]) == 5
+
+
+def test_a_merge_that_stopped_waiting_says_n_of_m_and_a_resumed_writer_unmerges(tmp_path, capsys):
+    from eagle3_hf.features.store import PartialFeaturesError, load_manifest, wait_and_merge
+
+    out = tmp_path / "f"
+    w = ShardWriter(out, _header("float32"), samples_per_shard=2)
+    for i in range(3):
+        w.add(f"x{i}", *_sample(8, i))
+    w.close()
+    wait_and_merge(out, [f"x{i}" for i in range(5)], timeout_s=0)  # ranks that never came: 2 missing
+    with pytest.raises(PartialFeaturesError, match=r"its manifest lists 3 of 5 samples, 2 not yet extracted"):
+        load_manifest(out)
+    assert len(load_manifest(out, allow_partial=True)["samples"]) == 3
+    w = ShardWriter(out, _header("float32"), samples_per_shard=2)  # the rerun resumes: not refused
+    assert w.done_ids == {"x0", "x1", "x2"}
+    w.add("x3", *_sample(8, 3))
+    w.flush()
+    w.wait()  # one more shard committed: the old manifest no longer lists everything and is gone
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(PartialFeaturesError, match="its journals hold 4 samples"):
+        load_manifest(out)
+    w.add("x4", *_sample(8, 4))
+    w.close()
+    assert len(wait_and_merge(out, [f"x{i}" for i in range(5)], timeout_s=0)["samples"]) == 5
+    assert "missing_samples" not in load_manifest(out)
+    capsys.readouterr()

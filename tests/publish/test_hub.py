@@ -203,3 +203,22 @@ def test_write_model_card_keeps_a_foreign_readme(tmp_path):
     assert ModelCard.load(path / "README.md").data.tags[0] == "eagle3"
     write_model_card(path, "org/new")  # ours: rewritten
     assert "org/new" in (path / "README.md").read_text()
+
+
+def test_push_to_hub_refuses_an_argument_it_would_drop_and_takes_transformers_ones(client, tmp_path):
+    from huggingface_hub import HfApi, ModelCard, hf_hub_download
+
+    from tests.helpers.drafters import tiny_model, vocab_mapping
+
+    model = tiny_model()
+    model.set_vocab_mapping(*vocab_mapping(model.config.vocab_size, model.config.draft_vocab_size))
+    with pytest.raises(TypeError) as err:
+        model.push_to_hub("tester/args", use_temp_dir=True, safe_serialization=True)
+    assert str(err.value) == ("push_to_hub: unknown argument(s) safe_serialization, use_temp_dir (it takes token, "
+                              "private, revision, commit_message, commit_description, create_pr, tags, run_check)")
+    with pytest.raises(ValueError, match="max_shard_size is not taken: a drafter is pushed as one model.safetensors"):
+        model.push_to_hub("tester/args", max_shard_size="1MB")
+    assert not HfApi().repo_exists("tester/args")  # refused before anything was created
+    model.push_to_hub("tester/args", tags=["my-tag"], commit_description="first drafter")
+    card = ModelCard.load(hf_hub_download("tester/args", "README.md"))
+    assert "my-tag" in card.data.tags and "eagle3" in " ".join(card.data.tags)
