@@ -30,7 +30,7 @@ from ..errors import Eagle3Error
 from .store import (
     HEADER_KEYS,
     ShardWriter,
-    dequantize,
+    carried,
     journal_entries,
     journals,
     merge_manifests,
@@ -158,8 +158,8 @@ class FeatureCache:
                         raise FeatureCacheError(f"--cache-features {self.dir}: sample {rec['id']!r} holds other tokens "
                                                 "than --prepared-dir's: a cache belongs to one prepared dataset")
                     out[rec["id"]] = {
-                        "aux_hidden_states": dequantize(t["aux_hidden_states"], t.get("aux_hidden_states_scale")),
-                        "last_hidden_state": dequantize(t["last_hidden_state"], t.get("last_hidden_state_scale")),
+                        "aux_hidden_states": carried(t["aux_hidden_states"], t.get("aux_hidden_states_scale")),
+                        "last_hidden_state": carried(t["last_hidden_state"], t.get("last_hidden_state_scale")),
                         "verifier_greedy": t["verifier_greedy"].long()}
         return out
 

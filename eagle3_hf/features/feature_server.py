@@ -38,7 +38,7 @@ import torch
 
 from ..errors import Eagle3Error
 from .packing import PackedCollator
-from .store import canonical_dtype, dequantize, quantize
+from .store import as_stored, canonical_dtype
 from .vllm_offline import check_states, features_from_states
 
 if TYPE_CHECKING:
@@ -166,11 +166,6 @@ class EndpointFeatureCollator:
             raise ValueError(f"--cache-features {cache.dir} stores {cache.header['dtype']}, the batches are rounded "
                              f"to {self.storage_dtype or 'float32'}: they must agree")
 
-    def _round(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.storage_dtype is None:
-            return x.float()
-        return dequantize(*quantize(x, rows, self.storage_dtype))
-
     def sample_features(self, sample_id: str) -> dict[str, torch.Tensor]:
         """One whole sample's features (float32, unrounded), fetched and mapped as extract --engine vllm does."""
         input_ids = self.prepared[self._position[sample_id]]["input_ids"].long()
@@ -181,8 +176,8 @@ class EndpointFeatureCollator:
 
     def rounded(self, f: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A whole sample's features rounded as a shard stores them (per token row: slicing commutes)."""
-        return {"aux_hidden_states": self._round(f["aux_hidden_states"], len(self.aux_indices)),
-                "last_hidden_state": self._round(f["last_hidden_state"], 1),
+        return {"aux_hidden_states": as_stored(f["aux_hidden_states"], len(self.aux_indices), self.storage_dtype),
+                "last_hidden_state": as_stored(f["last_hidden_state"], 1, self.storage_dtype),
                 "verifier_greedy": f["verifier_greedy"].long()}
 
     def features(self, wanted: list[str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -153,10 +153,30 @@ class PackedDataset(Dataset):
 
 
 class PackedCollator:
-    """Rows -> one batch of [B, L] tensors, L = max_seq_len, padded (document_ids -1, loss_mask False)."""
+    """Rows -> one batch of [B, L] tensors, L = max_seq_len, padded (document_ids -1, loss_mask False).
 
-    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None):
+    Features stored in bf16 (or fp16) stay in that dtype in the batch: half the bytes of float32 to copy to the
+    device, where the drafter upcasts them (its fc and the teacher's head cast their inputs), with the same values
+    a float32 batch would hold. fp8 features (values times a float32 scale) are decoded to float32 here.
+    """
+
+    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None, keep_storage_dtype: bool = True):
         self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+        self.keep_storage_dtype = keep_storage_dtype
+
+    def _dtype(self, rows: list[dict], key: str) -> torch.dtype:
+        """The batch dtype of a feature: the stored half-precision dtype when every piece has it, else float32."""
+        if not self.keep_storage_dtype:
+            return torch.float32
+        dtypes = set()
+        for row in rows:
+            value = row[key]
+            if isinstance(value, StoredFeatures):
+                dtypes |= {torch.float32 if scale is not None else q.dtype for q, scale in value.pieces}
+            else:
+                dtypes.add(value.dtype)
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         L = self.max_seq_len or rows[0]["max_seq_len"]
@@ -165,8 +185,8 @@ class PackedCollator:
         hidden = rows[0]["last_hidden_state"].shape[-1]
         batch = {
             "input_ids": torch.full((B, L), self.pad_token_id, dtype=torch.long),
-            "aux_hidden_states": torch.empty(B, L, aux_dim, dtype=torch.float32),  # [B, L, 3H]
-            "last_hidden_state": torch.empty(B, L, hidden, dtype=torch.float32),  # [B, L, H]
+            "aux_hidden_states": torch.empty(B, L, aux_dim, dtype=self._dtype(rows, "aux_hidden_states")),  # [B, L, 3H]
+            "last_hidden_state": torch.empty(B, L, hidden, dtype=self._dtype(rows, "last_hidden_state")),  # [B, L, H]
             "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(B, L, dtype=torch.bool),
             "position_ids": torch.zeros(B, L, dtype=torch.long),

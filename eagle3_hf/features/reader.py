@@ -2,7 +2,8 @@
 
 FeatureDataset maps each shard once (numpy memmap) and builds every tensor as a view at the sample's byte
 offset, so opening a 900 GB directory reads only the manifest and a sample costs only its own bytes. Shards
-are checked on open (size, truncation, sha256 by default) so a corrupt file fails loudly with its name.
+are checked on open (size, truncation, and sha256 once per directory by default: verify.py) so a corrupt file
+fails loudly with its name.
 Packing those samples into the trainer's rows is `packing.py`.
 """
 
@@ -18,7 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .store import SAMPLE_KEYS, dequantize, load_manifest, sha256_file
+from .store import SAMPLE_KEYS, dequantize, load_manifest
+from .verify import verify_shards
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
               "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
@@ -75,7 +77,7 @@ class StoredFeatures:
         return torch.Size([sum(q.shape[0] for q, _ in self.pieces), self.pieces[0][0].shape[1]])
 
     def decode_into(self, out: torch.Tensor) -> None:
-        """Write the float32 values into `out` [n, R*H]."""
+        """Write the values into `out` [n, R*H], in its dtype (the stored half precision, or float32)."""
         start = 0
         for q, scale in self.pieces:
             dequantize(q, scale, out=out[start : start + q.shape[0]])  # bf16: the cast happens in the copy
@@ -90,19 +92,21 @@ class StoredFeatures:
 class FeatureDataset(Dataset):
     """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
 
-    verify: "shard" (sizes + sha256 of every shard on open, the default), "sample" (sizes on open, each sample's
+    verify: "once" (sizes on open; each shard's sha256 unless verify.py's record says this very file was checked
+    already: the default), "shard" (sizes + sha256 of every shard on open), "sample" (sizes on open, each sample's
     sha256 when read) or "none" (sizes only). allow_partial: read an unfinished extraction's samples (with a
     warning) instead of refusing it (store.load_manifest).
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 verify: str = "shard", max_tokens: int | None = None, subset_seed: int = 0,
+                 verify: str = "once", max_tokens: int | None = None, subset_seed: int = 0,
                  allow_partial: bool = False):
-        if verify not in ("shard", "sample", "none"):
-            raise ValueError(f"verify must be 'shard', 'sample' or 'none', got {verify!r}")
+        if verify not in ("once", "shard", "sample", "none"):
+            raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
         self.manifest = load_manifest(self.features_dir, allow_partial)
         self.verify, self.split = verify, split
+        self.hashed_shards = 0  # shards whose sha256 this open computed (verify.py)
         verifier = self.manifest["verifier"]
         self.hidden_size = int(verifier["hidden_size"])
         self.aux_layer_indices = tuple(self.manifest["aux_layer_indices"])
@@ -113,11 +117,9 @@ class FeatureDataset(Dataset):
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} listed in the manifest is missing")
             self._layout[shard["file"]] = self._check_layout(path, shard)
-            if verify == "shard":
-                digest = sha256_file(path)
-                if digest != shard["sha256"]:
-                    raise ValueError(f"shard {path} is corrupt: sha256 {digest[:16]}... != manifest "
-                                     f"{shard['sha256'][:16]}...")
+        if verify in ("once", "shard"):
+            self.hashed_shards = verify_shards(self.features_dir, self.manifest["shards"],
+                                               "once" if verify == "once" else "always")
         samples = self.manifest["samples"]
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]

@@ -92,6 +92,20 @@ def quantize(x: torch.Tensor, rows: int, dtype: str) -> tuple[torch.Tensor, torc
 _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # code -> value
 
 
+def as_stored(x: torch.Tensor, rows: int, dtype: str | None) -> torch.Tensor:
+    """`x` [N, rows*H] rounded exactly as a shard of `dtype` stores it, in the dtype a batch carries it
+    (packing.PackedCollator): bf16 stays bf16, fp8 is decoded to float32 with its scales; None: float32, unrounded.
+    What the online collators apply, so their batches equal the ones read back from shards, bit for bit."""
+    if dtype is None:
+        return x.float()
+    return carried(*quantize(x, rows, dtype))
+
+
+def carried(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A stored tensor in the dtype a batch carries it: half precision as stored, fp8 decoded with its scales."""
+    return q if scale is None and q.dtype in (torch.bfloat16, torch.float16) else dequantize(q, scale)
+
+
 def fp8_to_float32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float8_e4m3fn -> float32 through a 256-entry table (about 4x torch's CPU cast); `out` must be contiguous."""
     if out is None:

@@ -21,7 +21,7 @@ from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .packing import PackedCollator
 from .reader import select_split
-from .store import canonical_dtype, dequantize, quantize
+from .store import as_stored, canonical_dtype
 
 if TYPE_CHECKING:
     import datasets
@@ -71,11 +71,6 @@ class OnlineFeatureCollator:
         self.storage_dtype = canonical_dtype(storage_dtype) if storage_dtype else None
         self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
 
-    def _round(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.storage_dtype is None:
-            return x.float()
-        return dequantize(*quantize(x, rows, self.storage_dtype))
-
     @torch.no_grad()
     def features(self, row: dict) -> dict:
         """Add aux_hidden_states / last_hidden_state / verifier_greedy to one unpadded row."""
@@ -88,8 +83,9 @@ class OnlineFeatureCollator:
             ids = piece if prefix is None or prefix.numel() == 0 else torch.cat([prefix.long(), piece])
             f = capture_features(self.verifier, ids, self.aux_indices)
             h = f["last_hidden_state"].shape[-1]
-            aux.append(self._round(f["aux_hidden_states"][start:end], f["aux_hidden_states"].shape[-1] // h))
-            last.append(self._round(f["last_hidden_state"][start:end], 1))
+            aux.append(as_stored(f["aux_hidden_states"][start:end], f["aux_hidden_states"].shape[-1] // h,
+                                 self.storage_dtype))
+            last.append(as_stored(f["last_hidden_state"][start:end], 1, self.storage_dtype))
             greedy.append(f["verifier_greedy"][start:end].long())
         out = dict(row)
         out.update(aux_hidden_states=torch.cat(aux).cpu(), last_hidden_state=torch.cat(last).cpu(),

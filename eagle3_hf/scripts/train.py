@@ -58,10 +58,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
-    features = build_datasets(data_args, model_args, verifier_config)
+    #    Each node's main process opens them first: it verifies the shards' checksums (once per directory, recorded
+    #    beside the manifest), so the other ranks find them verified instead of each reading every shard again.
+    with args.main_process_first(local=True, desc="verify features"):
+        features = build_datasets(data_args, model_args, verifier_config)
     train, evals = features.train, features.evals
     if features.endpoint and args.dataloader_num_workers == 0:  # workers keep the next requests in flight
         args.dataloader_num_workers = DEFAULT_WORKERS
+    if features.online and not features.endpoint and args.dataloader_num_workers:  # the verifier runs in the
+        args.dataloader_num_workers = 0  # collator: in the main process, on its device, never in CPU workers
+        args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured

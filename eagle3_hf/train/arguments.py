@@ -8,9 +8,10 @@ supplies defaults for any of them, which the command line overrides.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
@@ -112,6 +113,11 @@ class DataArguments:
     allow_partial_features: bool = field(
         default=False, metadata={"help": "train on an unfinished extraction's samples (--features DIR without its "
                                          "manifest.json), with a warning saying how many, instead of refusing it"})
+    verify_features: str = field(
+        default="once", metadata={"help": "shard checksums of a feature directory: once (hashed by the first "
+                                          "reader and recorded in verified.json; re-hashed when a shard's size or "
+                                          "mtime changes), always (every start), never (sizes only)",
+                                  "choices": ["once", "always", "never"]})
     vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the feature or "
                                                                       "prepared directory)"})
     max_seq_len: int = field(default=2048)
@@ -126,13 +132,24 @@ class DataArguments:
     config: str | None = field(default=None, metadata={"help": "YAML/JSON file of defaults for any argument"})
 
 
+def loader_defaults(cuda: bool) -> dict[str, Any]:
+    """DataLoader settings that keep GPUs fed: with CUDA, worker processes (a node's cores shared by its ranks)
+    that stay alive across epochs and read ahead, into pinned memory; on the CPU the training processes already
+    use the cores, so batches are read in the main process."""
+    if not cuda:
+        return {"dataloader_num_workers": 0}
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or torch.cuda.device_count() or 1)
+    return {"dataloader_num_workers": max(1, min(4, (os.cpu_count() or 2) // ranks)), "dataloader_pin_memory": True,
+            "dataloader_persistent_workers": True, "dataloader_prefetch_factor": 4}
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
     """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
     # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
     parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
-                "save_total_limit": 2, "dataloader_num_workers": 0,
+                "save_total_limit": 2, **loader_defaults(torch.cuda.is_available()),
                 # no GPU: train on the CPU, over gloo when launched with several processes
                 "use_cpu": not torch.cuda.is_available()}
     if "--config" in argv:

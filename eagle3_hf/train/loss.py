@@ -143,8 +143,8 @@ def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Te
     Divide `total` by the global loss-token count (`loss_tokens` summed over the batches of an optimizer step).
     """
     features = batch["aux_hidden_states"]
-    if feature_noise_std > 0:
-        features = features + torch.randn_like(features) * feature_noise_std
+    if feature_noise_std > 0:  # in float32: half-precision features (packing.PackedCollator) would round the noise
+        features = features.float() + torch.randn_like(features, dtype=torch.float32) * feature_noise_std
     plan = batch_plan(batch, ttt_steps, t2d) if heads_where_read else None
     head_rows = None if plan is None else plan.head_rows
     outputs = model(

@@ -94,8 +94,9 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
         return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
                                 data_args.prepared_dir, online=True)
     partial = data_args.allow_partial_features
-    train_features = FeatureDataset(spec.target, "train", vf, max_tokens=data_args.max_train_tokens,
-                                    allow_partial=partial)
+    verify = {"once": "once", "always": "shard", "never": "none"}[data_args.verify_features]
+    train_features = FeatureDataset(spec.target, "train", vf, verify=verify, max_tokens=data_args.max_train_tokens,
+                                    allow_partial=partial)  # hashes every shard of both splits (the first time)
     eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial)
     manifest = train_features.manifest
     return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
