@@ -7,8 +7,12 @@ Writes synthetic bf16 shards (hidden 576, like the default verifier), warms the 
 - items: `FeatureDataset[i]`, features decoded to fresh float32 tensors (2x the bytes written);
 - batches: PackedDataset + PackedCollator, rows of 2048 tokens decoded straight into the [B, L, .] batch.
 Goal: >= 0.8 of raw in tokens per second.
+- loader: the Trainer's DataLoader (one 2,048-token row per batch, as the recipes train) at each `--workers` count,
+  tokens/s and feature bytes/s, beside what `eagle3-hf plan` says one node needs for `--recipe` (with
+  `--shape llama31-8b`: hidden 4096, 4 states, the Llama-3.1-8B DDP recipe on 8 GPUs).
 
     python -m bench.dataset_read [--samples 64] [--tokens 512] [--hidden 576]
+    python -m bench.dataset_read --shape llama31-8b --workers 0,1,2
 """
 
 from __future__ import annotations
@@ -30,10 +34,21 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", choices=["llama31-8b"], default=None,
+                        help="hidden 4096 and the Llama-3.1-8B DDP recipe for the node's need")
+    parser.add_argument("--workers", default="0", help="DataLoader worker counts to time, e.g. 0,1,2")
+    parser.add_argument("--recipe", default=None, help="recipe whose plan gives the node's need (feature read rate)")
+    parser.add_argument("--verifier-config", default=None)
+    parser.add_argument("--accelerate-config", default=None)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 = like a DataLoader worker (and on a busy 2-core box, 2 threads "
                              "make every copy wait for both cores)")
     args = parser.parse_args()
+    if args.shape == "llama31-8b":
+        args.hidden = 4096
+        args.recipe = args.recipe or "examples/recipes/llama31_8b_8gpu_ddp.yaml"
+        args.verifier_config = args.verifier_config or "examples/recipes/llama31_8b_text_config.json"
+        args.accelerate_config = args.accelerate_config or "accelerate_configs/8gpu_ddp.yaml"
     torch.set_num_threads(args.threads)
 
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
@@ -105,6 +120,7 @@ def main() -> None:
         for name, fn in (("raw", raw_read), ("stored", stored), ("items", items), ("batches", batches)):
             times[name].append(fn())
     best = {k: min(v) for k, v in times.items()}
+    loader = {w: loader_rate(packed, tokens, int(w), args.repeats) for w in args.workers.split(",")}
     result = {
         "samples": len(ds), "tokens": tokens, "hidden": H, "dtype": args.dtype,
         "shard_mb": round(shard_bytes / 2**20, 1), "sample_bytes_mb": round(sample_bytes / 2**20, 1),
@@ -113,9 +129,48 @@ def main() -> None:
         "ratio_items_over_raw": round(best["raw"] / best["items"], 3),
         "ratio_stored_over_raw": round(best["raw"] / best["stored"], 3),
         "ratio_batches_over_raw": round(best["raw"] / best["batches"], 3),
+        "loader": {f"workers_{w}": {"tok_s": round(r, 1), "feature_gb_s": round(r * (4 * H * 2) / 1e9, 3)}
+                   for w, r in loader.items()},
     }
+    if args.recipe:
+        result["node_needs"] = node_need(args.recipe, args.verifier_config, args.accelerate_config)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=1))
+
+
+def loader_rate(packed, tokens: int, workers: int, repeats: int) -> float:
+    """Tokens/s of the DataLoader the Trainer builds: one packed row per batch, `workers` processes."""
+    from torch.utils.data import DataLoader
+
+    from eagle3_hf.features.packing import PackedCollator
+
+    loader = DataLoader(packed, batch_size=1, collate_fn=PackedCollator(), num_workers=workers,
+                        persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    for _ in loader:  # start the workers, warm the page cache
+        pass
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in loader:
+            pass
+        best = min(best, time.perf_counter() - t)
+    return tokens / best
+
+
+def node_need(recipe_path: str, verifier_config: str | None, accelerate_config: str | None) -> dict:
+    """The feature read rate one node needs by the plan (its MFU assumption), for the recipe's dataset-free plan."""
+    import yaml
+
+    from eagle3_hf.train.plan import build_plan, read_launch, verifier_text_config
+
+    recipe = yaml.safe_load(Path(recipe_path).read_text())
+    launch = read_launch(accelerate_config, recipe)
+    plan = build_plan(recipe, launch, verifier_text_config(recipe, verifier_config), 1e6,
+                      mean_document=float(recipe.get("max_seq_len", 2048)))
+    data = plan["data"]
+    return {"recipe": recipe_path, "gpus": launch.num_processes, "mfu": data["mfu"],
+            "tok_s": round(data["read_tokens_per_s_per_node"], 1),
+            "feature_gb_s": round(data["read_bytes_per_s_per_node"] / 1e9, 3)}
 
 
 if __name__ == "__main__":

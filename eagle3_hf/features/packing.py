@@ -7,12 +7,13 @@ Stored features (memory-mapped views from `reader.FeatureDataset`) are decoded s
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from ..constants import PAD_DOCUMENT
 from .reader import FeatureDataset, StoredFeatures
@@ -185,8 +186,8 @@ class PackedCollator:
         hidden = rows[0]["last_hidden_state"].shape[-1]
         batch = {
             "input_ids": torch.full((B, L), self.pad_token_id, dtype=torch.long),
-            "aux_hidden_states": torch.empty(B, L, aux_dim, dtype=self._dtype(rows, "aux_hidden_states")),  # [B, L, 3H]
-            "last_hidden_state": torch.empty(B, L, hidden, dtype=self._dtype(rows, "last_hidden_state")),  # [B, L, H]
+            "aux_hidden_states": _empty((B, L, aux_dim), self._dtype(rows, "aux_hidden_states")),  # [B, L, 3H]
+            "last_hidden_state": _empty((B, L, hidden), self._dtype(rows, "last_hidden_state")),  # [B, L, H]
             "verifier_greedy": torch.full((B, L), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(B, L, dtype=torch.bool),
             "position_ids": torch.zeros(B, L, dtype=torch.long),
@@ -207,6 +208,15 @@ class PackedCollator:
         for key in ("aux_hidden_states", "last_hidden_state"):
             refuse_non_finite(batch[key], rows, key)
         return batch
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised buffer; in a DataLoader worker, in shared memory from the start (as torch's default collate
+    does), so handing the batch to the training process copies none of its bytes again."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 def refuse_non_finite(features: torch.Tensor, rows: list[dict], key: str) -> None:

@@ -381,7 +381,19 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
             "epochs": epochs, "run_hours": epochs * epoch_flops / rate / 3600 / launch.num_processes,
             "mfu": mfu, "peak_tflops": peak_tflops,
         }
+        plan["data"].update(feature_read_rate(config, steps, doc, rate, launch, not frozen_head))
     return plan
+
+
+def feature_read_rate(config: Eagle3Config, ttt_steps: int, mean_document: float, flops_per_gpu: float,
+                      launch: Launch, lm_head_trained: bool = True) -> dict[str, float]:
+    """What the loader must deliver per node for the GPUs never to wait: the training tokens/s at the planned
+    MFU times the bf16 bytes a token's features take (bench/dataset_read.py measures what a node reads)."""
+    per_gpu = flops_per_gpu / train_flops_per_token(config, ttt_steps, mean_document, lm_head_trained=lm_head_trained)
+    gpus_per_node = max(1, launch.num_processes // max(1, launch.num_machines))
+    tokens = per_gpu * gpus_per_node
+    return {"read_tokens_per_s_per_node": tokens,
+            "read_bytes_per_s_per_node": tokens * feature_bytes_per_token(_sizes(config)[2], "bf16")}
 
 
 def format_plan(plan: dict, title: str) -> str:
@@ -426,6 +438,8 @@ def format_plan(plan: dict, title: str) -> str:
             f"{x['epoch_hours']:.2f} h/epoch, {x['run_hours']:.1f} h for {x['epochs']:g} epochs on "
             f"{lc['num_processes']} GPU(s)",
             f"              at {x['mfu']:.0%} MFU of {x['peak_tflops']:g} TFLOP/s bf16 per GPU",
+            f"  reading     {x['read_tokens_per_s_per_node'] / 1e3:,.0f} k tokens/s per node = "
+            f"{x['read_bytes_per_s_per_node'] / 1e9:.2f} GB/s of bf16 features, for the GPUs never to wait",
         ]
     return "\n".join(lines)
 
