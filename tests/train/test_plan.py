@@ -104,3 +104,25 @@ def test_zero3_plan_reports_the_weights_gathered_per_micro_batch(capsys, tmp_pat
     embedding = 2 * 163840 * 7168  # the frozen bf16 verifier embedding, 2.35 GB, gathered at each of 3 TTT steps
     assert rc == 0 and 3 * embedding < gathered < 3 * embedding + 2 * 8 * 2**30
     assert "ZeRO-3 all-gathers" in text and "prefer it" in text
+
+
+def test_the_feature_read_rate_a_node_needs_is_its_training_tokens_times_their_bytes():
+    """What the loader must sustain per node: the planned training tokens/s of its GPUs times the bf16 bytes a
+    token's features take, so bench/dataset_read.py's measured rate can be read against it."""
+    import yaml
+
+    from eagle3_hf.train.plan import build_plan, read_launch, train_flops_per_token, verifier_text_config
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = yaml.safe_load((root / "examples/recipes/llama31_8b_8gpu_ddp.yaml").read_text())
+    launch = read_launch(str(root / "accelerate_configs/8gpu_ddp.yaml"), recipe)
+    text = verifier_text_config(recipe, str(root / "examples/recipes/llama31_8b_text_config.json"))
+    plan = build_plan(recipe, launch, text, 1e6, mean_document=2048.0)
+    data = plan["data"]
+    tokens = data["read_tokens_per_s_per_node"]
+    assert data["read_bytes_per_s_per_node"] == pytest.approx(tokens * feature_bytes_per_token(4096, "bf16"))
+    from eagle3_hf.model.configuration_eagle3 import Eagle3Config
+
+    config = Eagle3Config.from_verifier(text, draft_vocab_size=32000, ttt_steps=int(recipe["ttt_steps"]))
+    per_gpu = data["peak_tflops"] * 1e12 * data["mfu"] / train_flops_per_token(config, int(recipe["ttt_steps"]), 2048.0)
+    assert tokens == pytest.approx(8 * per_gpu)  # one node of 8 GPUs
