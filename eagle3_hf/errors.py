@@ -1,7 +1,8 @@
 """User errors: what `eagle3-hf` reports as one line (`error: ...`) instead of a traceback.
 
 A user error is bad input or a bad environment the message itself explains: a missing or corrupt file, a
-checkpoint that does not fit, an endpoint that stays down. The CLI treats `Eagle3Error`, `ValueError` and
+checkpoint that does not fit, an endpoint that stays down, options that do not fit together (`UsageError`).
+Library code raises these and never exits; the CLI treats `Eagle3Error`, `ValueError` and
 `OSError` (FileNotFoundError, ENOSPC, ...) as user errors; anything else (TypeError, RuntimeError,
 IndexError, ...) is a bug and keeps its full traceback. `--debug` or EAGLE3_HF_DEBUG=1 shows the traceback
 of a user error too.
@@ -23,6 +24,11 @@ class Eagle3Error(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (Eagle3Error, ValueError, OSError)
+
+
+class UsageError(Eagle3Error):
+    """Options that do not fit together, or do not fit the data they name (raised by library code; the CLI, the
+    only place that turns errors into exit codes, prints it as one line)."""
 
 
 class NonFiniteError(Eagle3Error):

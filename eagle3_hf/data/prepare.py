@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from ..constants import PREPARE_META
+from ..errors import UsageError
 from .prepared_format import save_prepared, skipped_text
 
 if TYPE_CHECKING:
@@ -361,9 +362,9 @@ def run(args: argparse.Namespace) -> int:
     from eagle3_hf.verifier.loading import load_tokenizer
 
     if args.chat_template and (args.template_kwargs or {}).get("chat_template"):
-        raise SystemExit("pass the template either as --chat-template or in --template-kwargs, not both")
+        raise UsageError("pass the template either as --chat-template or in --template-kwargs, not both")
     if args.text and args.chat_template:
-        raise SystemExit("--text prepares plain text without a chat template; drop --chat-template")
+        raise UsageError("--text prepares plain text without a chat template; drop --chat-template")
     tokenizer = use_chat_template(load_tokenizer(args.tokenizer, revision=args.revision), args.chat_template)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split, text=args.text)
     knobs = ("max_seq_len", "overlong", "last_turn_only", "split_turns", "reasoning", "tool_calls", "template_kwargs",

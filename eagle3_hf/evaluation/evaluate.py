@@ -23,6 +23,7 @@ from ..constants import ACCEPTANCE_FILE, EVALUATION_FILE
 from ..decoding import SpeculativeResult, acceptance_stats, compare_to_greedy, greedy_generate, speculative_decode
 from ..decoding.core import eos_ids
 from ..decoding.tree import config_problem, num_candidates
+from ..errors import UsageError
 from ..verifier.fit import require_fit
 
 
@@ -276,7 +277,7 @@ def load_for_evaluation(args: argparse.Namespace):
     from ..verifier.loading import load_tokenizer, load_verifier
 
     if args.k < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--k and --max-new-tokens must be >= 1")
+        raise UsageError("--k and --max-new-tokens must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
     verifier = verifier.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else args.k
     num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None or args.topk > 1 else steps + 1
     if num_draft_tokens is None or config_problem(steps, args.topk, num_draft_tokens):
-        raise SystemExit("--num-draft-tokens is required with --topk > 1" if num_draft_tokens is None else
+        raise UsageError("--num-draft-tokens is required with --topk > 1" if num_draft_tokens is None else
                          f"--steps/--topk/--num-draft-tokens: {config_problem(steps, args.topk, num_draft_tokens)}")
     verifier, drafter, tokenizer, prompts, name = load_for_evaluation(args)
     summary = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=steps, max_new_tokens=args.max_new_tokens,

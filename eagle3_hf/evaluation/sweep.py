@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..constants import SWEEP_FILE
+from ..errors import UsageError
 from .recommend import predicted_speedup, recommend, speedup_interval
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def run_cli(args) -> int:
     grid = sweep_grid(args.sweep_steps or DEFAULT_STEPS, args.sweep_topk or DEFAULT_TOPK,
                       args.sweep_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS)
     if not grid:
-        raise SystemExit("--sweep-steps/--sweep-topk/--sweep-num-draft-tokens: no valid configuration in the grid")
+        raise UsageError("--sweep-steps/--sweep-topk/--sweep-num-draft-tokens: no valid configuration in the grid")
     from .recommend import load_verify_costs
 
     costs = load_verify_costs(args.verify_costs) if args.verify_costs else None  # before the models load

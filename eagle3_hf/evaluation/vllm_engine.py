@@ -20,6 +20,7 @@ from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines.vllm_env import run_vllm
+from ..errors import UsageError
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,13 +147,13 @@ def run_engine(args: argparse.Namespace) -> int:
     from .evaluate import check_pair, copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--k and --max-new-tokens must be >= 1")
+        raise UsageError("--k and --max-new-tokens must be >= 1")
     if args.turns != 1:
-        raise SystemExit("--engine vllm evaluates single-turn prompts: use --turns 1")
+        raise UsageError("--engine vllm evaluates single-turn prompts: use --turns 1")
     if getattr(args, "topk", 1) != 1 or getattr(args, "sweep", False):
-        raise SystemExit("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
+        raise UsageError("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
     if getattr(args, "steps", None) not in (None, args.k):
-        raise SystemExit(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
+        raise UsageError(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
     verifier_path = resolve_verifier(args.verifier)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
@@ -132,7 +133,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     from .vllm_offline import extract_features_vllm
 
     if args.device_map or args.max_memory or args.offload_folder or args.device:
-        raise SystemExit("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
+        raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
@@ -155,12 +156,12 @@ def run(args: argparse.Namespace) -> int:
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     if args.endpoint and args.engine != "vllm":
-        raise SystemExit("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
+        raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
     if getattr(args, "engine", "transformers") == "vllm":
         return run_vllm_engine(args, aux)
     kwargs: dict[str, Any] = {"dtype": args.torch_dtype}
     if (args.max_memory or args.offload_folder) and not args.device_map:
-        raise SystemExit("--max-memory and --offload-folder need --device-map")
+        raise UsageError("--max-memory and --offload-folder need --device-map")
     offload_tmp = None
     if args.device_map:
         kwargs["device_map"] = parse_device_map(args.device_map)
@@ -195,10 +196,10 @@ def parse_device_map(value: str) -> str | dict:
     try:
         mapping = json.loads(text)
     except json.JSONDecodeError:
-        raise SystemExit(f"--device-map {value!r}: not auto/balanced/balanced_low_0/sequential, a JSON file or "
+        raise UsageError(f"--device-map {value!r}: not auto/balanced/balanced_low_0/sequential, a JSON file or "
                          f"JSON text") from None
     if not isinstance(mapping, dict):
-        raise SystemExit(f"--device-map {value!r}: expected a JSON object of module name -> device")
+        raise UsageError(f"--device-map {value!r}: expected a JSON object of module name -> device")
     return mapping
 
 
@@ -209,6 +210,6 @@ def parse_max_memory(value: str) -> dict:
         device, sep, size = item.partition("=")
         device, size = device.strip(), size.strip()
         if not sep or not device or not size:
-            raise SystemExit(f"--max-memory {value!r}: expected DEVICE=SIZE[,DEVICE=SIZE...], e.g. 0=70GiB,cpu=200GiB")
+            raise UsageError(f"--max-memory {value!r}: expected DEVICE=SIZE[,DEVICE=SIZE...], e.g. 0=70GiB,cpu=200GiB")
         budget[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
     return budget

@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     from ..verifier.loading import load_tokenizer
 
     if args.aux_layers and args.engine_layer_ids:
-        raise SystemExit("give --aux-layers or --engine-layer-ids, not both")
+        raise UsageError("give --aux-layers or --engine-layer-ids, not both")
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     if args.engine_layer_ids:
         shift = 1 if args.format == "specforge" else 0  # SGLang ids name a layer's output

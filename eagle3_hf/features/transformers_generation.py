@@ -44,6 +44,7 @@ from ..data import regenerate as plain
 from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from ..data.prepared_format import save_prepared
 from ..data.regenerate import ConversationTurns, TransformersBackend, completed_ids
+from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
 from .store import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
@@ -201,7 +202,7 @@ def _spawned_worker(rank: int, spec: dict, job: dict, tasks: Queue[list[dict] | 
         _work(rank, backend, job, next_batch, results.put)
     except BaseException as e:  # reported to the parent, which fails the run
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise SystemExit(1) from None
+        raise UsageError(1) from None
     results.put({"rank": rank, "finished": True})
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="drafter directory or Hub repo id (any supported layout)")
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
                                              dtype=args.dtype)
     if args.format == "speculators":
         if verifier is None and not model.embed_tokens_loaded:
-            raise SystemExit("--format speculators needs --verifier (the layout carries the verifier's embedding)")
+            raise UsageError("--format speculators needs --verifier (the layout carries the verifier's embedding)")
         model.save_speculators(args.output, verifier=verifier)
     else:
         model.save_pretrained(args.output, include_embed_tokens=args.include_embed_tokens)

@@ -17,6 +17,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import DataClassType
 
+from ..errors import UsageError
 from ..model.configuration_eagle3 import Eagle3Config
 
 
@@ -164,11 +165,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         known = {a.dest for a in parser._actions}
         unknown = sorted(set(loaded) - known)
         if unknown:
-            raise SystemExit(f"{path}: unknown keys {unknown}")
+            raise UsageError(f"{path}: unknown keys {unknown}")
         defaults.update(loaded)
     parser.set_defaults(**defaults)
     asks_help = "-h" in argv or "--help" in argv
     if not asks_help and "--output_dir" not in argv and "--output-dir" not in argv and "output_dir" not in defaults:
-        raise SystemExit("--output-dir is required")
+        raise UsageError("--output-dir is required")
     return cast(tuple[ModelArguments, DataArguments, Eagle3TrainingArguments],
                 parser.parse_args_into_dataclasses(args=argv))

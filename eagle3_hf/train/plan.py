@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from ..errors import UsageError
+
 if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
 
@@ -92,7 +94,7 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
         return text_config_dict(_load(verifier_config))
     name = recipe.get("verifier")
     if not name:
-        raise SystemExit("the recipe names no verifier: pass --verifier-config FILE")
+        raise UsageError("the recipe names no verifier: pass --verifier-config FILE")
     try:
         from transformers import AutoConfig
 
@@ -100,7 +102,7 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
 
         return text_config_dict(AutoConfig.from_pretrained(resolve_verifier(name)))
     except Exception as err:  # noqa: BLE001 - offline, gated, remote code: all need the same hint
-        raise SystemExit(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
+        raise UsageError(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
                          f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
 
 
@@ -324,7 +326,7 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
 
     steps = int(recipe.get("ttt_steps", 3))
     if draft_vocab > int(text_cfg["vocab_size"]):
-        raise SystemExit(f"draft vocabulary {draft_vocab} is larger than the verifier's {text_cfg['vocab_size']}: "
+        raise UsageError(f"draft vocabulary {draft_vocab} is larger than the verifier's {text_cfg['vocab_size']}: "
                          "pass --draft-vocab")
     config = Eagle3Config.from_verifier(text_cfg, draft_vocab_size=draft_vocab, ttt_steps=steps)
     frozen_head = bool(recipe.get("freeze_lm_head", False))

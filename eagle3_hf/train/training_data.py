@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..constants import VOCAB_FILE
+from ..errors import UsageError
 from ..verifier.family import logit_softcap, text_config
 from ..verifier.fit import misfits
 from .arguments import DataArguments, ModelArguments
@@ -61,16 +62,16 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
     from ..features.source import FeatureSpec, VerifierIdentity
 
     if not data_args.features:
-        raise SystemExit(f"pass --features: {FeatureSpec.SYNTAX}")
+        raise UsageError(f"pass --features: {FeatureSpec.SYNTAX}")
     spec = FeatureSpec.parse(data_args.features)
     if spec.online:
         if not data_args.prepared_dir:
-            raise SystemExit(f"--features {data_args.features} computes features while training: pass --prepared-dir "
+            raise UsageError(f"--features {data_args.features} computes features while training: pass --prepared-dir "
                              "(the prepared dataset whose samples it reads)")
         if data_args.max_train_tokens is not None:
-            raise SystemExit("--max-train-tokens applies to a feature directory (--features DIR)")
+            raise UsageError("--max-train-tokens applies to a feature directory (--features DIR)")
     if data_args.cache_features and spec.kind != "server":
-        raise SystemExit("--cache-features keeps what a feature server sends: pass --features http://HOST:PORT")
+        raise UsageError("--cache-features keeps what a feature server sends: pass --features http://HOST:PORT")
     if spec.kind == "server":
         return build_endpoint_datasets(spec.target, data_args, model_args, verifier_config)
     vf = data_args.validation_fraction
@@ -82,7 +83,7 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
         from ..verifier.loading import load_verifier
 
         if spec.target and spec.target != model_args.verifier:
-            raise SystemExit(f"--features {data_args.features} names another verifier than --verifier "
+            raise UsageError(f"--features {data_args.features} names another verifier than --verifier "
                              f"{model_args.verifier}: the teacher and the features must come from one verifier")
         assert data_args.prepared_dir is not None  # checked above for every online spec
         fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
@@ -113,7 +114,7 @@ def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedCo
     recorded = features.verifier.hidden_size or None  # the width the drafter's fc will read
     found = misfits(verifier_config, target_hidden_size=recorded, what="features")
     if found:
-        raise SystemExit(f"{features.source}: features have hidden size {found[0].value}, the verifier "
+        raise UsageError(f"{features.source}: features have hidden size {found[0].value}, the verifier "
                          f"{model_args.verifier} has {found[0].expected}")
 
 
@@ -138,7 +139,7 @@ def default_vocab_path(data_args: DataArguments) -> str:
     for base in (directory, data_args.prepared_dir):
         if base and (Path(base) / VOCAB_FILE).is_file():
             return str(Path(base) / VOCAB_FILE)
-    raise SystemExit("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
+    raise UsageError("no vocab.safetensors found: build one with `eagle3-hf vocab` or pass --vocab")
 
 
 def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: ModelArguments,
