@@ -93,7 +93,8 @@ def expected_shapes(config: Eagle3Config | Mapping[str, Any],
 def eagle31_options(raw: Mapping[str, Any]) -> dict[str, bool]:
     """The EAGLE 3.1 options of a config.json (any layout), read as vLLM reads them: `norm_before_fc` from
     `eagle_config` first, then the top level (`llama_eagle3.py`); `fc_norm` and `norm_output` from the top level."""
-    nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), Mapping) else {}
+    eagle = raw.get("eagle_config")
+    nested: Mapping[str, Any] = eagle if isinstance(eagle, Mapping) else {}
     return {"norm_before_fc": bool(nested.get("norm_before_fc", raw.get("norm_before_fc", False))),
             "fc_norm": bool(raw.get("fc_norm", False)), "norm_output": bool(raw.get("norm_output", False))}
 

@@ -213,7 +213,8 @@ def check_eagle31(cfg: dict, rep: Report) -> None:
     """Per EAGLE 3.1 option the config turns on: an error for an engine no version of which serves it, a warning
     naming the versions that serve it with the wrong math, silently; and the inconsistent combinations."""
     options = eagle31_options(cfg)
-    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    eagle = cfg.get("eagle_config")
+    nested: dict = eagle if isinstance(eagle, dict) else {}
     if "norm_before_fc" in nested and bool(nested["norm_before_fc"]) != bool(cfg.get("norm_before_fc", False)):
         rep.add("error", "norm-before-fc-keys", f"eagle_config.norm_before_fc is {nested['norm_before_fc']} but the "
                 f"top-level key is {cfg.get('norm_before_fc', False)}: vLLM since PR 42143 reads eagle_config's, "
