@@ -42,6 +42,9 @@ LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors li
     "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
     "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight",
 )
+INPUT_NORM_KEY = "input_norm.weight"  # EAGLE 3.1 norm_before_fc: [3 x target_hidden], vLLM's and speculators' name
+FC_NORM_KEYS = tuple(f"fc_norm.{i}.weight" for i in range(3))  # EAGLE 3.1 fc_norm: [target_hidden] per aux state
+EAGLE31_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 VOCAB_BUFFERS = ("d2t", "t2d")
 BIAS_WEIGHTS = tuple(f"midlayer.self_attn.{p}_proj.bias" for p in "qkvo")  # only with attention_bias
 SPECULATORS_VERSION = "0.9.0"
@@ -74,11 +77,26 @@ def expected_shapes(config: Eagle3Config | Mapping[str, Any],
         (draft_vocab, h),
     ]))
     shapes.update({"d2t": (draft_vocab,), "t2d": (vocab,)})
+    options = eagle31_options(config if isinstance(config, Mapping) else
+                              {key: getattr(config, key, False) for key in EAGLE31_OPTIONS})
+    if options["norm_before_fc"]:
+        shapes[INPUT_NORM_KEY] = (3 * t,)
+    if options["fc_norm"]:
+        shapes.update({key: (t,) for key in FC_NORM_KEYS})
     if get("attention_bias"):
         shapes.update({bias: (shapes[bias.replace(".bias", ".weight")][0],) for bias in BIAS_WEIGHTS})
     if include_embed_tokens:
         shapes[EMBED_KEY] = (vocab, h)
     return shapes
+
+
+def eagle31_options(raw: Mapping[str, Any]) -> dict[str, bool]:
+    """The EAGLE 3.1 options of a config.json (any layout), read as vLLM reads them: `norm_before_fc` from
+    `eagle_config` first, then the top level (`llama_eagle3.py`); `fc_norm` and `norm_output` from the top level."""
+    eagle = raw.get("eagle_config")
+    nested: Mapping[str, Any] = eagle if isinstance(eagle, Mapping) else {}
+    return {"norm_before_fc": bool(nested.get("norm_before_fc", raw.get("norm_before_fc", False))),
+            "fc_norm": bool(raw.get("fc_norm", False)), "norm_output": bool(raw.get("norm_output", False))}
 
 
 # ---------------------------------------------------------------- the vocabulary mapping (d2t / t2d)
@@ -252,6 +270,7 @@ def config_from_published(raw: dict[str, Any], tensors: dict[str, torch.Tensor])
             target_hidden_size=raw.get("target_hidden_size") or layer.get("hidden_size"),
             norm_before_residual=bool(raw.get("norm_before_residual", False)),
             verifier_name_or_path=verifier.get("name_or_path"),
+            **eagle31_options(raw),  # speculators writes the three at the top level (vLLM's algos.py reads them)
         )
         ids = raw.get("eagle_aux_hidden_state_layer_ids")  # speculators/vLLM: output_hidden_states indices
         if ids:
@@ -259,6 +278,7 @@ def config_from_published(raw: dict[str, Any], tensors: dict[str, torch.Tensor])
     else:
         fields = dict(raw)
         fields["aux_hidden_state_indices"] = raw.get("aux_hidden_state_indices") or aux_indices_from_config(raw)
+        fields.update(eagle31_options(raw))  # norm_output carries no weight: only the config says the recurrence
         fields.pop("eagle_config", None)
         fields.pop("eagle_aux_hidden_state_layer_ids", None)
     for key in ("model_type", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
@@ -370,9 +390,7 @@ def speculators_config(config: Eagle3Config, verifier_architectures: list[str] |
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "norm_before_residual": bool(config.norm_before_residual),  # vLLM defaults it to true when missing
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **config.eagle31_options(),  # vLLM's algos.py reads all three (default false)
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": list(config.aux_hidden_state_indices or []),
         "speculators_config": {

@@ -43,6 +43,14 @@ class Eagle3Config(LlamaConfig):
             Written for vLLM as top-level `eagle_aux_hidden_state_layer_ids` and for SGLang (minus one) in
             `eagle_config`; see `engine_aux_layer_ids`.
         norm_before_residual (`bool`, False): residual is the un-normed hidden (SGLang hard-codes this).
+        norm_before_fc (`bool`, False): EAGLE 3.1, one RMSNorm over the concatenated 3 x target_hidden_size aux
+            input before `fc` (weight `input_norm.weight`). vLLM reads it from `eagle_config` first, then the top
+            level (`llama_eagle3.py`); speculators applies it in its eagle3 `core.py`. Excludes `fc_norm`.
+        fc_norm (`bool`, False): EAGLE 3.1, one RMSNorm per aux state (target_hidden_size each) before they are
+            concatenated for `fc` (weights `fc_norm.{i}.weight`). Excludes `norm_before_fc` (speculators refuses
+            both; vLLM would apply both, one after the other).
+        norm_output (`bool`, False): EAGLE 3.1, the drafter's post-norm output `norm(out)` (what `lm_head` reads)
+            is the state the next TTT step and the next draft step read, instead of the pre-norm `out`. No weight.
         verifier_name_or_path / verifier_revision / verifier_num_hidden_layers / tokenizer_fingerprint:
             provenance, checked when a drafter is finetuned or evaluated against a verifier.
         ttt_steps (`int`, 3) / ttt_step_weight (`float`, 0.8): training-time-test defaults.
@@ -54,6 +62,9 @@ class Eagle3Config(LlamaConfig):
     target_hidden_size: int | None = None
     aux_hidden_state_indices: list[int] | None = None
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     verifier_name_or_path: str | None = None
     verifier_revision: str | None = None
     verifier_num_hidden_layers: int | None = None
@@ -79,6 +90,19 @@ class Eagle3Config(LlamaConfig):
         kwargs.pop("architectures", None)
         super().__post_init__(**kwargs)
         self.architectures = [DRAFTER_ARCHITECTURE]
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are both true: pick one (speculators refuses both; vLLM would "
+                             "norm the aux input twice)")
+
+    @property
+    def eagle_version(self) -> str:
+        """"3.1" when any EAGLE 3.1 option is on, else "3.0": the recurrence and the fc input differ between them."""
+        return "3.1" if (self.norm_before_fc or self.fc_norm or self.norm_output) else "3.0"
+
+    def eagle31_options(self) -> dict[str, bool]:
+        """The three EAGLE 3.1 options, by their config key."""
+        return {"norm_before_fc": bool(self.norm_before_fc), "fc_norm": bool(self.fc_norm),
+                "norm_output": bool(self.norm_output)}
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -114,6 +138,7 @@ class Eagle3Config(LlamaConfig):
         for key in ("architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_theta",
                     "rope_scaling", "eagle_aux_hidden_state_layer_ids", "eagle_config", "draft_vocab_size",
                     "target_hidden_size", "vocab_size", "hidden_size", "norm_before_residual",
+                    "norm_before_fc", "fc_norm", "norm_output",
                     "rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "intermediate_size", "max_position_embeddings", "rope_parameters"):
             if key in full:

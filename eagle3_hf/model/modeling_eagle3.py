@@ -45,8 +45,9 @@ from .ttt_attention import DraftKeys, Eagle3Attention, TTTKeys, packed_keys, shi
 
 @dataclass
 class Eagle3Output(ModelOutput):
-    """Per TTT step: draft-vocabulary logits [B, L, Vd], pre-norm layer outputs [B, L, H] (what the next
-    step feeds back) and which positions exist at that step (their input token lies in the document).
+    """Per TTT step: draft-vocabulary logits [B, L, Vd], the layer outputs [B, L, H] the next step feeds back
+    (pre-norm; post-norm with the config's `norm_output`) and which positions exist at that step (their input
+    token lies in the document).
 
     When the forward was given `logits_mask` / `teacher_mask`, step i's logits are the rows [N_i, Vd] at
     `logits_mask[i]` and the teacher's the rows [M, Vd] at `teacher_mask`, in row-major order."""
@@ -127,6 +128,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         assert target_hidden is not None  # Eagle3Config.__post_init__ defaults it to hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
         self.embed_tokens.weight.requires_grad_(False)
+        # EAGLE 3.1 options on the fc input (config docstring): one norm over [.., 3 x T], or one per aux state [.., T]
+        self.input_norm = LlamaRMSNorm(3 * target_hidden, eps=config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(LlamaRMSNorm(target_hidden, eps=config.rms_norm_eps) for _ in range(3))
+                        if config.fc_norm else None)
         self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
@@ -253,7 +258,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         assert target_hidden is not None  # Eagle3Config.__post_init__ defaults it to hidden_size
         expected = 3 * target_hidden
         if aux_hidden_states.shape[-1] == expected:
-            return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+            features = aux_hidden_states.to(self.fc.weight.dtype)  # [.., 3T]
+            if self.input_norm is not None:  # norm_before_fc: one norm over the concatenation
+                features = self.input_norm(features)
+            if self.fc_norm is not None:  # fc_norm: one norm per aux state, in aux order
+                chunks = features.chunk(len(self.fc_norm), dim=-1)  # 3 x [.., T]
+                features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+            return self.fc(features)
         if aux_hidden_states.shape[-1] == self.config.hidden_size:
             return aux_hidden_states
         raise ValueError(
@@ -309,8 +320,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             rope = self.rotary_emb(embeds, position_ids + step)  # the i-th draft sits i places later
             mlp_rows = None if head_rows is None else head_rows.mlp[step]
             hidden = self.midlayer(embeds, hidden, rope, keys, mlp_rows)  # [B, L, H]
+            if self.config.norm_output:  # EAGLE 3.1: the next step reads norm(out), the state lm_head reads
+                hidden = self.norm(hidden)
             kept = hidden if head_rows is None else gather_rows(hidden, head_rows.logits[step])  # [B, L, H] | [N_i, H]
-            normed.append(self.norm(kept).reshape(-1, hidden.shape[-1]))
+            normed.append((kept if self.config.norm_output else self.norm(kept)).reshape(-1, hidden.shape[-1]))
             all_hidden.append(hidden)
             all_valid.append(valid)
         # No step reads another step's logits, so the head runs once over every step's rows: one GEMM and one
@@ -359,18 +372,21 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         input_ids [1, q] (the token after each feature), hidden_states [1, q, 3 x target_hidden] (verifier aux
         states) or [1, q, H] (the drafter's own previous output), position_ids [1, q]. Returns
-        (logits [1, q, Vd], hidden [1, q, H] pre-norm, (k, v) cache [1, nkv, S + q, hd]). Crop the cache to
-        drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`. `logits_to_keep` N > 0 computes the lm_head for
-        the last N positions only (logits [1, N, Vd]), as in transformers' causal LMs. `attention_mask` bool
-        [q, S + q] (True: may attend) replaces the causal mask, for a draft tree (cache + ancestors + itself).
+        (logits [1, q, Vd], hidden [1, q, H] to feed back (pre-norm; post-norm with `norm_output`), (k, v) cache
+        [1, nkv, S + q, hd]). Crop the cache to drop rejected drafts: `(k[:, :, :n], v[:, :, :n])`.
+        `logits_to_keep` N > 0 computes the lm_head for the last N positions only (logits [1, N, Vd]), as in
+        transformers' causal LMs. `attention_mask` bool [q, S + q] (True: may attend) replaces the causal mask,
+        for a draft tree (cache + ancestors + itself).
         """
         self._check_embeddings()
         hidden = self.project_features(hidden_states)  # [1, q, H]
         embeds = self.embed_tokens(input_ids)  # [1, q, H]
         keys = DraftKeys(past_key_values, attention_mask)
         hidden = self.midlayer(embeds, hidden, self.rotary_emb(embeds, position_ids), keys)  # [1, q, H]
+        if self.config.norm_output:  # EAGLE 3.1: norm(out) is both what lm_head reads and what is fed back
+            hidden = self.norm(hidden)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        return self.lm_head(self.norm(kept)), hidden, keys.present
+        return self.lm_head(kept if self.config.norm_output else self.norm(kept)), hidden, keys.present
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -16,9 +16,16 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
   entering layer id+1; with no ids (`model_executor/model_runner.py` reads only `eagle_config`) they
   capture (2, N//2, N-3) as given. `configs/model_config.py` renames a `LlamaForCausalLM` draft to
   `LlamaForCausalLMEagle3`.
-- vLLM `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` reads only the top-level
-  `eagle_aux_hidden_state_layer_ids` and captures the stream entering layer id (the transformers
-  `output_hidden_states` index); without it, the target's default (2, N//2, N-3).
+- vLLM `vllm/v1/worker/gpu_model_runner.py` (`_get_eagle3_aux_layers_from_config`; the CPU runner inherits it)
+  reads the top-level `eagle_aux_hidden_state_layer_ids` and captures the stream entering layer id (the
+  transformers `output_hidden_states` index, `model_executor/models/interfaces.py` `_maybe_add_hidden_state`);
+  since PR 42764 it falls back to `eagle_config`'s ids *as they are* (no + 1), before it to the target's default
+  (2, N//2, N-3). The V2 runner's `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` (0.32.0) reads only the
+  top-level key for EAGLE-3. `AUX_ID_READERS` below holds each version's rule; SGLang's PR 25454 adds 1 to
+  `eagle_config`'s ids only when the first is 1.
+- EAGLE 3.1 options (`EAGLE31_SUPPORT` below): vLLM `llama_eagle3.py` reads `norm_before_fc`
+  (`eagle_config` first), `fc_norm`, `norm_output`; SGLang's `llama_eagle3.py` (after PR 24663) reads `fc_norm`
+  and `norm_output` but has no `input_norm`.
   `vllm/model_executor/models/llama_eagle3.py` renames `midlayer.` -> `layers.0.`, prefixes other names
   with `model.` (an already-prefixed name then fails to load), skips `t2d`, adds `arange` to `d2t`,
   honours `norm_before_residual` (`vllm/transformers_utils/configs/speculators/algos.py` defaults it to true
@@ -37,8 +44,11 @@ from typing import TYPE_CHECKING, Any
 from ..model.checkpoint import (
     BIAS_WEIGHTS,
     EMBED_KEY,
+    FC_NORM_KEYS,
+    INPUT_NORM_KEY,
     LAYER_WEIGHTS,
     VOCAB_BUFFERS,
+    eagle31_options,
     expected_shapes,
     vocab_mapping_issues,
 )
@@ -152,7 +162,143 @@ def check_config(cfg: dict, rep: Report, num_layers: int | None) -> None:
         rep.add("warning", "target-hidden-size", f"target_hidden_size {t_hidden} != hidden_size "
                 f"{cfg.get('hidden_size')}: engines cannot share the verifier's embedding; the drafter must "
                 "carry its own trained embed_tokens")
+    check_eagle31(cfg, rep)
     check_aux_ids(cfg, rep, num_layers)
+
+
+# ---------------------------------------------------------------- EAGLE 3.1 options: which engine versions serve them
+
+@dataclass(frozen=True)
+class OptionSupport:
+    """Whether one engine serves one EAGLE 3.1 option: `since` names the first version that does (None: no version
+    read here does), `before` what earlier versions (or, with `since` None, all) do with it, `source` the file."""
+
+    since: str | None
+    before: str
+    source: str
+
+
+EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
+    "norm_before_fc": {
+        "vllm": OptionSupport("PR 36545 (Mar 2026; the top-level key; eagle_config's, read first, since PR 42143)",
+                              "no input_norm: input_norm.weight is refused at load",
+                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.__init__, combine_hidden_states);"
+                              " speculators layout: vllm/transformers_utils/configs/speculators/algos.py"),
+        "sglang": OptionSupport(None, "no input_norm: load_weights skips names it has no parameter for, so "
+                                "input_norm.weight is dropped silently and fc reads un-normed features",
+                                "python/sglang/srt/models/llama_eagle3.py (as read after PR 24663)"),
+    },
+    "fc_norm": {
+        "vllm": OptionSupport("PR 42764 (May 2026)", "no fc_norm: fc_norm.* weights are refused at load",
+                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.fc_norm, combine_hidden_states); "
+                              "speculators layout: algos.py of 0.32.0"),
+        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm)", "no fc_norm: fc_norm.* weights are "
+                                "dropped silently and fc reads un-normed features",
+                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.fc_norm)"),
+    },
+    "norm_output": {
+        "vllm": OptionSupport("PR 42764 (May 2026; the speculators layout since PR 46488, which passes the key on "
+                              "in algos.py)", "the key is ignored silently: the next step reads the pre-norm "
+                              "state (the EAGLE 3.0 recurrence)",
+                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.forward: aux_output); "
+                              "vllm/transformers_utils/configs/speculators/algos.py"),
+        "sglang": OptionSupport("PR 24663 (May 2026)", "the key is ignored silently: the next step reads the pre-norm "
+                                "state (the EAGLE 3.0 recurrence)",
+                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.forward: aux)"),
+    },
+}
+
+
+def check_eagle31(cfg: dict, rep: Report) -> None:
+    """Per EAGLE 3.1 option the config turns on: an error for an engine no version of which serves it, a warning
+    naming the versions that serve it with the wrong math, silently; and the inconsistent combinations."""
+    options = eagle31_options(cfg)
+    eagle = cfg.get("eagle_config")
+    nested: dict = eagle if isinstance(eagle, dict) else {}
+    if "norm_before_fc" in nested and bool(nested["norm_before_fc"]) != bool(cfg.get("norm_before_fc", False)):
+        rep.add("error", "norm-before-fc-keys", f"eagle_config.norm_before_fc is {nested['norm_before_fc']} but the "
+                f"top-level key is {cfg.get('norm_before_fc', False)}: vLLM since PR 42143 reads eagle_config's, "
+                "before it the top level; write the same value in both", ("vllm",))
+    elif nested.get("norm_before_fc") and not cfg.get("norm_before_fc"):
+        rep.add("warning", "norm-before-fc-keys", "norm_before_fc only in eagle_config: vLLM before PR 42143 reads "
+                "only the top-level key and serves without input_norm; write it at the top level too", ("vllm",))
+    if options["norm_before_fc"] and options["fc_norm"]:
+        rep.add("error", "norm-before-fc-and-fc-norm", "norm_before_fc and fc_norm are both true: vLLM applies both "
+                "(input_norm, then fc_norm), speculators refuses the pair; no trainer here produces it")
+    if cfg.get("use_aux_norm") and not options["fc_norm"]:
+        rep.add("error", "use-aux-norm", "use_aux_norm (SGLang's legacy name of fc_norm) without fc_norm: vLLM reads "
+                "only fc_norm and serves without the per-aux norms; write fc_norm: true", ("vllm",))
+    for option, on in options.items():
+        if not on:
+            continue
+        for engine, support in EAGLE31_SUPPORT[option].items():
+            if support.since is None:
+                rep.add("error", f"{option.replace('_', '-')}-unserved", f"{option} is true: no {engine} version "
+                        f"read here serves it ({support.before}; {support.source})", (engine,))
+            else:
+                rep.add("warning", f"{option.replace('_', '-')}-versions", f"{option} is true: {engine} serves it "
+                        f"since {support.since}; before that, {support.before} ({support.source})", (engine,))
+
+
+# ---------------------------------------------------------------- aux-layer ids: the engines' readers, per version
+
+@dataclass(frozen=True)
+class AuxIdReader:
+    """How one engine version turns a config's aux-layer ids into the verifier layers it captures.
+
+    `read(top, nested, default)` gets the top-level `eagle_aux_hidden_state_layer_ids`, `eagle_config`'s, and the
+    verifier's default (2, N//2, N-3) (None where the depth is unknown) and returns the captured
+    `output_hidden_states` indices (the residual stream entering layer i), or the string "default" for a default
+    whose depth is unknown. `source` is the engine file the rule was read from."""
+
+    engine: str
+    version: str
+    source: str
+    read: Callable[[list[int] | None, list[int] | None, list[int] | None], list[int] | str]
+
+
+def _default(default: list[int] | None) -> list[int] | str:
+    return list(default) if default else "default"
+
+
+AUX_ID_READERS = (
+    AuxIdReader("sglang", "before PR 25454", "python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) and "
+                "model_executor/model_runner.py: only eagle_config's ids, each + 1",
+                lambda top, nested, default: [i + 1 for i in nested] if nested else _default(default)),
+    AuxIdReader("sglang", "since PR 25454 (May 2026)", "the same files: eagle_config's ids + 1 only when the first "
+                "id is 1, else as they are",
+                lambda top, nested, default: ([i + 1 for i in nested] if nested[0] == 1 else list(nested))
+                if nested else _default(default)),
+    AuxIdReader("vllm", "before PR 42764", "vllm/v1/worker/gpu_model_runner.py (_get_eagle3_aux_layers_from_config): "
+                "only the top-level ids, as they are",
+                lambda top, nested, default: list(top) if top else _default(default)),
+    AuxIdReader("vllm", "since PR 42764 (May 2026; 0.32.0 read here)", "vllm/v1/worker/gpu_model_runner.py "
+                "(_get_eagle3_aux_layers_from_config): the top-level ids, else eagle_config's, both as they are",
+                lambda top, nested, default: list(top) if top else (list(nested) if nested else _default(default))),
+)
+
+
+def aux_ids_read(cfg: dict, num_layers: int | None) -> list[tuple[AuxIdReader, list[int] | str]]:
+    """What every engine version in AUX_ID_READERS captures for this config.json."""
+    top = [int(i) for i in cfg.get("eagle_aux_hidden_state_layer_ids") or []] or None
+    eagle = cfg.get("eagle_config")
+    nested = [int(i) for i in (eagle.get("eagle_aux_hidden_state_layer_ids") or [])] if isinstance(eagle, dict) else []
+    default = [2, num_layers // 2, num_layers - 3] if num_layers else None
+    return [(reader, reader.read(top, nested or None, default)) for reader in AUX_ID_READERS]
+
+
+def check_aux_id_versions(cfg: dict, rep: Report, n: int | None) -> None:
+    """An error for each engine whose versions read this config's ids as different layers: no export can be right
+    for all of them, so the drafter serves on layers it was not trained on in some version, silently."""
+    readings = aux_ids_read(cfg, n)
+    for engine in ENGINES:
+        mine = [(reader, got) for reader, got in readings if reader.engine == engine]
+        if len({str(got) for _, got in mine}) < 2:
+            continue
+        said = "; ".join(f"{reader.version} captures {got}" for reader, got in mine)
+        rep.add("error", f"aux-ids-{engine}-versions", f"{engine} versions read these aux ids as different layers: "
+                f"{said} ({mine[0][0].source}; {mine[-1][0].source}). Train on the default indices (2, N//2, N-3), "
+                "which every version reads alike, or pin the engine version", (engine,))
 
 
 def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
@@ -174,8 +320,9 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
     elif nested and not top:
         used = [int(i) + 1 for i in nested]
         level = "warning" if not default else ("error" if used != default else "info")
-        rep.add(level, "aux-ids-vllm", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM ignores eagle_config "
-                f"and captures its default {default_txt}, SGLang captures {used}; add top-level {used}", ("vllm",))
+        rep.add(level, "aux-ids-vllm", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM before PR 42764 ignores "
+                f"eagle_config and captures its default {default_txt}, vLLM since then reads eagle_config's "
+                f"{[int(i) for i in nested]} as they are; SGLang captures {used}; add top-level {used}", ("vllm",))
     elif top and not nested:
         level = "warning" if not default else ("error" if [int(i) for i in top] != default else "info")
         rep.add(level, "aux-ids-sglang", f"no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang reads only that "
@@ -191,6 +338,7 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
         kind, why = problem
         why += " (EAGLE-3's fc reads three layers: 3 x target_hidden_size)" if kind == "count" else ""
         rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}")
+    check_aux_id_versions(cfg, rep, n)
 
 
 class CheckpointWeights:
@@ -239,8 +387,17 @@ class CheckpointWeights:
 
 
 def check_names_and_shapes(cfg: dict, w: CheckpointWeights, rep: Report) -> None:
-    allowed = set(LAYER_WEIGHTS + VOCAB_BUFFERS + (EMBED_KEY,) + (BIAS_WEIGHTS if cfg.get("attention_bias") else ()))
-    unknown = sorted(n for n in w.meta if n not in allowed)
+    options = eagle31_options(cfg)
+    eagle31 = ((INPUT_NORM_KEY,) if options["norm_before_fc"] else ()) + (FC_NORM_KEYS if options["fc_norm"] else ())
+    allowed = set(LAYER_WEIGHTS + VOCAB_BUFFERS + (EMBED_KEY,) + (BIAS_WEIGHTS if cfg.get("attention_bias") else ())
+                  + eagle31)
+    stray = sorted(n for n in w.meta if n not in allowed and (n == INPUT_NORM_KEY or n in FC_NORM_KEYS))
+    if stray:
+        option = "norm_before_fc" if INPUT_NORM_KEY in stray else "fc_norm"
+        rep.add("error", "eagle31-weights-without-option", f"{', '.join(stray)} present but {option} is not true in "
+                "config.json: vLLM drops input_norm.weight silently (and refuses fc_norm.*), SGLang drops both "
+                f"silently; the drafter then serves without the norms it was trained with: set {option}: true")
+    unknown = sorted(n for n in w.meta if n not in allowed and n not in stray)
     spec = [n for n in unknown if n.startswith("layers.0.")]
     other = [n for n in unknown if n not in spec]
     if spec:
@@ -254,7 +411,7 @@ def check_names_and_shapes(cfg: dict, w: CheckpointWeights, rep: Report) -> None
                 "SGLang drops such names silently (random layer, τ ≈ 1), vLLM fails to load them; "
                 "the standard names have no 'model.' prefix", ("sglang", "vllm"))
     have = set(w.meta) | {n.replace("layers.0.", "midlayer.", 1) for n in spec}
-    missing = [n for n in LAYER_WEIGHTS if n not in have]
+    missing = [n for n in LAYER_WEIGHTS + eagle31 if n not in have]
     if "lm_head.weight" in missing:
         rep.add("error", "missing-lm-head", "no lm_head.weight: SGLang serves a randomly initialised head "
                 "(τ ≈ 1), vLLM fails or does the same")

@@ -90,6 +90,14 @@ class ModelArguments:
                           "dataset's vocabulary and remap lm_head rows explicitly", "choices": ["source", "dataset"]},
     )
     attn_implementation: str = field(default="sdpa", metadata={"choices": ["sdpa", "eager", "flex_attention"]})
+    norm_before_fc: bool = field(
+        default=False, metadata={"help": "EAGLE 3.1: one RMSNorm over the concatenated aux input before fc "
+                                         "(input_norm.weight); vLLM serves it, SGLang does not (eagle3-hf check)"})
+    fc_norm: bool = field(
+        default=False, metadata={"help": "EAGLE 3.1: one RMSNorm per aux state before fc (fc_norm.{i}.weight); "
+                                         "excludes --norm-before-fc"})
+    norm_output: bool = field(
+        default=False, metadata={"help": "EAGLE 3.1: the next TTT / draft step reads the post-norm state"})
 
 
 @dataclass

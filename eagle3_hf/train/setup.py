@@ -49,7 +49,8 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
-        tokenizer_fingerprint=fingerprint,
+        tokenizer_fingerprint=fingerprint, norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
+        norm_output=model_args.norm_output,
     )
     config._attn_implementation = model_args.attn_implementation
     if not model_args.finetune_from:
@@ -60,6 +61,7 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     source = Eagle3DraftModel.from_pretrained(model_args.finetune_from,
                                               attn_implementation=model_args.attn_implementation)
     src = source.config
+    refuse_other_recurrence(model_args.finetune_from, src, config)
     info = {"init": f"finetune:{model_args.finetune_from}", "warnings": []}
     for name in ("hidden_size", "target_hidden_size", "vocab_size"):
         if getattr(src, name) != getattr(config, name):
@@ -82,6 +84,21 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     if model_args.finetune_vocab == "dataset":
         info["remapped_rows"] = source.remap_lm_head(d2t, t2d)
     return source, info
+
+
+def refuse_other_recurrence(source_name: str, source: Eagle3Config, target: Eagle3Config) -> None:
+    """A source trained with other EAGLE 3.1 options computes another function (its fc input or its recurrence):
+    loading it into this run's drafter would train and serve it with the wrong math, silently. Refused in one
+    line that names the flags reproducing the source's options; no conversion is lossless (norm_output has no
+    weight to drop, and an added norm changes what fc reads)."""
+    theirs, ours = source.eagle31_options(), target.eagle31_options()
+    if theirs == ours:
+        return
+    differ = ", ".join(f"{k} {theirs[k]} (this run {ours[k]})" for k in theirs if theirs[k] != ours[k])
+    flags = " ".join(f"--{k.replace('_', '-')}" for k, on in theirs.items() if on) or "none of them"
+    raise ValueError(f"--finetune-from {source_name}: the source is EAGLE {source.eagle_version} and this run EAGLE "
+                     f"{target.eagle_version}: {differ}; pass {flags} of --norm-before-fc / --fc-norm / --norm-output "
+                     "to finetune it as it was trained, or train from scratch")
 
 
 def finetune_advice(source_acc_0: float) -> str:

@@ -256,11 +256,14 @@ def test_kimi_k2_published_shape_passes(tmp_path):
     cfg = kimi_k2_config()
     path = write_checkpoint(tmp_path / "kimi", cfg, standard_tensors(cfg))
     verifier = kimi_k2_verifier_config(tmp_path / "kimi-verifier")
-    for found in (check_drafter(path), check_drafter(path, verifier=str(verifier))):
+    for found in (check_drafter(path, engine="sglang"), check_drafter(path, verifier=str(verifier), engine="sglang")):
         assert not errors(found), [str(f) for f in found]
-    # SGLang-form ids [1, 29, 57] + 1 == vLLM's default (2, 30, 58) for 61 layers: engines agree
+    # SGLang-form ids [1, 29, 57] + 1 == vLLM's default (2, 30, 58) for 61 layers: SGLang (every version) and vLLM
+    # before PR 42764 agree, but vLLM since PR 42764 reads eagle_config's [1, 29, 57] as they are: one layer lower
     found = check_drafter(path, verifier=str(verifier))
     assert "aux-ids-vllm" in codes(found, "info")
+    assert errors(found) == {"aux-ids-vllm-versions"}
+    assert "[1, 29, 57]" in next(f.message for f in found if f.code == "aux-ids-vllm-versions")
     llama_typed = kimi_k2_config(model_type="llama", eagle_aux_hidden_state_layer_ids=[2, 30, 58])
     path = write_checkpoint(tmp_path / "kimi2", llama_typed, standard_tensors(llama_typed))
     assert check_drafter(path, verifier=str(verifier)) == []
