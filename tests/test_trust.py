@@ -215,3 +215,153 @@ def test_an_empty_validation_split_reports_no_metrics_instead_of_fake_ones(synth
     assert summary["metrics"] == {"step_accuracy": [None] * 3, "step_conditional_accuracy": [None] * 3,
                                   "simulated_acceptance_length": None}
     assert not [h for h in summary["log_history"] if any(k.startswith("eval_") for k in h)]  # no accuracy 0, τ 1.0
+
+
+# ---------------------------------------------------------------- the feature server: who may ask, and what
+
+KEY = "s3cret-key-never-shown"
+
+
+def test_a_bad_request_is_answered_alone_and_the_rest_of_its_batch_is_served(monkeypatch):
+    """Four trainers at once, one sending an id outside the vocabulary (or too many ids, or not integers): its
+    request is a 400 before it joins a batch; the others are batched together and served, first time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
+
+    from tests.helpers.feature_engine import MAX_MODEL_LEN, VOCAB, ScriptServer, fake_engine, states
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    good = {f"s{i}": [1 + i, 2 + i, 3 + i] for i in range(3)}
+    bad = {"vocab": ([5, VOCAB, 7], f"token id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})"),
+           "long": ([1] * MAX_MODEL_LEN, f"{MAX_MODEL_LEN} tokens: the server takes 1..{MAX_MODEL_LEN - 1} "
+                                         f"(--max-model-len {MAX_MODEL_LEN}, one generated token)"),
+           "negative": ([-1, 2], f"token id -1 is outside the vocabulary (0..{VOCAB - 1})")}
+    for name, (ids, why) in bad.items():
+        with ScriptServer(fake_engine()) as server:
+            client = FeatureClient(server.url, retries=0)  # no second chance: the first answer must be right
+            with ThreadPoolExecutor(4) as pool:
+                futures = {sid: pool.submit(client.states, ids_, sid) for sid, ids_ in good.items()}
+                futures[name] = pool.submit(client.states, ids, name)
+                with pytest.raises(FeatureServerError) as err:
+                    futures[name].result()
+                assert str(err.value) == f"feature server {server.url}: sample {name!r} failed once ({why})"
+                for sid, ids_ in good.items():
+                    got = futures[sid].result()
+                    assert all(torch.equal(got[k], v) for k, v in states(ids_).items()), sid
+            assert ids not in [i for batch in server.engine.batches for i in batch]
+            assert max(len(batch) for batch in server.engine.batches) > 1  # the good ones shared a batch
+
+
+def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatch, caplog, capsys, tmp_path,
+                                                                        verifier_dir, fingerprint):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tests.helpers.feature_engine import ScriptServer, fake_engine
+
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    args = ["train", "--verifier", str(verifier_dir), "--prepared-dir", str(prepared), "--output-dir",
+            str(tmp_path / "run"), "--max-steps", "1", "--report-to", "none", "--disable-tqdm", "true"]
+    with ScriptServer(fake_engine(), api_key=KEY) as server:
+        request = urllib.request.Request(server.url + "/features", data=json.dumps({"ids": [1, 2]}).encode(),
+                                         headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError) as raw:
+            urllib.request.urlopen(request, timeout=10)
+        assert raw.value.code == 401 and raw.value.headers["WWW-Authenticate"] == "Bearer"
+        monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+        assert main([*args, "--features", server.url]) == 1
+        assert errors(capsys) == [f"error: feature server {server.url} requires an API key (401): set "
+                                  "EAGLE3_HF_API_KEY to the key the server was started with"]
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", "wrong-" + KEY)
+        assert main([*args, "--features", server.url]) == 1
+        out = capsys.readouterr()
+        assert [line for line in out.err.splitlines() if line.startswith("error:")] == [
+            f"error: feature server {server.url} refused the API key in EAGLE3_HF_API_KEY (401): set it to the key "
+            "the server was started with"]
+        assert KEY not in out.out + out.err + caplog.text
+        assert server.engine.requests == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_client_waits_that_long(monkeypatch):
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
+
+    from tests.helpers.feature_engine import ScriptServer, fake_engine
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    gate = threading.Event()
+    with ScriptServer(fake_engine(batch_size=1, batch_wait_s=0.0, max_queue=2, gate=gate)) as server:
+        def post(ids):
+            request = urllib.request.Request(server.url + "/features", data=json.dumps({"ids": ids}).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    return answer.status, None
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.headers.get("Retry-After")
+
+        held = [threading.Thread(target=post, args=([i + 1],), daemon=True) for i in range(3)]
+        for thread in held:  # one in the engine (held at the gate), two waiting: the queue is full
+            thread.start()
+            time.sleep(0.2)
+        assert post([9]) == (503, "1")
+        with pytest.raises(FeatureServerError) as err:  # no retries left: one line naming the sample
+            FeatureClient(server.url, retries=0).states([9], "flood")
+        assert str(err.value) == (f"feature server {server.url}: sample 'flood' failed once (busy: 2 requests are "
+                                  "waiting; retry after 1 s)")
+        threading.Timer(0.3, gate.set).start()  # the engine frees up a moment later
+        start = time.monotonic()
+        got = FeatureClient(server.url, retries=3, backoff_s=0.01).states([9, 8], "patient")
+        assert got["token_ids"].tolist() == [9, 8]
+        assert time.monotonic() - start >= 0.9  # it waited the server's Retry-After, not its own 0.01 s
+        for thread in held:
+            thread.join(10)
+
+
+@pytest.mark.parametrize("command", ["serve-features", "serve-vllm"])
+def test_listening_beyond_loopback_without_a_key_is_refused_before_anything_loads(monkeypatch, capsys, tmp_path,
+                                                                                   verifier_dir, command):
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "no-venv"))  # were the guard gone: another line
+    assert main([command, "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--port", "8123"]) == 1
+    assert errors(capsys) == [f"error: {command} --host 0.0.0.0 without an API key would serve anyone who reaches "
+                              "that address: set EAGLE3_HF_API_KEY (or pass --api-key), or keep --host 127.0.0.1 "
+                              "and use an SSH tunnel"]
+
+
+def test_the_feature_server_script_refuses_another_host_without_a_key_itself(monkeypatch):
+    from tests.helpers.feature_engine import script
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    with pytest.raises(PermissionError) as err:
+        script().serve({"host": "0.0.0.0", "verifier": "unused"})
+    assert str(err.value) == "--host 0.0.0.0 without an API key: set EAGLE3_HF_API_KEY or listen on 127.0.0.1"
+
+
+def test_serve_vllm_prints_a_command_that_reads_the_key_and_never_shows_it(monkeypatch, capsys, verifier_dir):
+    monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
+    assert main(["serve-vllm", "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--connector", "cpu",
+                 "--print-command"]) == 0
+    out = capsys.readouterr()
+    assert 'VLLM_API_KEY="$EAGLE3_HF_API_KEY" ' in out.out and "--api-key" not in out.out
+    assert KEY not in out.out + out.err
+
+
+def test_the_vllm_client_sends_the_key_and_a_refusal_is_one_line(monkeypatch, tmp_path, model, verifier_dir,
+                                                                    prepared, capsys):
+    with CompletionsStub(model, str(verifier_dir), tmp_path / "storage", api_key=KEY) as stub:
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", "wrong")
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 1
+        assert errors(capsys) == [f"error: {stub.url} refused the API key in EAGLE3_HF_API_KEY (401): set it to the "
+                                  "key the server was started with"]
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    assert KEY not in capsys.readouterr().err
