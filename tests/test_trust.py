@@ -365,3 +365,137 @@ def test_the_vllm_client_sends_the_key_and_a_refusal_is_one_line(monkeypatch, tm
         monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
         assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
     assert KEY not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the teacher is the features' verifier
+
+def same_shape_other(src: Path, dst: Path, how: str) -> Path:
+    """Another verifier of `src`'s shape: "config" (one config field differs, the tensors are the same) or
+    "head" (the same config, the tensors stored in bfloat16)."""
+    import json
+    import shutil
+
+    if how == "head":
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(src).to(torch_bfloat16()).save_pretrained(dst)
+        for extra in src.glob("tokenizer*"):
+            shutil.copy(extra, dst)
+        return dst
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["rope_theta"] = float(config.get("rope_theta") or 10000.0) * 2
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def torch_bfloat16():
+    import torch
+
+    return torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def hashed(synthetic, tmp_path_factory):
+    """Features extracted from the synthetic verifier loaded from its directory (so they record its hashes), the
+    same extraction from the model in memory (no files: no hashes), and two same-shape other verifiers."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_hf.features.extract import extract_features
+    from eagle3_hf.features.write import StoreOptions
+
+    from tests.helpers.data import FINGERPRINT, prepared_dataset
+
+    root = tmp_path_factory.mktemp("hashed")
+    prepared = prepared_dataset(root / "prepared", 12)
+    verifier_dir = synthetic["verifier_dir"]
+    for name, model, named in (("features", AutoModelForCausalLM.from_pretrained(verifier_dir), str(verifier_dir)),
+                               ("unhashed", synthetic["verifier"], "in-memory")):
+        extract_features(model, FINGERPRINT, prepared, root / name, aux_indices=[1, 3, 4], dtype="float32",
+                         store=StoreOptions(16), verifier_name=named, progress=False)
+        shutil.copy(synthetic["features"] / "vocab.safetensors", root / name)
+    return {"features": root / "features", "unhashed": root / "unhashed", "verifier_dir": verifier_dir,
+            "config": same_shape_other(verifier_dir, root / "other-config", "config"),
+            "head": same_shape_other(verifier_dir, root / "other-head", "head")}
+
+
+def train_args(features: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--features", str(features), "--output-dir", str(out), "--max-seq-len", "64", "--max-steps",
+            "1", "--per-device-train-batch-size", "1", "--report-to", "none", "--disable-tqdm", "true",
+            "--save-strategy", "no", "--eval-strategy", "no", *extra]
+
+
+def test_features_record_the_hashes_and_their_shards_are_byte_for_byte_as_before(hashed):
+    import json
+
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    manifest = json.loads((hashed["features"] / "manifest.json").read_text())
+    assert {k: manifest["verifier"][k] for k in ("config_sha256", "head_sha256")} == \
+        teacher_hashes(str(hashed["verifier_dir"]))
+    plain = json.loads((hashed["unhashed"] / "manifest.json").read_text())
+    assert "config_sha256" not in plain["verifier"]  # a model in memory, no files: nothing to hash
+    shards = sorted(p.name for p in hashed["features"].glob("shard-*"))
+    assert shards and shards == sorted(p.name for p in hashed["unhashed"].glob("shard-*"))
+    for name in shards:
+        assert (hashed["features"] / name).read_bytes() == (hashed["unhashed"] / name).read_bytes()
+
+
+@pytest.mark.parametrize("how, key", [("config", "config_sha256"), ("head", "head_sha256")])
+def test_training_against_a_same_shape_other_verifier_is_refused_naming_both(hashed, tmp_path, capsys, how, key):
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    other, features = hashed[how], hashed["features"]
+    recorded, found = teacher_hashes(str(hashed["verifier_dir"]))[key], teacher_hashes(str(other))[key]
+    assert main(train_args(features, tmp_path / "run", "--verifier", str(other))) == 1
+    assert errors(capsys) == [f"error: {features}: features of the verifier {hashed['verifier_dir']}, not of "
+                              f"--verifier {other} ({key} {recorded[:12]} != {found[:12]}): train with the verifier "
+                              "the features were extracted from"]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_verifier_defaults_to_the_features_verifier_and_old_features_warn(hashed, tmp_path, caplog):
+    import json
+    import logging
+    import shutil
+
+    with caplog.at_level(logging.INFO, logger="eagle3_hf.train"):
+        assert main(train_args(hashed["features"], tmp_path / "run")) == 0  # no --verifier
+    summary = json.loads((tmp_path / "run" / "eagle3_training.json").read_text())
+    assert summary["verifier"] == str(hashed["verifier_dir"])
+    assert not [m for m in caplog.messages if "could not be fully checked" in m]
+    old = tmp_path / "old"  # a manifest written before the hashes were recorded
+    shutil.copytree(hashed["features"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for k in ("config_sha256", "head_sha256"):
+        del manifest["verifier"][k]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3_hf.train"):
+        assert main(train_args(old, tmp_path / "run-old", "--verifier", str(hashed["config"]))) == 0
+    assert (f"{old}: the teacher could not be fully checked: no config_sha256 or head_sha256 on both sides "
+            "(features from before they were recorded, or a verifier without files here); compared layers, widths, "
+            f"vocabulary and tokenizer only; they name {hashed['verifier_dir']}, --verifier is {hashed['config']}"
+            ) in caplog.messages
+
+
+def test_a_feature_server_of_a_same_shape_other_verifier_is_refused_naming_both(tmp_path, model, verifier_dir,
+                                                                               fingerprint, capsys, monkeypatch):
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    from tests.helpers.feature_stub import Stub, identity
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    other = same_shape_other(verifier_dir, tmp_path / "other", "config")
+    served = dict(identity(fingerprint), verifier=str(other), verifier_identity=teacher_hashes(str(other)))
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    recorded, found = served["verifier_identity"]["config_sha256"], teacher_hashes(str(verifier_dir))["config_sha256"]
+    with Stub(model, served) as stub:
+        code = main(train_args(stub.url, tmp_path / "run", "--verifier", str(verifier_dir), "--prepared-dir",
+                               str(prepared)))
+        assert code == 1 and stub.posts == 0
+    assert errors(capsys) == [f"error: {stub.url}: features of the verifier {other}, not of --verifier {verifier_dir} "
+                              f"(config_sha256 {recorded[:12]} != {found[:12]}): train with the verifier the features "
+                              "were extracted from"]

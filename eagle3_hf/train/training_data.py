@@ -175,7 +175,8 @@ def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedCo
     if fingerprint is not None and fingerprint != features.tokenizer_fingerprint:
         differ.append(f"tokenizer_fingerprint {features.tokenizer_fingerprint[:12]} != {fingerprint[:12]}")
     if differ:
-        raise SystemExit(f"{features.source}: features of the verifier {features.verifier.name}, not of --verifier "
+        raise SystemExit(f"{features.endpoint or features.source}: features of the verifier {features.verifier.name}, "
+                         f"not of --verifier "
                          f"{model_args.verifier} ({'; '.join(differ)}): train with the verifier the features were "
                          "extracted from")
     missing = [k for k, v in features.verifier.hashes().items() if v is None or teacher.hashes()[k] is None]
