@@ -284,6 +284,12 @@ def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatc
             "the server was started with"]
         assert KEY not in out.out + out.err + caplog.text
         assert server.engine.requests == 0
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)  # the right key: served
+        from eagle3_hf.features.feature_server import FeatureClient
+
+        client = FeatureClient(server.url, retries=0)
+        assert client.identity()["verifier"] == "fake"
+        assert client.states([4, 5], "keyed")["token_ids"].tolist() == [4, 5]
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_client_waits_that_long(monkeypatch):
