@@ -19,3 +19,8 @@ ACCEPTANCE_FILE = "acceptance.csv"  # `eagle3-hf evaluate`: one row per prompt a
 PAD_DOCUMENT = -1  # document id of padding positions in a packed row
 
 VLLM_EVALUATION_FILE = "eagle3_evaluation_vllm.json"  # `evaluate --engine vllm`, beside eagle3_evaluation.json
+
+# ---------------------------------------------------------------- servers
+# The API key of `serve-features` / `serve-vllm` and their clients (features/api_key.py). The feature server
+# script (engines/vllm_feature_server.py) runs without this package and spells the name itself.
+API_KEY_ENV = "EAGLE3_HF_API_KEY"

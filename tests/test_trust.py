@@ -215,3 +215,293 @@ def test_an_empty_validation_split_reports_no_metrics_instead_of_fake_ones(synth
     assert summary["metrics"] == {"step_accuracy": [None] * 3, "step_conditional_accuracy": [None] * 3,
                                   "simulated_acceptance_length": None}
     assert not [h for h in summary["log_history"] if any(k.startswith("eval_") for k in h)]  # no accuracy 0, τ 1.0
+
+
+# ---------------------------------------------------------------- the feature server: who may ask, and what
+
+KEY = "s3cret-key-never-shown"
+
+
+def test_a_bad_request_is_answered_alone_and_the_rest_of_its_batch_is_served(monkeypatch):
+    """Four trainers at once, one sending an id outside the vocabulary (or too many ids, or not integers): its
+    request is a 400 before it joins a batch; the others are batched together and served, first time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
+
+    from tests.helpers.feature_engine import MAX_MODEL_LEN, VOCAB, ScriptServer, fake_engine, states
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    good = {f"s{i}": [1 + i, 2 + i, 3 + i] for i in range(3)}
+    bad = {"vocab": ([5, VOCAB, 7], f"token id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})"),
+           "long": ([1] * MAX_MODEL_LEN, f"{MAX_MODEL_LEN} tokens: the server takes 1..{MAX_MODEL_LEN - 1} "
+                                         f"(--max-model-len {MAX_MODEL_LEN}, one generated token)"),
+           "negative": ([-1, 2], f"token id -1 is outside the vocabulary (0..{VOCAB - 1})")}
+    for name, (ids, why) in bad.items():
+        with ScriptServer(fake_engine()) as server:
+            client = FeatureClient(server.url, retries=0)  # no second chance: the first answer must be right
+            with ThreadPoolExecutor(4) as pool:
+                futures = {sid: pool.submit(client.states, ids_, sid) for sid, ids_ in good.items()}
+                futures[name] = pool.submit(client.states, ids, name)
+                with pytest.raises(FeatureServerError) as err:
+                    futures[name].result()
+                assert str(err.value) == f"feature server {server.url}: sample {name!r} failed once ({why})"
+                for sid, ids_ in good.items():
+                    got = futures[sid].result()
+                    assert all(torch.equal(got[k], v) for k, v in states(ids_).items()), sid
+            assert ids not in [i for batch in server.engine.batches for i in batch]
+            assert max(len(batch) for batch in server.engine.batches) > 1  # the good ones shared a batch
+
+
+def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatch, caplog, capsys, tmp_path,
+                                                                        verifier_dir, fingerprint):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from tests.helpers.feature_engine import ScriptServer, fake_engine
+
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    args = ["train", "--verifier", str(verifier_dir), "--prepared-dir", str(prepared), "--output-dir",
+            str(tmp_path / "run"), "--max-steps", "1", "--report-to", "none", "--disable-tqdm", "true"]
+    with ScriptServer(fake_engine(), api_key=KEY) as server:
+        request = urllib.request.Request(server.url + "/features", data=json.dumps({"ids": [1, 2]}).encode(),
+                                         headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError) as raw:
+            urllib.request.urlopen(request, timeout=10)
+        assert raw.value.code == 401 and raw.value.headers["WWW-Authenticate"] == "Bearer"
+        monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+        assert main([*args, "--features", server.url]) == 1
+        assert errors(capsys) == [f"error: feature server {server.url} requires an API key (401): set "
+                                  "EAGLE3_HF_API_KEY to the key the server was started with"]
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", "wrong-" + KEY)
+        assert main([*args, "--features", server.url]) == 1
+        out = capsys.readouterr()
+        assert [line for line in out.err.splitlines() if line.startswith("error:")] == [
+            f"error: feature server {server.url} refused the API key in EAGLE3_HF_API_KEY (401): set it to the key "
+            "the server was started with"]
+        assert KEY not in out.out + out.err + caplog.text
+        assert server.engine.requests == 0
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)  # the right key: served
+        from eagle3_hf.features.feature_server import FeatureClient
+
+        client = FeatureClient(server.url, retries=0)
+        assert client.identity()["verifier"] == "fake"
+        assert client.states([4, 5], "keyed")["token_ids"].tolist() == [4, 5]
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_client_waits_that_long(monkeypatch):
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
+
+    from tests.helpers.feature_engine import ScriptServer, fake_engine
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    gate = threading.Event()
+    with ScriptServer(fake_engine(batch_size=1, batch_wait_s=0.0, max_queue=2, gate=gate)) as server:
+        def post(ids):
+            request = urllib.request.Request(server.url + "/features", data=json.dumps({"ids": ids}).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    return answer.status, None
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.headers.get("Retry-After")
+
+        held = [threading.Thread(target=post, args=([i + 1],), daemon=True) for i in range(3)]
+        for thread in held:  # one in the engine (held at the gate), two waiting: the queue is full
+            thread.start()
+            time.sleep(0.2)
+        assert post([9]) == (503, "1")
+        with pytest.raises(FeatureServerError) as err:  # no retries left: one line naming the sample
+            FeatureClient(server.url, retries=0).states([9], "flood")
+        assert str(err.value) == (f"feature server {server.url}: sample 'flood' failed once (busy: 2 requests are "
+                                  "waiting; retry after 1 s)")
+        threading.Timer(0.3, gate.set).start()  # the engine frees up a moment later
+        start = time.monotonic()
+        got = FeatureClient(server.url, retries=3, backoff_s=0.01).states([9, 8], "patient")
+        assert got["token_ids"].tolist() == [9, 8]
+        assert time.monotonic() - start >= 0.9  # it waited the server's Retry-After, not its own 0.01 s
+        for thread in held:
+            thread.join(10)
+
+
+@pytest.mark.parametrize("command", ["serve-features", "serve-vllm"])
+def test_listening_beyond_loopback_without_a_key_is_refused_before_anything_loads(monkeypatch, capsys, tmp_path,
+                                                                                   verifier_dir, command):
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "no-venv"))  # were the guard gone: another line
+    assert main([command, "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--port", "8123"]) == 1
+    assert errors(capsys) == [f"error: {command} --host 0.0.0.0 without an API key would serve anyone who reaches "
+                              "that address: set EAGLE3_HF_API_KEY (or pass --api-key), or keep --host 127.0.0.1 "
+                              "and use an SSH tunnel"]
+
+
+def test_the_feature_server_script_refuses_another_host_without_a_key_itself(monkeypatch):
+    from tests.helpers.feature_engine import script
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    with pytest.raises(PermissionError) as err:
+        script().serve({"host": "0.0.0.0", "verifier": "unused"})
+    assert str(err.value) == "--host 0.0.0.0 without an API key: set EAGLE3_HF_API_KEY or listen on 127.0.0.1"
+
+
+def test_serve_vllm_prints_a_command_that_reads_the_key_and_never_shows_it(monkeypatch, capsys, verifier_dir):
+    monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
+    assert main(["serve-vllm", "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--connector", "cpu",
+                 "--print-command"]) == 0
+    out = capsys.readouterr()
+    assert 'VLLM_API_KEY="$EAGLE3_HF_API_KEY" ' in out.out and "--api-key" not in out.out
+    assert KEY not in out.out + out.err
+
+
+def test_the_vllm_client_sends_the_key_and_a_refusal_is_one_line(monkeypatch, tmp_path, model, verifier_dir,
+                                                                    prepared, capsys):
+    with CompletionsStub(model, str(verifier_dir), tmp_path / "storage", api_key=KEY) as stub:
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", "wrong")
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 1
+        assert errors(capsys) == [f"error: {stub.url} refused the API key in EAGLE3_HF_API_KEY (401): set it to the "
+                                  "key the server was started with"]
+        monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
+        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    assert KEY not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the teacher is the features' verifier
+
+def same_shape_other(src: Path, dst: Path, how: str) -> Path:
+    """Another verifier of `src`'s shape: "config" (one config field differs, the tensors are the same) or
+    "head" (the same config, the tensors stored in bfloat16)."""
+    import json
+    import shutil
+
+    if how == "head":
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(src).to(torch_bfloat16()).save_pretrained(dst)
+        for extra in src.glob("tokenizer*"):
+            shutil.copy(extra, dst)
+        return dst
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["rope_theta"] = float(config.get("rope_theta") or 10000.0) * 2
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def torch_bfloat16():
+    import torch
+
+    return torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def hashed(synthetic, tmp_path_factory):
+    """Features extracted from the synthetic verifier loaded from its directory (so they record its hashes), the
+    same extraction from the model in memory (no files: no hashes), and two same-shape other verifiers."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_hf.features.extract import extract_features
+    from eagle3_hf.features.write import StoreOptions
+
+    from tests.helpers.data import FINGERPRINT, prepared_dataset
+
+    root = tmp_path_factory.mktemp("hashed")
+    prepared = prepared_dataset(root / "prepared", 12)
+    verifier_dir = synthetic["verifier_dir"]
+    for name, model, named in (("features", AutoModelForCausalLM.from_pretrained(verifier_dir), str(verifier_dir)),
+                               ("unhashed", synthetic["verifier"], "in-memory")):
+        extract_features(model, FINGERPRINT, prepared, root / name, aux_indices=[1, 3, 4], dtype="float32",
+                         store=StoreOptions(16), verifier_name=named, progress=False)
+        shutil.copy(synthetic["features"] / "vocab.safetensors", root / name)
+    return {"features": root / "features", "unhashed": root / "unhashed", "verifier_dir": verifier_dir,
+            "config": same_shape_other(verifier_dir, root / "other-config", "config"),
+            "head": same_shape_other(verifier_dir, root / "other-head", "head")}
+
+
+def train_args(features: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--features", str(features), "--output-dir", str(out), "--max-seq-len", "64", "--max-steps",
+            "1", "--per-device-train-batch-size", "1", "--report-to", "none", "--disable-tqdm", "true",
+            "--save-strategy", "no", "--eval-strategy", "no", *extra]
+
+
+def test_features_record_the_hashes_and_their_shards_are_byte_for_byte_as_before(hashed):
+    import json
+
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    manifest = json.loads((hashed["features"] / "manifest.json").read_text())
+    assert {k: manifest["verifier"][k] for k in ("config_sha256", "head_sha256")} == \
+        teacher_hashes(str(hashed["verifier_dir"]))
+    plain = json.loads((hashed["unhashed"] / "manifest.json").read_text())
+    assert "config_sha256" not in plain["verifier"]  # a model in memory, no files: nothing to hash
+    shards = sorted(p.name for p in hashed["features"].glob("shard-*"))
+    assert shards and shards == sorted(p.name for p in hashed["unhashed"].glob("shard-*"))
+    for name in shards:
+        assert (hashed["features"] / name).read_bytes() == (hashed["unhashed"] / name).read_bytes()
+
+
+@pytest.mark.parametrize("how, key", [("config", "config_sha256"), ("head", "head_sha256")])
+def test_training_against_a_same_shape_other_verifier_is_refused_naming_both(hashed, tmp_path, capsys, how, key):
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    other, features = hashed[how], hashed["features"]
+    recorded, found = teacher_hashes(str(hashed["verifier_dir"]))[key], teacher_hashes(str(other))[key]
+    assert main(train_args(features, tmp_path / "run", "--verifier", str(other))) == 1
+    assert errors(capsys) == [f"error: {features}: features of the verifier {hashed['verifier_dir']}, not of "
+                              f"--verifier {other} ({key} {recorded[:12]} != {found[:12]}): train with the verifier "
+                              "the features were extracted from"]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_verifier_defaults_to_the_features_verifier_and_old_features_warn(hashed, tmp_path, caplog):
+    import json
+    import logging
+    import shutil
+
+    with caplog.at_level(logging.INFO, logger="eagle3_hf.train"):
+        assert main(train_args(hashed["features"], tmp_path / "run")) == 0  # no --verifier
+    summary = json.loads((tmp_path / "run" / "eagle3_training.json").read_text())
+    assert summary["verifier"] == str(hashed["verifier_dir"])
+    assert not [m for m in caplog.messages if "could not be fully checked" in m]
+    old = tmp_path / "old"  # a manifest written before the hashes were recorded
+    shutil.copytree(hashed["features"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for k in ("config_sha256", "head_sha256"):
+        del manifest["verifier"][k]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eagle3_hf.train"):
+        assert main(train_args(old, tmp_path / "run-old", "--verifier", str(hashed["config"]))) == 0
+    assert (f"{old}: the teacher could not be fully checked: no config_sha256 or head_sha256 on both sides "
+            "(features from before they were recorded, or a verifier without files here); compared layers, widths, "
+            f"vocabulary and tokenizer only; they name {hashed['verifier_dir']}, --verifier is {hashed['config']}"
+            ) in caplog.messages
+
+
+def test_a_feature_server_of_a_same_shape_other_verifier_is_refused_naming_both(tmp_path, model, verifier_dir,
+                                                                               fingerprint, capsys, monkeypatch):
+    from eagle3_hf.verifier.identity import teacher_hashes
+
+    from tests.helpers.feature_stub import Stub, identity
+
+    monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
+    other = same_shape_other(verifier_dir, tmp_path / "other", "config")
+    served = dict(identity(fingerprint), verifier=str(other), verifier_identity=teacher_hashes(str(other)))
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    recorded, found = served["verifier_identity"]["config_sha256"], teacher_hashes(str(verifier_dir))["config_sha256"]
+    with Stub(model, served) as stub:
+        code = main(train_args(stub.url, tmp_path / "run", "--verifier", str(verifier_dir), "--prepared-dir",
+                               str(prepared)))
+        assert code == 1 and stub.posts == 0
+    assert errors(capsys) == [f"error: {stub.url}: features of the verifier {other}, not of --verifier {verifier_dir} "
+                              f"(config_sha256 {recorded[:12]} != {found[:12]}): train with the verifier the features "
+                              "were extracted from"]

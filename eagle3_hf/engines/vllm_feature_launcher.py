@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..constants import API_KEY_ENV
 from .server_process import ServerProcess
 from .vllm_env import TIMEOUT_ENV, VllmError, default_timeout, one_line, vllm_environment, vllm_python, vllm_venv
 
@@ -22,7 +23,8 @@ class VllmFeatureServer(ServerProcess):
     """vllm_feature_server.py in the vLLM venv, started and stopped as a context manager.
 
     `request` is the server's (vllm_feature_server.py's docstring): the verifier, dtype, max_model_len,
-    layer_ids, aux_layer_indices, tokenizer_fingerprint, host, port (0: any free one), batch_size. Entering
+    layer_ids, aux_layer_indices, tokenizer_fingerprint, host, port (0: any free one), batch_size. `api_key`
+    reaches the server through its environment ($EAGLE3_HF_API_KEY), never the request file. Entering
     waits until the server listens (model load included, at most `timeout` seconds) and sets `url` and
     `identity`; a server that fails to start is a VllmError with one line. Leaving stops it (SIGTERM, then
     SIGKILL of its process group after 30 s); its storage directory goes with it, and a server killed
@@ -34,8 +36,8 @@ class VllmFeatureServer(ServerProcess):
     kill_group_after_exit = False  # on SIGTERM the server removes its storage directory and ends its engine
 
     def __init__(self, request: dict[str, Any], threads: int = 1, debug: bool = False,
-                 timeout: float | None = None, log_file: str | Path | None = None):
-        self.request, self.threads = dict(request), threads
+                 timeout: float | None = None, log_file: str | Path | None = None, api_key: str | None = None):
+        self.request, self.threads, self.api_key = dict(request), threads, api_key
         super().__init__(default_timeout() if timeout is None else float(timeout), debug)
         self.log_file = log_file
         self.url = ""
@@ -52,6 +54,9 @@ class VllmFeatureServer(ServerProcess):
         offline = Path(str(request.get("verifier"))).exists()
         env = vllm_environment(vllm_venv(), self.threads, offline, self.debug)
         env["PYTHONPATH"] = str(FEATURE_SERVER.parent)  # vLLM imports our connector by module name
+        env.pop(API_KEY_ENV, None)  # the server's key is exactly the one given here (none: loopback only)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         self._python = python
         self._launch([str(python), str(FEATURE_SERVER), str(tmp / "request.json")], env)
 

@@ -9,12 +9,20 @@ settings as `extract --engine vllm`) and `wait_written`. Started by `eagle3-hf s
     python vllm_feature_server.py REQUEST.json
 
 Endpoints:
-  GET  /identity   JSON: what is served (verifier, hidden_size, num_hidden_layers, layer_ids,
-                   aux_layer_indices, tokenizer_fingerprint, dtype, max_model_len, vllm_version, connector)
+  GET  /identity   JSON: what is served (verifier, verifier_identity {config_sha256, head_sha256},
+                   hidden_size, num_hidden_layers, vocab_size, layer_ids, aux_layer_indices,
+                   tokenizer_fingerprint, dtype, max_model_len, vllm_version, connector)
   GET  /health     JSON: {"ok": true, "requests": n, "tokens": n}
   POST /features   body JSON {"ids": [token ids]} -> 200, application/octet-stream: the safetensors file
                    vLLM's connector wrote ({hidden_states [T, len(layer_ids), hidden], token_ids [T]}), deleted
-                   here once read; 400 {"error"} for a bad request, 500 {"error"} when vLLM failed.
+                   here once read; 400 {"error"} for a bad request (ids not integers in 0..vocab_size-1, more
+                   than max_model_len - 1 of them), 503 {"error"} with Retry-After when `max_queue` requests
+                   already wait, 500 {"error"} when vLLM failed.
+
+Who may ask: with an API key ($EAGLE3_HF_API_KEY in this process's environment, never in the request file)
+every endpoint answers 401 unless the request carries `Authorization: Bearer KEY`; without one the server
+refuses to listen on anything but loopback. A request is checked whole before it joins a batch, so a bad
+one is answered alone and the others of its batch are not touched.
 
 Requests that arrive together are prefilled in one `generate` call (at most `batch_size`, gathered for
 `batch_wait_ms`); one engine thread owns vLLM. Files live in this server's own temporary directory
@@ -26,6 +34,9 @@ process that started it exits (`watch_parent`), on SIGTERM or SIGINT. Token ids 
 from __future__ import annotations
 
 import glob
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import queue
@@ -36,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -48,6 +60,33 @@ from vllm_runner import error_result  # noqa: E402
 
 PREFIX = "eagle3_feature_server_"
 MAX_BODY = 64 << 20  # a request is token ids as JSON: 64 MiB is millions of tokens
+API_KEY_ENV = "EAGLE3_HF_API_KEY"  # eagle3_hf.constants.API_KEY_ENV (this script never imports the package)
+MAX_QUEUE = 64  # requests waiting for the engine at most; past it a client is told to retry (503)
+RETRY_AFTER_S = 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches `host` (features/api_key.py holds the same rule for the CLI)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bad_ids(ids: object, vocab_size: int, max_model_len: int) -> str | None:
+    """Why a request's ids cannot be prefilled (one line), or None: a list of 1..max_model_len - 1 integers in
+    0..vocab_size - 1 (one position is the generated token)."""
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        return 'the body must be JSON {"ids": [token ids]}'
+    if not ids or len(ids) + 1 > max_model_len:
+        return (f"{len(ids)} tokens: the server takes 1..{max_model_len - 1} (--max-model-len {max_model_len}, "
+                "one generated token)")
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        return f"token id {low if low < 0 else high} is outside the vocabulary (0..{vocab_size - 1})"
+    return None
 
 
 def remove_stale(root: str) -> list[str]:
@@ -78,20 +117,47 @@ class Job:
 
 
 class Engine(threading.Thread):
-    """The one thread that calls vLLM: gathers queued jobs into a batch, prefills, reads and deletes the files."""
+    """The one thread that calls vLLM: gathers queued jobs into a batch, prefills, reads and deletes the files.
+    At most `max_queue` jobs wait (`submit` says False past that: the handler answers 503)."""
 
-    def __init__(self, llm: Any, stock: bool, batch_size: int, batch_wait_s: float):
+    def __init__(self, llm: Any, stock: bool, batch_size: int, batch_wait_s: float, max_queue: int = MAX_QUEUE):
         super().__init__(name="eagle3-feature-engine", daemon=True)
         self.llm, self.stock, self.batch_size, self.batch_wait_s = llm, stock, batch_size, batch_wait_s
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-        self.params = prefill_params()
         self.requests = self.tokens = 0
 
-    def run(self) -> None:
+    def submit(self, job: Job) -> bool:
+        """Queue `job`; False when the queue is full (the job is not queued)."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
+    def stop(self) -> None:
+        self.jobs.put(None)  # the engine drains what waits, then ends
+
+    def prefill(self, batch: list[Job]) -> Iterator[bytes]:
+        """Each job's safetensors bytes, in order: one generate call, each file read and deleted."""
         from vllm.inputs import TokensPrompt
 
-        while True:
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=j.ids) for j in batch], prefill_params(),
+                                    use_tqdm=False)
+        for out in outputs:
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise RuntimeError("vLLM returned no hidden_states_path: is the connector configured?")
+            wait_written(self.llm, path, self.stock, self.in_process)
+            try:
+                with open(path, "rb") as f:
+                    yield f.read()
+            finally:
+                os.remove(path)  # used once: the bytes travel, the file goes
+
+    def run(self) -> None:
+        stopping = False
+        while not stopping:
             job = self.jobs.get()
             if job is None:
                 return
@@ -103,22 +169,12 @@ class Engine(threading.Thread):
                 except queue.Empty:
                     break
                 if more is None:
-                    self.jobs.put(None)
+                    stopping = True  # this batch still runs; nothing after it
                     break
                 batch.append(more)
             try:
-                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=j.ids) for j in batch], self.params,
-                                            use_tqdm=False)
-                for j, out in zip(batch, outputs):
-                    path = (out.kv_transfer_params or {}).get("hidden_states_path")
-                    if not path:
-                        raise RuntimeError("vLLM returned no hidden_states_path: is the connector configured?")
-                    wait_written(self.llm, path, self.stock, self.in_process)
-                    try:
-                        with open(path, "rb") as f:
-                            j.data = f.read()
-                    finally:
-                        os.remove(path)  # used once: the bytes travel, the file goes
+                for j, data in zip(batch, self.prefill(batch)):
+                    j.data = data
                     self.requests += 1
                     self.tokens += len(j.ids)
             except Exception as exc:  # every job of the batch gets the one line; the server keeps serving
@@ -132,8 +188,13 @@ class Engine(threading.Thread):
                     j.done.set()
 
 
-def make_handler(identity: dict, engine: Engine, max_model_len: int) -> type[BaseHTTPRequestHandler]:
+def make_handler(identity: dict, engine: Engine, max_model_len: int,
+                 api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """The request handler: every request authenticated first (with a key), every body checked whole before
+    its job is queued."""
     identity_bytes = json.dumps(identity).encode()
+    vocab_size = int(identity["vocab_size"])
+    key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -141,17 +202,35 @@ def make_handler(identity: dict, engine: Engine, max_model_len: int) -> type[Bas
         def log_message(self, format: str, *args: Any) -> None:  # never log requests (they carry tokens)
             return
 
-        def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        def _send(self, status: int, body: bytes, kind: str = "application/json",
+                  headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(body)
 
-        def _error(self, status: int, message: str) -> None:
-            self._send(status, json.dumps({"error": message}).encode())
+        def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+            self._send(status, json.dumps({"error": message}).encode(), headers=headers)
+
+        def _authorized(self) -> bool:
+            """With a key: the request's bearer token must be it (compared as digests, in constant time)."""
+            if key_digest is None:
+                return True
+            scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                                                  key_digest):
+                return True
+            self.close_connection = True  # a body left unread must not be taken for the next request
+            self._error(401, "Unauthorized: send Authorization: Bearer <the server's API key>",
+                        {"WWW-Authenticate": "Bearer", "Connection": "close"})
+            return False
 
         def do_GET(self) -> None:
+            if not self._authorized():
+                return
             if self.path == "/identity":
                 self._send(200, identity_bytes)
             elif self.path == "/health":
@@ -161,25 +240,35 @@ def make_handler(identity: dict, engine: Engine, max_model_len: int) -> type[Bas
                 self._error(404, f"no endpoint {self.path}: GET /identity, GET /health, POST /features")
 
         def do_POST(self) -> None:
-            if self.path != "/features":
-                self._error(404, f"no endpoint {self.path}: POST /features")
+            if not self._authorized():
                 return
-            length = int(self.headers.get("Content-Length") or 0)
-            if not 0 < length <= MAX_BODY:
-                self._error(400, f"a request body of {length} bytes (1..{MAX_BODY})")
+            if self.path != "/features":
+                self.close_connection = True
+                self._error(404, f"no endpoint {self.path}: POST /features", {"Connection": "close"})
                 return
             try:
-                ids = json.loads(self.rfile.read(length))["ids"]
-                ids = [int(t) for t in ids]
-            except (ValueError, KeyError, TypeError):
-                self._error(400, 'the body must be JSON {"ids": [token ids]}')
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 < length <= MAX_BODY:
+                self.close_connection = True
+                self._error(400, f"a request body of {length} bytes (1..{MAX_BODY})", {"Connection": "close"})
                 return
-            if not ids or len(ids) + 1 > max_model_len:
-                self._error(400, f"{len(ids)} tokens: the server takes 1..{max_model_len - 1} "
-                                 f"(--max-model-len {max_model_len}, one generated token)")
+            try:
+                body = json.loads(self.rfile.read(length))
+                ids = body.get("ids") if isinstance(body, dict) else None
+            except ValueError:
+                ids = None
+            why = bad_ids(ids, vocab_size, max_model_len)
+            if why is not None:  # answered alone: the job never joins a batch
+                self._error(400, why)
                 return
+            assert isinstance(ids, list)
             job = Job(ids)
-            engine.jobs.put(job)
+            if not engine.submit(job):
+                self._error(503, f"busy: {engine.jobs.maxsize} requests are waiting; retry after "
+                                 f"{RETRY_AFTER_S} s", {"Retry-After": str(RETRY_AFTER_S)})
+                return
             job.done.wait()
             if job.data is None:
                 self._error(500, f"vLLM failed: {job.error}")
@@ -196,7 +285,9 @@ def engine_identity(llm: Any, request: dict, kv_config: dict) -> dict:
     config = llm.llm_engine.model_config.hf_text_config
     return {"verifier": request.get("name") or request["verifier"],
             "verifier_revision": request.get("verifier_revision"),
+            "verifier_identity": request.get("verifier_identity") or {},
             "hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
+            "vocab_size": int(config.vocab_size),
             "layer_ids": [int(i) for i in request["layer_ids"]],
             "aux_layer_indices": [int(i) for i in request["aux_layer_indices"]],
             "tokenizer_fingerprint": request.get("tokenizer_fingerprint"), "dtype": request.get("dtype", "auto"),
@@ -205,6 +296,10 @@ def engine_identity(llm: Any, request: dict, kv_config: dict) -> dict:
 
 
 def serve(request: dict) -> None:
+    api_key = os.environ.get(API_KEY_ENV, "").strip() or None
+    host = request.get("host", "127.0.0.1")
+    if api_key is None and not is_loopback(host):  # the launcher refuses first; this is the server's own guard
+        raise PermissionError(f"--host {host} without an API key: set {API_KEY_ENV} or listen on 127.0.0.1")
     root = request.get("storage_root") or tempfile.gettempdir()
     for path in remove_stale(root):
         print(f"[feature server] removed {path}, left by a server that is not running", file=sys.stderr)
@@ -215,11 +310,12 @@ def serve(request: dict) -> None:
     try:
         llm, kv_config = load_llm(request, storage, [int(i) for i in request["layer_ids"]])
         stock = kv_config["kv_connector"] == "ExampleHiddenStatesConnector"
-        engine = Engine(llm, stock, int(request.get("batch_size", 8)), float(request.get("batch_wait_ms", 5)) / 1e3)
+        engine = Engine(llm, stock, int(request.get("batch_size", 8)), float(request.get("batch_wait_ms", 5)) / 1e3,
+                        int(request.get("max_queue", MAX_QUEUE)))
         engine.start()
         identity = engine_identity(llm, request, kv_config)
-        handler = make_handler(identity, engine, int(request["max_model_len"]))
-        httpd = ThreadingHTTPServer((request.get("host", "127.0.0.1"), int(request.get("port", 0))), handler)
+        handler = make_handler(identity, engine, int(request["max_model_len"]), api_key)
+        httpd = ThreadingHTTPServer((host, int(request.get("port", 0))), handler)
         httpd.daemon_threads = True
         host, port = httpd.server_address[:2]
         url = f"http://{host if isinstance(host, str) else host.decode()}:{port}"
@@ -244,7 +340,7 @@ def serve(request: dict) -> None:
 
             threading.Thread(target=watch, name="eagle3-parent-watch", daemon=True).start()
         httpd.serve_forever(poll_interval=0.2)
-        engine.jobs.put(None)
+        engine.stop()
     finally:
         if httpd is not None:
             httpd.server_close()

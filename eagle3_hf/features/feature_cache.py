@@ -31,6 +31,7 @@ from .store import (
     HEADER_KEYS,
     ShardWriter,
     carried,
+    header_differs,
     journal_entries,
     journals,
     merge_manifests,
@@ -67,7 +68,7 @@ class FeatureCache:
             if header is not None:
                 found.append((path.name, header))
         for name, header in found:
-            differ = [k for k in HEADER_KEYS if header.get(k) != self.header.get(k)]
+            differ = [k for k in HEADER_KEYS if header_differs(header, self.header, k)]
             if differ:
                 what = "; ".join(f"{k} {header.get(k)!r} (this run: {self.header.get(k)!r})" for k in differ)
                 raise FeatureCacheError(f"--cache-features {self.dir} holds features with {what} ({name}): "

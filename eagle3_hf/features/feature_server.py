@@ -20,7 +20,11 @@ states for the same sample.
 Faults: the server unreachable, or one serving another verifier (hidden size, layer count, tokenizer
 fingerprint), is refused before the first step, one line; a request that times out or finds the server
 down (restarting) is retried `retries` times with a growing pause, the server's identity checked again
-once it answers, then one line naming the sample; non-finite states are refused like offline ones.
+once it answers, then one line naming the sample; a server that is busy (503) is retried the same way,
+waiting at least its Retry-After; non-finite states are refused like offline ones.
+
+Every request carries $EAGLE3_HF_API_KEY as a bearer token when it is set; a server that answers 401 is one
+line saying whether a key was sent (never the key).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import Eagle3Error
+from .api_key import api_key, auth_headers, refused_line
 from .packing import PackedCollator
 from .store import as_stored, canonical_dtype
 from .vllm_offline import check_states, features_from_states
@@ -58,24 +63,31 @@ class FeatureServerError(Eagle3Error):
 class FeatureClient:
     """HTTP client of one feature server (vllm_feature_server.py): identity, and one sample's states."""
 
-    def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
+    def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0,
+                 key: str | None = None):
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise FeatureServerError(f"--features {url!r}: an http:// URL, as `eagle3-hf serve-features` "
                                      "prints it")
         self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
+        self.key = key if key is not None else api_key()  # $EAGLE3_HF_API_KEY unless given
         self.expected: dict[str, Any] | None = None  # the identity checked at start
         self.requests = 0
         self.wait_s = 0.0  # seconds spent in requests (this process)
 
     def _get(self, path: str, timeout: float) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as answer:
+        request = urllib.request.Request(self.url + path, headers=auth_headers(self.key))
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
             return json.loads(answer.read())
 
     def identity(self, timeout: float = 10.0) -> dict[str, Any]:
-        """GET /identity; FeatureServerError (one line) when nothing answers there."""
+        """GET /identity; FeatureServerError (one line) when nothing answers there or the key is refused."""
         try:
             return self._get("/identity", timeout)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise FeatureServerError(f"feature server {refused_line(self.url, self.key)}") from None
+            raise FeatureServerError(f"feature server {self.url} answered {exc.code} to GET /identity") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", None) or exc
             raise FeatureServerError(f"feature server {self.url} unreachable ({reason}): start it with "
@@ -95,30 +107,37 @@ class FeatureClient:
 
     def states(self, ids: list[int], sample_id: str) -> dict[str, torch.Tensor]:
         """POST /features for one sample: {hidden_states, token_ids}; retried on timeouts and a server that is
-        down (restarting), then FeatureServerError naming the sample. A request the server refuses (400) is
-        not retried."""
+        down (restarting) or busy (503: the pause is at least its Retry-After), then FeatureServerError naming
+        the sample. A request the server refuses (400, 401) is not retried."""
         from safetensors.torch import load as load_safetensors
 
         body = json.dumps({"ids": ids}).encode()
         last = ""
+        retry_after = 0.0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(30.0, self.backoff_s * 2 ** (attempt - 1)))
+                time.sleep(min(30.0, max(retry_after, self.backoff_s * 2 ** (attempt - 1))))
+                retry_after = 0.0
             start = time.perf_counter()
             try:
                 request = urllib.request.Request(self.url + "/features", data=body, method="POST",
-                                                 headers={"Content-Type": "application/json"})
+                                                 headers={"Content-Type": "application/json",
+                                                          **auth_headers(self.key)})
                 with urllib.request.urlopen(request, timeout=self.timeout) as answer:
                     data = answer.read()
                 self.requests += 1
                 return load_safetensors(data)
             except urllib.error.HTTPError as exc:
+                if exc.code == 401:
+                    raise FeatureServerError(f"feature server {refused_line(self.url, self.key)}") from None
                 try:
                     last = json.loads(exc.read()).get("error") or f"HTTP {exc.code}"
-                except ValueError:
+                except (ValueError, AttributeError):
                     last = f"HTTP {exc.code}"
                 if 400 <= exc.code < 500:
                     break
+                if exc.code == 503:
+                    retry_after = retry_after_s(exc.headers.get("Retry-After"))
             except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
                 reason = getattr(exc, "reason", None) or exc
                 last = "timed out" if isinstance(reason, (socket.timeout, TimeoutError)) else str(reason)
@@ -141,6 +160,14 @@ class FeatureClient:
         if differ:
             raise FeatureServerError(f"feature server {self.url} came back serving another verifier "
                                      f"({', '.join(f'{k} {found.get(k)!r}' for k in differ)})")
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's seconds (0 when absent or not a number of seconds), at most 30."""
+    try:
+        return min(30.0, max(0.0, float(value or 0)))
+    except ValueError:
+        return 0.0
 
 
 class EndpointFeatureCollator:

@@ -36,6 +36,7 @@ from ..errors import UsageError
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
+from .source import VerifierIdentity
 from .store import ShardWriter, canonical_dtype, make_header, merge_manifests
 
 if TYPE_CHECKING:
@@ -190,8 +191,8 @@ def import_features(
     indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
     name = verifier_name or (str(verifier) if not isinstance(verifier, nn.Module) else
                              getattr(verifier.config, "_name_or_path", type(verifier).__name__))
-    info = {"name": name, "revision": verifier_revision, "num_hidden_layers": n_layers, "hidden_size": hidden,
-            "vocab_size": int(config.vocab_size)}
+    info = VerifierIdentity.of(config, str(name), verifier_revision,
+                               files=None if isinstance(verifier, nn.Module) else str(verifier)).as_dict()
     provenance = {"format": fmt, "last_hidden_state": "final norm applied at import (stored pre-norm)"
                   if fmt == "speculators" else "stored post-norm by the engine",
                   "verifier_greedy": "argmax of the verifier's lm_head, computed at import"}

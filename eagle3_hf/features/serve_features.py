@@ -7,9 +7,12 @@ and tells who it is on GET /identity: hidden size, layer count, aux indices, and
 computed here from the verifier's tokenizer, which a trainer compares with its prepared dataset's.
 
     eagle3-hf serve-features --verifier V --port 8100          # prints: feature server: http://127.0.0.1:8100 ...
-    eagle3-hf serve-features --verifier V --host 0.0.0.0 --tensor-parallel-size 8   # for a trainer elsewhere
+    EAGLE3_HF_API_KEY=... eagle3-hf serve-features --verifier V --host 0.0.0.0 --tensor-parallel-size 8
+                                                               # for a trainer elsewhere, which sets the same key
 
-It runs in the foreground until Ctrl-C or SIGTERM; its temporary files go with it.
+It runs in the foreground until Ctrl-C or SIGTERM; its temporary files go with it. Without an API key it
+listens on loopback only (features/api_key.py); its identity names the verifier's config and head hashes
+(verifier/identity.py), which a trainer checks against its --verifier.
 """
 
 from __future__ import annotations
@@ -24,18 +27,22 @@ from pathlib import Path
 from typing import Any
 
 from ..verifier.family import check_aux_indices, default_aux_indices
+from .api_key import API_KEY_ENV, api_key, check_bind
 from .vllm_offline import checkpoint_dtype, vllm_layer_ids
+
+KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
 
 def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
                    dtype: str = "auto", max_model_len: int | None = None, host: str = "127.0.0.1", port: int = 0,
                    tensor_parallel_size: int = 1, batch_size: int = 8, connector: str = "auto",
-                   fingerprint: str | None = None) -> dict[str, Any]:
+                   fingerprint: str | None = None, max_queue: int = 64) -> dict[str, Any]:
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
     from transformers import AutoConfig
 
     from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.family import text_config
+    from ..verifier.identity import teacher_hashes
     from ..verifier.loading import load_tokenizer, resolve_verifier
 
     path = resolve_verifier(str(verifier))
@@ -46,22 +53,27 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
         fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
-    return {"verifier": path, "name": str(verifier), "verifier_revision": revision, "dtype": dtype,
+    return {"verifier": path, "name": str(verifier), "verifier_revision": revision,
+            "verifier_identity": teacher_hashes(str(verifier), revision), "dtype": dtype,
             "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", None) or 4096),
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
-            "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector}
+            "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector,
+            "max_queue": int(max_queue)}
 
 
 def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
-                         log_file: str | Path | None = None, **kwargs: Any):  # -> VllmFeatureServer
-    """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens)."""
+                         log_file: str | Path | None = None, api_key: str | None = None,
+                         **kwargs: Any):  # -> VllmFeatureServer
+    """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens). Without `api_key` a host
+    other than loopback is refused (one line) before anything loads."""
     from ..engines.vllm_env import vllm_python
     from ..engines.vllm_feature_launcher import VllmFeatureServer
 
+    check_bind(str(kwargs.get("host", "127.0.0.1")), api_key, "serve-features")
     vllm_python()  # vLLM missing: one line, before anything loads
     return VllmFeatureServer(server_request(verifier, **kwargs), threads=threads, debug=debug, timeout=timeout,
-                             log_file=log_file)
+                             log_file=log_file, api_key=api_key)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, port_default: int,
@@ -80,6 +92,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, por
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--api-key", default=None,
+                        help=f"the key clients must send (default ${API_KEY_ENV}, which keeps it out of the process "
+                             "list); without one the server listens on loopback only")
 
 
 def add_process_arguments(parser: argparse.ArgumentParser, *, log_file_help: str) -> None:
@@ -95,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "default loopback)",
                          port_default=0, port_help="port (default 0: any free port, printed)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests prefilled together at most")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting at most; past it a client is told to retry (503, Retry-After)")
     add_process_arguments(parser, log_file_help="vLLM's log (default: a temporary file)")
 
 
@@ -105,12 +122,12 @@ def run(args: argparse.Namespace) -> int:
                                   log_file=args.log_file, revision=args.revision, aux_indices=aux,
                                   dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,
                                   port=args.port, tensor_parallel_size=args.tensor_parallel_size,
-                                  batch_size=args.batch_size)
+                                  batch_size=args.batch_size, max_queue=args.max_queue, api_key=api_key(args.api_key))
     with server:
         who = server.identity
         print(f"feature server: {server.url} (verifier {who['verifier']}, hidden {who['hidden_size']}, "
               f"{who['num_hidden_layers']} layers, vLLM ids {who['layer_ids']}); train with --features "
-              f"{server.url}", flush=True)
+              f"{server.url}{KEY_NOTE if server.api_key else ''}", flush=True)
         print(json.dumps({"url": server.url, "identity": who}), flush=True)
 
         def stop(*_: Any) -> None:

@@ -10,7 +10,10 @@ the client reads and deletes.
     eagle3-hf serve-vllm --verifier V --tensor-parallel-size 8 --print-command   # the command, to run yourself
 
 It runs until Ctrl-C or SIGTERM; a storage directory it made goes with it. The server also answers
-ordinary completions (the states of every request are saved: give it to extraction only).
+ordinary completions (the states of every request are saved: give it to extraction only). With an API key
+(--api-key or $EAGLE3_HF_API_KEY) vLLM answers only requests that carry it, and the client sends it from
+$EAGLE3_HF_API_KEY; without one it listens on loopback only. The key is never printed: --print-command's
+command reads it from $EAGLE3_HF_API_KEY where it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .api_key import API_KEY_ENV, api_key, check_bind
 from .serve_features import add_process_arguments, add_server_arguments, server_request
 
 DEFAULT_PORT = 8000
@@ -45,14 +49,16 @@ def run(args: argparse.Namespace) -> int:
     from ..engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    key = api_key(args.api_key)
+    check_bind(args.host, key, "serve-vllm")
     request = server_request(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
                              max_model_len=args.max_model_len, host=args.host, port=args.port,
                              tensor_parallel_size=args.tensor_parallel_size, connector=args.connector)
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
                               "tensor_parallel_size": request["tensor_parallel_size"], "revision": args.revision,
                               "connector": args.connector}
-    client = (f"eagle3-hf extract --engine vllm --endpoint http://{args.host}:{args.port} --verifier {args.verifier} "
-              "--data prepared/ --output features/")
+    client = (f"{API_KEY_ENV + '=... ' if key else ''}eagle3-hf extract --engine vllm --endpoint "
+              f"http://{args.host}:{args.port} --verifier {args.verifier} --data prepared/ --output features/")
     if args.print_command:
         try:
             python: str | Path = vllm_python()
@@ -60,14 +66,14 @@ def run(args: argparse.Namespace) -> int:
             python = "python"  # vLLM lives on the serving machine, not here
         argv = server_arguments(request["verifier"], request["layer_ids"], args.storage or PRINTED_STORAGE,
                                 host=args.host, port=args.port, **engine)
-        print(shell_command(python, argv))
+        print(shell_command(python, argv, key_from=API_KEY_ENV if key else None))
         print(f"# then, on the same machine: {client}", file=sys.stderr)
         return 0
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
     vllm_python()  # vLLM missing: one line
     server = VllmOpenAIServer(request["verifier"], request["layer_ids"], port=args.port, host=args.host,
                               storage=args.storage, threads=args.threads, timeout=args.timeout,
-                              log_file=args.log_file, debug=debug, **engine)
+                              log_file=args.log_file, debug=debug, api_key=key, **engine)
     with server:
         print(f"vLLM OpenAI server: {server.url} (verifier {request['verifier']}, vLLM layer ids "
               f"{request['layer_ids']}, storage {server.storage}); extract with: {client}", flush=True)

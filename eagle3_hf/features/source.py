@@ -35,28 +35,58 @@ from .store import make_header
 
 @dataclass(frozen=True)
 class VerifierIdentity:
-    """The verifier a feature directory was captured from: the manifest's `verifier` record."""
+    """The verifier a feature directory was captured from: the manifest's `verifier` record. `config_sha256` and
+    `head_sha256` (verifier/identity.py) tell same-shape checkpoints apart; None where they were not recorded
+    (features written before they were, or a verifier without files), and then left out of the record."""
 
     name: str
     revision: str | None
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
+    config_sha256: str | None = None
+    head_sha256: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "revision": self.revision, "num_hidden_layers": self.num_hidden_layers,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        record: dict[str, Any] = {"name": self.name, "revision": self.revision,
+                                  "num_hidden_layers": self.num_hidden_layers, "hidden_size": self.hidden_size,
+                                  "vocab_size": self.vocab_size}
+        record.update({k: v for k, v in self.hashes().items() if v is not None})
+        return record
+
+    def hashes(self) -> dict[str, str | None]:
+        return {"config_sha256": self.config_sha256, "head_sha256": self.head_sha256}
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> VerifierIdentity:
         return cls(str(record.get("name")), record.get("revision"), int(record.get("num_hidden_layers") or 0),
-                   int(record.get("hidden_size") or 0), int(record.get("vocab_size") or 0))
+                   int(record.get("hidden_size") or 0), int(record.get("vocab_size") or 0),
+                   record.get("config_sha256"), record.get("head_sha256"))
 
     @classmethod
-    def of(cls, config: Any, name: str, revision: str | None = None) -> VerifierIdentity:
-        """From a verifier's (text) config."""
+    def of(cls, config: Any, name: str, revision: str | None = None,
+           files: str | None = None) -> VerifierIdentity:
+        """From a verifier's (text) config; the hashes from its files at `files` (a directory or Hub id; default
+        `name`) where they can be read."""
+        from ..verifier.identity import teacher_hashes
+
+        hashes = teacher_hashes(str(files or name), revision) if (files or name) else {}
         return cls(str(name), revision, int(config.num_hidden_layers), int(config.hidden_size),
-                   int(config.vocab_size))
+                   int(config.vocab_size), hashes.get("config_sha256"), hashes.get("head_sha256"))
+
+    def differences(self, other: VerifierIdentity) -> list[str]:
+        """What of `other` contradicts this record: the shapes, and each hash both hold ("config_sha256 ab12..
+        != cd34.."). Empty when they agree on everything both record."""
+        found = [f"{k} {getattr(self, k)} != {getattr(other, k)}" for k in ("num_hidden_layers", "hidden_size",
+                                                                             "vocab_size")
+                 if getattr(self, k) and getattr(other, k) and getattr(self, k) != getattr(other, k)]
+        found += [f"{k} {a[:12]} != {b[:12]}" for k, a, b in
+                  ((k, self.hashes()[k], other.hashes()[k]) for k in ("config_sha256", "head_sha256"))
+                  if a and b and a != b]
+        return found
+
+    def fully_recorded(self) -> bool:
+        return self.config_sha256 is not None and self.head_sha256 is not None
 
 
 @dataclass(frozen=True)

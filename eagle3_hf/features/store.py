@@ -47,6 +47,7 @@ HEADER_KEYS = ("format", "version", "source", "verifier", "tokenizer_fingerprint
 # Per-sample tensors in checksum order; scales only exist for fp8.
 SAMPLE_KEYS = ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "aux_hidden_states_scale",
                "last_hidden_state", "last_hidden_state_scale")
+VERIFIER_HASH_KEYS = ("config_sha256", "head_sha256")  # verifier/identity.py: in the verifier record when known
 _SHARD_RE = re.compile(r"^shard-r(\d{3})-(\d{5})\.safetensors$")
 
 
@@ -174,10 +175,21 @@ def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 # ---------------------------------------------------------------- header checks and journals
 
+def header_differs(existing: dict, new: dict, key: str) -> bool:
+    """Whether two headers disagree on `key`. The verifier's hashes count only where both record them: a
+    directory begun before they were recorded is resumed (and keeps its header)."""
+    a, b = existing.get(key), new.get(key)
+    if key == "verifier" and isinstance(a, dict) and isinstance(b, dict):
+        both = [k for k in VERIFIER_HASH_KEYS if k in a and k in b]
+        strip = [k for k in VERIFIER_HASH_KEYS if k not in both]
+        return {k: v for k, v in a.items() if k not in strip} != {k: v for k, v in b.items() if k not in strip}
+    return a != b
+
+
 def check_header(existing: dict, new: dict, where: str) -> None:
     """Refuse to mix features from another verifier, tokenizer, layer set or dtype in one directory."""
     for key in HEADER_KEYS:
-        if existing.get(key) != new.get(key):
+        if header_differs(existing, new, key):
             raise ValueError(
                 f"{where} holds features with {key}={existing.get(key)!r}, but this run has {key}={new.get(key)!r}; "
                 f"refusing to mix them in one directory (use a new --output)"

@@ -137,7 +137,7 @@ class VllmFeatureSpec:
         self.indices = check_aux_indices(aux_indices or default_aux_indices(self.num_layers), self.num_layers)
         self.layer_ids = vllm_layer_ids(self.indices, self.num_layers)
         self.softcap = logit_softcap(config)
-        who = VerifierIdentity.of(config, str(verifier_name or verifier), verifier_revision)
+        who = VerifierIdentity.of(config, str(verifier_name or verifier), verifier_revision, files=self.path)
         provenance = {"engine": "vllm", "vllm_layer_ids": self.layer_ids, "vllm_dtype": self.vllm_dtype,
                       "last_hidden_state": f"the verifier's final norm applied to vLLM's id {self.num_layers} "
                                            "(pre-norm)",

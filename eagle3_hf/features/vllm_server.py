@@ -15,7 +15,9 @@ the verifier's greedy token computed here from the last captured state; if the f
 the server's layer ids are not the ones asked for (or its final norm differs), and the run stops.
 
 Requests run `concurrency` at a time (the server batches them), in order; each has a timeout, 5xx answers
-and dropped connections are retried, and a file whose request this client abandoned is deleted.
+and dropped connections are retried, and a file whose request this client abandoned is deleted. Every request
+carries $EAGLE3_HF_API_KEY as a bearer token when it is set (`serve-vllm` gives vLLM the same key); a 401 is one
+line saying whether a key was sent.
 
 What this client trusts of an answer (docs/security.md): nothing it has not checked. It reads and deletes only
 files inside the server's storage directory (`--vllm-storage`, else the one `serve-vllm` names in /v1/models,
@@ -44,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import Eagle3Error
+from .api_key import api_key, auth_headers, refused_line
 
 PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
 
@@ -165,6 +168,7 @@ class EndpointExtraction:
     def __init__(self, url: str, prompts: Iterable[tuple[int, list[int]]], model: str, concurrency: int = 8,
                  timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, storage: str | None = None):
         self.url, self.model = url.rstrip("/"), model
+        self.api_key = api_key()
         self.prompts, self.concurrency = prompts, max(1, int(concurrency))
         self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
         self.policy = StoragePolicy(self.url, storage)
@@ -185,7 +189,7 @@ class EndpointExtraction:
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(self.url + "/v1/completions", data=body,
                                              headers={"Content-Type": "application/json",
-                                                      "X-Request-Id": request_id})
+                                                      "X-Request-Id": request_id, **auth_headers(self.api_key)})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     answer = read_answer(response, self.url, time.monotonic() + self.timeout)
@@ -207,9 +211,7 @@ class EndpointExtraction:
         raise AssertionError("unreachable")
 
     def _why(self, exc: Exception) -> str:
-        from ..engines.vllm_openai import server_error
-
-        return server_error(self.url, exc)
+        return server_error_line(self.url, exc, self.api_key)
 
     def _one(self, key: int, ids: list[int]) -> dict[str, Any]:
         request_id = f"eagle3-{uuid.uuid4().hex}"  # the connector names the file for it: no older file can match
@@ -295,16 +297,17 @@ def check_server(url: str, verifier: str, verifier_path: str, longest: int, laye
     served-model name says) or takes shorter prompts. Its "storage" is the directory whose files the client
     may read and delete: `storage` (--vllm-storage), which the server's own must not contradict, else the one
     it names (it must be visible here), else None (the first answer's, StoragePolicy)."""
-    from ..engines.vllm_openai import served_layer_ids, served_storage, server_error, server_models
+    from ..engines.vllm_openai import served_layer_ids, served_storage, server_models
 
+    key = api_key()
     try:
-        models = server_models(url, timeout=30.0)
+        models = server_models(url, timeout=30.0, api_key=key)
     except TimeoutError:
         raise EndpointError(f"{url}/v1/models did not answer within 30 s") from None
     except ValueError as exc:
         raise EndpointError(str(exc)) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise EndpointError(server_error(url, exc)) from None
+        raise EndpointError(server_error_line(url, exc, key)) from None
     if not models:
         raise EndpointError(f"{url}/v1/models lists no model")
     model = models[0]
@@ -328,6 +331,15 @@ def check_server(url: str, verifier: str, verifier_path: str, longest: int, laye
                             f"{longest} (+1 generated)")
     model["storage"] = storage_directory(url, storage, served_storage(models))
     return model
+
+
+def server_error_line(url: str, exc: Exception, key: str | None) -> str:
+    """Why a request failed, one line; a 401 says whether a key was sent (never the key)."""
+    from ..engines.vllm_openai import server_error
+
+    if isinstance(exc, urllib.error.HTTPError) and exc.code == 401:
+        return refused_line(url, key)
+    return server_error(url, exc)
 
 
 def storage_directory(url: str, given: str | None, named: str | None) -> str | None:

@@ -38,7 +38,13 @@ from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.train.training_data import DEFAULT_WORKERS, build_datasets, check_features_fit, load_vocabulary
+from eagle3_hf.train.training_data import (
+    DEFAULT_WORKERS,
+    build_datasets,
+    check_features_fit,
+    load_vocabulary,
+    resolve_features_verifier,
+)
 from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
 
@@ -53,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
+    verifier = resolve_features_verifier(data_args, model_args)  # --verifier unset: the one the features name
+    verifier_config = AutoConfig.from_pretrained(resolve_verifier(verifier),
                                                  revision=model_args.verifier_revision)
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
     #    draft vocabulary, read by tensor name so a huge verifier is never instantiated.
-    embed, head = verifier_io_weights(model_args.verifier, model_args.verifier_revision)
+    embed, head = verifier_io_weights(verifier, model_args.verifier_revision)
     model.load_verifier_embeddings(embed)
     model.attach_teacher(head, logit_softcap(verifier_config))
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",

@@ -79,7 +79,9 @@ def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deep
 
 @dataclass
 class ModelArguments:
-    verifier: str = field(default="smollm2-135m-instruct", metadata={"help": "verifier name, path or repo id"})
+    verifier: str | None = field(
+        default=None, metadata={"help": "verifier name, path or repo id (default: the one --features names, "
+                                        "else smollm2-135m-instruct); the features' verifier must be it"})
     verifier_revision: str | None = field(default=None)
     finetune_from: str | None = field(
         default=None, metadata={"help": "initialise from this drafter (directory or Hub repo id, any layout)"}

@@ -7,7 +7,9 @@ serve-features`) for each batch's states. The server is checked before anything 
 another verifier than `--verifier` (hidden size, layer count) or another tokenizer than the prepared dataset's
 (fingerprint), it is refused with one line. With `--cache-features DIR` its features are kept in DIR
 (features/feature_cache.py) and read from there after. Whatever the route, the features' verifier is checked
-against `--verifier` the same way (`check_features_fit`).
+against `--verifier` the same way (`check_features_fit`): its shapes, tokenizer and the hashes of its config and
+head tensors (verifier/identity.py) must agree, and `--verifier` defaults to the verifier the features name
+(`resolve_features_verifier`).
 """
 
 from __future__ import annotations
@@ -87,11 +89,12 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                              f"{model_args.verifier}: the teacher and the features must come from one verifier")
         assert data_args.prepared_dir is not None  # checked above for every online spec
         fingerprint = read_prepared_meta(data_args.prepared_dir)["tokenizer_fingerprint"]
-        verifier = load_verifier(model_args.verifier, revision=model_args.verifier_revision)
+        verifier = load_verifier(str(model_args.verifier), revision=model_args.verifier_revision)
         collator = OnlineFeatureCollator(verifier, max_seq_len=data_args.max_seq_len)
         train = PackedDataset(PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint), **pack)
         evals = PackedDataset(PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint), **pack)
-        who = VerifierIdentity.of(text_config(verifier_config), model_args.verifier, model_args.verifier_revision)
+        who = VerifierIdentity.of(text_config(verifier_config), str(model_args.verifier),
+                                  model_args.verifier_revision)
         return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
                                 data_args.prepared_dir, online=True)
     partial = data_args.allow_partial_features
@@ -107,15 +110,96 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                             VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target)
 
 
+def resolve_features_verifier(data_args: DataArguments, model_args: ModelArguments) -> str:
+    """`--verifier` unset: the verifier the features name (a directory's manifest, `hf:NAME`, a feature server's
+    identity), with its revision; the embedded default only when they name none. Said on the log."""
+    from ..verifier.loading import DEFAULT_VERIFIER
+
+    if model_args.verifier:
+        return model_args.verifier
+    named, revision = features_verifier(data_args.features)
+    if named is None:
+        model_args.verifier = DEFAULT_VERIFIER
+        return DEFAULT_VERIFIER
+    if named.startswith(("/", ".", "~")) and not Path(named).expanduser().exists():
+        raise UsageError(f"--features {data_args.features} names the verifier {named}, which is not on this "
+                         "machine: pass --verifier (the same checkpoint here)")
+    model_args.verifier = named
+    if model_args.verifier_revision is None:
+        model_args.verifier_revision = revision
+    logger.info("--verifier %s: the verifier --features %s names", named, data_args.features)
+    return named
+
+
+def features_verifier(features: str | None) -> tuple[str | None, str | None]:
+    """(name, revision) of the verifier `--features` names; (None, None) where it names none (`hf`, or a
+    directory that cannot be read: building the datasets then says why)."""
+    from ..features.source import FeatureSpec
+
+    if not features:
+        return None, None
+    spec = FeatureSpec.parse(features)
+    if spec.kind == "transformers":
+        return spec.target or None, None
+    if spec.kind == "server":
+        from ..features.feature_server import FeatureClient
+
+        found = FeatureClient(spec.target, retries=0).identity()  # unreachable, a refused key: one line now
+        return (str(found["verifier"]) if found.get("verifier") else None), found.get("verifier_revision")
+    from ..features.store import read_manifest
+
+    try:
+        record = read_manifest(spec.target).get("verifier") or {}
+    except (OSError, ValueError, KeyError):
+        return None, None
+    return (str(record["name"]) if record.get("name") else None), record.get("revision")
+
+
 def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedConfig,
                        model_args: ModelArguments) -> None:
-    """Features of another verifier (another hidden size) are refused before anything is built, whatever the
-    route."""
+    """Features of another verifier are refused before anything is built, whatever the route: another hidden
+    size, layer count, vocabulary or tokenizer, or (where the features record them) another config or head
+    (`VerifierIdentity.differences`). Features that record no hashes are checked on what they hold, with a
+    warning that the teacher could not be fully checked."""
+    from ..features.source import VerifierIdentity
+
     recorded = features.verifier.hidden_size or None  # the width the drafter's fc will read
     found = misfits(verifier_config, target_hidden_size=recorded, what="features")
     if found:
         raise UsageError(f"{features.source}: features have hidden size {found[0].value}, the verifier "
                          f"{model_args.verifier} has {found[0].expected}")
+    if features.online and not features.endpoint:
+        return  # `--features hf`: the features are computed by --verifier itself
+    teacher = VerifierIdentity.of(text_config(verifier_config), str(model_args.verifier),
+                                  model_args.verifier_revision)
+    differ = features.verifier.differences(teacher)
+    fingerprint = teacher_fingerprint(model_args)
+    if fingerprint is not None and fingerprint != features.tokenizer_fingerprint:
+        differ.append(f"tokenizer_fingerprint {features.tokenizer_fingerprint[:12]} != {fingerprint[:12]}")
+    if differ:
+        raise UsageError(f"{features.endpoint or features.source}: features of the verifier {features.verifier.name}, "
+                         f"not of --verifier "
+                         f"{model_args.verifier} ({'; '.join(differ)}): train with the verifier the features were "
+                         "extracted from")
+    missing = [k for k, v in features.verifier.hashes().items() if v is None or teacher.hashes()[k] is None]
+    if missing:
+        names = "" if features.verifier.name == str(model_args.verifier) else \
+            f"; they name {features.verifier.name}, --verifier is {model_args.verifier}"
+        logger.warning("%s: the teacher could not be fully checked: no %s on both sides (features from before "
+                       "they were recorded, or a verifier without files here); compared layers, widths, vocabulary "
+                       "and tokenizer only%s", features.source, " or ".join(missing), names)
+
+
+def teacher_fingerprint(model_args: ModelArguments) -> str | None:
+    """The tokenizer fingerprint of --verifier; None when it has no tokenizer to load here."""
+    from ..data.fingerprint import tokenizer_fingerprint
+    from ..verifier.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(str(model_args.verifier), revision=model_args.verifier_revision)
+    except (OSError, ValueError):
+        return None
+    return tokenizer_fingerprint(tokenizer)
 
 
 def load_vocabulary(data_args: DataArguments, features: TrainingFeatures,
@@ -164,7 +248,7 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
     identity = client.check(expected, names={"hidden_size": f", {model_args.verifier}",
                                              "num_hidden_layers": f", {model_args.verifier}",
                                              "tokenizer_fingerprint": f", {data_args.prepared_dir}"})
-    norm, head, _ = load_verifier_head(resolve_verifier(model_args.verifier), model_args.verifier_revision)
+    norm, head, _ = load_verifier_head(resolve_verifier(str(model_args.verifier)), model_args.verifier_revision)
     vf = data_args.validation_fraction
     pack: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
                                 overlong=data_args.overlong)
@@ -175,8 +259,8 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
     cache = None
     if data_args.cache_features:  # extract --engine vllm's header: DIR is an ordinary feature directory
         verifier = {"name": str(model_args.verifier), "revision": model_args.verifier_revision,
-                "num_hidden_layers": expected["num_hidden_layers"], "hidden_size": expected["hidden_size"],
-                "vocab_size": int(config.vocab_size)}
+                    "num_hidden_layers": expected["num_hidden_layers"], "hidden_size": expected["hidden_size"],
+                    "vocab_size": int(config.vocab_size), **served_hashes(identity)}
         provenance = {"engine": "vllm", "feature_server": url, "vllm_version": identity.get("vllm_version"),
                       "vllm_layer_ids": list(identity["layer_ids"])}
         cache = FeatureCache(data_args.cache_features, make_header(verifier, fingerprint, identity["aux_layer_indices"],
@@ -187,8 +271,15 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
     logger.info("features from %s (verifier %s, vLLM %s, ids %s), rounded to %s%s", url, identity.get("verifier"),
                 identity.get("vllm_version"), identity["layer_ids"], collator.storage_dtype,
                 f", kept in {cache.dir}" if cache else "")
-    served = VerifierIdentity(str(identity.get("verifier") or url), None, int(identity["num_hidden_layers"]),
-                              int(identity["hidden_size"]), int(config.vocab_size))
+    served = VerifierIdentity(str(identity.get("verifier") or url), identity.get("verifier_revision"),
+                              int(identity["num_hidden_layers"]), int(identity["hidden_size"]),
+                              int(identity.get("vocab_size") or config.vocab_size), **served_hashes(identity))
     return TrainingFeatures(PackedDataset(train_samples, **pack), PackedDataset(eval_samples, **pack), collator,
                             tuple(int(i) for i in identity["aux_layer_indices"]), fingerprint, served,
                             data_args.prepared_dir, endpoint=url, online=True)
+
+
+def served_hashes(identity: dict[str, Any]) -> dict[str, str]:
+    """The config and head hashes a feature server reports (`verifier_identity`), those it has."""
+    found = identity.get("verifier_identity") or {}
+    return {k: str(found[k]) for k in ("config_sha256", "head_sha256") if isinstance(found, dict) and found.get(k)}

@@ -14,6 +14,8 @@ import shlex
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -191,15 +193,20 @@ def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_di
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    key = "slow-test-key"  # vLLM's own --api-key (as VLLM_API_KEY): the client sends it from EAGLE3_HF_API_KEY
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", EAGLE3_HF_API_KEY=key)
     with VllmOpenAIServer(str(verifier_dir), [1, 3, 5, 6], port=port, dtype="float32", max_model_len=512,
-                          timeout=600) as server:
+                          timeout=600, api_key=key) as server:
         storage = server.storage
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no key: vLLM answers 401
+            urllib.request.urlopen(server.url + "/v1/models", timeout=30)
+        assert refused.value.code == 401
         result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--endpoint", server.url, "--verifier",
                                  str(verifier_dir), "--data", str(prepared), "--output", str(tmp_path / "f_vllm"),
                                  "--samples-per-shard", "4", "--vllm-batch-size", "4", "--no-progress"],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert key not in result.stdout + result.stderr + server._log_text()
         assert "does not name its storage directory" not in result.stderr  # the served name told the client
         assert os.listdir(storage) == ["pids"]  # every file and lock taken; the pids say whose directory it is
     assert not storage.exists()  # the server's storage goes with it

@@ -34,8 +34,10 @@ from tests.helpers.loopback import LoopbackServer, QuietHandler
 
 class CompletionsStub(LoopbackServer):
     def __init__(self, model, root: str, storage: Path, behaviour: str = "ok", layer_ids=LAYER_IDS,
-                 max_model_len: int = 512, write_delay: float = 0.05, name_storage: bool = True):
+                 max_model_len: int = 512, write_delay: float = 0.05, name_storage: bool = True,
+                 api_key: str | None = None):
         self.model, self.root, self.storage, self.behaviour = model, root, Path(storage), behaviour
+        self.api_key = api_key  # like vLLM's --api-key: every /v1 request without `Bearer KEY` is a 401
         self.name_storage = name_storage
         self.layer_ids, self.max_model_len, self.write_delay = list(layer_ids), max_model_len, write_delay
         self.posts = 0
@@ -55,7 +57,15 @@ class CompletionsStub(LoopbackServer):
                 except BrokenPipeError:
                     pass
 
+            def _refused(self) -> bool:
+                if stub.api_key is None or self.headers.get("Authorization") == f"Bearer {stub.api_key}":
+                    return False
+                self._send(401, {"error": "Unauthorized"})  # vLLM's AuthenticationMiddleware's answer
+                return True
+
             def do_GET(self):
+                if self._refused():
+                    return
                 names = [stub.root, layers_name(stub.layer_ids)]
                 if stub.name_storage:
                     names.append(STORAGE_NAME + str(stub.named_storage))
@@ -64,6 +74,8 @@ class CompletionsStub(LoopbackServer):
 
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
                 with stub.lock:
                     stub.posts += 1
                     number = stub.posts
