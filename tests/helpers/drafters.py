@@ -239,3 +239,25 @@ def random_drafter(verifier, draft_vocab_size: int = 500, seed: int = 0, kept: t
             if "norm" not in name and "embed" not in name:
                 p.mul_(scale)
     return drafter
+
+
+def reference_unroll(model, ids, aux, steps):
+    """Brute force, one document, one anchor at a time, the way an engine drafts: step 0 over the prefix
+    with a causal cache, then steps 1..i appended for that anchor only (cache cropped between anchors)."""
+    n = ids.shape[0]
+    logits = [torch.full((n, DRAFT_VOCAB), float("nan")) for _ in range(steps)]
+    if n < 2:
+        return logits
+    tokens_next = ids[1:]  # token t+1 pairs with the feature of t
+    pos = torch.arange(n - 1)[None]
+    step0, hidden0, (k, v) = model.draft_step(tokens_next[None], aux[None, : n - 1], pos)
+    for t in range(n - 1):
+        logits[0][t] = step0[0, t]
+        cache = (k[:, :, : t + 1], v[:, :, : t + 1])
+        hidden = hidden0[:, t : t + 1]
+        for i in range(1, steps):
+            if t + 1 + i >= n:
+                break
+            out, hidden, cache = model.draft_step(ids[t + 1 + i].view(1, 1), hidden, torch.tensor([[t + i]]), cache)
+            logits[i][t] = out[0, 0]
+    return logits

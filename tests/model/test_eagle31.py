@@ -23,6 +23,7 @@ from tests.helpers.drafters import (
     STANDARD_KEYS,
     packed_batch,
     random_drafter,
+    reference_unroll,
     speculators_config,
     standard_config,
     standard_tensors,
@@ -30,7 +31,6 @@ from tests.helpers.drafters import (
     write_checkpoint,
     write_drafter,
 )
-from tests.model.test_modeling_eagle3 import reference_unroll
 
 OPTIONS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
            {"norm_before_fc": True, "norm_output": True}, {"fc_norm": True, "norm_output": True}]

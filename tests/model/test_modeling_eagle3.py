@@ -12,7 +12,15 @@ from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.model.ttt_attention import _causal_with_diagonals, shift_within_documents
 from eagle3_hf.verifier.family import aux_indices_from_config, engine_aux_layer_ids
 
-from tests.helpers.drafters import DRAFT_VOCAB, HIDDEN, VOCAB, packed_batch, tiny_config, tiny_model
+from tests.helpers.drafters import (
+    DRAFT_VOCAB,
+    HIDDEN,
+    VOCAB,
+    packed_batch,
+    reference_unroll,
+    tiny_config,
+    tiny_model,
+)
 
 
 def test_config_writes_aux_ids_where_each_engine_reads_them(tmp_path):
@@ -97,28 +105,6 @@ def test_mask_is_causal_block_plus_diagonals():
         [1, 1, 0, 0, 1, 0, 0, 1, 0],
         [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(mask, expected)
-
-
-def reference_unroll(model, ids, aux, steps):
-    """Brute force, one document, one anchor at a time, the way an engine drafts: step 0 over the prefix
-    with a causal cache, then steps 1..i appended for that anchor only (cache cropped between anchors)."""
-    n = ids.shape[0]
-    logits = [torch.full((n, DRAFT_VOCAB), float("nan")) for _ in range(steps)]
-    if n < 2:
-        return logits
-    tokens_next = ids[1:]  # token t+1 pairs with the feature of t
-    pos = torch.arange(n - 1)[None]
-    step0, hidden0, (k, v) = model.draft_step(tokens_next[None], aux[None, : n - 1], pos)
-    for t in range(n - 1):
-        logits[0][t] = step0[0, t]
-        cache = (k[:, :, : t + 1], v[:, :, : t + 1])
-        hidden = hidden0[:, t : t + 1]
-        for i in range(1, steps):
-            if t + 1 + i >= n:
-                break
-            out, hidden, cache = model.draft_step(ids[t + 1 + i].view(1, 1), hidden, torch.tensor([[t + i]]), cache)
-            logits[i][t] = out[0, 0]
-    return logits
 
 
 @pytest.mark.parametrize("packed", ["row", "document"])
