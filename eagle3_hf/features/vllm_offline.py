@@ -7,9 +7,10 @@ engines/vllm_extract_runner.py) prefills each sample's token ids once (max_token
 *before* the final norm. So the aux states are stored as vLLM wrote them, and here, in this venv, the
 verifier's own final norm turns id N into `last_hidden_state` (post-norm, as our shards define it) and its
 own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `import-features` uses
-(verifier/head.load_verifier_head, capture.greedy_tokens). Only the norm and the head are read from the
-checkpoint, never the body. vLLM's runner only writes files; each is checked (token ids, rows, layers,
-hidden size, finite), taken into a shard and deleted at once.
+(verifier/head.load_verifier_head, capture.greedy_tokens), on the accelerator when there is one (bf16 head,
+fp32 rescoring: verifier/greedy.py). Only the norm and the head are read from the checkpoint, never the body.
+vLLM's runner only writes files; each is checked (token ids, rows, layers, hidden size, finite), taken into a
+shard and deleted at once.
 
 Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (write.write_features); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
@@ -110,12 +111,15 @@ def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input
 def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
                          head: nn.Module, softcap: float | None) -> dict[str, torch.Tensor]:
     """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order), last_hidden_state [T, H]
-    (the final norm applied once to vLLM's id N) and verifier_greedy [T]."""
+    (the final norm applied once to vLLM's id N) and verifier_greedy [T], all on `states`' device. The norm and
+    the head run where they live (load_verifier_head: the accelerator when there is one)."""
     slot = {lid: j for j, lid in enumerate(layer_ids)}
     aux = torch.cat([states[:, slot[int(i)]] for i in aux_indices], dim=-1)
-    last = norm(states[:, slot[layer_ids[-1]]])  # vLLM's id N is before the final norm
-    return {"aux_hidden_states": aux, "last_hidden_state": last,
-            "verifier_greedy": greedy_tokens(head, last, softcap)}
+    where = next(norm.parameters()).device
+    last = norm(states[:, slot[layer_ids[-1]]].to(where))  # vLLM's id N is before the final norm
+    greedy = greedy_tokens(head, last, softcap)
+    return {"aux_hidden_states": aux, "last_hidden_state": last.to(states.device),
+            "verifier_greedy": greedy.to(states.device)}
 
 
 class VllmFeatureSpec:

@@ -38,7 +38,12 @@ from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
-from eagle3_hf.train.training_data import DEFAULT_WORKERS, build_datasets, check_features_fit, load_vocabulary
+from eagle3_hf.train.training_data import (
+    build_datasets,
+    check_features_fit,
+    endpoint_loader_workers,
+    load_vocabulary,
+)
 from eagle3_hf.verifier.family import logit_softcap
 from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
 
@@ -60,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
     features = build_datasets(data_args, model_args, verifier_config)
     train, evals = features.train, features.evals
-    if features.endpoint and args.dataloader_num_workers == 0:  # workers keep the next requests in flight
-        args.dataloader_num_workers = DEFAULT_WORKERS
+    if features.endpoint:  # CPU: workers keep the next requests in flight; GPU: the head runs there, in this process
+        args.dataloader_num_workers = endpoint_loader_workers(args.dataloader_num_workers)
     check_features_fit(features, verifier_config, model_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured

@@ -72,13 +72,15 @@ def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
     if get_output_embeddings is not None:
         head = get_output_embeddings()
         softcap = logit_softcap(model_or_head)
-    if getattr(head, "bias", None) is not None:  # a head with a bias (rare): its own forward, chunked by rows
-        vocab = cast(torch.Tensor, head.weight).shape[0]
+    weight = cast(torch.Tensor, head.weight)
+    if getattr(head, "bias", None) is not None or weight.device.type == "meta":
+        # a head with a bias (rare), or offloaded by accelerate (its hook brings the weight in): its own forward
+        vocab = weight.shape[0]
         chunk = max(1, LOGIT_ELEMENTS_PER_CHUNK // vocab)
         out = [softcap_logits(head(last_hidden_state[s:s + chunk]), softcap).argmax(-1).to(last_hidden_state.device)
                for s in range(0, last_hidden_state.shape[0], chunk)]
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
-    return greedy_argmax(cast(torch.Tensor, head.weight), last_hidden_state, softcap)
+    return greedy_argmax(weight, last_hidden_state, softcap)
 
 
 @contextmanager

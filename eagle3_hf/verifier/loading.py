@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,39 +143,14 @@ def hub_read_error(name: str, filename: str, exc: Exception) -> OSError:
 
 
 def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
-    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline. The head
-    falls back to the embedding only when the config ties them; a file that could not be fetched (auth,
-    network) is an error, not a missing file."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    """(input embedding [V, H], lm_head [V, H]) in float32, read by tensor name from the verifier's safetensors
+    (checkpoint_files.py), so a 1 T-parameter verifier is never instantiated (nor fully downloaded) to train its
+    drafter offline. The head falls back to the embedding only when the config ties them; a file that could not
+    be fetched (auth, network) is an error, not a missing file."""
+    from .checkpoint_files import CheckpointFiles
 
-    local = Path(resolve_verifier(name_or_path))
-
-    def fetch(filename: str) -> Path | None:
-        if local.is_dir():
-            return local / filename if (local / filename).is_file() else None
-        try:
-            return Path(hf_hub_download(name_or_path, filename, revision=revision))
-        except EntryNotFoundError as exc:
-            if isinstance(exc, LocalEntryNotFoundError):  # not cached and the Hub not reachable: not "absent"
-                raise hub_read_error(name_or_path, filename, exc) from None
-            return None  # the repository has no such file (a single-file checkpoint has no index)
-        except Exception as exc:  # noqa: BLE001 - every other failure is auth or transport: one line
-            raise hub_read_error(name_or_path, filename, exc) from None
-
-    index_file = fetch("model.safetensors.index.json")
-    if index_file is not None:
-        with open(index_file, encoding="utf-8") as f:
-            where = dict(json.load(f)["weight_map"])
-    else:
-        single = fetch("model.safetensors")
-        if single is None:
-            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
-        with safe_open(str(single), framework="pt") as f:
-            where = {k: "model.safetensors" for k in f.keys()}
+    files = CheckpointFiles(name_or_path, revision)
+    where = files.weight_map()
 
     def find(suffix: str) -> str | None:
         hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
@@ -186,14 +160,12 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
     if embed_key is None:
         raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
     if head_key is None:
-        config = AutoConfig.from_pretrained(str(local) if local.is_dir() else name_or_path, revision=revision)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(files.local) if files.local.is_dir() else name_or_path,
+                                            revision=revision)
         if not getattr(config, "tie_word_embeddings", False):
-            raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {index_file or single} and its "
+            raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {files.where()} and its "
                              "config.json has tie_word_embeddings false: the head is not the embedding")
         head_key = embed_key  # tied embeddings
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(fetch(where[key])), framework="pt") as f:
-            return f.get_tensor(key).float()
-
-    return read(embed_key), read(head_key)
+    return files.tensor(embed_key).float(), files.tensor(head_key).float()
