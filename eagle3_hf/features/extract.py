@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
@@ -107,9 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
                              "its own venv, then the verifier's final norm and lm_head here (default: %(default)s)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="vLLM's context length (default: the longest sample + 1)")
     engine.add_argument("--vllm-batch-size", type=int, default=8, help="prompts per vLLM generate call")
     engine.add_argument("--vllm-timeout", type=float, default=None,
                         help="seconds vLLM may go without finishing a batch, model load included, before it is "
@@ -123,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--vllm-storage", default=None, metavar="DIR",
                         help="with --endpoint: the server's storage directory, the only place whose files are read "
                              "and deleted (default: the one `eagle3-hf serve-vllm` names)")
+    add_engine_arguments(parser)
 
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
@@ -134,13 +133,14 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise SystemExit("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
+    check_offline(engine_from_args(args))
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
                                     dtype=args.dtype, store=StoreOptions(args.samples_per_shard,
                                                                          args.max_shard_mb << 20),
                                     verifier_name=args.verifier,
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
-                                    max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                                    max_model_len=args.max_model_len, engine=engine_from_args(args),
                                     batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
                                     endpoint=args.endpoint, vllm_storage=args.vllm_storage,
                                     debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),

@@ -23,23 +23,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .vllm_offline import checkpoint_dtype, vllm_layer_ids
 
 
 def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
                    dtype: str = "auto", max_model_len: int | None = None, host: str = "127.0.0.1", port: int = 0,
-                   tensor_parallel_size: int = 1, batch_size: int = 8, connector: str = "auto",
+                   engine: dict[str, Any] | None = None, batch_size: int = 8, connector: str = "auto",
                    fingerprint: str | None = None) -> dict[str, Any]:
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
-    from transformers import AutoConfig
 
     from ..data.fingerprint import tokenizer_fingerprint
     from ..verifier.family import text_config
-    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
 
     path = resolve_verifier(str(verifier))
-    config = text_config(AutoConfig.from_pretrained(path, revision=revision))
+    config = text_config(load_config(path, revision=revision))
     layers = int(config.num_hidden_layers)
     indices = check_aux_indices(aux_indices or default_aux_indices(layers), layers)
     if fingerprint is None:
@@ -50,7 +50,7 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
             "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", None) or 4096),
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
-            "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector}
+            "engine": dict(engine or {}), "batch_size": int(batch_size), "connector": connector}
 
 
 def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
@@ -77,9 +77,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, por
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
     parser.add_argument("--torch-dtype", default="auto",
                         help="vLLM's dtype (auto = the checkpoint's, as extract --engine vllm)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_engine_arguments(parser)
 
 
 def add_process_arguments(parser: argparse.ArgumentParser, *, log_file_help: str) -> None:
@@ -100,11 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    check_offline(engine_from_args(args))  # one vllm.LLM: data parallelism is one server per replica
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
     server = start_feature_server(args.verifier, threads=args.threads, debug=debug, timeout=args.timeout,
                                   log_file=args.log_file, revision=args.revision, aux_indices=aux,
                                   dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,
-                                  port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                                  port=args.port, engine=engine_from_args(args),
                                   batch_size=args.batch_size)
     with server:
         who = server.identity

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..engines.vllm_args import engine_from_args
 from .serve_features import add_process_arguments, add_server_arguments, server_request
 
 DEFAULT_PORT = 8000
@@ -47,10 +48,9 @@ def run(args: argparse.Namespace) -> int:
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     request = server_request(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
                              max_model_len=args.max_model_len, host=args.host, port=args.port,
-                             tensor_parallel_size=args.tensor_parallel_size, connector=args.connector)
+                             engine=engine_from_args(args), connector=args.connector)
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
-                              "tensor_parallel_size": request["tensor_parallel_size"], "revision": args.revision,
-                              "connector": args.connector}
+                              "engine": request["engine"], "revision": args.revision, "connector": args.connector}
     client = (f"eagle3-hf extract --engine vllm --endpoint http://{args.host}:{args.port} --verifier {args.verifier} "
               "--data prepared/ --output features/")
     if args.print_command:

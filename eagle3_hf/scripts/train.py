@@ -30,7 +30,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, set_seed
+from transformers import set_seed
 from transformers.trainer_utils import IntervalStrategy
 
 from eagle3_hf.constants import TRAINING_FILE
@@ -45,7 +45,8 @@ from eagle3_hf.train.training_data import (
     load_vocabulary,
 )
 from eagle3_hf.verifier.family import logit_softcap
-from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
+from eagle3_hf.verifier.loading import load_config, resolve_verifier, verifier_io_weights
+from eagle3_hf.verifier.remote_code import set_trusted
 
 if TYPE_CHECKING:
     pass
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verifier_config = AutoConfig.from_pretrained(resolve_verifier(model_args.verifier),
-                                                 revision=model_args.verifier_revision)
+    set_trusted(model_args.trust_remote_code)  # the verifier's own code: only with --trust-remote-code
+    verifier_config = load_config(resolve_verifier(model_args.verifier), revision=model_args.verifier_revision)
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.

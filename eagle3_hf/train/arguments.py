@@ -79,6 +79,9 @@ def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deep
 class ModelArguments:
     verifier: str = field(default="smollm2-135m-instruct", metadata={"help": "verifier name, path or repo id"})
     verifier_revision: str | None = field(default=None)
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "run the Python code the verifier or its tokenizer ships (auto_map); off by "
+                                         "default: only for checkpoints you trust"})
     finetune_from: str | None = field(
         default=None, metadata={"help": "initialise from this drafter (directory or Hub repo id, any layout)"}
     )

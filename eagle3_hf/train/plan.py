@@ -94,11 +94,9 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
     if not name:
         raise SystemExit("the recipe names no verifier: pass --verifier-config FILE")
     try:
-        from transformers import AutoConfig
+        from ..verifier.loading import load_config, resolve_verifier
 
-        from ..verifier.loading import resolve_verifier
-
-        return text_config_dict(AutoConfig.from_pretrained(resolve_verifier(name)))
+        return text_config_dict(load_config(resolve_verifier(name)))
     except Exception as err:  # noqa: BLE001 - offline, gated, remote code: all need the same hint
         raise SystemExit(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
                          f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err

@@ -11,7 +11,9 @@ Two ways, chosen by the head's weight dtype:
   traffic: a 163,840 x 7168 head is 2.3 GB in bf16 instead of 4.7 GB.
 
 The head lives on `head_device()`: the accelerator when there is one (`cuda:LOCAL_RANK`), else the CPU. On a
-CPU, bf16 pays only with native bf16 matrix units (AMX / AVX-512 BF16); `bench/greedy_head.py` measures it, and
+CPU, bf16 pays only with native bf16 matrix units (AMX or AVX-512 BF16: 4.4x faster than fp32 at Kimi-K2.5's
+shape on a 2-core AMX machine, `bench/greedy_head.py`); without them (AVX2 only) oneDNN's bf16 GEMM is slower
+than fp32 (8.4 against 76 GFLOP/s measured for the README's demo machine), so fp32 stays there.
 `EAGLE3_HF_HEAD_DTYPE` overrides the choice.
 """
 
@@ -40,14 +42,31 @@ def head_device() -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matrix units (AMX or AVX-512 BF16): there bf16 GEMMs beat fp32 ones."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
 def head_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on an accelerator; fp32 on the CPU (EAGLE3_HF_HEAD_DTYPE=bfloat16 where the CPU has bf16 units)."""
+    """bf16 on an accelerator and on a CPU with bf16 units, else fp32 (module docstring); EAGLE3_HF_HEAD_DTYPE
+    (float32, bfloat16, float16) overrides."""
     chosen = os.environ.get("EAGLE3_HF_HEAD_DTYPE")
     if chosen:
         if chosen not in DTYPES:
             raise ValueError(f"EAGLE3_HF_HEAD_DTYPE={chosen!r}: choose one of {', '.join(DTYPES)}")
         return DTYPES[chosen]
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.bfloat16
 
 
 def _chunks(tokens: int, vocab: int) -> tuple[int, int]:

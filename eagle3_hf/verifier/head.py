@@ -78,8 +78,8 @@ def load_verifier_head(verifier: PreTrainedModel | str | Path, revision: str | N
                        ) -> tuple[nn.Module, nn.Module, Any]:
     """(final norm, lm_head, text config) of a verifier. A loaded model's own modules are used as they are (they
     run where the model runs). Otherwise only those tensors are read (module docstring), the norm in fp32 and the
-    head in `dtype` (default `greedy.head_dtype`: bf16 on an accelerator, fp32 on the CPU), both on `device`
-    (default `greedy.head_device()`)."""
+    head in `dtype` (default: a head stored in 16 bits in `greedy.head_dtype`, bf16 on an accelerator or a CPU with
+    bf16 units, else fp32; one stored in fp32 stays fp32), both on `device` (default `greedy.head_device()`)."""
     if isinstance(verifier, nn.Module):
         return final_norm(verifier), verifier.get_output_embeddings(), text_config(verifier)
     from .checkpoint_files import CheckpointFiles
@@ -114,7 +114,10 @@ def load_verifier_head(verifier: PreTrainedModel | str | Path, revision: str | N
     else:
         model_type = str(text.get("model_type") or top.get("model_type") or "")
         norm = FinalNorm(weight, eps, model_type.startswith(ONE_PLUS_WEIGHT))
-    head_w = files.tensor(head_key).to(where, dtype or head_dtype(where))  # [V, H]
+    head_w = files.tensor(head_key)  # [V, H]
+    if dtype is None:  # a head stored in fp32 keeps it: rounding it to bf16 would change the teacher's logits
+        dtype = head_dtype(where) if head_w.element_size() == 2 else torch.float32
+    head_w = head_w.to(where, dtype)
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(head_w, requires_grad=False)
     return norm.to(where).requires_grad_(False), head, _text_config_object(text)

@@ -86,26 +86,41 @@ def resolve_verifier(name_or_path: str) -> str:
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The verifier's tokenizer; its own code only with --trust-remote-code (remote_code.py)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_verifier(name_or_path), revision=revision)
+    from .remote_code import load_with_trust
+
+    return load_with_trust(AutoTokenizer.from_pretrained, resolve_verifier(name_or_path), "tokenizer",
+                           revision=revision)
+
+
+def load_config(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None) -> Any:
+    """The verifier's config (transformers' AutoConfig); its own code only with --trust-remote-code."""
+    from transformers import AutoConfig
+
+    from .remote_code import load_with_trust
+
+    return load_with_trust(AutoConfig.from_pretrained, resolve_verifier(name_or_path), "config", revision=revision)
 
 
 def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None,
                   **kwargs: Any) -> PreTrainedModel:
     """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .remote_code import load_with_trust
 
     kwargs.setdefault("dtype", "float32")
     path = resolve_verifier(name_or_path)
-    config = AutoConfig.from_pretrained(path, revision=revision)
+    config = load_config(path, revision=revision)
     # multimodal verifiers published with their language model nested (Kimi-K2.5: a DeepSeek-V3 text_config)
     # have no causal-LM class; their image-text-to-text class runs text-only input through that model
     auto: type[AutoModelForCausalLM] | type[AutoModelForImageTextToText] = AutoModelForCausalLM
     if (type(config) not in AutoModelForCausalLM._model_mapping
             and type(config) in AutoModelForImageTextToText._model_mapping):
         auto = AutoModelForImageTextToText
-    model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
+    model = load_with_trust(auto.from_pretrained, path, "model", revision=revision, config=config, **kwargs)
     model.eval().requires_grad_(False)
     return model
 
@@ -160,10 +175,7 @@ def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple
     if embed_key is None:
         raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
     if head_key is None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(files.local) if files.local.is_dir() else name_or_path,
-                                            revision=revision)
+        config = load_config(str(files.local) if files.local.is_dir() else name_or_path, revision=revision)
         if not getattr(config, "tie_word_embeddings", False):
             raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {files.where()} and its "
                              "config.json has tie_word_embeddings false: the head is not the embedding")

@@ -45,7 +45,10 @@ def test_bf16_equals_fp32_but_for_ties(monkeypatch, softcap):
 def test_empty_and_dtype_choice(monkeypatch):
     weight = torch.randn(10, 4)
     assert greedy_argmax(weight, torch.zeros(0, 4)).shape == (0,)
+    monkeypatch.setattr(greedy, "cpu_has_bf16", lambda: False)
     assert greedy.head_dtype(torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(greedy, "cpu_has_bf16", lambda: True)
+    assert greedy.head_dtype(torch.device("cpu")) == torch.bfloat16
     assert greedy.head_dtype(torch.device("cuda", 0)) == torch.bfloat16
     monkeypatch.setenv("EAGLE3_HF_HEAD_DTYPE", "bfloat16")
     assert greedy.head_dtype(torch.device("cpu")) == torch.bfloat16

@@ -19,7 +19,7 @@ from tests.helpers.hub_server import WRITE_TOKEN, client_pointed_at
 def test_head_equals_the_models_own(family, tmp_path):
     model = family_model(family)
     model.save_pretrained(tmp_path / family)
-    norm, head, config = load_verifier_head(tmp_path / family, device="cpu")
+    norm, head, config = load_verifier_head(tmp_path / family, device="cpu", dtype=torch.float32)
     assert config.hidden_size == model.config.get_text_config().hidden_size
     torch.manual_seed(0)
     pre = torch.randn(17, config.hidden_size) * 4
@@ -87,12 +87,12 @@ def test_kimi_style_hub_repo_fetches_only_the_heads_shard(hub, tmp_path, monkeyp
         api = HfApi()
         api.create_repo("tester/kimi-tiny")
         api.upload_folder(repo_id="tester/kimi-tiny", folder_path=str(tmp_path / "repo"))
-        norm, head, config = load_verifier_head("tester/kimi-tiny", device="cpu")
+        norm, head, config = load_verifier_head("tester/kimi-tiny", device="cpu", dtype=torch.float32)
     fetched = sorted(p.name for p in cache.rglob("*") if p.is_file() and "snapshots" in p.parts)
     assert fetched == ["config.json", "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (LAYERS, HIDDEN, VOCAB)
     assert torch.equal(norm.weight, head_tensors["language_model.model.norm.weight"])
-    assert torch.equal(head.weight, head_tensors["language_model.lm_head.weight"].float())  # fp32 on the CPU
+    assert torch.equal(head.weight, head_tensors["language_model.lm_head.weight"].float())
     x = torch.randn(5, HIDDEN)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
     assert torch.allclose(norm(x), ref)
