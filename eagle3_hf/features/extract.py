@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.max_memory or args.offload_folder) and not args.device_map:
         raise SystemExit("--max-memory and --offload-folder need --device-map")
     offload_tmp = None
+    check_device_map_launch(args.device_map)
     if args.device_map:
         kwargs["device_map"] = parse_device_map(args.device_map)
         if args.max_memory:
@@ -185,6 +186,16 @@ def run(args: argparse.Namespace) -> int:
         offload_tmp.cleanup()
     print(json.dumps(summary))
     return 0
+
+
+def check_device_map_launch(device_map: str | None, world_size: str | None = None) -> None:
+    """--device-map shards one verifier over this node's devices: with several processes (WORLD_SIZE > 1) each would
+    load the whole verifier over the same devices. Refused in one line."""
+    world = int((world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1")) or 1)
+    if device_map and world > 1:
+        raise ValueError(f"--device-map {device_map} with WORLD_SIZE={world}: one process shards one verifier over the "
+                         "node's GPUs; launch a single process (python -m eagle3_hf.cli extract ...), or drop "
+                         "--device-map for data-parallel replicas of a verifier that fits one GPU")
 
 
 def parse_device_map(value: str) -> str | dict:

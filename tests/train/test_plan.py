@@ -104,3 +104,19 @@ def test_zero3_plan_reports_the_weights_gathered_per_micro_batch(capsys, tmp_pat
     embedding = 2 * 163840 * 7168  # the frozen bf16 verifier embedding, 2.35 GB, gathered at each of 3 TTT steps
     assert rc == 0 and 3 * embedding < gathered < 3 * embedding + 2 * 8 * 2**30
     assert "ZeRO-3 all-gathers" in text and "prefer it" in text
+
+
+def test_extraction_budget_beside_training(capsys, tmp_path):
+    """Assumed prefill tokens/s -> hours and the GB/s the feature disk must take; a slow disk bounds the time."""
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
+                       "20000", "--disk-gbps", "4")
+    e = p["extraction"]
+    per_token = feature_bytes_per_token(7168, "bf16")
+    assert rc == 0 and e["tokens_per_s"] == 20000 and e["bound"] == "verifier"
+    assert e["write_gbps"] == pytest.approx(20000 * per_token / 1e9)
+    assert e["hours"] == pytest.approx(17.3e6 / 20000 / 3600)
+    assert "extract at  20,000 tokens/s (assumed" in text and text.index("extract at") < text.index("training ")
+    _, _, slow = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
+                      "20000", "--disk-gbps", "0.5")
+    assert slow["extraction"]["bound"] == "disk"
+    assert slow["extraction"]["hours"] == pytest.approx(17.3e6 * per_token / 0.5e9 / 3600)
