@@ -35,19 +35,22 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
 
     from ..data.fingerprint import tokenizer_fingerprint
+    from ..verifier.checkpoint_files import CheckpointFiles
     from ..verifier.family import text_config
-    from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
+    from ..verifier.loading import load_tokenizer, resolve_verifier
 
     path = resolve_verifier(str(verifier))
-    config = text_config(load_config(path, revision=revision))
-    layers = int(config.num_hidden_layers)
+    # config.json read as a file (its text_config where nested): no model class needed, so a family transformers
+    # lacks (kimi_k2) serves without remote code in this process; vLLM gets --trust-remote-code itself
+    config = text_config(CheckpointFiles(path, revision).config())
+    layers = int(config["num_hidden_layers"])
     indices = check_aux_indices(aux_indices or default_aux_indices(layers), layers)
     if fingerprint is None:
         fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
     return {"verifier": path, "name": str(verifier), "verifier_revision": revision, "dtype": dtype,
-            "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", None) or 4096),
+            "max_model_len": int(max_model_len or config.get("max_position_embeddings") or 4096),
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
             "engine": dict(engine or {}), "batch_size": int(batch_size), "connector": connector}
