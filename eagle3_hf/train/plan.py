@@ -375,7 +375,7 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
         tps = extract_tokens_per_s or extract_gpus * rate / (2 * verifier["active"])
         disk_tps = disk_gbps * 1e9 / per_token
         plan["extraction"] = {
-            "tokens_per_s": tps, "tokens_per_s_from": "assumed (--extract-tokens-per-s)" if extract_tokens_per_s
+            "tokens_per_s": tps, "tokens_per_s_from": "assumed, --extract-tokens-per-s" if extract_tokens_per_s
             else f"2 x active FLOPs at {mfu:.0%} MFU on {extract_gpus} GPUs",
             "write_gbps": tps * per_token / 1e9, "disk_gbps": disk_gbps,
             "bound": "disk" if disk_tps < tps else "verifier",

@@ -115,7 +115,8 @@ def test_extraction_budget_beside_training(capsys, tmp_path):
     assert rc == 0 and e["tokens_per_s"] == 20000 and e["bound"] == "verifier"
     assert e["write_gbps"] == pytest.approx(20000 * per_token / 1e9)
     assert e["hours"] == pytest.approx(17.3e6 / 20000 / 3600)
-    assert "extract at  20,000 tokens/s (assumed" in text and text.index("extract at") < text.index("training ")
+    assert "extract at  20,000 tokens/s (assumed, --extract-tokens-per-s)" in text
+    assert text.index("extract at") < text.index("training ")
     _, _, slow = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
                       "20000", "--disk-gbps", "0.5")
     assert slow["extraction"]["bound"] == "disk"
