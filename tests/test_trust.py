@@ -159,8 +159,8 @@ def _untied_checkpoint_without_head(path: Path, tie: bool) -> Path:
 
 
 def test_a_missing_head_is_the_embedding_only_when_the_config_ties_them(tmp_path):
+    from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
     from eagle3_hf.verifier.head import load_verifier_head
-    from eagle3_hf.verifier.loading import verifier_io_weights
 
     untied = _untied_checkpoint_without_head(tmp_path / "untied", tie=False)
     with pytest.raises(ValueError) as err:
@@ -180,7 +180,7 @@ def test_a_missing_head_is_the_embedding_only_when_the_config_ties_them(tmp_path
 def test_an_unreachable_or_private_verifier_is_not_called_missing(hub, tmp_path):
     from huggingface_hub import constants
 
-    from eagle3_hf.verifier.loading import verifier_io_weights
+    from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 
     from tests.helpers.hub_server import client_pointed_at
 

@@ -44,8 +44,9 @@ from eagle3_hf.train.training_data import (
     endpoint_loader_workers,
     load_vocabulary,
 )
+from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 from eagle3_hf.verifier.family import logit_softcap
-from eagle3_hf.verifier.loading import load_config, resolve_verifier, verifier_io_weights
+from eagle3_hf.verifier.loading import load_config, resolve_verifier
 from eagle3_hf.verifier.remote_code import set_trusted
 
 if TYPE_CHECKING:

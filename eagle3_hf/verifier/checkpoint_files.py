@@ -84,3 +84,29 @@ class CheckpointFiles:
         """The file the weight map came from, for messages."""
         self.weight_map()
         return str(self.index_file)
+
+
+def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], lm_head [V, H]) in float32, read by tensor name from the verifier's safetensors
+    (checkpoint_files.py), so a 1 T-parameter verifier is never instantiated (nor fully downloaded) to train its
+    drafter offline. The head falls back to the embedding only when the config ties them; a file that could not
+    be fetched (auth, network) is an error, not a missing file."""
+    files = CheckpointFiles(name_or_path, revision)
+    where = files.weight_map()
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
+    if head_key is None:
+        from .loading import load_config
+
+        config = load_config(str(files.local) if files.local.is_dir() else name_or_path, revision=revision)
+        if not getattr(config, "tie_word_embeddings", False):
+            raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {files.where()} and its "
+                             "config.json has tie_word_embeddings false: the head is not the embedding")
+        head_key = embed_key  # tied embeddings
+    return files.tensor(embed_key).float(), files.tensor(head_key).float()
