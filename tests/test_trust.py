@@ -159,14 +159,14 @@ def _untied_checkpoint_without_head(path: Path, tie: bool) -> Path:
 
 
 def test_a_missing_head_is_the_embedding_only_when_the_config_ties_them(tmp_path):
+    from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
     from eagle3_hf.verifier.head import load_verifier_head
-    from eagle3_hf.verifier.loading import verifier_io_weights
 
     untied = _untied_checkpoint_without_head(tmp_path / "untied", tie=False)
     with pytest.raises(ValueError) as err:
         load_verifier_head(untied)
-    assert str(err.value) == (f"{untied}: tensor 'lm_head.weight' not found in ['model.safetensors'] (config.json "
-                              "has tie_word_embeddings false: the head is its own tensor)")
+    assert str(err.value) == (f"{untied}: no *lm_head.weight tensor in {untied / 'model.safetensors'} and its "
+                              "config.json has tie_word_embeddings false: the head is its own tensor")
     with pytest.raises(ValueError) as err:
         verifier_io_weights(str(untied))
     assert str(err.value) == (f"{untied}: no *lm_head.weight tensor in {untied / 'model.safetensors'} and its "
@@ -180,7 +180,7 @@ def test_a_missing_head_is_the_embedding_only_when_the_config_ties_them(tmp_path
 def test_an_unreachable_or_private_verifier_is_not_called_missing(hub, tmp_path):
     from huggingface_hub import constants
 
-    from eagle3_hf.verifier.loading import verifier_io_weights
+    from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 
     from tests.helpers.hub_server import client_pointed_at
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Eagle3Error
+from .vllm_args import replica_environment
 from .vllm_extract_runner import process_alive
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
@@ -234,6 +235,7 @@ class VllmExtraction:
         offline = all(n is None or Path(str(n)).exists() for n in names)
         env = vllm_environment(vllm_venv(), self.threads, offline, self.debug)
         env["PYTHONPATH"] = str(EXTRACT_RUNNER.parent)  # vLLM imports our connector by module name
+        env.update(replica_environment(dict(request.get("engine") or {})))  # ranks side by side: GPUs by LOCAL_RANK
         self._python = python
         log = None if self.debug else open(self._log, "w", encoding="utf-8")
         try:

@@ -13,8 +13,8 @@ next to this file), whose write does not need CUDA.
 Request: {"verifier", "verifier_revision", "dtype", "max_model_len", "layer_ids" (ascending), "storage" (the
 connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "progress_file" (JSONL this
 runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
-runner waits before its next batch while more lie in storage), "tensor_parallel_size", "seed",
-"connector" ("auto", "cpu" or "stock")}.
+runner waits before its next batch while more lie in storage), "engine" (vllm_args.py: tensor / pipeline parallel
+sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu" or "stock")}.
 The request file's directory is this run's own (VllmExtraction's temporary directory): a runner whose reader
 has exited (killed) removes it, files included, and stops at its next batch.
 Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",
@@ -149,9 +149,9 @@ def load_llm(request: dict, storage: str, layer_ids: list[int]) -> tuple[LLM, di
         raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
     kv_config = connector_config(storage, request.get("connector", "auto"))
     llm = LLM(model=request["verifier"], revision=request.get("verifier_revision"),
-              dtype=request.get("dtype", "auto"), enforce_eager=True, seed=int(request.get("seed", 0)),
+              dtype=request.get("dtype", "auto"), seed=int(request.get("seed", 0)),
               max_model_len=int(request["max_model_len"]), enable_prefix_caching=False,
-              enable_chunked_prefill=False, tensor_parallel_size=int(request.get("tensor_parallel_size", 1)),
+              enable_chunked_prefill=False, **engine_kwargs(request),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": layer_ids}}},
@@ -164,9 +164,19 @@ def plain_llm(request: dict) -> LLM:
     from vllm import LLM
 
     return LLM(model=request["verifier"], revision=request.get("verifier_revision"),
-               dtype=request.get("dtype", "auto"), enforce_eager=True, seed=int(request.get("seed", 0)),
-               max_model_len=int(request["max_model_len"]),
-               tensor_parallel_size=int(request.get("tensor_parallel_size", 1)))
+               dtype=request.get("dtype", "auto"), seed=int(request.get("seed", 0)),
+               max_model_len=int(request["max_model_len"]), **engine_kwargs(request))
+
+
+def engine_kwargs(request: dict) -> dict:
+    """The request's engine options (vllm_args.py: TP, PP, expert parallel, memory, remote code) as LLM keyword
+    arguments; enforce_eager only on vLLM's CPU backend."""
+    from vllm.platforms import current_platform
+    from vllm_args import llm_kwargs  # this directory (on sys.path: HERE)
+
+    engine = dict(request.get("engine") or {})
+    engine.setdefault("tensor_parallel_size", int(request.get("tensor_parallel_size", 1)))
+    return llm_kwargs(engine, cpu=current_platform.is_cpu())
 
 
 def generation_params(gen: dict, seed: Any, extract: bool) -> Any:

@@ -83,17 +83,24 @@ def server_kv_config(storage: str, connector: str = "auto") -> dict[str, Any]:
 
 def server_arguments(verifier: str, layer_ids: list[int], storage: str, *, dtype: str = "auto",
                      max_model_len: int = 4096, host: str = "127.0.0.1", port: int = 8000,
-                     tensor_parallel_size: int = 1, revision: str | None = None, connector: str = "auto",
+                     engine: dict[str, Any] | None = None, revision: str | None = None, connector: str = "auto",
                      served_model_name: str | None = None) -> list[str]:
     """The API server's arguments for extraction at `layer_ids` (vLLM's ids: aux indices + N, ascending),
-    served under the verifier's name and under layers_name(layer_ids)."""
+    served under the verifier's name and under layers_name(layer_ids). `engine` is vllm_args' dict (TP, PP, DP,
+    expert parallel, memory, remote code, device): `--enforce-eager` and our CPU connector only on the CPU."""
+    from .vllm_args import on_cpu, server_flags
+
     if layer_ids != sorted(set(layer_ids)):
         raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
+    engine = dict(engine or {})
+    cpu = on_cpu(str(engine.get("device", "auto")))
+    if connector == "auto":
+        connector = "cpu" if cpu else "stock"
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
     args = ["--model", verifier, "--dtype", dtype, "--max-model-len", str(int(max_model_len)),
-            "--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-            "--tensor-parallel-size", str(int(tensor_parallel_size)), "--host", host, "--port", str(int(port)),
+            "--no-enable-prefix-caching", "--no-enable-chunked-prefill", *server_flags(engine, cpu),
+            "--host", host, "--port", str(int(port)),
             "--speculative-config", json.dumps(speculative, separators=(",", ":")),
             "--kv-transfer-config", json.dumps(server_kv_config(storage, connector), separators=(",", ":"))]
     if revision:

@@ -68,14 +68,22 @@ def _gap(entry: dict[int, Any] | None) -> float | None:
     return top[0] - top[1] if len(top) > 1 else None
 
 
+def _cpu() -> bool:
+    """vLLM's CPU backend: eager there (the project's tests), CUDA graphs on a GPU (as users serve)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def run(request: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     common = dict(model=request["verifier"], revision=request.get("verifier_revision"),
-                  dtype=request.get("dtype", "float32"), enforce_eager=True, disable_log_stats=False,
-                  seed=int(request.get("seed", 0)), max_model_len=int(request.get("max_model_len", 2048)))
+                  dtype=request.get("dtype", "float32"), enforce_eager=_cpu(), disable_log_stats=False,
+                  seed=int(request.get("seed", 0)), max_model_len=int(request.get("max_model_len", 2048)),
+                  trust_remote_code=bool(request.get("trust_remote_code", False)))
     engines: dict[str, LLM] = {}
     load_seconds: dict[str, float] = {}
     modes = (["plain"] if request.get("plain", True) else []) + (["spec"] if request.get("drafter") else [])

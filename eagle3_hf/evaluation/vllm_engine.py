@@ -138,12 +138,12 @@ def format_vllm_summary(summary: dict[str, Any]) -> str:
 def run_engine(args: argparse.Namespace) -> int:
     """`eagle3-hf evaluate --engine vllm`."""
     import torch
-    from transformers import AutoConfig
 
     from ..data.prepare import use_chat_template
     from ..engines.vllm_env import vllm_python
     from ..model.modeling_eagle3 import Eagle3DraftModel
-    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
+    from ..verifier.remote_code import trusted
     from .evaluate import check_pair, copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
@@ -159,7 +159,7 @@ def run_engine(args: argparse.Namespace) -> int:
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype)
-    vconfig = AutoConfig.from_pretrained(verifier_path, revision=args.verifier_revision)
+    vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
     prompts, name = load_prompts(args.prompts, args.num_prompts)
@@ -168,7 +168,7 @@ def run_engine(args: argparse.Namespace) -> int:
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                "dtype": args.dtype, "max_model_len": args.max_model_len, "k": args.k,
-               "logprobs": 2 if args.temperature <= 0 else None}
+               "logprobs": 2 if args.temperature <= 0 else None, "trust_remote_code": trusted()}
     print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}) ...", file=sys.stderr)
     result = run_vllm(dict(request, drafter=args.drafter, drafter_revision=args.revision), threads=threads, debug=debug)
     plain, spec = result["plain"], dict(result["spec"], vllm_version=result["vllm_version"])

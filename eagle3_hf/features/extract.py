@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
@@ -109,9 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
                              "its own venv, then the verifier's final norm and lm_head here (default: %(default)s)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="vLLM's context length (default: the longest sample + 1)")
     engine.add_argument("--vllm-batch-size", type=int, default=8, help="prompts per vLLM generate call")
     engine.add_argument("--vllm-timeout", type=float, default=None,
                         help="seconds vLLM may go without finishing a batch, model load included, before it is "
@@ -125,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--vllm-storage", default=None, metavar="DIR",
                         help="with --endpoint: the server's storage directory, the only place whose files are read "
                              "and deleted (default: the one `eagle3-hf serve-vllm` names)")
+    add_engine_arguments(parser)
 
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
@@ -136,13 +135,14 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
+    check_offline(engine_from_args(args))
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
                                     dtype=args.dtype, store=StoreOptions(args.samples_per_shard,
                                                                          args.max_shard_mb << 20),
                                     verifier_name=args.verifier,
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
-                                    max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                                    max_model_len=args.max_model_len, engine=engine_from_args(args),
                                     batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
                                     endpoint=args.endpoint, vllm_storage=args.vllm_storage,
                                     debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.max_memory or args.offload_folder) and not args.device_map:
         raise UsageError("--max-memory and --offload-folder need --device-map")
     offload_tmp = None
+    check_device_map_launch(args.device_map)
     if args.device_map:
         kwargs["device_map"] = parse_device_map(args.device_map)
         if args.max_memory:
@@ -187,6 +188,16 @@ def run(args: argparse.Namespace) -> int:
         offload_tmp.cleanup()
     print(json.dumps(summary))
     return 0
+
+
+def check_device_map_launch(device_map: str | None, world_size: str | None = None) -> None:
+    """--device-map shards one verifier over this node's devices: with several processes (WORLD_SIZE > 1) each would
+    load the whole verifier over the same devices. Refused in one line."""
+    world = int((world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1")) or 1)
+    if device_map and world > 1:
+        raise ValueError(f"--device-map {device_map} with WORLD_SIZE={world}: one process shards one verifier over the "
+                         "node's GPUs; launch a single process (python -m eagle3_hf.cli extract ...), or drop "
+                         "--device-map for data-parallel replicas of a verifier that fits one GPU")
 
 
 def parse_device_map(value: str) -> str | dict:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .api_key import API_KEY_ENV, api_key, check_bind
 from .vllm_offline import checkpoint_dtype, vllm_layer_ids
@@ -35,19 +36,21 @@ KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
 def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
                    dtype: str = "auto", max_model_len: int | None = None, host: str = "127.0.0.1", port: int = 0,
-                   tensor_parallel_size: int = 1, batch_size: int = 8, connector: str = "auto",
+                   engine: dict[str, Any] | None = None, batch_size: int = 8, connector: str = "auto",
                    fingerprint: str | None = None, max_queue: int = 64) -> dict[str, Any]:
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
-    from transformers import AutoConfig
 
     from ..data.fingerprint import tokenizer_fingerprint
+    from ..verifier.checkpoint_files import CheckpointFiles
     from ..verifier.family import text_config
     from ..verifier.identity import teacher_hashes
     from ..verifier.loading import load_tokenizer, resolve_verifier
 
     path = resolve_verifier(str(verifier))
-    config = text_config(AutoConfig.from_pretrained(path, revision=revision))
-    layers = int(config.num_hidden_layers)
+    # config.json read as a file (its text_config where nested): no model class needed, so a family transformers
+    # lacks (kimi_k2) serves without remote code in this process; vLLM gets --trust-remote-code itself
+    config = text_config(CheckpointFiles(path, revision).config())
+    layers = int(config["num_hidden_layers"])
     indices = check_aux_indices(aux_indices or default_aux_indices(layers), layers)
     if fingerprint is None:
         fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
@@ -55,10 +58,10 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
         dtype = checkpoint_dtype(path)
     return {"verifier": path, "name": str(verifier), "verifier_revision": revision,
             "verifier_identity": teacher_hashes(str(verifier), revision), "dtype": dtype,
-            "max_model_len": int(max_model_len or getattr(config, "max_position_embeddings", None) or 4096),
+            "max_model_len": int(max_model_len or config.get("max_position_embeddings") or 4096),
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
-            "tensor_parallel_size": int(tensor_parallel_size), "batch_size": int(batch_size), "connector": connector,
+            "engine": dict(engine or {}), "batch_size": int(batch_size), "connector": connector,
             "max_queue": int(max_queue)}
 
 
@@ -89,9 +92,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, por
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3), as extract")
     parser.add_argument("--torch-dtype", default="auto",
                         help="vLLM's dtype (auto = the checkpoint's, as extract --engine vllm)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest sample + 1 the server takes (default: the verifier's max_position_embeddings)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_engine_arguments(parser)
     parser.add_argument("--api-key", default=None,
                         help=f"the key clients must send (default ${API_KEY_ENV}, which keeps it out of the process "
                              "list); without one the server listens on loopback only")
@@ -117,11 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    check_offline(engine_from_args(args))  # one vllm.LLM: data parallelism is one server per replica
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
     server = start_feature_server(args.verifier, threads=args.threads, debug=debug, timeout=args.timeout,
                                   log_file=args.log_file, revision=args.revision, aux_indices=aux,
                                   dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,
-                                  port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                                  port=args.port, engine=engine_from_args(args),
                                   batch_size=args.batch_size, max_queue=args.max_queue, api_key=api_key(args.api_key))
     with server:
         who = server.identity

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..engines.vllm_args import engine_from_args
 from .api_key import API_KEY_ENV, api_key, check_bind
 from .serve_features import add_process_arguments, add_server_arguments, server_request
 
@@ -53,10 +54,9 @@ def run(args: argparse.Namespace) -> int:
     check_bind(args.host, key, "serve-vllm")
     request = server_request(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
                              max_model_len=args.max_model_len, host=args.host, port=args.port,
-                             tensor_parallel_size=args.tensor_parallel_size, connector=args.connector)
+                             engine=engine_from_args(args), connector=args.connector)
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
-                              "tensor_parallel_size": request["tensor_parallel_size"], "revision": args.revision,
-                              "connector": args.connector}
+                              "engine": request["engine"], "revision": args.revision, "connector": args.connector}
     client = (f"{API_KEY_ENV + '=... ' if key else ''}eagle3-hf extract --engine vllm --endpoint "
               f"http://{args.host}:{args.port} --verifier {args.verifier} --data prepared/ --output features/")
     if args.print_command:

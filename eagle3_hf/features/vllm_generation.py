@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..data.regenerate import ConversationTurns, ConversationWriter, completed_ids
+from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 
 if TYPE_CHECKING:
     import datasets
@@ -53,12 +54,14 @@ GENERATE_CHUNK = 256  # conversations in flight per round series: a kill loses a
 
 def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end an answer: the generation config's eos ids and the tokenizer's (as the in-process backend)."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
+
+    from ..verifier.loading import load_config
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json: the model config's
-        eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
+        eos = getattr(load_config(path), "eos_token_id", None)
     found = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
@@ -145,7 +148,7 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_turns: int | None = None,
                     max_seq_len: int | None = None, dtype: str = "bfloat16", aux_indices: Sequence[int] | None = None,
                     samples_per_shard: int = 64, vllm_dtype: str = "auto", max_model_len: int | None = None,
-                    tensor_parallel_size: int = 1, batch_size: int = 8, threads: int = 1,
+                    engine: dict[str, Any] | None = None, batch_size: int = 8, threads: int = 1,
                     timeout: float | None = None, debug: bool = False, progress: bool = True) -> dict[str, Any]:
     """Answers to `output`, features to `features_out`, the prepared dataset to `prepared_out`, all from one vLLM
     engine; resumes where a killed run stopped. Returns a summary."""
@@ -177,7 +180,7 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
     eos = eos_ids(spec.path, tokenizer)
     gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stop_token_ids": eos,
            "chunk": GENERATE_CHUNK}
-    request = dict(spec.request(max_model_len, batch_size, 16, tensor_parallel_size), generate=gen, seed=seed)
+    request = dict(spec.request(max_model_len, batch_size, 16, engine), generate=gen, seed=seed)
     writer = ShardWriter(features_out, spec.header, rank=0, samples_per_shard=samples_per_shard)
     start = time.perf_counter()
     summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
@@ -274,15 +277,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                        help="with --features-out: transformers (in this process) or vllm (generate, prepare, then "
                             "prefill through the same vLLM engine, as extract --engine vllm)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallelism")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="vLLM's context length (default: the longest conversation + max_new_tokens per turn)")
     group.add_argument("--vllm-batch-size", type=int, default=8, help="samples per vLLM prefill call")
     group.add_argument("--vllm-timeout", type=float, default=None,
                        help="seconds vLLM may go without progress, model load included (default "
                             "$EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
     group.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
     group.add_argument("--no-progress", action="store_true")
+    add_engine_arguments(parser)
 
 
 def chosen(args: argparse.Namespace) -> bool:
@@ -303,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
                          "(--tensor-parallel-size for more devices)")
     if args.device:
         raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
+    check_offline(engine_from_args(args))
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     summary = regenerate_vllm(
@@ -310,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, max_turns=args.max_turns, max_seq_len=args.max_seq_len, dtype=args.features_dtype,
         aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.dtype,
-        max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len, engine=engine_from_args(args),
         batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
         debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"), progress=not args.no_progress)
     print(json.dumps(summary))

@@ -7,9 +7,10 @@ engines/vllm_extract_runner.py) prefills each sample's token ids once (max_token
 *before* the final norm. So the aux states are stored as vLLM wrote them, and here, in this venv, the
 verifier's own final norm turns id N into `last_hidden_state` (post-norm, as our shards define it) and its
 own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `import-features` uses
-(verifier/head.load_verifier_head, capture.greedy_tokens). Only the norm and the head are read from the
-checkpoint, never the body. vLLM's runner only writes files; each is checked (token ids, rows, layers,
-hidden size, finite), taken into a shard and deleted at once.
+(verifier/head.load_verifier_head, capture.greedy_tokens), on the accelerator when there is one (bf16 head,
+fp32 rescoring: verifier/greedy.py). Only the norm and the head are read from the checkpoint, never the body.
+vLLM's runner only writes files; each is checked (token ids, rows, layers, hidden size, finite), taken into a
+shard and deleted at once.
 
 Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (write.write_features); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
@@ -110,12 +111,15 @@ def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input
 def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
                          head: nn.Module, softcap: float | None) -> dict[str, torch.Tensor]:
     """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order), last_hidden_state [T, H]
-    (the final norm applied once to vLLM's id N) and verifier_greedy [T]."""
+    (the final norm applied once to vLLM's id N) and verifier_greedy [T], all on `states`' device. The norm and
+    the head run where they live (load_verifier_head: the accelerator when there is one)."""
     slot = {lid: j for j, lid in enumerate(layer_ids)}
     aux = torch.cat([states[:, slot[int(i)]] for i in aux_indices], dim=-1)
-    last = norm(states[:, slot[layer_ids[-1]]])  # vLLM's id N is before the final norm
-    return {"aux_hidden_states": aux, "last_hidden_state": last,
-            "verifier_greedy": greedy_tokens(head, last, softcap)}
+    where = next(norm.parameters()).device
+    last = norm(states[:, slot[layer_ids[-1]]].to(where))  # vLLM's id N is before the final norm
+    greedy = greedy_tokens(head, last, softcap)
+    return {"aux_hidden_states": aux, "last_hidden_state": last.to(states.device),
+            "verifier_greedy": greedy.to(states.device)}
 
 
 class VllmFeatureSpec:
@@ -147,12 +151,12 @@ class VllmFeatureSpec:
         self.header = self.identity.header()
         self.next_token_checks = self.next_token_agreements = 0  # a server's own tokens (check_next_token)
 
-    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16, tensor_parallel_size: int = 1,
-                connector: str = "auto") -> dict[str, Any]:
+    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16,
+                engine: dict[str, Any] | None = None, connector: str = "auto") -> dict[str, Any]:
         """The runner's request (vllm_extract_runner.py) for this verifier."""
         return {"verifier": self.path, "verifier_revision": self.revision, "dtype": self.vllm_dtype,
                 "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,
-                "max_pending": max_pending, "tensor_parallel_size": tensor_parallel_size, "connector": connector}
+                "max_pending": max_pending, "engine": dict(engine or {}), "connector": connector}
 
     def features(self, records: Iterable[dict[str, Any]], samples: Sequence[PreparedSample]
                  ) -> Iterator[SampleFeatures]:
@@ -210,12 +214,12 @@ class VllmFeatures:
     """vLLM as a `FeatureSource`: an engine of our own in vLLM's venv (`VllmExtraction`), or a running OpenAI
     server started by `serve-vllm` (`endpoint`; features/vllm_server.py), with `batch_size` requests in flight."""
 
-    def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, tensor_parallel_size: int = 1,
+    def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, engine: dict[str, Any] | None = None,
                  batch_size: int = 8, max_pending: int = 16, threads: int = 1, timeout: float | None = None,
                  connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = "",
                  vllm_storage: str | None = None):
         self.spec, self.identity = spec, spec.identity
-        self.max_model_len, self.tensor_parallel_size = max_model_len, tensor_parallel_size
+        self.max_model_len, self.engine = max_model_len, dict(engine or {})
         self.batch_size, self.max_pending, self.threads, self.timeout = batch_size, max_pending, threads, timeout
         self.connector, self.debug, self.endpoint, self.verifier = connector, debug, endpoint, verifier
         self.vllm_storage = vllm_storage  # the only directory whose files a server may name (vllm_server.py)
@@ -239,7 +243,7 @@ class VllmFeatures:
 
         longest = max((len(s.input_ids) for s in samples), default=0)
         request = self.spec.request(int(self.max_model_len or longest + 1), self.batch_size, self.max_pending,
-                                    self.tensor_parallel_size, self.connector)
+                                    self.engine, self.connector)
         prompts = ((k, samples[k].input_ids.tolist()) for k in range(len(samples)))
         run: VllmExtraction | EndpointExtraction
         if self.served is not None:
@@ -272,7 +276,7 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           out_dir: str | Path, aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
                           store: StoreOptions | None = None, verifier_name: str | None = None,
                           verifier_revision: str | None = None, vllm_dtype: str = "auto",
-                          max_model_len: int | None = None, tensor_parallel_size: int = 1, batch_size: int = 8,
+                          max_model_len: int | None = None, engine: dict[str, Any] | None = None, batch_size: int = 8,
                           max_pending: int = 16, threads: int = 1, timeout: float | None = None,
                           connector: str = "auto", debug: bool = False, progress: bool = True,
                           rank: int | None = None, world_size: int | None = None,
@@ -285,7 +289,7 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
         vllm_python()  # vLLM missing: one line, before anything is written
     spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name, verifier_revision,
                            vllm_dtype)
-    source = VllmFeatures(spec, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+    source = VllmFeatures(spec, max_model_len=max_model_len, engine=engine,
                           batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
                           connector=connector, debug=debug, endpoint=endpoint, verifier=verifier,
                           vllm_storage=vllm_storage)

@@ -30,7 +30,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, set_seed
+from transformers import set_seed
 from transformers.trainer_utils import IntervalStrategy
 
 from eagle3_hf.constants import TRAINING_FILE
@@ -39,14 +39,16 @@ from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
 from eagle3_hf.train.training_data import (
-    DEFAULT_WORKERS,
     build_datasets,
     check_features_fit,
+    endpoint_loader_workers,
     load_vocabulary,
     resolve_features_verifier,
 )
+from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 from eagle3_hf.verifier.family import logit_softcap
-from eagle3_hf.verifier.loading import resolve_verifier, verifier_io_weights
+from eagle3_hf.verifier.loading import load_config, resolve_verifier
+from eagle3_hf.verifier.remote_code import set_trusted
 
 if TYPE_CHECKING:
     pass
@@ -59,9 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_trusted(model_args.trust_remote_code)  # the verifier's own code: only with --trust-remote-code
     verifier = resolve_features_verifier(data_args, model_args)  # --verifier unset: the one the features name
-    verifier_config = AutoConfig.from_pretrained(resolve_verifier(verifier),
-                                                 revision=model_args.verifier_revision)
+    verifier_config = load_config(resolve_verifier(verifier), revision=model_args.verifier_revision)
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
@@ -70,10 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
     with args.main_process_first(local=True, desc="verify features"):
         features = build_datasets(data_args, model_args, verifier_config)
     train, evals = features.train, features.evals
-    if features.endpoint and args.dataloader_num_workers == 0:  # workers keep the next requests in flight
-        args.dataloader_num_workers = DEFAULT_WORKERS
-    if features.online and not features.endpoint and args.dataloader_num_workers:  # the verifier runs in the
-        args.dataloader_num_workers = 0  # collator: in the main process, on its device, never in CPU workers
+    if features.endpoint:  # CPU: workers keep the next requests in flight; GPU: the head runs there, in this process
+        args.dataloader_num_workers = endpoint_loader_workers(args.dataloader_num_workers)
+    elif features.online:  # the verifier runs in the collator: in this process, on its device, never in CPU workers
+        args.dataloader_num_workers = 0
+    if args.dataloader_num_workers == 0:  # a DataLoader without workers takes neither
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)

@@ -83,6 +83,9 @@ class ModelArguments:
         default=None, metadata={"help": "verifier name, path or repo id (default: the one --features names, "
                                         "else smollm2-135m-instruct); the features' verifier must be it"})
     verifier_revision: str | None = field(default=None)
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "run the Python code the verifier or its tokenizer ships (auto_map); off by "
+                                         "default: only for checkpoints you trust"})
     finetune_from: str | None = field(
         default=None, metadata={"help": "initialise from this drafter (directory or Hub repo id, any layout)"}
     )

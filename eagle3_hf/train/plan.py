@@ -96,11 +96,9 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
     if not name:
         raise UsageError("the recipe names no verifier: pass --verifier-config FILE")
     try:
-        from transformers import AutoConfig
+        from ..verifier.loading import load_config, resolve_verifier
 
-        from ..verifier.loading import resolve_verifier
-
-        return text_config_dict(AutoConfig.from_pretrained(resolve_verifier(name)))
+        return text_config_dict(load_config(resolve_verifier(name)))
     except Exception as err:  # noqa: BLE001 - offline, gated, remote code: all need the same hint
         raise UsageError(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
                          f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
@@ -320,7 +318,8 @@ def zero3_gathered_bytes(config: Eagle3Config, ttt_steps: int, freeze_lm_head: b
 
 def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: float | None, *,
                draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
-               peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8) -> dict:
+               peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8,
+               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0) -> dict:
     """Everything `eagle3-hf plan` prints, as a dict (the command formats it)."""
     from ..model.configuration_eagle3 import Eagle3Config
 
@@ -373,6 +372,17 @@ def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: flo
         extract_flops = 2 * verifier["active"] * dataset_tokens
         rate = peak_tflops * 1e12 * mfu
         epochs = float(recipe.get("num_train_epochs", 1))
+        per_token = feature_bytes_per_token(_sizes(config)[2], "bf16")
+        # the extraction's budget: prefill tokens/s (given, or the FLOPs at MFU on extract_gpus) against the disk
+        tps = extract_tokens_per_s or extract_gpus * rate / (2 * verifier["active"])
+        disk_tps = disk_gbps * 1e9 / per_token
+        plan["extraction"] = {
+            "tokens_per_s": tps, "tokens_per_s_from": "assumed, --extract-tokens-per-s" if extract_tokens_per_s
+            else f"2 x active FLOPs at {mfu:.0%} MFU on {extract_gpus} GPUs",
+            "write_gbps": tps * per_token / 1e9, "disk_gbps": disk_gbps,
+            "bound": "disk" if disk_tps < tps else "verifier",
+            "hours": dataset_tokens / min(tps, disk_tps) / 3600, "bytes": per_token * dataset_tokens,
+        }
         plan["data"] = {
             "tokens": dataset_tokens, "mean_document_tokens": doc,
             "disk_bf16": feature_bytes_per_token(_sizes(config)[2], "bf16") * dataset_tokens,
@@ -396,6 +406,16 @@ def feature_read_rate(config: Eagle3Config, ttt_steps: int, mean_document: float
     tokens = per_gpu * gpus_per_node
     return {"read_tokens_per_s_per_node": tokens,
             "read_bytes_per_s_per_node": tokens * feature_bytes_per_token(_sizes(config)[2], "bf16")}
+
+
+def extraction_lines(plan: dict) -> list[str]:
+    """The extraction's time and disk budget, printed beside the training's."""
+    e = plan.get("extraction")
+    if not e:
+        return []
+    return [f"  extract at  {e['tokens_per_s']:,.0f} tokens/s ({e['tokens_per_s_from']})",
+            f"              writes {e['write_gbps']:.2f} GB/s of bf16 features: {e['bytes'] / 1e9:,.0f} GB in "
+            f"{e['hours']:.2f} h ({e['bound']}-bound; disk {e['disk_gbps']:g} GB/s)"]
 
 
 def format_plan(plan: dict, title: str) -> str:
@@ -436,6 +456,7 @@ def format_plan(plan: dict, title: str) -> str:
             f"{x['disk_fp8'] / GIB:,.1f} GiB fp8",
             f"  extraction  {x['extract_flops']:.2e} FLOPs (2 x active x tokens): {x['extract_gpu_hours']:.1f} "
             f"GPU-hours, {x['extract_hours']:.2f} h on {x['extract_gpus']} GPUs",
+            *extraction_lines(plan),
             f"  training    {x['epoch_flops']:.2e} FLOPs/epoch (documents ~{x['mean_document_tokens']:.0f} tokens): "
             f"{x['epoch_hours']:.2f} h/epoch, {x['run_hours']:.1f} h for {x['epochs']:g} epochs on "
             f"{lc['num_processes']} GPU(s)",
@@ -463,6 +484,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 989)")
     parser.add_argument("--extract-gpus", type=int, default=8, help="GPUs running the verifier for extraction")
+    parser.add_argument("--extract-tokens-per-s", type=float, default=None,
+                        help="prefill tokens/s the extraction reaches, all its GPUs together (default: 2 x active "
+                             "FLOPs per token at --mfu on --extract-gpus)")
+    parser.add_argument("--disk-gbps", type=float, default=2.0,
+                        help="GB/s the feature disk sustains for writing (default 2)")
     parser.add_argument("--json", default=None, help="also write the plan to this file")
 
 
@@ -476,7 +502,8 @@ def run(args: argparse.Namespace) -> int:
                       draft_vocab=args.draft_vocab or draft_vocab_from_features(recipe) or 32000,
                       gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
                       mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=mean_document,
-                      extract_gpus=args.extract_gpus)
+                      extract_gpus=args.extract_gpus, extract_tokens_per_s=args.extract_tokens_per_s,
+                      disk_gbps=args.disk_gbps)
     title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
     print(format_plan(plan, title))
     if tokens is None:

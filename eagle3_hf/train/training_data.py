@@ -39,6 +39,21 @@ logger = logging.getLogger("eagle3_hf.train")
 DEFAULT_WORKERS = 2  # data-loader workers that keep a feature server's next batches' requests in flight
 
 
+def endpoint_loader_workers(requested: int, cuda: bool | None = None) -> int:
+    """Data-loader workers for `--features URL`, whose collator applies the verifier's final norm and greedy head.
+    With a GPU, none: the collator runs in the main process with the head on the accelerator (a forked worker
+    cannot use CUDA, and the head must not fall back to fp32 on the CPU there); its request threads still keep a
+    batch's samples in flight together. Without one, `requested` or DEFAULT_WORKERS."""
+    import torch
+
+    if torch.cuda.is_available() if cuda is None else cuda:
+        if requested:
+            logger.warning("--dataloader_num_workers %d ignored with --features URL on a GPU: the verifier's head "
+                           "runs on the GPU in the main process", requested)
+        return 0
+    return requested or DEFAULT_WORKERS
+
+
 @dataclass
 class TrainingFeatures:
     """What `--features` resolved to: the packed splits, the collator that makes their batches, and what the

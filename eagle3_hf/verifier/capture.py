@@ -10,7 +10,7 @@ sum, so one rule holds: hook the output of layer k-1. A multimodal wrapper (Kimi
 its language model's layers. They are read with forward hooks on exactly those layers, so a 61-layer verifier keeps
 3 extra [T, H] tensors alive instead of 62. The final state is the decoder's `last_hidden_state` (after
 the final norm) and the greedy token is the full-vocabulary argmax of the verifier's own logits, computed
-through its output embedding a chunk of positions at a time so [T, V] fp32 logits never exist at once.
+through its output embedding on its device, chunked over positions and vocabulary (greedy.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import torch
 from torch import nn
 
 from .family import check_aux_indices, logit_softcap, softcap_logits, text_config
+from .greedy import LOGIT_ELEMENTS_PER_CHUNK, greedy_argmax
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-# Rows of the [T, V] logits computed at once: about 64 M elements (256 MB in fp32) whatever V is.
-_LOGIT_ELEMENTS_PER_CHUNK = 1 << 26
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -63,23 +61,26 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 @torch.no_grad()
 def greedy_tokens(model_or_head: nn.Module, last_hidden_state: torch.Tensor,
                   softcap: float | None = None) -> torch.Tensor:
-    """Full-vocabulary argmax of lm_head(h) per position, chunked over positions: [T, H] -> int64 [T].
+    """Full-vocabulary argmax of lm_head(h) per position, on the head's device: [T, H] -> int64 [T] (greedy.py).
 
     `model_or_head` is a causal LM (its output embedding and `final_logit_softcapping` are used) or a bare
     head module (then pass `softcap`). Soft-capping is monotonic, so it is applied only to stay faithful.
+    A bf16 head gives the fp32 token except at numerical ties (greedy.greedy_argmax rescores in fp32).
     """
     head = model_or_head
     get_output_embeddings = getattr(model_or_head, "get_output_embeddings", None)
     if get_output_embeddings is not None:
         head = get_output_embeddings()
         softcap = logit_softcap(model_or_head)
-    vocab = cast(torch.Tensor, head.weight).shape[0]
-    chunk = max(1, _LOGIT_ELEMENTS_PER_CHUNK // vocab)
-    out = []
-    for start in range(0, last_hidden_state.shape[0], chunk):
-        logits = softcap_logits(head(last_hidden_state[start : start + chunk]), softcap)  # [c, V]
-        out.append(logits.argmax(dim=-1).to(last_hidden_state.device))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
+    weight = cast(torch.Tensor, head.weight)
+    if getattr(head, "bias", None) is not None or weight.device.type == "meta":
+        # a head with a bias (rare), or offloaded by accelerate (its hook brings the weight in): its own forward
+        vocab = weight.shape[0]
+        chunk = max(1, LOGIT_ELEMENTS_PER_CHUNK // vocab)
+        out = [softcap_logits(head(last_hidden_state[s:s + chunk]), softcap).argmax(-1).to(last_hidden_state.device)
+               for s in range(0, last_hidden_state.shape[0], chunk)]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last_hidden_state.device)
+    return greedy_argmax(weight, last_hidden_state, softcap)
 
 
 @contextmanager

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_VERIFIER = "smollm2-135m-instruct"
@@ -87,26 +85,41 @@ def resolve_verifier(name_or_path: str) -> str:
 
 
 def load_tokenizer(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The verifier's tokenizer; its own code only with --trust-remote-code (remote_code.py)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_verifier(name_or_path), revision=revision)
+    from .remote_code import load_with_trust
+
+    return load_with_trust(AutoTokenizer.from_pretrained, resolve_verifier(name_or_path), "tokenizer",
+                           revision=revision)
+
+
+def load_config(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None) -> Any:
+    """The verifier's config (transformers' AutoConfig); its own code only with --trust-remote-code."""
+    from transformers import AutoConfig
+
+    from .remote_code import load_with_trust
+
+    return load_with_trust(AutoConfig.from_pretrained, resolve_verifier(name_or_path), "config", revision=revision)
 
 
 def load_verifier(name_or_path: str = DEFAULT_VERIFIER, revision: str | None = None,
                   **kwargs: Any) -> PreTrainedModel:
     """A frozen causal LM in eval mode. kwargs go to `from_pretrained` (dtype, device_map, ...)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .remote_code import load_with_trust
 
     kwargs.setdefault("dtype", "float32")
     path = resolve_verifier(name_or_path)
-    config = AutoConfig.from_pretrained(path, revision=revision)
+    config = load_config(path, revision=revision)
     # multimodal verifiers published with their language model nested (Kimi-K2.5: a DeepSeek-V3 text_config)
     # have no causal-LM class; their image-text-to-text class runs text-only input through that model
     auto: type[AutoModelForCausalLM] | type[AutoModelForImageTextToText] = AutoModelForCausalLM
     if (type(config) not in AutoModelForCausalLM._model_mapping
             and type(config) in AutoModelForImageTextToText._model_mapping):
         auto = AutoModelForImageTextToText
-    model = auto.from_pretrained(path, revision=revision, config=config, **kwargs)
+    model = load_with_trust(auto.from_pretrained, path, "model", revision=revision, config=config, **kwargs)
     model.eval().requires_grad_(False)
     return model
 
@@ -141,59 +154,3 @@ def hub_read_error(name: str, filename: str, exc: Exception) -> OSError:
     else:
         why = f"{type(exc).__name__} (network, proxy or HF_ENDPOINT)"
     return OSError(f"{where}: {why}")
-
-
-def verifier_io_weights(name_or_path: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embedding [V, H], lm_head [V, H]) read by tensor name from the verifier's safetensors, so a
-    1 T-parameter verifier is never instantiated (nor fully downloaded) to train its drafter offline. The head
-    falls back to the embedding only when the config ties them; a file that could not be fetched (auth,
-    network) is an error, not a missing file."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    local = Path(resolve_verifier(name_or_path))
-
-    def fetch(filename: str) -> Path | None:
-        if local.is_dir():
-            return local / filename if (local / filename).is_file() else None
-        try:
-            return Path(hf_hub_download(name_or_path, filename, revision=revision))
-        except EntryNotFoundError as exc:
-            if isinstance(exc, LocalEntryNotFoundError):  # not cached and the Hub not reachable: not "absent"
-                raise hub_read_error(name_or_path, filename, exc) from None
-            return None  # the repository has no such file (a single-file checkpoint has no index)
-        except Exception as exc:  # noqa: BLE001 - every other failure is auth or transport: one line
-            raise hub_read_error(name_or_path, filename, exc) from None
-
-    index_file = fetch("model.safetensors.index.json")
-    if index_file is not None:
-        with open(index_file, encoding="utf-8") as f:
-            where = dict(json.load(f)["weight_map"])
-    else:
-        single = fetch("model.safetensors")
-        if single is None:
-            raise FileNotFoundError(f"{name_or_path}: neither model.safetensors nor its index found")
-        with safe_open(str(single), framework="pt") as f:
-            where = {k: "model.safetensors" for k in f.keys()}
-
-    def find(suffix: str) -> str | None:
-        hits = sorted(k for k in where if k.endswith(suffix) and "mtp" not in k and "vision" not in k)
-        return hits[0] if hits else None
-
-    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
-    if embed_key is None:
-        raise ValueError(f"{name_or_path}: no *embed_tokens.weight tensor found")
-    if head_key is None:
-        config = AutoConfig.from_pretrained(str(local) if local.is_dir() else name_or_path, revision=revision)
-        if not getattr(config, "tie_word_embeddings", False):
-            raise ValueError(f"{name_or_path}: no *lm_head.weight tensor in {index_file or single} and its "
-                             "config.json has tie_word_embeddings false: the head is not the embedding")
-        head_key = embed_key  # tied embeddings
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(fetch(where[key])), framework="pt") as f:
-            return f.get_tensor(key).float()
-
-    return read(embed_key), read(head_key)

@@ -187,3 +187,12 @@ def test_cli_extract(tmp_path, tiny_verifier_dir, fingerprint, capsys):
     ds = FeatureDataset(tmp_path / "out", split="all")
     assert ds.manifest["dtype"] == "float8_e4m3fn" and ds.manifest["aux_layer_indices"] == [1, 2, 4]
     assert ds.manifest["verifier"]["name"] == str(tiny_verifier_dir)
+
+
+def test_device_map_with_several_processes_is_refused_in_one_line():
+    from eagle3_hf.features.extract import check_device_map_launch
+
+    check_device_map_launch("auto", "1")
+    check_device_map_launch(None, "8")
+    with pytest.raises(ValueError, match=r"--device-map auto with WORLD_SIZE=8: one process shards one verifier"):
+        check_device_map_launch("auto", "8")

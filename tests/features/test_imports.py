@@ -60,7 +60,7 @@ def _compare(ours: FeatureDataset, imported: FeatureDataset, exact_last: bool):
 
 
 def test_head_only_load_matches_model(tiny_verifier_dir, verifier):
-    norm, head, config = load_verifier_head(str(tiny_verifier_dir))
+    norm, head, config = load_verifier_head(str(tiny_verifier_dir), dtype=torch.float32)
     x = torch.randn(7, config.hidden_size)
     assert torch.equal(norm(x), verifier.model.norm(x))
     assert torch.equal(head(x), verifier.lm_head(x))  # tied: read from the embedding tensor

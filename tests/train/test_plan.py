@@ -126,3 +126,20 @@ def test_the_feature_read_rate_a_node_needs_is_its_training_tokens_times_their_b
     config = Eagle3Config.from_verifier(text, draft_vocab_size=32000, ttt_steps=int(recipe["ttt_steps"]))
     per_gpu = data["peak_tflops"] * 1e12 * data["mfu"] / train_flops_per_token(config, int(recipe["ttt_steps"]), 2048.0)
     assert tokens == pytest.approx(8 * per_gpu)  # one node of 8 GPUs
+
+
+def test_extraction_budget_beside_training(capsys, tmp_path):
+    """Assumed prefill tokens/s -> hours and the GB/s the feature disk must take; a slow disk bounds the time."""
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
+                       "20000", "--disk-gbps", "4")
+    e = p["extraction"]
+    per_token = feature_bytes_per_token(7168, "bf16")
+    assert rc == 0 and e["tokens_per_s"] == 20000 and e["bound"] == "verifier"
+    assert e["write_gbps"] == pytest.approx(20000 * per_token / 1e9)
+    assert e["hours"] == pytest.approx(17.3e6 / 20000 / 3600)
+    assert "extract at  20,000 tokens/s (assumed, --extract-tokens-per-s)" in text
+    assert text.index("extract at") < text.index("training ")
+    _, _, slow = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
+                      "20000", "--disk-gbps", "0.5")
+    assert slow["extraction"]["bound"] == "disk"
+    assert slow["extraction"]["hours"] == pytest.approx(17.3e6 * per_token / 0.5e9 / 3600)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_hf.verifier import capture
 from eagle3_hf.verifier.capture import capture_features
 from eagle3_hf.verifier.family import check_aux_indices, default_aux_indices
 
@@ -66,7 +65,11 @@ def test_last_state_is_post_norm(tiny):
 def test_greedy_chunked_and_softcap(tiny, monkeypatch):
     ids = torch.randint(0, 1000, (23,))
     _, _, greedy = _reference(tiny, ids, (2, 4, 5))
-    monkeypatch.setattr(capture, "_LOGIT_ELEMENTS_PER_CHUNK", 1000 * 4)  # 4 positions per chunk
+    from eagle3_hf.verifier import greedy as greedy_module
+
+    monkeypatch.setattr(greedy_module, "MAX_TOKENS_PER_CHUNK", 4)  # 4 positions per chunk
+    monkeypatch.setattr(greedy_module, "MIN_VOCAB_PER_CHUNK", 96)  # and 11 vocabulary chunks
+    monkeypatch.setattr(greedy_module, "LOGIT_ELEMENTS_PER_CHUNK", 4 * 96)
     assert torch.equal(capture_features(tiny, ids, (2, 4, 5))["verifier_greedy"], greedy)
     monkeypatch.setattr(tiny.config, "final_logit_softcapping", 0.5, raising=False)
     assert torch.equal(capture_features(tiny, ids, (2, 4, 5))["verifier_greedy"], greedy)

@@ -1,0 +1,132 @@
+"""vLLM's engine arguments, one set for every vLLM route: the argparse group the commands share (`extract --engine
+vllm`, `regenerate --engine vllm`, `serve-features`, `serve-vllm`), the request's "engine" dict, and how it becomes
+`vllm.LLM(...)` keyword arguments (the runners, in vLLM's venv) or the OpenAI server's flags (`serve-vllm`).
+
+Standard library only: the runners import it by path inside vLLM's venv. The names are vLLM's own (its
+`EngineArgs`, vllm/engine/arg_utils.py; the server's parser, vllm/entrypoints/openai/cli_args.py adds them through
+`AsyncEngineArgs.add_cli_args`). `enforce_eager` (no CUDA graphs, no compilation) only on the CPU backend, where
+the project's tests run; on a GPU vLLM captures its graphs as it does when users serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+# request key -> (server flag, default); a value equal to its default is left to vLLM
+ENGINE_OPTIONS: dict[str, tuple[str, Any]] = {
+    "tensor_parallel_size": ("--tensor-parallel-size", 1),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", 1),
+    "data_parallel_size": ("--data-parallel-size", 1),
+    "enable_expert_parallel": ("--enable-expert-parallel", False),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", None),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", None),
+    "trust_remote_code": ("--trust-remote-code", False),
+}
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU (nvidia-smi lists one): vLLM's CUDA build, not our venv's torch,
+    decides where vLLM runs, so this is asked of the machine, as scripts/install_vllm.sh does."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def on_cpu(device: str = "auto") -> bool:
+    """--vllm-device: "cpu", "cuda", or "auto" (by `gpu_present`)."""
+    return device == "cpu" or (device == "auto" and not gpu_present())
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = None) -> argparse._ArgumentGroup:
+    """The one group of vLLM engine options (module docstring); every vLLM route adds it once."""
+    group = parser.add_argument_group(title or "vLLM engine (passed to vLLM as named; vllm/engine/arg_utils.py)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per layer (vLLM's TP)")
+    group.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (vLLM's PP)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="vLLM's data-parallel engines (serve-vllm: vLLM's own server); offline extraction runs "
+                            "one rank per replica instead (torchrun; each rank's vLLM gets its GPUs by LOCAL_RANK)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE experts spread over the TP x DP GPUs (DeepSeek-V3, Kimi-K2)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="fraction of each GPU vLLM may take (vLLM's default 0.9; leave room for the verifier's "
+                            "head, 2.3 GB for Kimi-K2.5, which this process keeps on its GPU)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="vLLM's context length (default: what the samples need offline: the longest sample "
+                            "+ 1, or the longest conversation + answers; a server: the verifier's "
+                            "max_position_embeddings)")
+    group.add_argument("--vllm-device", choices=DEVICES, default="auto",
+                       help="where vLLM runs: cuda (CUDA graphs, stock connector), cpu (enforce_eager, the project's "
+                            "connector), auto: cuda when nvidia-smi lists a GPU here")
+    return group
+
+
+def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's "engine" dict from parsed options (trust_remote_code from the command's own flag)."""
+    engine = {key: getattr(args, key, default) for key, (_flag, default) in ENGINE_OPTIONS.items()}
+    engine["device"] = getattr(args, "vllm_device", "auto")
+    return engine
+
+
+def check_offline(engine: dict[str, Any]) -> None:
+    """Offline routes (vllm.LLM in a runner) start one engine per rank: data parallelism is ranks, not an option."""
+    if int(engine.get("data_parallel_size") or 1) > 1:
+        raise ValueError("--data-parallel-size is for vLLM's own server (serve-vllm): elsewhere, launch one "
+                         "rank per replica (torchrun --nproc-per-node R eagle3-hf extract ...; each rank's vLLM gets "
+                         "its GPUs from LOCAL_RANK)")
+
+
+def llm_kwargs(engine: dict[str, Any], cpu: bool) -> dict[str, Any]:
+    """`vllm.LLM(**kwargs)` for the engine dict: every option set away from its default, enforce_eager on the CPU."""
+    out: dict[str, Any] = {"enforce_eager": bool(cpu)}
+    for key, (_flag, default) in ENGINE_OPTIONS.items():
+        value = engine.get(key, default)
+        if value is not None and value != default:
+            out[key] = value
+    return out
+
+
+def server_flags(engine: dict[str, Any], cpu: bool) -> list[str]:
+    """The OpenAI server's flags for the engine dict (`--enforce-eager` on the CPU only)."""
+    flags = ["--enforce-eager"] if cpu else []
+    for key, (flag, default) in ENGINE_OPTIONS.items():
+        value = engine.get(key, default)
+        if value is None or value == default:
+            continue
+        flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def instance_devices(local_rank: int, per_instance: int, visible: Sequence[str] | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES of this rank's vLLM when ranks run replicas side by side on one node: GPUs
+    [r * per, (r + 1) * per) of those visible (default 0..)."""
+    first = local_rank * per_instance
+    ids = [str(i) for i in range(first, first + per_instance)] if visible is None else \
+        list(visible)[first:first + per_instance]
+    if len(ids) < per_instance:
+        raise ValueError(f"rank {local_rank} needs GPUs {first}..{first + per_instance - 1} (TP x PP = {per_instance} "
+                         f"per replica) but only {len(visible or [])} are visible")
+    return ",".join(ids)
+
+
+def replica_environment(engine: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, str]:
+    """Env additions for this rank's vLLM when WORLD_SIZE > 1 ranks share a node: its own TP x PP GPUs by LOCAL_RANK,
+    taken from CUDA_VISIBLE_DEVICES where the user set it."""
+    env = dict(os.environ if env is None else env)
+    if int(env.get("WORLD_SIZE", "1") or 1) <= 1 or "LOCAL_RANK" not in env or on_cpu(engine.get("device", "auto")):
+        return {}
+    per = int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return {"CUDA_VISIBLE_DEVICES": instance_devices(int(env["LOCAL_RANK"]), per,
+                                                     visible.split(",") if visible else None)}

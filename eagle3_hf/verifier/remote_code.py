@@ -1,0 +1,74 @@
+"""`--trust-remote-code`: off by default on every command that opens a verifier, its config or its tokenizer.
+
+A checkpoint whose config or tokenizer names its own Python code (`auto_map`: Kimi-K2.5's tokenizer and config,
+DeepSeek's older releases) runs that code when loaded. Never by default: the command's flag sets it for the
+process (`set_trusted`, called by the CLI and the training script), transformers gets it explicitly (never its
+interactive prompt), and vLLM gets it through the engine options (engines/vllm_args.py). Without it, such a model
+fails in one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from ..errors import Eagle3Error
+
+FLAG = "--trust-remote-code"
+_TRUSTED = {"value": False}
+T = TypeVar("T")
+
+
+class RemoteCodeError(Eagle3Error):
+    """A checkpoint needs its own code and --trust-remote-code was not given."""
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(FLAG, action="store_true",
+                        help="run the Python code a verifier or tokenizer ships (auto_map), in transformers and vLLM; "
+                             "off by default: only for checkpoints you trust")
+
+
+def set_trusted(value: bool) -> None:
+    """This process's choice (the command's flag)."""
+    _TRUSTED["value"] = bool(value)
+
+
+def trusted() -> bool:
+    return _TRUSTED["value"]
+
+
+def declares_code(name_or_path: str) -> bool:
+    """Whether a local checkpoint's config.json or tokenizer_config.json names code of its own (auto_map)."""
+    for filename in ("config.json", "tokenizer_config.json"):
+        path = Path(name_or_path) / filename
+        try:
+            if path.is_file() and json.loads(path.read_text(encoding="utf-8")).get("auto_map"):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+@contextmanager
+def opening(name_or_path: str, what: str) -> Iterator[None]:
+    """Turn transformers' failure on a checkpoint that needs its own code (untrusted) into one line naming FLAG."""
+    try:
+        yield
+    except (ValueError, OSError, KeyError, AttributeError, ImportError) as exc:
+        text = str(exc)
+        needs = "trust_remote_code" in text or "custom code" in text or declares_code(str(name_or_path))
+        if trusted() or not needs:
+            raise
+        raise RemoteCodeError(f"{name_or_path}: its {what} needs the Python code it ships (auto_map); pass {FLAG} "
+                              "if you trust it") from None
+
+
+def load_with_trust(loader: Callable[..., T], name_or_path: str, what: str, **kwargs: object) -> T:
+    """`loader(name_or_path, trust_remote_code=trusted(), **kwargs)`, its remote-code failure in one line."""
+    with opening(name_or_path, what):
+        return loader(name_or_path, trust_remote_code=trusted(), **kwargs)
