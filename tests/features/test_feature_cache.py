@@ -104,8 +104,10 @@ def test_a_kill_leaves_dir_valid_and_the_rerun_fetches_only_the_missing(tmp_path
         deadline = time.monotonic() + 120
         while stub.posts < 8 and time.monotonic() < deadline and child.is_alive():
             time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
         child.join()
+    assert child.exitcode == -signal.SIGKILL, f"the filling process ended by itself (exit code {child.exitcode})"
     assert stub.posts >= 7, stub.posts
     journal = next(cache_dir.glob("manifest.r*.jsonl"))
     with open(journal, "ab") as f:
