@@ -151,7 +151,7 @@ def main() -> None:
         for r in range(args.rounds):
             runs["offline"].append(train_once(common, ["--features", str(feats)], root / f"off{r}"))
             runs["online"].append(train_once(common, ["--features", server.url, "--prepared-dir",
-                                                      str(prepared), "--feature-dtype", "bf16"], root / f"on{r}"))
+                                                      str(prepared), "--features-dtype", "bf16"], root / f"on{r}"))
         stop.set()
         watcher.join()
         left = [p.name for p in Path(server.storage).rglob("*") if p.name != "pid"]

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = short_prompts(args.prompts)
     tokenizer = load_tokenizer(VERIFIER)
-    common = ["--verifier", VERIFIER, "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32"]
+    common = ["--verifier", VERIFIER, "--max-new-tokens", str(args.max_new_tokens), "--torch-dtype", "float32"]
     result: dict = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -13,7 +13,7 @@ D=${D:-demo_out/small}; T=${T:-runs/vllm_tau}; V=smollm2-135m-instruct
 step=${1:-all}
 if [ "$step" = extract ] || [ "$step" = all ]; then
   mkdir -p $T
-  eagle3-hf extract --engine vllm --verifier $V --data $D/prepared --output $T/features_vllm --dtype bf16 --no-progress 2> $T/extract.log
+  eagle3-hf extract --engine vllm --verifier $V --data $D/prepared --output $T/features_vllm --features-dtype bf16 --no-progress 2> $T/extract.log
   cp $D/features/vocab.safetensors $T/features_vllm/vocab.safetensors
 fi
 if [ "$step" = train ] || [ "$step" = all ]; then

@@ -392,7 +392,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--torch-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the verifier's compute dtype (auto: the checkpoint's)")
     parser.add_argument("--batch-size", type=int, default=8, help="conversations per batch (--verifier)")
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -415,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.manual_seed(args.seed)
-        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype,
+        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
                                       **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,

@@ -253,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default="float32", help="verifier and drafter dtype (default: %(default)s)")
+    parser.add_argument("--torch-dtype", default="float32", help="verifier and drafter dtype (default: %(default)s)")
     parser.add_argument("--output", required=True, help="directory for acceptance.csv and eagle3_evaluation.json")
     parser.add_argument("--write-to-drafter", action="store_true",
                         help="also copy eagle3_evaluation.json into the drafter directory (the model card reads it)")
@@ -279,10 +279,11 @@ def load_for_evaluation(args: argparse.Namespace):
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
+    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.torch_dtype)
     verifier = verifier.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype, device=device)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.torch_dtype,
+                                               device=device)
     bad = non_finite_names(drafter.state_dict())
     if bad:  # τ and "lossless" of a NaN drafter would look fine: it drafts nothing the verifier accepts
         raise NonFiniteError(f"drafter {args.drafter}: {describe_non_finite(bad)}; refusing to evaluate "

@@ -158,7 +158,7 @@ def run_engine(args: argparse.Namespace) -> int:
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.dtype)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.torch_dtype)
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
@@ -167,7 +167,7 @@ def run_engine(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-               "dtype": args.dtype, "max_model_len": args.max_model_len, "k": args.k,
+               "dtype": args.torch_dtype, "max_model_len": args.max_model_len, "k": args.k,
                "logprobs": 2 if args.temperature <= 0 else None, "trust_remote_code": trusted()}
     print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}) ...", file=sys.stderr)
     result = run_vllm(dict(request, drafter=args.drafter, drafter_revision=args.revision), threads=threads, debug=debug)
@@ -182,7 +182,7 @@ def run_engine(args: argparse.Namespace) -> int:
         from ..verifier.loading import load_verifier
         from .evaluate import evaluate_drafter
 
-        verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.dtype)
+        verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.torch_dtype)
         drafter.load_verifier_embeddings(verifier)
         ours = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed, prompts_name=name,

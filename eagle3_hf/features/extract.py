@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="feature directory (created, or resumed/appended)")
     parser.add_argument("--aux-layers", default=None,
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
+    parser.add_argument("--features-dtype", default="bf16",
+                        help="stored features: bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
     parser.add_argument("--device-map", default=None,
                         help="auto (or balanced, sequential): shard a verifier too big for one device over the "
                              "devices of --max-memory, offloading the rest to --offload-folder; or a JSON map "
@@ -138,7 +139,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     check_offline(engine_from_args(args))
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
-                                    dtype=args.dtype, store=StoreOptions(args.samples_per_shard,
+                                    dtype=args.features_dtype, store=StoreOptions(args.samples_per_shard,
                                                                          args.max_shard_mb << 20),
                                     verifier_name=args.verifier,
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
@@ -180,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         verifier.to(device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self from mypy
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
-    summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux, dtype=args.dtype,
+    summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux,
+                               dtype=args.features_dtype,
                                store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
                                verifier_name=args.verifier, verifier_revision=args.revision,
                                progress=not args.no_progress)

@@ -261,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aux-layers", default=None, help="captured layers as our output_hidden_states indices a,b,c")
     parser.add_argument("--engine-layer-ids", default=None,
                         help="captured layers as given to the engine (vLLM: same as ours; SGLang/SpecForge: ours - 1)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp8 or fp32")
+    parser.add_argument("--features-dtype", default="bf16", help="stored features: bf16 (default), fp8 or fp32")
     parser.add_argument("--samples-per-shard", type=int, default=64)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
     fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = import_features(args.format, args.source, args.output, args.verifier, fingerprint, aux_indices=aux,
-                              dtype=args.dtype, prepared=args.data, hidden_states_dir=args.hidden_states,
+                              dtype=args.features_dtype, prepared=args.data, hidden_states_dir=args.hidden_states,
                               verifier_name=args.verifier, verifier_revision=args.revision,
                               samples_per_shard=args.samples_per_shard, progress=not args.no_progress)
     print(json.dumps(summary))

@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.conversations import load_conversations
 
     torch.manual_seed(args.seed)
-    backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.dtype,
+    backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None

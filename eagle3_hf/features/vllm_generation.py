@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         conversations, args.output, args.features_out, args.verifier, prepared_out=args.prepared_out,
         revision=args.revision, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, max_turns=args.max_turns, max_seq_len=args.max_seq_len, dtype=args.features_dtype,
-        aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.dtype,
+        aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.torch_dtype,
         max_model_len=args.max_model_len, engine=engine_from_args(args),
         batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
         debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"), progress=not args.no_progress)

@@ -114,7 +114,7 @@ class DataArguments:
                                         "batch's states computed by vLLM on demand and used once); the last two "
                                         "read the samples from --prepared-dir"})
     prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for online --features"})
-    feature_dtype: str | None = field(
+    features_dtype: str | None = field(
         default=None, metadata={"help": "with a feature server: features rounded as a shard of this dtype stores "
                                         "them (bf16, fp8, fp32; default bf16, as `extract`)"})
     cache_features: str | None = field(

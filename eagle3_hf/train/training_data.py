@@ -270,7 +270,7 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
     train_samples = PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint)
     eval_samples = PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint)
     every = PreparedDataset(data_args.prepared_dir, "all", vf, fingerprint)  # both splits' samples, by id
-    dtype = canonical_dtype(data_args.feature_dtype or "bfloat16")
+    dtype = canonical_dtype(data_args.features_dtype or "bfloat16")
     cache = None
     if data_args.cache_features:  # extract --engine vllm's header: DIR is an ordinary feature directory
         verifier = {"name": str(model_args.verifier), "revision": model_args.verifier_revision,

@@ -61,7 +61,7 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
     assert cli(["prepare", "--tokenizer", verifier, "--input", str(convs), "--output", str(tmp_path / "prep"),
                 "--max-seq-len", "64"]) == 0
     assert cli(["extract", "--verifier", verifier, "--data", str(tmp_path / "prep"), "--output",
-                str(tmp_path / "feats"), "--dtype", "fp32", "--no-progress"]) == 0
+                str(tmp_path / "feats"), "--features-dtype", "fp32", "--no-progress"]) == 0
     assert cli(["vocab", "--data", str(tmp_path / "prep"), "--draft-vocab-size", "256", "--output",
                 str(tmp_path / "feats" / "vocab.safetensors")]) == 0
 

@@ -180,7 +180,7 @@ def test_cli_extract(tmp_path, tiny_verifier_dir, fingerprint, capsys):
 
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=3)
     rc = main(["extract", "--verifier", str(tiny_verifier_dir), "--data", str(prepared), "--output",
-               str(tmp_path / "out"), "--dtype", "fp8", "--aux-layers", "1,2,4", "--no-progress"])
+               str(tmp_path / "out"), "--features-dtype", "fp8", "--aux-layers", "1,2,4", "--no-progress"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["total_samples"] == 3

@@ -115,7 +115,7 @@ def test_specforge_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_ve
     out = tmp_path / "imported"
     sglang_ids = ",".join(str(i - 1) for i in AUX)  # what SpecForge/SGLang were told
     rc = main(["import-features", "specforge", str(tmp_path / "sf"), "--verifier", str(tiny_verifier_dir),
-               "--output", str(out), "--engine-layer-ids", sglang_ids, "--dtype", "fp32", "--data",
+               "--output", str(out), "--engine-layer-ids", sglang_ids, "--features-dtype", "fp32", "--data",
                str(reference / "prep"), "--no-progress"])
     assert rc == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["total_samples"] == 5
     imported = FeatureDataset(out, split="all")

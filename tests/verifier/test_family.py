@@ -63,7 +63,7 @@ def test_family_end_to_end(family, tmp_path, tokenizer):
     assert cli.main(["prepare", "--tokenizer", v, "--input", "default", "--limit", "40", "--output",
                      str(out / "prepared"), "--max-seq-len", "96"]) == 0
     assert cli.main(["extract", "--verifier", v, "--data", str(out / "prepared"), "--output", str(out / "features"),
-                     "--dtype", "fp32", "--no-progress"]) == 0
+                     "--features-dtype", "fp32", "--no-progress"]) == 0
     assert cli.main(["vocab", "--data", str(out / "prepared"), "--draft-vocab-size", "512", "--output",
                      str(out / "features" / "vocab.safetensors")]) == 0
     assert cli.main(["train", "--verifier", v, "--features", str(out / "features"),
@@ -175,7 +175,8 @@ def test_device_map_extraction_over_two_devices_equals_one_device(tmp_path, toke
     placed = split.hf_device_map
     assert placed["model.layers.0"] == "cpu" and placed["model.layers.3"] == "disk" and placed["lm_head"] == "disk"
 
-    common = ["extract", "--verifier", v, "--data", str(tmp_path / "prepared"), "--dtype", "fp32", "--no-progress"]
+    common = ["extract", "--verifier", v, "--data", str(tmp_path / "prepared"), "--features-dtype", "fp32",
+              "--no-progress"]
     assert cli.main(common + ["--output", str(tmp_path / "one")]) == 0
     assert cli.main(common + ["--output", str(tmp_path / "two"), "--device-map", "auto", "--max-memory",
                               f"cpu={budget}"]) == 0
