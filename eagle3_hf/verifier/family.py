@@ -46,13 +46,17 @@ def aux_indices_from_config(config: dict[str, Any]) -> list[int] | None:
 def default_aux_indices(num_layers: int) -> list[int]:
     """(2, N//2, N-3): low, middle and high layers, the EAGLE-3 paper's and both engines' default.
 
-    Below 7 layers (tiny test models) that triple collides, so (1, N//2, N-1) is used instead.
+    Below 7 layers (tiny test models) that triple collides, so (2, N-2, N-1) is used instead, and (1, 2, 3) for 4
+    layers: index 1 only where nothing else fits, because SGLang's versions read an export whose first id names
+    it as different layers (publish/rules.py, its PR 25454).
     """
     if num_layers < 4:
         raise ValueError(f"a verifier needs at least 4 layers for three distinct aux indices, got {num_layers}")
     if num_layers >= 7:
         return [2, num_layers // 2, num_layers - 3]
-    return [1, num_layers // 2, num_layers - 1]
+    if num_layers == 4:
+        return [1, 2, 3]
+    return [2, num_layers - 2, num_layers - 1]
 
 
 def aux_indices_problem(aux_indices: Iterable[int], num_layers: int | None) -> tuple[str, str] | None:

@@ -40,10 +40,10 @@ def test_features_equal_capture(tmp_path, verifier, fingerprint):
     rows = datasets.load_from_disk(str(prepared)).with_format("torch")
     f32 = FeatureDataset(tmp_path / "f32", split="all")
     bf16 = FeatureDataset(tmp_path / "bf16", split="all")
-    assert f32.manifest["aux_layer_indices"] == [1, 3, 5] and bf16.manifest["dtype"] == "bfloat16"
+    assert f32.manifest["aux_layer_indices"] == [2, 4, 5] and bf16.manifest["dtype"] == "bfloat16"
     assert len(f32.manifest["shards"]) == 3 and f32.lengths == [len(r["input_ids"]) for r in rows]
     for i in range(10):
-        ref = capture_features(verifier, rows[i]["input_ids"].long(), (1, 3, 5))
+        ref = capture_features(verifier, rows[i]["input_ids"].long(), (2, 4, 5))
         a, b = f32[i], bf16[i]
         assert a["sample_id"] == rows[i]["id"]
         assert torch.equal(a["input_ids"], rows[i]["input_ids"].long())

@@ -103,7 +103,7 @@ def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, mo
 
 @pytest.mark.parametrize("stub_kwargs, message", [
     ({"root": "/models/another"}, "serves /models/another, not the verifier"),
-    ({"layer_ids": [2, 3, 4, 6]}, "captures vLLM layer ids [2, 3, 4, 6]; this extraction needs [1, 3, 5, 6]"),
+    ({"layer_ids": [2, 3, 4, 6]}, "captures vLLM layer ids [2, 3, 4, 6]; this extraction needs [2, 4, 5, 6]"),
     ({"max_model_len": 20}, "takes at most 20 tokens (its --max-model-len); the longest sample has"),
 ])
 def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_path, model, verifier_dir, prepared,
@@ -168,13 +168,13 @@ def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsy
     args = {key: argv[i + 1] for i, key in enumerate(argv[:-1]) if key.startswith("--")}
     spec = json.loads(args["--speculative-config"])
     assert spec["method"] == "extract_hidden_states"
-    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5, 6]
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 6]
     kv = json.loads(args["--kv-transfer-config"])
     assert kv["kv_connector"] == "CpuHiddenStatesConnector" and kv["kv_connector_module_path"] == "vllm_hidden_states"
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/data/hs", "use_synchronization_lock": True}
     assert "--no-enable-prefix-caching" in argv and args["--port"] == "8123" and args["--dtype"] == "float32"
     names = argv[argv.index("--served-model-name") + 1:]
-    assert names == [str(verifier_dir), "eagle3-hf-layers-1-3-5-6", "eagle3-hf-storage-/data/hs"]
+    assert names == [str(verifier_dir), "eagle3-hf-layers-2-4-5-6", "eagle3-hf-storage-/data/hs"]
 
 
 # ---------------------------------------------------------------- slow: vLLM's own API server on its CPU build
@@ -195,7 +195,7 @@ def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_di
         port = s.getsockname()[1]
     key = "slow-test-key"  # vLLM's own --api-key (as VLLM_API_KEY): the client sends it from EAGLE3_HF_API_KEY
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", EAGLE3_HF_API_KEY=key)
-    with VllmOpenAIServer(str(verifier_dir), [1, 3, 5, 6], port=port, dtype="float32", max_model_len=512,
+    with VllmOpenAIServer(str(verifier_dir), [2, 4, 5, 6], port=port, dtype="float32", max_model_len=512,
                           timeout=600, api_key=key) as server:
         storage = server.storage
         with pytest.raises(urllib.error.HTTPError) as refused:  # no key: vLLM answers 401

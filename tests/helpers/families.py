@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-NUM_LAYERS = 5  # aux indices (1, 2, 4): three distinct layers need at least 4
+NUM_LAYERS = 5  # default aux indices (2, 3, 4): three distinct layers need at least 4
 VOCAB = 49152
 HIDDEN = 64
 FAMILIES = ("deepseek_v3", "kimi_k25", "qwen3", "gemma3")

@@ -244,7 +244,7 @@ def test_online_mode_trains_with_nothing_on_disk(synthetic, tmp_path):
     assert train_logs[-1]["acc_0"] > train_logs[0]["acc_0"]
     assert not list((tmp_path / "online").glob("shard-*"))
     config = json.loads((tmp_path / "online" / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # the verifier's defaults, read online
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # the verifier's defaults, read online
 
 
 def test_soft_cross_entropy_blocks_equal_plain_autograd(monkeypatch):

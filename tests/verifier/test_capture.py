@@ -26,7 +26,8 @@ def test_default_aux_indices():
     assert default_aux_indices(30) == [2, 15, 27]
     assert default_aux_indices(61) == [2, 30, 58]
     assert default_aux_indices(8) == [2, 4, 5]
-    assert len(set(default_aux_indices(6))) == 3  # tiny models: still three distinct layers
+    assert default_aux_indices(6) == [2, 4, 5] and default_aux_indices(5) == [2, 3, 4]  # tiny: not index 1
+    assert default_aux_indices(4) == [1, 2, 3]  # only there: three distinct layers need index 1
     with pytest.raises(ValueError, match="1..29"):
         check_aux_indices((0, 5, 9), 30)
     with pytest.raises(ValueError, match="post-norm"):
