@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict:
+def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict[str, Any]:
     """The manifest's `verifier` record of a loaded verifier."""
     return verifier_identity(verifier, name, revision).as_dict()
 
@@ -202,13 +202,13 @@ def check_device_map_launch(device_map: str | None, world_size: str | None = Non
                          "--device-map for data-parallel replicas of a verifier that fits one GPU")
 
 
-def parse_device_map(value: str) -> str | dict:
+def parse_device_map(value: str) -> str | dict[str, Any]:
     """`auto`-style strategies pass through; otherwise a JSON object (inline or a file) of module -> device."""
     if value in ("auto", "balanced", "balanced_low_0", "sequential"):
         return value
     text = Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
     try:
-        mapping = json.loads(text)
+        mapping: object = json.loads(text)
     except json.JSONDecodeError:
         raise UsageError(f"--device-map {value!r}: not auto/balanced/balanced_low_0/sequential, a JSON file or "
                          f"JSON text") from None
@@ -217,9 +217,9 @@ def parse_device_map(value: str) -> str | dict:
     return mapping
 
 
-def parse_max_memory(value: str) -> dict:
+def parse_max_memory(value: str) -> dict[int | str, int | str]:
     """`0=70GiB,1=70GiB,cpu=200GiB` -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"} (plain numbers are bytes)."""
-    budget: dict = {}
+    budget: dict[int | str, int | str] = {}
     for item in value.split(","):
         device, sep, size = item.partition("=")
         device, size = device.strip(), size.strip()

@@ -20,8 +20,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -29,6 +30,9 @@ from ..constants import MANIFEST
 from ..errors import Eagle3Error
 from .store import (
     HEADER_KEYS,
+    FeatureHeader,
+    Manifest,
+    SampleRecord,
     ShardWriter,
     carried,
     header_differs,
@@ -49,8 +53,9 @@ class FeatureCacheError(Eagle3Error):
 class FeatureCache:
     """One feature directory shared by every process of a run: `get` what is there, `put` what was fetched."""
 
-    def __init__(self, cache_dir: str | Path, header: dict, samples_per_shard: int = 64):
-        self.dir, self.header, self.samples_per_shard = Path(cache_dir), dict(header), int(samples_per_shard)
+    def __init__(self, cache_dir: str | Path, header: FeatureHeader, samples_per_shard: int = 64) -> None:
+        self.dir, self.samples_per_shard = Path(cache_dir), int(samples_per_shard)
+        self.header = FeatureHeader(**header)  # a copy
         self.dir.mkdir(parents=True, exist_ok=True)
         self.check()
         self._pid: int | None = None  # per-process state below is rebuilt after a fork
@@ -59,14 +64,14 @@ class FeatureCache:
 
     def check(self) -> None:
         """Refuse (one line naming DIR) features written for another verifier, tokenizer, layer set or dtype."""
-        found: list[tuple[str, dict]] = []
+        found: list[tuple[str, FeatureHeader]] = []
         if (self.dir / MANIFEST).is_file():
             with open(self.dir / MANIFEST, encoding="utf-8") as f:
                 found.append((MANIFEST, json.load(f)))
         for path in journals(self.dir).values():
-            header = read_journal(path)[0]
-            if header is not None:
-                found.append((path.name, header))
+            journal_header = read_journal(path)[0]
+            if journal_header is not None:
+                found.append((path.name, journal_header))
         for name, header in found:
             differ = [k for k in HEADER_KEYS if header_differs(header, self.header, k)]
             if differ:
@@ -81,9 +86,9 @@ class FeatureCache:
         if self._pid == os.getpid():
             return
         self._pid = os.getpid()
-        self._index: dict[str, dict] = {}  # sample id -> journal record {id, shard, offset, length, sha256}
+        self._index: dict[str, SampleRecord] = {}  # sample id -> its journal record
         self._read_to: dict[Path, int] = {}  # journal -> bytes parsed
-        self._claim = None
+        self._claim: IO[bytes] | None = None
         for rank in range(MAX_WRITERS):
             lock = open(self.dir / f"writer.r{rank:03d}.lock", "a+b")  # noqa: SIM115 (held for the process's life)
             try:
@@ -99,15 +104,15 @@ class FeatureCache:
             self.writer = ShardWriter(self.dir, self.header, rank=self.rank, samples_per_shard=self.samples_per_shard)
         self.refresh()
 
-    def _commit_lock(self) -> Any:
+    def _commit_lock(self) -> AbstractContextManager[None]:
         dir_ = self.dir
 
         class Lock:
-            def __enter__(self):
+            def __enter__(self) -> None:
                 self.f = open(dir_ / "commit.lock", "a+b")  # noqa: SIM115
                 fcntl.flock(self.f, fcntl.LOCK_EX)
 
-            def __exit__(self, *exc):
+            def __exit__(self, *exc: object) -> None:
                 fcntl.flock(self.f, fcntl.LOCK_UN)
                 self.f.close()
 
@@ -140,11 +145,11 @@ class FeatureCache:
         self._state()
         if any(sid not in self._index for sid in sample_ids):
             self.refresh()
-        by_shard: dict[str, list[dict]] = {}
+        by_shard: dict[str, list[SampleRecord]] = {}
         for sid in sample_ids:
             if sid in self._index:
                 by_shard.setdefault(self._index[sid]["shard"], []).append(self._index[sid])
-        out = {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
         for shard, records in by_shard.items():
             path = self.dir / shard
             with safe_open(str(path), framework="pt") as f:
@@ -184,9 +189,9 @@ class FeatureCache:
             self.refresh()
         return written
 
-    def finish(self) -> dict:
+    def finish(self) -> Manifest:
         """Merge every journal into manifest.json (call once, when no process writes any more)."""
         return merge_manifests(self.dir)
 
-    def __getstate__(self) -> dict:  # a spawned DataLoader worker opens its own prefix and writer
+    def __getstate__(self) -> dict[str, Any]:  # a spawned DataLoader worker opens its own prefix and writer
         return {k: self.__dict__[k] for k in ("dir", "header", "samples_per_shard")} | {"_pid": None}

@@ -78,7 +78,8 @@ class FeatureClient:
     def _get(self, path: str, timeout: float) -> dict[str, Any]:
         request = urllib.request.Request(self.url + path, headers=auth_headers(self.key))
         with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read())
+            record: dict[str, Any] = json.loads(answer.read())
+        return record
 
     def identity(self, timeout: float = 10.0) -> dict[str, Any]:
         """GET /identity; FeatureServerError (one line) when nothing answers there or the key is refused."""
@@ -224,7 +225,7 @@ class EndpointFeatureCollator:
             have.update((sid, self.rounded(f)) for sid, f in fetched.items())
         return have
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         wanted = list(dict.fromkeys(sid for row in rows for sid, _s, _e in row["pieces"]))
         features = self.features(wanted)
         full = []

@@ -64,7 +64,7 @@ def _ids_from_prepared(prepared: datasets.Dataset | str | Path) -> dict[str, lis
     return out
 
 
-def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = None) -> Iterator[dict]:
+def read_speculators(src: str | Path, hidden_states_dir: str | Path | None = None) -> Iterator[dict[str, Any]]:
     """Samples of a speculators offline dataset; the last state is pre-norm (`needs_norm`)."""
     from datasets import load_from_disk
     from safetensors import safe_open
@@ -120,7 +120,7 @@ def _absent(have: Any, keys: Sequence[str]) -> str:
     return " or ".join(repr(k) for k in keys if k not in have)
 
 
-def _torch_load_safe(path: Path) -> dict:
+def _torch_load_safe(path: Path) -> object:  # what the file holds: a dict of tensors, callers check
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:  # a GzipFile reads like any binary file
@@ -131,7 +131,7 @@ def _torch_load_safe(path: Path) -> dict:
                          f"{reason}); refusing to unpickle arbitrary objects") from None
 
 
-def read_specforge(src: str | Path) -> Iterator[dict]:
+def read_specforge(src: str | Path) -> Iterator[dict[str, Any]]:
     """Samples of a SpecForge offline directory (rows_*/data_{i}.ckpt[.gz]); the last state is post-norm."""
     files = []
     for path in Path(src).rglob("data_*.ckpt*"):

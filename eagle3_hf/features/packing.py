@@ -62,7 +62,7 @@ def _first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-class PackedDataset(Dataset):
+class PackedDataset(Dataset[dict[str, Any]]):
     """Rows of at most `max_seq_len` tokens, each a list of (sample index, start, end) pieces.
 
     The plan depends only on `dataset.lengths`, `max_seq_len`, `packing`, `overlong` and `seed`, so every
@@ -72,7 +72,7 @@ class PackedDataset(Dataset):
     """
 
     def __init__(self, dataset: SampleSource, max_seq_len: int, packing: bool = True, overlong: str = "truncate",
-                 seed: int | None = 0):
+                 seed: int | None = 0) -> None:
         if overlong not in ("truncate", "split", "error"):
             raise ValueError(f"overlong must be 'truncate', 'split' or 'error', got {overlong!r}")
         if max_seq_len < 1:
@@ -115,22 +115,28 @@ class PackedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _piece(self, i: int, start: int, end: int) -> dict:
+    def _piece(self, i: int, start: int, end: int) -> dict[str, Any]:
         if isinstance(self.dataset, FeatureDataset):
             return self.dataset.get(i, start, end, decode=False)
         if hasattr(self.dataset, "get"):
-            return self.dataset.get(i, start, end)
+            piece: dict[str, Any] = self.dataset.get(i, start, end)
+            return piece
         item = self.dataset[i]
         n = len(item["input_ids"])
         return {k: (v[start:end] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
                 for k, v in item.items()}
 
-    def __getitem__(self, r: int) -> dict:
+    def __getitem__(self, r: int) -> dict[str, Any]:
         """One row, unpadded: per-token tensors concatenated over its documents, plus document bookkeeping.
 
         Features of a FeatureDataset stay StoredFeatures (views) until the collator decodes them.
         """
-        parts, position_ids, document_ids, pieces, prefixes, shards = [], [], [], [], [], []
+        parts: list[dict[str, Any]] = []
+        position_ids: list[torch.Tensor] = []
+        document_ids: list[torch.Tensor] = []
+        pieces: list[tuple[str, int, int]] = []  # (sample id, start, end)
+        prefixes: list[torch.Tensor] = []
+        shards: list[str | None] = []
         for d, (i, s, e) in enumerate(self.rows[r]):
             item = self._piece(i, s, e)
             parts.append(item)
@@ -140,7 +146,7 @@ class PackedDataset(Dataset):
             shards.append(item.get("shard"))
             if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
                 prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
-        row: dict = {}
+        row: dict[str, Any] = {}
         for k, v in parts[0].items():
             if torch.is_tensor(v):
                 row[k] = torch.cat([p[k] for p in parts])
@@ -161,15 +167,16 @@ class PackedCollator:
     a float32 batch would hold. fp8 features (values times a float32 scale) are decoded to float32 here.
     """
 
-    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None, keep_storage_dtype: bool = True):
+    def __init__(self, pad_token_id: int = 0, max_seq_len: int | None = None,
+                 keep_storage_dtype: bool = True) -> None:
         self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
         self.keep_storage_dtype = keep_storage_dtype
 
-    def _dtype(self, rows: list[dict], key: str) -> torch.dtype:
+    def _dtype(self, rows: list[dict[str, Any]], key: str) -> torch.dtype:
         """The batch dtype of a feature: the stored half-precision dtype when every piece has it, else float32."""
         if not self.keep_storage_dtype:
             return torch.float32
-        dtypes = set()
+        dtypes: set[torch.dtype] = set()
         for row in rows:
             value = row[key]
             if isinstance(value, StoredFeatures):
@@ -179,8 +186,8 @@ class PackedCollator:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        L = self.max_seq_len or rows[0]["max_seq_len"]
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        L: int = self.max_seq_len or rows[0]["max_seq_len"]
         B = len(rows)
         aux_dim = rows[0]["aux_hidden_states"].shape[-1]
         hidden = rows[0]["last_hidden_state"].shape[-1]
@@ -215,11 +222,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     does), so handing the batch to the training process copies none of its bytes again."""
     if get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(math.prod(shape))
+    # torch leaves Tensor._typed_storage unannotated
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(math.prod(shape))  # type: ignore[no-untyped-call]
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
-def refuse_non_finite(features: torch.Tensor, rows: list[dict], key: str) -> None:
+def refuse_non_finite(features: torch.Tensor, rows: list[dict[str, Any]], key: str) -> None:
     """Name the sample and shard of a NaN/Inf feature before it trains: its checksum can be valid (a faulty
     extraction or import wrote it), and one NaN makes every weight NaN at the next step.
 

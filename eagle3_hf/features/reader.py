@@ -14,17 +14,20 @@ import json
 import struct
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .store import SAMPLE_KEYS, dequantize, load_manifest
+from .store import SAMPLE_KEYS, ShardRecord, dequantize, load_manifest
 from .verify import verify_shards
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
               "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
 _MAX_OPEN_SHARDS = 64  # each memmap holds a file descriptor
+# one stored tensor of a shard: (key, dtype, row shape, elements per row, bytes per row, byte offset of row 0)
+_TensorLayout = tuple[str, torch.dtype, tuple[int, ...], int, int, int]
 
 
 def in_validation(sample_id: str, validation_fraction: float) -> bool:
@@ -42,7 +45,7 @@ def select_split(ids: list[str], split: str, validation_fraction: float) -> list
     return [i for i, sid in enumerate(ids) if in_validation(sid, validation_fraction) == want_val]
 
 
-def read_safetensors_header(path: Path, expected_bytes: int | None = None) -> tuple[int, dict]:
+def read_safetensors_header(path: Path, expected_bytes: int | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
     """(data_start, {name: info}) of a safetensors file, checking it is whole (not truncated)."""
     size = path.stat().st_size
     if expected_bytes is not None and size != expected_bytes:
@@ -55,7 +58,7 @@ def read_safetensors_header(path: Path, expected_bytes: int | None = None) -> tu
         if 8 + n > size:
             raise ValueError(f"shard {path} is truncated or corrupt (header of {n} bytes, file of {size})")
         try:
-            header = json.loads(f.read(n))
+            header: dict[str, dict[str, Any]] = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"shard {path} has a corrupt safetensors header") from None
     header.pop("__metadata__", None)
@@ -69,7 +72,7 @@ class StoredFeatures:
     """A row's features still as stored: (values [n, R*H], f32 scales [n, R] or None) pieces, views into the
     mapped shards. PackedCollator decodes them straight into the batch: one pass, no float32 temporaries."""
 
-    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]]):
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         self.pieces = pieces
 
     @property
@@ -89,7 +92,7 @@ class StoredFeatures:
         return out
 
 
-class FeatureDataset(Dataset):
+class FeatureDataset(Dataset[dict[str, Any]]):
     """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
 
     verify: "once" (sizes on open; each shard's sha256 unless verify.py's record says this very file was checked
@@ -100,7 +103,7 @@ class FeatureDataset(Dataset):
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
                  verify: str = "once", max_tokens: int | None = None, subset_seed: int = 0,
-                 allow_partial: bool = False):
+                 allow_partial: bool = False) -> None:
         if verify not in ("once", "shard", "sample", "none"):
             raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
@@ -110,8 +113,7 @@ class FeatureDataset(Dataset):
         verifier = self.manifest["verifier"]
         self.hidden_size = int(verifier["hidden_size"])
         self.aux_layer_indices = tuple(self.manifest["aux_layer_indices"])
-        # shard -> [(key, dtype, row shape, elements per row, bytes per row, byte offset of row 0)]
-        self._layout: dict[str, list[tuple]] = {}
+        self._layout: dict[str, list[_TensorLayout]] = {}  # shard -> its stored tensors
         for shard in self.manifest["shards"]:
             path = self.features_dir / shard["file"]
             if not path.is_file():
@@ -133,7 +135,7 @@ class FeatureDataset(Dataset):
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
         self._open: OrderedDict[str, np.memmap] = OrderedDict()
 
-    def _check_layout(self, path: Path, shard: dict) -> list[tuple]:
+    def _check_layout(self, path: Path, shard: ShardRecord) -> list[_TensorLayout]:
         data_start, header = read_safetensors_header(path, shard.get("bytes"))
         for key in ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "last_hidden_state"):
             if key not in header:
@@ -141,7 +143,7 @@ class FeatureDataset(Dataset):
             if header[key]["shape"][0] != shard["num_tokens"]:
                 raise ValueError(f"shard {path}: {key} has {header[key]['shape'][0]} rows, manifest says "
                                  f"{shard['num_tokens']} tokens")
-        layout = []
+        layout: list[_TensorLayout] = []
         for key in SAMPLE_KEYS:
             if key in header:
                 info = header[key]
@@ -154,7 +156,7 @@ class FeatureDataset(Dataset):
     def __len__(self) -> int:
         return len(self._samples)
 
-    def __getstate__(self):  # DataLoader workers re-open their own maps
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers re-open their own maps
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         return state
@@ -179,7 +181,7 @@ class FeatureDataset(Dataset):
         if not 0 <= start <= end:
             raise IndexError(f"sample {s['id']!r}: bad token range [{start}, {end}) of {length}")
         mm, n, first = self._map(s["shard"]), end - start, s["offset"] + start
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for key, dtype, shape, row, row_bytes, base in self._layout[s["shard"]]:
             t = torch.frombuffer(mm, dtype=dtype, count=n * row, offset=base + first * row_bytes) if n else \
                 torch.empty(0, dtype=dtype)
@@ -192,7 +194,7 @@ class FeatureDataset(Dataset):
         return [(self.features_dir / s["shard"], base + s["offset"] * row_bytes, s["length"] * row_bytes)
                 for _key, _dtype, _shape, _row, row_bytes, base in self._layout[s["shard"]]]
 
-    def get(self, index: int, start: int = 0, end: int | None = None, decode: bool = True) -> dict:
+    def get(self, index: int, start: int = 0, end: int | None = None, decode: bool = True) -> dict[str, Any]:
         """Tokens [start, end) of sample `index`, features dequantised to float32 (or StoredFeatures views)."""
         raw = self.raw(index, start, end)
         sample = self._samples[index]
@@ -202,7 +204,7 @@ class FeatureDataset(Dataset):
             if sample_sha256(raw) != sample["sha256"]:
                 raise ValueError(f"sample {sample['id']!r} in shard {self.features_dir / sample['shard']} is corrupt "
                                  f"(sha256 mismatch)")
-        out = {
+        out: dict[str, Any] = {
             "input_ids": raw["input_ids"].long(),  # [T]
             "loss_mask": raw["loss_mask"].bool(),  # [T]
             "verifier_greedy": raw["verifier_greedy"].long(),  # [T]
@@ -214,5 +216,5 @@ class FeatureDataset(Dataset):
             out[key] = dequantize(q, scale) if decode else StoredFeatures([(q, scale)])
         return out
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get(index)

@@ -24,12 +24,15 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .api_key import API_KEY_ENV, api_key, check_bind
 from .vllm_offline import checkpoint_dtype, vllm_layer_ids
+
+if TYPE_CHECKING:
+    from ..engines.vllm_feature_launcher import VllmFeatureServer
 
 KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
@@ -67,7 +70,7 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
 
 def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
                          log_file: str | Path | None = None, api_key: str | None = None,
-                         **kwargs: Any):  # -> VllmFeatureServer
+                         **kwargs: Any) -> VllmFeatureServer:
     """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens). Without `api_key` a host
     other than loopback is refused (one line) before anything loads."""
     from ..engines.vllm_env import vllm_python

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .store import make_header
+from .store import FeatureHeader, make_header
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class SourceIdentity:
     source: str = "transformers"  # the capture path: "transformers", "vllm", "vllm/speculators", ...
     provenance: Mapping[str, Any] | None = field(default=None, compare=False)  # how the route mapped the states
 
-    def header(self) -> dict[str, Any]:
+    def header(self) -> FeatureHeader:
         """The shard header / manifest head (`store.HEADER_KEYS`, then the provenance)."""
         extra = {} if self.provenance is None else {"provenance": dict(self.provenance)}
         return make_header(self.verifier.as_dict(), self.tokenizer_fingerprint, self.aux_layer_indices, self.dtype,

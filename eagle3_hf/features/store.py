@@ -23,10 +23,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -51,6 +51,64 @@ VERIFIER_HASH_KEYS = ("config_sha256", "head_sha256")  # verifier/identity.py: i
 _SHARD_RE = re.compile(r"^shard-r(\d{3})-(\d{5})\.safetensors$")
 
 
+class _HeaderFields(TypedDict):
+    format: str
+    version: int
+    source: str
+    verifier: dict[str, Any]  # source.VerifierIdentity.as_dict()
+    tokenizer_fingerprint: str
+    aux_layer_indices: list[int]
+    dtype: str
+
+
+class FeatureHeader(_HeaderFields, total=False):
+    """A journal's header line and the head of manifest.json (HEADER_KEYS, then how the route mapped the states)."""
+
+    provenance: dict[str, Any]
+
+
+class ShardRecord(TypedDict):
+    """One shard in a journal line and in manifest.json's "shards"."""
+
+    file: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+
+
+class SampleRecord(TypedDict):
+    """One sample in a journal line and in manifest.json's "samples": where its tokens lie in its shard."""
+
+    id: str
+    shard: str
+    offset: int
+    length: int
+    sha256: str
+
+
+class JournalRecord(TypedDict):
+    """A journal line after the header: a shard (None when the line only records skipped samples) and its samples."""
+
+    shard: ShardRecord | None
+    samples: list[SampleRecord]
+    skipped: dict[str, list[str]]  # reason -> sample ids
+
+
+class _ManifestFields(FeatureHeader):
+    shards: list[ShardRecord]
+    samples: list[SampleRecord]
+    skipped: dict[str, int]  # reason -> count
+    skipped_ids: dict[str, list[str]]  # reason -> sample ids
+
+
+class Manifest(_ManifestFields, total=False):
+    """manifest.json: the header, then every rank's journal merged."""
+
+    missing_samples: int  # samples no rank has written or skipped (a merge that stopped waiting)
+    unfinished: bool  # in memory only: merged from the journals, no manifest.json
+
+
 def canonical_dtype(name: str) -> str:
     name = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
     if name not in DTYPES:
@@ -66,13 +124,13 @@ def journal_name(rank: int) -> str:
     return f"manifest.r{rank:03d}.jsonl"
 
 
-def make_header(verifier: dict, tokenizer_fingerprint: str, aux_layer_indices: Sequence[int], dtype: str,
-                source: str = "transformers", **extra: Any) -> dict:
-    header = {"format": FORMAT, "version": VERSION, "source": source, "verifier": dict(verifier),
+def make_header(verifier: Mapping[str, Any], tokenizer_fingerprint: str, aux_layer_indices: Sequence[int],
+                dtype: str, source: str = "transformers", **extra: Any) -> FeatureHeader:
+    header: dict[str, Any] = {"format": FORMAT, "version": VERSION, "source": source, "verifier": dict(verifier),
               "tokenizer_fingerprint": tokenizer_fingerprint,
               "aux_layer_indices": [int(i) for i in aux_layer_indices], "dtype": canonical_dtype(dtype)}
     header.update(extra)
-    return header
+    return cast(FeatureHeader, header)  # the fields above, then `extra` (provenance)
 
 
 # ---------------------------------------------------------------- quantisation
@@ -175,7 +233,7 @@ def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 # ---------------------------------------------------------------- header checks and journals
 
-def header_differs(existing: dict, new: dict, key: str) -> bool:
+def header_differs(existing: Mapping[str, Any], new: Mapping[str, Any], key: str) -> bool:
     """Whether two headers disagree on `key`. The verifier's hashes count only where both record them: a
     directory begun before they were recorded is resumed (and keeps its header)."""
     a, b = existing.get(key), new.get(key)
@@ -186,7 +244,7 @@ def header_differs(existing: dict, new: dict, key: str) -> bool:
     return a != b
 
 
-def check_header(existing: dict, new: dict, where: str) -> None:
+def check_header(existing: Mapping[str, Any], new: Mapping[str, Any], where: str) -> None:
     """Refuse to mix features from another verifier, tokenizer, layer set or dtype in one directory."""
     for key in HEADER_KEYS:
         if header_differs(existing, new, key):
@@ -210,9 +268,11 @@ def journal_entries(raw: bytes) -> Iterator[tuple[int, Any]]:
         yield len(line), entry
 
 
-def read_journal(path: Path, repair: bool = False) -> tuple[dict | None, list[dict]]:
+def read_journal(path: Path, repair: bool = False) -> tuple[FeatureHeader | None, list[JournalRecord]]:
     """(header, records) of one journal. A torn last line (killed mid-append) is ignored, or cut if repair."""
-    header, records, good_bytes = None, [], 0
+    header: FeatureHeader | None = None
+    records: list[JournalRecord] = []
+    good_bytes = 0
     with open(path, "rb") as f:
         raw = f.read()
     for size, entry in journal_entries(raw):
@@ -230,7 +290,7 @@ def read_journal(path: Path, repair: bool = False) -> tuple[dict | None, list[di
 
 
 def journals(out_dir: Path) -> dict[int, Path]:
-    found = {}
+    found: dict[int, Path] = {}
     for path in glob.glob(str(Path(out_dir) / "manifest.r*.jsonl")):
         m = re.search(r"manifest\.r(\d{3})\.jsonl$", path)
         if m:
@@ -238,12 +298,14 @@ def journals(out_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -> dict:
+def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -> Manifest:
     """Merge every rank's journal into one manifest (shards in file-name order), written atomically. `missing`:
     samples of the dataset no rank has written or skipped yet (a merge that stopped waiting), recorded so that
     readers refuse the manifest as unfinished (load_manifest)."""
     out_dir = Path(out_dir)
-    header, shards, samples = None, [], []
+    header: FeatureHeader | None = None
+    shards: list[ShardRecord] = []
+    samples: list[SampleRecord] = []
     skipped: dict[str, list[str]] = {}  # reason -> sample ids
     for path in journals(out_dir).values():
         rank_header, records = read_journal(path)
@@ -254,8 +316,9 @@ def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -
         else:
             check_header(header, rank_header, str(path))
         for rec in records:
-            if rec.get("shard"):
-                shards.append(rec["shard"])
+            shard = rec.get("shard")
+            if shard:
+                shards.append(shard)
                 samples.extend(rec["samples"])
             for reason, ids in rec.get("skipped", {}).items():
                 skipped.setdefault(reason, []).extend(ids)
@@ -268,10 +331,10 @@ def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"{out_dir}: sample id {dup!r} appears in more than one shard")
-    manifest = dict(header)
-    manifest.update({"shards": shards, "samples": samples,
-                     "skipped": {k: len(v) for k, v in sorted(skipped.items())},
-                     "skipped_ids": {k: v for k, v in sorted(skipped.items())}})
+    # the header's keys, then the merge's (cast: a header read from disk could hold any key, no merge key)
+    manifest = cast(Manifest, {**header, "shards": shards, "samples": samples,
+                               "skipped": {k: len(v) for k, v in sorted(skipped.items())},
+                               "skipped_ids": {k: v for k, v in sorted(skipped.items())}})
     if missing:
         manifest["missing_samples"] = int(missing)
     if write:
@@ -286,13 +349,13 @@ class PartialFeaturesError(Eagle3Error):
 _warned_partial: set[str] = set()
 
 
-def read_manifest(features_dir: str | Path) -> dict:
+def read_manifest(features_dir: str | Path) -> Manifest:
     """manifest.json, or the journals merged in memory: what a writer resuming an extraction reads. Readers that
     train or evaluate use load_manifest, which refuses an unfinished extraction."""
     path = Path(features_dir) / MANIFEST
     if path.is_file():
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            manifest: Manifest = json.load(f)
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: not an eagle3_hf feature manifest (format={manifest.get('format')!r})")
         if manifest.get("version") != VERSION:
@@ -303,7 +366,7 @@ def read_manifest(features_dir: str | Path) -> dict:
     return manifest
 
 
-def load_manifest(features_dir: str | Path, allow_partial: bool = False) -> dict:
+def load_manifest(features_dir: str | Path, allow_partial: bool = False) -> Manifest:
     """The manifest of a finished extraction. One that has not finished (no manifest.json, only the journals of a
     run still writing or stopped; or a manifest merged with samples missing) is part of the data: refused in one
     line (PartialFeaturesError) unless `allow_partial`, which reads what is there and says how much on stderr."""
@@ -331,7 +394,7 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> dict:
+def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> Manifest:
     """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     want = set(all_ids)
@@ -363,8 +426,8 @@ class ShardWriter:
     Shards are serialised in a background thread so the verifier keeps running while one is written.
     """
 
-    def __init__(self, out_dir: str | Path, header: dict, rank: int = 0, samples_per_shard: int = 64,
-                 max_shard_bytes: int = 1 << 30):
+    def __init__(self, out_dir: str | Path, header: FeatureHeader, rank: int = 0, samples_per_shard: int = 64,
+                 max_shard_bytes: int = 1 << 30) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.header, self.rank = header, rank
@@ -399,7 +462,7 @@ class ShardWriter:
         self.skipped_counts: dict[str, int] = {}
         self.written_samples = self.written_tokens = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-writer")
-        self._future: Future | None = None
+        self._future: Future[None] | None = None
 
     def _remove_uncommitted(self) -> None:
         """Temp files and shards this rank wrote but never journaled (they will be rewritten identically)."""
@@ -460,8 +523,9 @@ class ShardWriter:
             self._future.result()  # re-raises a failed write here
             self._future = None
 
-    def _commit(self, idx: int | None, samples: list[dict], ids: list[str], skipped: dict[str, list[str]]) -> None:
-        record: dict[str, Any] = {"shard": None, "samples": [], "skipped": skipped}
+    def _commit(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
+                skipped: dict[str, list[str]]) -> None:
+        record: JournalRecord = {"shard": None, "samples": [], "skipped": skipped}
         if self._manifest_on_disk:
             (self.out_dir / MANIFEST).unlink(missing_ok=True)
             _fsync_dir(self.out_dir)

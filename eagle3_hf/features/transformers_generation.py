@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 
@@ -47,7 +47,15 @@ from ..data.regenerate import ConversationTurns, TransformersBackend, completed_
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
-from .store import ShardWriter, canonical_dtype, load_manifest, make_header, merge_manifests
+from .store import (
+    FeatureHeader,
+    SampleRecord,
+    ShardWriter,
+    canonical_dtype,
+    load_manifest,
+    make_header,
+    merge_manifests,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -58,20 +66,54 @@ if TYPE_CHECKING:
     from ..verifier.generation import FeatureGenerator, Generated
 
 _MARK = "EAGLE3ANSWERMARK"
+# (prompt text, its ids, token start offsets, tail ids, tail loss mask): _Template.prompt
+_Prompt = tuple[str, list[int], list[int], list[int], list[int]]
+
+
+class _Job(TypedDict):
+    """What every worker process writes with (sent to the spawned ones)."""
+
+    aux: list[int]
+    header: FeatureHeader
+    features_out: str
+    output: str
+    samples_per_shard: int
+    max_turns: int | None
+    max_seq_len: int | None
+
+
+class _Sample(TypedDict):
+    """One conversation's features, as ShardWriter.add takes them."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    verifier_greedy: torch.Tensor
+
+
+class _Report(TypedDict, total=False):
+    """A worker's message to the driver: a batch done, the worker's error, or its end."""
+
+    rank: int
+    conversations: int
+    tokens: int
+    generated: int
+    error: str
+    finished: bool
 
 
 # ---------------------------------------------------------------- template pieces
 
 class _Template:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tok = tokenizer
         self.reasoning = "reasoning_content" in chat_template_source(tokenizer)
 
-    def messages(self, messages: list[dict]) -> list[dict]:
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return apply_policies(messages, renders_reasoning=self.reasoning)  # what prepare renders
 
-    def prompt(self, messages: list[dict],
-               tools: list | None) -> tuple[str, list[int], list[int], list[int], list[int]]:
+    def prompt(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> _Prompt:
         """(prompt text, its ids, token start offsets, tail ids, tail loss mask) for generating the next turn."""
         msgs = self.messages(messages)
         # tokenize=False: the rendered text
@@ -91,18 +133,19 @@ class _Template:
 
 # ---------------------------------------------------------------- one batch of conversations
 
-def _run_batch(convs: list[dict], backend: TransformersBackend, gen: FeatureGenerator, template: _Template,
-               max_turns: int | None, max_seq_len: int | None) -> tuple[list[tuple[dict, dict | str]], int]:
+def _run_batch(convs: list[dict[str, Any]], backend: TransformersBackend, gen: FeatureGenerator, template: _Template,
+               max_turns: int | None,
+               max_seq_len: int | None) -> tuple[list[tuple[dict[str, Any], _Sample | str]], int]:
     """(regenerated row, sample dict or refusal reason) per conversation, turn by turn as `regenerate`,
     and the number of tokens generated."""
     states = [ConversationTurns(c, max_turns) for c in convs]
-    last: dict[int, tuple] = {}
+    last: dict[int, tuple[int, _Prompt, Generated]] = {}
     generated = 0
     while True:
         asks = [(k, p) for k, s in enumerate(states) if (p := s.next_prompt()) is not None]
         if not asks:
             break
-        pieces = {}
+        pieces: dict[int, _Prompt] = {}
         for k, p in asks:
             try:
                 pieces[k] = template.prompt(p, convs[k].get("tools"))
@@ -114,15 +157,15 @@ def _run_batch(convs: list[dict], backend: TransformersBackend, gen: FeatureGene
             states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
             last[k] = (len(p), pieces[k], r)
             generated += len(r.answer)
-    out = []
+    out: list[tuple[dict[str, Any], _Sample | str]] = []
     for k, state in enumerate(states):
         row = state.row(backend.name)
         out.append((row, _sample(row, convs[k], last.get(k), template, max_seq_len)))
     return out, generated
 
 
-def _sample(row: dict, conv: dict, last: tuple[int, tuple, Generated] | None, template: _Template,
-            max_seq_len: int | None) -> dict | str:
+def _sample(row: dict[str, Any], conv: dict[str, Any], last: tuple[int, _Prompt, Generated] | None,
+            template: _Template, max_seq_len: int | None) -> _Sample | str:
     if last is None:
         return "no_generated_turn"
     n_prompt, (_text, prompt_ids, starts, _tail, tail_mask), r = last
@@ -156,8 +199,8 @@ def _pending_path(output: Path, rank: int) -> Path:
     return output.with_name(f"{output.name}.r{rank:03d}.pending")
 
 
-def _work(rank: int, backend: TransformersBackend, job: dict, next_batch: Callable[[], list[dict] | None],
-          report: Callable[[dict], None]) -> None:
+def _work(rank: int, backend: TransformersBackend, job: _Job,
+          next_batch: Callable[[], list[dict[str, Any]] | None], report: Callable[[_Report], None]) -> None:
     """Process batches until next_batch() returns None; report(dict) after each."""
     gen = backend.generator(job["aux"])
     template = _Template(backend.tokenizer)
@@ -189,14 +232,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawned_worker(rank: int, spec: dict, job: dict, tasks: Queue[list[dict] | None], results: Queue[dict],
-                    threads: int) -> None:
+def _spawned_worker(rank: int, spec: dict[str, Any], job: _Job, tasks: Queue[list[dict[str, Any]] | None],
+                    results: Queue[_Report], threads: int) -> None:
     _die_with_parent()
     torch.set_num_threads(threads)
     try:
         backend = TransformersBackend(**spec)
 
-        def next_batch() -> list[dict] | None:
+        def next_batch() -> list[dict[str, Any]] | None:
             return tasks.get()
 
         _work(rank, backend, job, next_batch, results.put)
@@ -245,7 +288,7 @@ def _settle_answers(output: Path, features_out: Path) -> set[str]:
 # ---------------------------------------------------------------- the prepared dataset, from the shards
 
 def write_prepared(features_out: Path, out_dir: Path, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
-                   order: list[str], options: dict) -> dict:
+                   order: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """`prepare`'s output for the samples in `features_out` (input_ids + loss_mask read back from the shards),
     in input order; its meta counts refusals as prepare counts skips."""
     import datasets
@@ -254,7 +297,7 @@ def write_prepared(features_out: Path, out_dir: Path, tokenizer: PreTrainedToken
     from ..data.prepare import build_meta, new_stats
 
     manifest = load_manifest(features_out)
-    by_shard: dict[str, list[dict]] = {}
+    by_shard: dict[str, list[SampleRecord]] = {}
     for s in manifest["samples"]:
         by_shard.setdefault(s["shard"], []).append(s)
     rows: dict[str, tuple[list[int], list[int]]] = {}
@@ -286,12 +329,12 @@ def write_prepared(features_out: Path, out_dir: Path, tokenizer: PreTrainedToken
 
 # ---------------------------------------------------------------- driver
 
-def regenerate_with_features(conversations: list[dict], output: str | Path, features_out: str | Path,
+def regenerate_with_features(conversations: list[dict[str, Any]], output: str | Path, features_out: str | Path,
                              backend: TransformersBackend, *, num_workers: int = 1, batch_size: int = 16,
                              max_turns: int | None = None, max_seq_len: int | None = None, dtype: str = "bfloat16",
                              aux_indices: Sequence[int] | None = None, samples_per_shard: int = 64,
                              prepared_out: str | Path | None = None,
-                             progress: bool = True) -> dict:
+                             progress: bool = True) -> dict[str, Any]:
     """Regenerate every conversation without features in `features_out`; write answers, features and (with
     `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
     from tqdm.auto import tqdm
@@ -313,7 +356,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     todo = [c for c in conversations if str(c["id"]) not in done]
     # length-sorted batches (little padding), longest first (the stragglers at the end are short)
     template = _Template(backend.tokenizer)
-    length = {}
+    length: dict[str, int] = {}
     for c in todo:
         first = ConversationTurns(c, max_turns).next_prompt()
         length[str(c["id"])] = len(template.prompt(first, c.get("tools"))[1]) if first else 0
@@ -321,14 +364,14 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     if num_workers > 1:  # two batches per process at least: none idles long while another finishes a big one
         batch_size = max(1, min(batch_size, -(-len(todo) // (2 * num_workers))))
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
-    job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
+    job: _Job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
            "samples_per_shard": samples_per_shard, "max_turns": max_turns, "max_seq_len": max_seq_len}
     stats: dict[str, Any] = {"input": len(conversations), "already_done": len(conversations) - len(todo),
                              "written": 0, "tokens": 0, "generated": 0, "workers": num_workers}
     bar = tqdm(total=len(todo), desc="regenerate+features", unit="conv", disable=not progress)
     start = time.monotonic()
 
-    def tick(msg: dict) -> None:
+    def tick(msg: _Report) -> None:
         if "error" in msg:
             raise RuntimeError(f"regenerate worker {msg['rank']}: {msg['error']} (finished batches are saved; "
                                f"rerun to resume)")
@@ -350,7 +393,7 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
         else:
             procs, tasks, results = _start_workers(backend, job, batches, num_workers)
 
-            def next_batch() -> list[dict] | None:
+            def next_batch() -> list[dict[str, Any]] | None:
                 _drain(results, procs, tick)
                 return tasks.get()  # a batch, or this process's end marker
 
@@ -383,8 +426,8 @@ def regenerate_with_features(conversations: list[dict], output: str | Path, feat
     return stats
 
 
-def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_workers: int
-                   ) -> tuple[list[BaseProcess], Queue[list[dict] | None], Queue[dict]]:
+def _start_workers(backend: TransformersBackend, job: _Job, batches: list[list[dict[str, Any]]], num_workers: int
+                   ) -> tuple[list[BaseProcess], Queue[list[dict[str, Any]] | None], Queue[_Report]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -402,7 +445,7 @@ def _start_workers(backend: TransformersBackend, job: dict, batches: list, num_w
     return procs, tasks, results
 
 
-def _drain(results: Queue[dict], procs: list[BaseProcess], tick: Callable[[dict], None],
+def _drain(results: Queue[_Report], procs: list[BaseProcess], tick: Callable[[_Report], None],
            timeout: float | None = None) -> None:
     while True:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-class PreparedDataset(Dataset):
+class PreparedDataset(Dataset[dict[str, Any]]):
     """Prepared samples (input_ids, loss_mask) with `.lengths`, split by sample id exactly like FeatureDataset."""
 
     def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 tokenizer_fingerprint: str | None = None):
+                 tokenizer_fingerprint: str | None = None) -> None:
         from ..data.prepared_format import open_prepared, prepared_lengths
 
         ds = open_prepared(prepared, tokenizer_fingerprint)
@@ -47,7 +47,7 @@ class PreparedDataset(Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         row = self._rows[self._index[index]]
         return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].bool(),
                 "sample_id": self.sample_ids[index]}
@@ -64,7 +64,7 @@ class OnlineFeatureCollator:
 
     def __init__(self, verifier: PreTrainedModel, aux_indices: Sequence[int] | None = None,
                  max_seq_len: int | None = None, pad_token_id: int = 0,
-                 storage_dtype: str | None = None):
+                 storage_dtype: str | None = None) -> None:
         num_layers = text_config(verifier).num_hidden_layers
         self.verifier = verifier
         self.aux_indices = check_aux_indices(aux_indices or default_aux_indices(num_layers), num_layers)
@@ -72,9 +72,11 @@ class OnlineFeatureCollator:
         self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
 
     @torch.no_grad()
-    def features(self, row: dict) -> dict:
+    def features(self, row: dict[str, Any]) -> dict[str, Any]:
         """Add aux_hidden_states / last_hidden_state / verifier_greedy to one unpadded row."""
-        aux, last, greedy = [], [], []
+        aux: list[torch.Tensor] = []
+        last: list[torch.Tensor] = []
+        greedy: list[torch.Tensor] = []
         offset = 0
         prefixes = row.get("prefix_input_ids") or [None] * len(row["pieces"])
         for (_sid, start, end), prefix in zip(row["pieces"], prefixes):
@@ -92,5 +94,5 @@ class OnlineFeatureCollator:
                    verifier_greedy=torch.cat(greedy).cpu())
         return out
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return self.collate([self.features(r) for r in rows])

@@ -17,19 +17,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .store import atomic_write_bytes, sha256_file
+from .store import ShardRecord, atomic_write_bytes, sha256_file
 
 STAMP = "verified.json"
 MODES = ("once", "always", "never")
 logger = logging.getLogger(__name__)
 
 
-def _key(path: Path, shard: dict[str, Any]) -> dict[str, Any]:
+def _key(path: Path, shard: ShardRecord) -> dict[str, Any]:
     st = path.stat()
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": shard["sha256"]}
 
 
-def verify_shards(features_dir: Path, shards: Iterable[dict[str, Any]], mode: str = "once") -> int:
+def verify_shards(features_dir: Path, shards: Iterable[ShardRecord], mode: str = "once") -> int:
     """Check each shard's sha256 against the manifest (`mode` as the module docstring says); returns how many
     shards were hashed. A mismatch raises ValueError naming the shard."""
     if mode not in MODES:

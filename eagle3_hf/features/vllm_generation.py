@@ -70,7 +70,8 @@ def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return sorted(int(t) for t in found)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+               tools: list[Any] | None) -> list[int]:
     """The next turn's prompt, rendered and tokenized as regenerate's in-process backend does."""
     text = cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -81,8 +82,9 @@ def turn_seed(seed: int, conv_id: str, turn: int) -> int:
     return (zlib.crc32(f"{conv_id}\0{turn}".encode()) ^ (seed * 0x9E3779B1)) & 0x7FFFFFFF
 
 
-def generate_answers(run: VllmExtraction, todo: list[dict], tokenizer: PreTrainedTokenizerBase, eos: list[int],
-                     write: ConversationWriter, name: str, seed: int, max_turns: int | None) -> dict[str, int]:
+def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase,
+                     eos: list[int], write: ConversationWriter, name: str, seed: int,
+                     max_turns: int | None) -> dict[str, int]:
     """Phase 1: every conversation of `todo` answered turn by turn (one generate round per turn, GENERATE_CHUNK
     conversations at a time) and appended to --output as soon as it is finished. Returns counts."""
     stats = {"conversations": 0, "turns": 0, "generated": 0}
@@ -115,7 +117,7 @@ def generate_answers(run: VllmExtraction, todo: list[dict], tokenizer: PreTraine
 
 
 def prepare_answers(output: Path, wanted: set[str], tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
-                    max_seq_len: int | None) -> tuple[datasets.Dataset, dict]:
+                    max_seq_len: int | None) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Phase 2: `prepare`'s dataset and meta for the answered conversations of this input (--output's order)."""
     from ..data.conversations import load_conversations
     from ..data.prepare import build_meta, new_stats, prepare_conversations
@@ -129,7 +131,7 @@ def prepare_answers(output: Path, wanted: set[str], tokenizer: PreTrainedTokeniz
     return ds, build_meta(tokenizer, tokenizer_name, stats, options)
 
 
-def default_max_model_len(convs: list[dict], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+def default_max_model_len(convs: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
                           max_turns: int | None, limit: int | None) -> int:
     """vLLM's context when --max-model-len is not given, an upper bound: the longest source conversation rendered
     whole (its answers included, which the new ones replace) plus max_new_tokens and some template per turn to
@@ -143,7 +145,7 @@ def default_max_model_len(convs: list[dict], tokenizer: PreTrainedTokenizerBase,
     return min(longest + 1, limit) if limit else longest + 1
 
 
-def regenerate_vllm(conversations: list[dict], output: str | Path, features_out: str | Path, verifier: str, *,
+def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, features_out: str | Path, verifier: str, *,
                     prepared_out: str | Path | None = None, revision: str | None = None, max_new_tokens: int = 1024,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_turns: int | None = None,
                     max_seq_len: int | None = None, dtype: str = "bfloat16", aux_indices: Sequence[int] | None = None,
@@ -248,7 +250,8 @@ def regenerate_vllm(conversations: list[dict], output: str | Path, features_out:
 
 def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                    top_p: float = 1.0, seed: int = 0, vllm_dtype: str = "auto", max_model_len: int = 2048,
-                   threads: int = 1, timeout: float | None = None) -> tuple[list[tuple[list[int], str]], dict]:
+                   threads: int = 1,
+                   timeout: float | None = None) -> tuple[list[tuple[list[int], str]], dict[str, Any]]:
     """vLLM's plain generation (no speculative method, no connector) of token-id prompts, through the same runner
     and rounds: the reference the tests compare the answers with, and the bench's baseline. Returns
     ([(output ids, finish reason)], the runner's result)."""

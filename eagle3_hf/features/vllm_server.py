@@ -174,7 +174,7 @@ class EndpointExtraction:
         self.policy = StoragePolicy(self.url, storage)
         self.peak_pending_bytes = 0
         self.result: dict[str, Any] = {"connector": None, "vllm_version": None}
-        self._futures: deque[Future] = deque()
+        self._futures: deque[Future[dict[str, Any]]] = deque()
         self._pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> EndpointExtraction:

@@ -64,7 +64,7 @@ class Eagle3TrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         refuse_unsupported(bool(self.gradient_checkpointing), self.hidden_optimizer, bool(self.deepspeed))
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
 def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deepspeed: bool) -> None:

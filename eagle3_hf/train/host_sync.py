@@ -29,7 +29,7 @@ _ALWAYS = {
 _BOOL = (torch.bool, torch.uint8)
 
 
-def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
+def _is_sync(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     name = func._overloadpacket.__name__
     if name in _ALWAYS:
         return True
@@ -42,7 +42,8 @@ def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class HostSyncCounter(TorchDispatchMode):
+# TorchDispatchMode's methods are unannotated in torch (its __init_subclass__ runs here)
+class HostSyncCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """`with HostSyncCounter() as syncs: ...` then `syncs.total` and `syncs.ops` (name -> count).
 
     Counts (a) dispatched ops that need a device -> host read (`_is_sync`: scalars, nonzero, unique, bool-mask
@@ -52,7 +53,7 @@ class HostSyncCounter(TorchDispatchMode):
     _PATCHED = ("tolist", "cpu", "numpy")
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.ops: Counter[str] = Counter()
         self._saved: dict[str, Any] = {}
 
@@ -60,7 +61,8 @@ class HostSyncCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.ops.values())
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if _is_sync(func, args, kwargs):
             self.ops[str(func._overloadpacket.__name__)] += 1
@@ -71,13 +73,15 @@ class HostSyncCounter(TorchDispatchMode):
             original = getattr(torch.Tensor, name)
             self._saved[name] = original
             setattr(torch.Tensor, name, self._counting(name, original))
-        return super().__enter__()
+        entered: HostSyncCounter = super().__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return entered
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> bool | None:
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()
-        return super().__exit__(*exc)
+        suppress: bool | None = super().__exit__(*exc)  # type: ignore[no-untyped-call]  # unannotated in torch
+        return suppress
 
     def _counting(self, name: str, original: Any) -> Any:
         def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -84,8 +84,10 @@ def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Ten
     vocab = student_logits.shape[-1]
     student_rows = _rows_of(flat, logits_mask)
     teacher_rows = _rows_of(flat + shift, teacher_mask)
-    return _SoftCrossEntropy.apply(student_logits.reshape(-1, vocab), teacher_probs.reshape(-1, vocab),
-                                   student_rows, teacher_rows)
+    # torch leaves autograd.Function.apply unannotated
+    loss: torch.Tensor = _SoftCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        student_logits.reshape(-1, vocab), teacher_probs.reshape(-1, vocab), student_rows, teacher_rows)
+    return loss
 
 
 def ttt_loss(outputs: Eagle3Output, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float,

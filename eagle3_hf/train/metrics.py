@@ -7,7 +7,7 @@ token can never be accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,15 +49,32 @@ class StepStats:
             self._host = self.as_tensor().cpu().tolist()
         return self._host
 
-    scored = property(lambda self: self._rows()[0])
-    correct = property(lambda self: self._rows()[1])
-    cond_scored = property(lambda self: self._rows()[2])
-    cond_correct = property(lambda self: self._rows()[3])
-    loss_sum = property(lambda self: self._rows()[4])
-    loss_tokens = property(lambda self: self._rows()[5])
+    @property
+    def scored(self) -> list[float]:
+        return self._rows()[0]
+
+    @property
+    def correct(self) -> list[float]:
+        return self._rows()[1]
+
+    @property
+    def cond_scored(self) -> list[float]:
+        return self._rows()[2]
+
+    @property
+    def cond_correct(self) -> list[float]:
+        return self._rows()[3]
+
+    @property
+    def loss_sum(self) -> list[float]:
+        return self._rows()[4]
+
+    @property
+    def loss_tokens(self) -> list[float]:
+        return self._rows()[5]
 
     @torch.no_grad()
-    def update(self, logits: tuple[torch.Tensor, ...], batch: dict, d2t: torch.Tensor, t2d: torch.Tensor,
+    def update(self, logits: tuple[torch.Tensor, ...], batch: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
                step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                logits_mask: tuple[torch.Tensor, ...] | None = None, head_rows: HeadRows | None = None) -> None:
         """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,

@@ -50,13 +50,15 @@ class Launch:
     deepspeed_file: str | None = None
 
 
-def _load(path: str | Path) -> dict:
+def _load(path: str | Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         if str(path).endswith((".yaml", ".yml")):
             import yaml
 
-            return yaml.safe_load(f) or {}
-        return json.load(f)
+            loaded: dict[str, Any] = yaml.safe_load(f) or {}
+        else:
+            loaded = json.load(f)
+    return loaded
 
 
 def _find(path: str, near: Path) -> Path:
@@ -67,7 +69,7 @@ def _find(path: str, near: Path) -> Path:
     raise FileNotFoundError(f"{path}: not found (looked in the working directory, {near} and {REPO})")
 
 
-def read_launch(accelerate_config: str | None, recipe: dict) -> Launch:
+def read_launch(accelerate_config: str | None, recipe: dict[str, Any]) -> Launch:
     """Processes and machines from the accelerate config; ZeRO stage and offload from its DeepSpeed file
     (or the recipe's `deepspeed` key)."""
     acc = _load(accelerate_config) if accelerate_config else {}
@@ -85,7 +87,7 @@ def read_launch(accelerate_config: str | None, recipe: dict) -> Launch:
     return launch
 
 
-def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str, Any]:
+def verifier_text_config(recipe: dict[str, Any], verifier_config: str | None) -> dict[str, Any]:
     """The verifier's language-model config: from `--verifier-config`, else the recipe's verifier
     (a local directory or a cached Hub id)."""
     from ..verifier.family import text_config_dict
@@ -104,7 +106,7 @@ def verifier_text_config(recipe: dict, verifier_config: str | None) -> dict[str,
                          f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
 
 
-def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
+def dataset_from_features(recipe: dict[str, Any]) -> tuple[float, float] | None:
     """(tokens, mean sample length) of the recipe's `features` directory when its features are already extracted."""
     from ..features.store import load_manifest
 
@@ -115,7 +117,7 @@ def dataset_from_features(recipe: dict) -> tuple[float, float] | None:
     return (float(sum(lengths)), sum(lengths) / len(lengths)) if lengths else None
 
 
-def draft_vocab_from_features(recipe: dict) -> int | None:
+def draft_vocab_from_features(recipe: dict[str, Any]) -> int | None:
     """The draft vocabulary size of the recipe's `features/vocab.safetensors` (what training will use)."""
     from safetensors import safe_open
 
@@ -316,10 +318,10 @@ def zero3_gathered_bytes(config: Eagle3Config, ttt_steps: int, freeze_lm_head: b
     return 2 * elements
 
 
-def build_plan(recipe: dict, launch: Launch, text_cfg: dict, dataset_tokens: float | None, *,
+def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any], dataset_tokens: float | None, *,
                draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
                peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8,
-               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0) -> dict:
+               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0) -> dict[str, Any]:
     """Everything `eagle3-hf plan` prints, as a dict (the command formats it)."""
     from ..model.configuration_eagle3 import Eagle3Config
 
@@ -408,7 +410,7 @@ def feature_read_rate(config: Eagle3Config, ttt_steps: int, mean_document: float
             "read_bytes_per_s_per_node": tokens * feature_bytes_per_token(_sizes(config)[2], "bf16")}
 
 
-def extraction_lines(plan: dict) -> list[str]:
+def extraction_lines(plan: dict[str, Any]) -> list[str]:
     """The extraction's time and disk budget, printed beside the training's."""
     e = plan.get("extraction")
     if not e:
@@ -418,7 +420,7 @@ def extraction_lines(plan: dict) -> list[str]:
             f"{e['hours']:.2f} h ({e['bound']}-bound; disk {e['disk_gbps']:g} GB/s)"]
 
 
-def format_plan(plan: dict, title: str) -> str:
+def format_plan(plan: dict[str, Any], title: str) -> str:
     d, m, lc = plan["drafter"], plan["memory"], plan["launch"]
     zero = f"DeepSpeed ZeRO-{lc['zero_stage']}" if lc["zero_stage"] else "no DeepSpeed"
     offload = [w for w, on in (("optimizer", lc["offload_optimizer"]), ("params", lc["offload_param"])) if on]

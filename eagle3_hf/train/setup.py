@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,9 +43,9 @@ SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = 0.101
 
 def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig, d2t: torch.Tensor,
                   t2d: torch.Tensor, aux_indices: Sequence[int],
-                  fingerprint: str | None) -> tuple[Eagle3DraftModel, dict]:
+                  fingerprint: str | None) -> tuple[Eagle3DraftModel, dict[str, Any]]:
     """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info)."""
-    info: dict = {"init": "scratch"}
+    info: dict[str, Any] = {"init": "scratch"}
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,

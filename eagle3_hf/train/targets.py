@@ -14,6 +14,7 @@ with one read (`plan_batches`, from `_get_num_items_in_batch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ def plan_batches(batches: list[dict[str, torch.Tensor]], steps: int, t2d: torch.
     return [p.resolve(counts[k * per : (k + 1) * per]) for k, p in enumerate(pending)]
 
 
-def batch_plan(batch: dict, steps: int, t2d: torch.Tensor) -> BatchPlan:
+def batch_plan(batch: dict[str, Any], steps: int, t2d: torch.Tensor) -> BatchPlan:
     """The plan the Trainer left in the batch (`PLAN_KEY`), or one made here (one host synchronisation)."""
     plan = batch.get(PLAN_KEY)
     if isinstance(plan, BatchPlan) and plan.steps == steps:

@@ -80,9 +80,10 @@ class Eagle3Trainer(Trainer):
     # ------------------------------------------------------------------ loss
 
     def _drafter(self) -> Eagle3DraftModel:
-        return self.accelerator.unwrap_model(self.model)
+        drafter: Eagle3DraftModel = self.accelerator.unwrap_model(self.model)
+        return drafter
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+    def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
         """The optimizer step's loss tokens; on the way, each micro-batch's plan (`targets.BatchPlan`: where the
         heads and the loss read, as indices), all made with one read of the device, so that the micro-steps
         make none."""
@@ -156,8 +157,9 @@ class Eagle3Trainer(Trainer):
         assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         return loss.detach(), None, None
 
-    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+    def evaluation_loop(self, dataloader: DataLoader[dict[str, Any]], description: str,
+                        prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
         self._eval_stats = StepStats(self.args.ttt_steps)
         output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         reduced = self._reduced_stats(self._eval_stats)
@@ -170,7 +172,7 @@ class Eagle3Trainer(Trainer):
 
     # ------------------------------------------------------------------ saving
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """The standard EAGLE-3 layout (what SGLang/vLLM load) and the arguments as JSON, no pickles."""
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
@@ -183,10 +185,10 @@ class Eagle3Trainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         self._drafter().save_pretrained(output_dir, state_dict=state_dict)
         with open(os.path.join(output_dir, TRAINING_ARGS_FILE), "w", encoding="utf-8") as f:
-            f.write(self.args.to_json_string())
+            f.write(self.args.to_json_string())  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
-def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict:
+def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict[str, Any]:
     """`eagle3_training.json`: what the model card reports (recipe + measured per-step metrics)."""
     steps = trainer.args.ttt_steps
     return {
@@ -203,6 +205,6 @@ def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **e
     }
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
