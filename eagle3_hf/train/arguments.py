@@ -52,6 +52,10 @@ class Eagle3TrainingArguments(TrainingArguments):
                                           "document and step: less arithmetic, faster on a CPU), 'auto' (document "
                                           "on the CPU, row elsewhere)", "choices": ["auto", "row", "document"]}
     )
+    load_best_model_at_end: bool | None = field(
+        default=None, metadata={"help": "keep the checkpoint with the best --metric-for-best-model (simulated "
+                                        "acceptance length) at the end; default: on wherever evaluation runs and the "
+                                        "save strategy matches it (a validation split, the default), else off"})
     metric_for_best_model: str | None = field(default="simulated_acceptance_length")
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
@@ -64,7 +68,22 @@ class Eagle3TrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         refuse_unsupported(bool(self.gradient_checkpointing), self.hidden_optimizer, bool(self.deepspeed))
+        if self.load_best_model_at_end is None:
+            self.load_best_model_at_end = best_model_selectable(self.eval_strategy, self.save_strategy,
+                                                                self.eval_steps or self.logging_steps, self.save_steps)
         super().__post_init__()
+
+
+def best_model_selectable(eval_strategy: Any, save_strategy: Any, eval_steps: float, save_steps: float) -> bool:
+    """Whether the best checkpoint can be kept: evaluation runs, and every evaluation has a checkpoint to keep
+    (transformers' condition for load_best_model_at_end). Selection by simulated τ is then the default, since
+    over-training lowers τ while the loss keeps falling."""
+    def name(strategy: Any) -> str:
+        return str(getattr(strategy, "value", strategy))
+
+    if name(eval_strategy) == "no" or name(eval_strategy) != name(save_strategy):
+        return False
+    return name(eval_strategy) != "steps" or (eval_steps > 0 and save_steps % eval_steps == 0)
 
 
 def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deepspeed: bool) -> None:
