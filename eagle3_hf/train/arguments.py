@@ -176,13 +176,25 @@ def loader_defaults(cuda: bool) -> dict[str, Any]:
             "dataloader_persistent_workers": True, "dataloader_prefetch_factor": 4}
 
 
+# the script's defaults over TrainingArguments' own (those that depend on the machine are set in parse_args)
+SCRIPT_DEFAULTS: dict[str, Any] = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch",
+                                   "save_strategy": "epoch", "save_total_limit": 2}
+
+
+def build_parser(prog: str | None = None) -> HfArgumentParser:
+    """The three argument groups' parser with the script's machine-independent defaults (the CLI reference's)."""
+    # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
+    parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)),
+                              prog=prog)
+    parser.set_defaults(**SCRIPT_DEFAULTS)
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
     """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
-    # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
-    parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)))
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
-                "save_total_limit": 2, **loader_defaults(torch.cuda.is_available()),
+    defaults = {**SCRIPT_DEFAULTS, **loader_defaults(torch.cuda.is_available()),
                 # no GPU: train on the CPU, over gloo when launched with several processes
                 "use_cpu": not torch.cuda.is_available()}
     if "--config" in argv:
