@@ -107,7 +107,7 @@ def stale_names(name: str, text: str) -> list[str]:
     for flag in FLAG.findall(text):
         if flag not in repository_flags() and flag not in EXTERNAL_FLAGS:
             problems.append(f"{name}: no parser defines {flag}")
-    for path in PATH.findall(text):
+    for path in (p.rstrip(".") for p in PATH.findall(text)):  # a sentence may end on a path
         first = path.split("/")[0]
         # relative to the package (engines/vllm_env.py): a module's path; train/serve or features/ are words
         in_package = first in subpackages and path.endswith(".py")

@@ -52,7 +52,7 @@ class Eagle3TrainingArguments(TrainingArguments):
                                           "document and step: less arithmetic, faster on a CPU), 'auto' (document "
                                           "on the CPU, row elsewhere)", "choices": ["auto", "row", "document"]}
     )
-    load_best_model_at_end: bool | None = field(
+    load_best_model_at_end: bool | None = field(  # type: ignore[assignment]  # None: decided in __post_init__
         default=None, metadata={"help": "keep the checkpoint with the best --metric-for-best-model (simulated "
                                         "acceptance length) at the end; default: on wherever evaluation runs and the "
                                         "save strategy matches it (a validation split, the default), else off"})

@@ -73,7 +73,7 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
             "--long-epochs", "2", "--source-epochs", "1", "--max-seq-len", "64",
             "--validation-fraction", "0.25", "--eval-steps", "2", "--eval-prompts", "1",
             "--eval-tokens", "4", "--seed", "3"]
-    # --only splits the work; a final invocation without it reuses what is done (docs/finetune_vs_scratch.md)
+    # --only splits the work; a final invocation without it reuses what is done (docs/results/finetune_vs_scratch.md)
     assert list(compare([*args, "--only", "scratch", "finetune:disjoint"])) == ["scratch", "finetune:disjoint"]
     trained: list[str] = []
     real_train = compare_module.train
