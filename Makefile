@@ -59,7 +59,7 @@ demo-vllm: venv vllm
 	  --max-new-tokens 64 --k 3 --temperature 0 --output $(DEMO_VLLM_OUT)/eval_vllm --write-to-drafter --no-progress
 
 # vLLM's OpenAI server with the extraction config, in the foreground: `eagle3-hf extract --engine vllm --endpoint
-# http://127.0.0.1:$(VLLM_PORT)` is its client (docs/vllm_features.md); SERVE_ARGS adds e.g. --tensor-parallel-size 8
+# http://127.0.0.1:$(VLLM_PORT)` is its client (docs/results/vllm_features.md); SERVE_ARGS adds e.g. --tensor-parallel-size 8
 VERIFIER ?= smollm2-135m-instruct
 VLLM_PORT ?= 8000
 SERVE_ARGS ?=

@@ -7,7 +7,7 @@ AdamW). Measured = the process's resident high-water mark during the step minus 
 (so parameters and optimizer state are excluded: they are resident before the step). Predicted = the plan's
 step peak for the same shape: activations and logits of the unroll plus the parameter gradients.
 
-    python -m bench.plan_memory            # the three shapes of docs/plan.md, ~1 min
+    python -m bench.plan_memory            # the three shapes of docs/results/plan.md, ~1 min
     python -m bench.plan_memory --json out.json
 """
 

@@ -5,7 +5,7 @@
 # MT-bench questions) -> export -> check [-> vllm: the export served by vLLM, when `make vllm` installed it]
 # -> summary [-> push when HF_REPO_ID is set].
 #
-#   make demo                      # small: about 12 minutes on 2 CPU cores
+#   make demo                      # small: the time of the last run is in docs/results/demo.md
 #   DEMO_SIZE=large make demo      # more data, longer training, all 80 MT-bench questions
 #   DEMO_SIZE=tiny bash examples/demo.sh   # seconds-scale smoke run (what CI executes)
 set -euo pipefail
@@ -15,13 +15,18 @@ SIZE="${DEMO_SIZE:-small}"
 OUT="${DEMO_OUT:-demo_out/$SIZE}"
 VERIFIER="smollm2-135m-instruct"
 case "$SIZE" in
-  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EPOCHS=1; LR=1e-3; VAL=0.3; EVAL_Q=2;  EVAL_TOKENS=12; SWEEP_Q=2; SWEEP_TOKENS=12 ;;
-  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=4096; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=10; EVAL_TOKENS=64; SWEEP_Q=5; SWEEP_TOKENS=48 ;;
-  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EPOCHS=6; LR=2e-3; VAL=0.05; EVAL_Q=80; EVAL_TOKENS=64; SWEEP_Q=10; SWEEP_TOKENS=64 ;;
+  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EVAL_Q=2;  EVAL_TOKENS=12; SWEEP_Q=2; SWEEP_TOKENS=12
+         RECIPE_OVERRIDES=(--num-train-epochs 1 --learning-rate 1e-3 --validation-fraction 0.3) ;;
+  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=4096; EVAL_Q=10; EVAL_TOKENS=64; SWEEP_Q=5; SWEEP_TOKENS=48
+         RECIPE_OVERRIDES=() ;;
+  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EVAL_Q=80; EVAL_TOKENS=64; SWEEP_Q=10; SWEEP_TOKENS=64
+         RECIPE_OVERRIDES=() ;;
   *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
 esac
-# Rows per optimizer step: 512 tokens (2 processes x one 256-token row), the winner of experiments/recipe.py
-# (docs/recipe.md: 4x the optimizer steps of 2 x 1024-token rows, +0.12 simulated τ at the same data and epochs).
+# The training recipe is examples/recipes/small_cpu.yaml (chosen by experiments/recipe.py: docs/results/recipe.md):
+# lr 2e-3, cosine, one 256-token row per process and optimizer step (512 tokens with 2 processes), 6 epochs, the
+# epoch with the best simulated τ kept. The tiny size overrides its epochs, lr and validation split.
+RECIPE=examples/recipes/small_cpu.yaml
 TRAIN_ROW="${DEMO_TRAIN_ROW:-256}"
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -54,15 +59,12 @@ timed vocab eagle3-hf vocab --data "$OUT/prepared" --draft-vocab-size "$DRAFT_VO
 
 # Data-parallel over gloo, one process per core; each takes one row of $TRAIN_ROW tokens per step.
 TRAIN_PROCS="${DEMO_TRAIN_PROCS:-2}"
-stage "train: accelerate launch examples/train.py ($EPOCHS epochs, from scratch, $TRAIN_PROCS processes)"
+stage "train: accelerate launch examples/train.py --config $RECIPE ${RECIPE_OVERRIDES[*]} (from scratch, $TRAIN_PROCS processes)"
 PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 timed train accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --num_processes "$TRAIN_PROCS" \
   --main_process_port "$PORT" \
-  examples/train.py --verifier "$VERIFIER" --features "$OUT/features" --output-dir "$OUT/drafter" \
-  --num-train-epochs "$EPOCHS" --learning-rate "$LR" --max-seq-len "$TRAIN_ROW" \
-  --per-device-train-batch-size 1 --warmup-steps 0.05 --lr-scheduler-type cosine \
-  --validation-fraction "$VAL" --logging-steps 10 --eval-strategy epoch --save-strategy epoch --save-total-limit 1 \
-  --load-best-model-at-end true --seed 0
+  examples/train.py --config "$RECIPE" --verifier "$VERIFIER" --features "$OUT/features" --output-dir "$OUT/drafter" \
+  --max-seq-len "$TRAIN_ROW" "${RECIPE_OVERRIDES[@]}"
 
 # The chain's evaluation and the tree sweep are one process and one thread each: they run side by side, one per
 # core (each speed ratio interleaves plain and speculative decoding in its own process, so both sides of a ratio
@@ -111,4 +113,7 @@ if [ -n "${HF_REPO_ID:-}" ]; then
 fi
 
 stage "summary"
-python examples/demo_summary.py "$OUT" --seconds "$(( $(date +%s) - START ))"
+# the small demo's table is committed: docs/results/demo.md and README.md's copy of it are rewritten from this run
+RESULTS=()
+if [ "$SIZE" = small ] && [ -z "${DEMO_OUT:-}" ]; then RESULTS=(--results docs/results/demo.md); fi
+python examples/demo_summary.py "$OUT" --seconds "$(( $(date +%s) - START ))" "${RESULTS[@]}"

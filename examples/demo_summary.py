@@ -1,10 +1,25 @@
-"""Print (and save as summary.md / summary.json) the demo's table from the artifacts it wrote."""
+"""Print (and save as summary.md / summary.json) the demo's table from the artifacts it wrote.
+
+With --results PAGE it also writes the committed results page (the command, commit and machine, then the table)
+and puts the same table into README.md between the demo-table markers; tests/test_demo_table.py checks that the
+two agree. From a finished small demo, one command refreshes both (the wall time is kept from summary.json):
+
+    python examples/demo_summary.py demo_out/small --results docs/results/demo.md
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
+import re
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- demo-table: begin (written by examples/demo_summary.py) -->", "<!-- demo-table: end -->"
 
 
 def dir_bytes(path: Path) -> int:
@@ -120,16 +135,67 @@ def as_markdown(s: dict) -> str:
     return "\n".join(["| what | value |", "|---|---|"] + [f"| {k:<{width}} | {v} |" for k, v in rows])
 
 
+def machine() -> str:
+    """The CPU the demo ran on, as the results page records it: model, cores, AVX-512 or not."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.+)", cpuinfo).group(1).strip()  # type: ignore[union-attr]
+        flags = re.search(r"flags\s*:\s*(.+)", cpuinfo).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    simd = "AVX-512" if "avx512f" in flags.split() else "AVX2, no AVX-512" if "avx2" in flags.split() else "?"
+    return f"{model}, {os.cpu_count()} cores ({simd}), {platform.system()}"
+
+
+def commit() -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def results_page(table: str, size: str) -> str:
+    command = "make demo" if size == "small" else f"DEMO_SIZE={size} make demo"
+    return "\n".join([
+        f"# The demo ({size})", "",
+        f"Written by `python examples/demo_summary.py demo_out/{size} --results docs/results/demo.md`, which "
+        f"`{command}` runs as its last stage; do not edit it by hand.", "",
+        f"- command: `{command}` (examples/demo.sh; the recipe: examples/recipes/small_cpu.yaml)",
+        f"- commit: {commit()}",
+        f"- machine: {machine()}",
+        f"- date: {datetime.date.today().isoformat()}", "",
+        BEGIN, table, END, ""])
+
+
+def embed(readme: Path, table: str) -> None:
+    """Replace the table between the demo-table markers in README.md (the markers must be there)."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + "\n" + table + "\n" + text[end:], encoding="utf-8")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--seconds", type=int, default=None)
+    parser.add_argument("--seconds", type=int, default=None,
+                        help="the demo's wall time (default: the one an earlier summary.json in OUT recorded)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also write this results page (docs/results/demo.md) and README.md's demo table")
     args = parser.parse_args()
-    summary = summarize(args.out, args.seconds)
+    seconds = args.seconds
+    if seconds is None and (args.out / "summary.json").is_file():
+        seconds = json.loads((args.out / "summary.json").read_text()).get("total_seconds")
+    summary = summarize(args.out, seconds)
     table = as_markdown(summary)
     (args.out / "summary.md").write_text(table + "\n")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(table)
+    if args.results:
+        args.results.write_text(results_page(table, args.out.name), encoding="utf-8")
+        embed(ROOT / "README.md", table)
+        print(f"wrote {args.results} and README.md's demo table")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Should I finetune an existing drafter or train from scratch? Both on our data, at the same target-side budget.
 
     python -m experiments.compare_finetune_vs_scratch --features feats/ --source pub=org/eagle3 --output-dir cmp/
-    # on the embedded default, building the sources here (docs/finetune_vs_scratch.md has the measured run):
+    # on the embedded default, building the sources here (docs/results/finetune_vs_scratch.md has the measured run):
     python -m experiments.compare_finetune_vs_scratch --features runs/cmp/ours/features \\
         --prepared-dir runs/cmp/ours/prepared --conversations runs/cmp/ours/conversations.jsonl \\
         --build-sources --drift-steps 8 --other-vocab-size 1024 --output-dir runs/cmp/out --epochs 2 --long-epochs 8

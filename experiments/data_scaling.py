@@ -9,7 +9,8 @@ are reused on a rerun. `--predict-largest` leaves the largest point out of the f
 prediction for it against its measurement.
 
     python -m experiments.data_scaling --features demo_out/small/features --output-dir runs/scaling --parallel 1 \
-        --points 0,51200,25600,12800 --eval dev=40 mt-bench=80 --table docs/data_scaling.md --plot docs/data_scaling.png
+        --points 0,51200,25600,12800 --eval dev=40 mt-bench=80 --table docs/results/data_scaling.md \
+        --plot docs/results/data_scaling.png
 """
 
 from __future__ import annotations

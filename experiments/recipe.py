@@ -3,10 +3,10 @@
 Each configuration is a real `eagle3-hf train` run (fresh process, same seed, same data and split) whose
 validation metrics come from its `eagle3_training.json`; the best few by simulated acceptance length are
 then decoded for real (`eagle3-hf evaluate` on MT-bench prompts, never trained on). Runs already finished
-in --output-dir are reused, so a killed sweep resumes. Writes a Markdown table (--table, e.g. docs/recipe.md).
+in --output-dir are reused, so a killed sweep resumes. Writes a Markdown table (--table, e.g. docs/results/recipe.md).
 
     .venv/bin/python -m experiments.recipe --features demo_out/small/features --prepared-dir demo_out/small/prepared \
-        --output-dir runs/recipe --table docs/recipe.md
+        --output-dir runs/recipe --table docs/results/recipe.md
 """
 
 from __future__ import annotations

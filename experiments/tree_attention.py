@@ -1,4 +1,4 @@
-"""τ of SGLang's tree drafting under both attention rules, on every MT-bench question: docs/tree_drafting.md.
+"""τ of SGLang's tree drafting under both attention rules, on every MT-bench question: docs/results/tree_drafting.md.
 
 SGLang drafts a tree as K decode requests ("slots") whose KV entries are never reordered when the parents are
 re-chosen, so from the third step on a node attends to its slot's earlier nodes, not its ancestors

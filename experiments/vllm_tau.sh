@@ -1,7 +1,7 @@
 #!/bin/bash
 # The τ pair (issue 24 item 5): the demo's recipe trained on vLLM's features of the demo's own prepared data,
 # beside the demo's drafter (trained on transformers' features of the same data); both evaluated on all 80
-# MT-bench questions x 64 tokens (k=3, greedy) by our decoder and by vLLM (docs/vllm_features.md).
+# MT-bench questions x 64 tokens (k=3, greedy) by our decoder and by vLLM (docs/results/vllm_features.md).
 # After `make demo` and `make vllm`:
 #   bash experiments/vllm_tau.sh               # extract (vLLM) + train + export
 #   bash experiments/vllm_tau.sh eval_vllm tf  # vLLM serves the demo's export; `eval_vllm vllm`: the new one

@@ -25,7 +25,7 @@ from tests.helpers.drafters import STANDARD_KEYS
 from tests.helpers.vllm import skipping_vllm, vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(1500)  # the tiny demo, run once for the module: 465 s measured (README, Development)
+pytestmark = pytest.mark.timeout(1500)  # the tiny demo, run once for the module: 465 s measured (docs/development.md)
 EVAL_QUESTIONS, EVAL_TOKENS = 2, 12  # examples/demo.sh, DEMO_SIZE=tiny
 SMOLLM2_HIDDEN = 576
 

@@ -1,6 +1,7 @@
 """`eagle3-hf evaluate`: our own decoder (eagle3_hf/evaluation/evaluate.py), `--sweep` over SGLang configurations
-(eagle3_hf/evaluation/sweep.py), or with `--engine vllm` the drafter served by vLLM beside it (vllm_eval.py). Kept apart
-from evaluate.py so that the sweep and the engines depend on it, never it on them."""
+(eagle3_hf/evaluation/sweep.py), or with `--engine vllm` the drafter served by vLLM beside it
+(eagle3_hf/evaluation/vllm_engine.py). Kept apart from evaluate.py so that the sweep and the engines depend on it,
+never it on them."""
 
 from __future__ import annotations
 

@@ -296,7 +296,7 @@ def load_for_evaluation(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    """One configuration (`--sweep` is sweep.run_cli, dispatched by engines/command.py)."""
+    """One configuration (`--sweep` is sweep.run_cli, dispatched by eagle3_hf/evaluation/command.py)."""
     steps = args.steps if args.steps is not None else args.k
     num_draft_tokens = args.num_draft_tokens if args.num_draft_tokens is not None or args.topk > 1 else steps + 1
     if num_draft_tokens is None or config_problem(steps, args.topk, num_draft_tokens):

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
                        "simulated τ is reported", data_args.validation_fraction)
         args.eval_strategy = IntervalStrategy.NO
+        args.load_best_model_at_end = False  # no evaluation, no best checkpoint: the last one is kept
 
     # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
     #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly).

@@ -52,6 +52,10 @@ class Eagle3TrainingArguments(TrainingArguments):
                                           "document and step: less arithmetic, faster on a CPU), 'auto' (document "
                                           "on the CPU, row elsewhere)", "choices": ["auto", "row", "document"]}
     )
+    load_best_model_at_end: bool | None = field(  # type: ignore[assignment]  # None: decided in __post_init__
+        default=None, metadata={"help": "keep the checkpoint with the best --metric-for-best-model (simulated "
+                                        "acceptance length) at the end; default: on wherever evaluation runs and the "
+                                        "save strategy matches it (a validation split, the default), else off"})
     metric_for_best_model: str | None = field(default="simulated_acceptance_length")
     greater_is_better: bool | None = field(default=True)
     remove_unused_columns: bool = field(default=False)
@@ -64,7 +68,22 @@ class Eagle3TrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         refuse_unsupported(bool(self.gradient_checkpointing), self.hidden_optimizer, bool(self.deepspeed))
+        if self.load_best_model_at_end is None:
+            self.load_best_model_at_end = best_model_selectable(self.eval_strategy, self.save_strategy,
+                                                                self.eval_steps or self.logging_steps, self.save_steps)
         super().__post_init__()  # type: ignore[no-untyped-call]  # unannotated in transformers
+
+
+def best_model_selectable(eval_strategy: Any, save_strategy: Any, eval_steps: float, save_steps: float) -> bool:
+    """Whether the best checkpoint can be kept: evaluation runs, and every evaluation has a checkpoint to keep
+    (transformers' condition for load_best_model_at_end). Selection by simulated τ is then the default, since
+    over-training lowers τ while the loss keeps falling."""
+    def name(strategy: Any) -> str:
+        return str(getattr(strategy, "value", strategy))
+
+    if name(eval_strategy) == "no" or name(eval_strategy) != name(save_strategy):
+        return False
+    return name(eval_strategy) != "steps" or (eval_steps > 0 and save_steps % eval_steps == 0)
 
 
 def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deepspeed: bool) -> None:
@@ -157,13 +176,25 @@ def loader_defaults(cuda: bool) -> dict[str, Any]:
             "dataloader_persistent_workers": True, "dataloader_prefetch_factor": 4}
 
 
+# the script's defaults over TrainingArguments' own (those that depend on the machine are set in parse_args)
+SCRIPT_DEFAULTS: dict[str, Any] = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch",
+                                   "save_strategy": "epoch", "save_total_limit": 2}
+
+
+def build_parser(prog: str | None = None) -> HfArgumentParser:
+    """The three argument groups' parser with the script's machine-independent defaults (the CLI reference's)."""
+    # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
+    parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)),
+                              prog=prog)
+    parser.set_defaults(**SCRIPT_DEFAULTS)
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, Eagle3TrainingArguments]:
     """The three argument groups from the command line, over `--config` defaults; `--help` lists them all."""
-    # transformers types the dataclasses as a NewType over Any, and the parsed tuple as tuple[DataClass, ...]
-    parser = HfArgumentParser(cast(tuple[DataClassType, ...], (ModelArguments, DataArguments, Eagle3TrainingArguments)))
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"report_to": "none", "logging_steps": 10, "eval_strategy": "epoch", "save_strategy": "epoch",
-                "save_total_limit": 2, **loader_defaults(torch.cuda.is_available()),
+    defaults = {**SCRIPT_DEFAULTS, **loader_defaults(torch.cuda.is_available()),
                 # no GPU: train on the CPU, over gloo when launched with several processes
                 "use_cpu": not torch.cuda.is_available()}
     if "--config" in argv:

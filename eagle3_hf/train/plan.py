@@ -13,7 +13,7 @@ through its DeepSpeed file the ZeRO stage and offload). The verifier's sizes com
 - the training step's peak above that (`step_peak_bytes`): the TTT unroll's saved activations, every step's
   logits and the teacher's probabilities (at the positions the loss reads), plus what the largest of three
   moments adds: the end of the loss forward, the loss's backward, the last TTT step's layer backward.
-  Validated against measured peaks by `bench/plan_memory.py` (docs/plan.md).
+  Validated against measured peaks by `bench/plan_memory.py` (docs/results/plan.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ logger = logging.getLogger("eagle3_hf.train")
 
 # Step-0 accuracy on the new data, before training, of the weakest finetune source that still ended above
 # training from scratch at every target-side budget run (same data, seed, lr) in
-# experiments/compare_finetune_vs_scratch.py. Table in docs/finetune_vs_scratch.md: sources trained on *other*
+# experiments/compare_finetune_vs_scratch.py. Table in docs/results/finetune_vs_scratch.md: sources trained on *other*
 # conversations answered by their own verifier version (ours: 0.228; a previous version: 0.104; the same with its
 # own 1,024-token draft vocabulary: 0.101), 40 and 160 optimizer steps, simulated τ on validation. No source
 # measured there lost to scratch, so there is no measured "scratch wins below" bound; real τ on 4 MT-bench
@@ -104,7 +104,7 @@ def refuse_other_recurrence(source_name: str, source: Eagle3Config, target: Eagl
 def finetune_advice(source_acc_0: float) -> str:
     """What the source's step-0 accuracy on the new data, before any training, suggests (logged with
     --finetune-from). Measured, not guessed: see SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH."""
-    where = "docs/finetune_vs_scratch.md; experiments/compare_finetune_vs_scratch.py measures it on your data"
+    where = "docs/results/finetune_vs_scratch.md; experiments/compare_finetune_vs_scratch.py measures it on your data"
     bound = SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH
     if not math.isfinite(source_acc_0):
         return f"no validation data to diagnose the source ({where})"

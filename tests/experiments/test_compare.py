@@ -73,7 +73,7 @@ def test_sources_on_other_data_and_the_budget_every_run_shares(tmp_path, tiny_ve
             "--long-epochs", "2", "--source-epochs", "1", "--max-seq-len", "64",
             "--validation-fraction", "0.25", "--eval-steps", "2", "--eval-prompts", "1",
             "--eval-tokens", "4", "--seed", "3"]
-    # --only splits the work; a final invocation without it reuses what is done (docs/finetune_vs_scratch.md)
+    # --only splits the work; a final invocation without it reuses what is done (docs/results/finetune_vs_scratch.md)
     assert list(compare([*args, "--only", "scratch", "finetune:disjoint"])) == ["scratch", "finetune:disjoint"]
     trained: list[str] = []
     real_train = compare_module.train
@@ -159,7 +159,7 @@ def test_finetune_advice_states_the_measured_bound():
     from eagle3_hf.train.setup import SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH as bound
     from eagle3_hf.train.setup import finetune_advice
 
-    doc = (ROOT / "docs" / "finetune_vs_scratch.md").read_text()
+    doc = (ROOT / "docs" / "results" / "finetune_vs_scratch.md").read_text()
     stated = re.findall(r"SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = ([0-9.]+|none)", doc)
     assert stated and all(s == f"{bound:.3f}" for s in stated)  # the constant is the doc's measured threshold
     assert finetune_advice(bound + 0.05).startswith(f"at or above {bound:.3f}")

@@ -1,0 +1,60 @@
+"""The model card says what was measured: a chain or a tree, and the serve flags the sweep recommended."""
+
+from __future__ import annotations
+
+import json
+
+from eagle3_hf.evaluation.sweep import summarise
+from eagle3_hf.publish.model_card import DEFAULT_SGLANG_FLAGS, build_model_card
+
+CONFIG = {"model_type": "llama", "hidden_size": 64, "draft_vocab_size": 32, "vocab_size": 128,
+          "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+EVALUATION = {"engine": "transformers", "k": 3, "temperature": 0.0, "prompts": "mt-bench", "num_prompts": 10,
+              "acceptance_length": 1.46, "per_position_acceptance": [0.3, 0.1, 0.05], "speedup": 1.0,
+              "lossless": True}
+
+
+def drafter_dir(tmp_path, evaluation=None, sweep=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    if evaluation is not None:
+        (tmp_path / "eagle3_evaluation.json").write_text(json.dumps(evaluation))
+    if sweep is not None:
+        (tmp_path / "eagle3_sweep.json").write_text(json.dumps(sweep))
+    return tmp_path
+
+
+def sweep_json(rows):
+    meta = {"prompts": "dev", "num_prompts": 5, "max_new_tokens": 48, "temperature": 0.0, "device": "cpu"}
+    return summarise(rows, meta)
+
+
+def row(steps, topk, n, tau, speedup, low, high):
+    return {"steps": steps, "topk": topk, "num_draft_tokens": n, "acceptance_length": tau, "speedup": speedup,
+            "speedup_low": low, "speedup_high": high}
+
+
+def test_a_tree_evaluation_is_called_a_tree_and_a_chain_a_chain(tmp_path):
+    chain = str(build_model_card(drafter_dir(tmp_path / "c", EVALUATION)))
+    assert "chain drafting with k = 3 draft tokens per step" in chain and "tree drafting" not in chain
+    tree = {**EVALUATION, "topk": 4, "num_draft_tokens": 8, "tree_attention": "sglang"}
+    text = str(build_model_card(drafter_dir(tmp_path / "t", tree)))
+    assert "tree drafting with S = 3 steps, top-K = 4, N = 8 draft tokens (tree attention as SGLang drafts)" in text
+    assert "chain drafting with k" not in text
+
+
+def test_serve_flags_are_the_sweeps_recommendation(tmp_path):
+    # a tree whose interval clears the chain's: the sweep recommends it, with a tree-capable attention backend
+    sweep = sweep_json([row(3, 1, 4, 1.5, 1.05, 1.01, 1.09), row(3, 4, 8, 2.1, 1.40, 1.30, 1.50)])
+    assert sweep["recommendation"]["topk"] == 4
+    text = str(build_model_card(drafter_dir(tmp_path, EVALUATION, sweep), "org/drafter"))
+    assert ("--speculative-draft-model-path org/drafter --speculative-algorithm EAGLE3 --speculative-num-steps 3 "
+            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8 --attention-backend flashinfer") in text
+    assert DEFAULT_SGLANG_FLAGS not in text
+    assert "the sweep's recommendation: tree drafting, S = 3 steps, top-K = 4, N = 8 draft tokens" in text
+    assert '"num_speculative_tokens": 3' in text  # vLLM drafts chains: the sweep's best chain
+
+
+def test_without_a_sweep_the_card_says_the_flags_are_the_default_chain(tmp_path):
+    text = str(build_model_card(drafter_dir(tmp_path, EVALUATION), "org/drafter"))
+    assert DEFAULT_SGLANG_FLAGS in text and "no sweep recorded" in text

@@ -1,0 +1,140 @@
+"""What the documents name exists: every `eagle3-hf COMMAND`, every `--flag` (checked against that command's
+parser where the command is named, else against the flags some parser of the repository defines or the engines
+and launchers we document) and every repository file path. The documents are README.md, docs/ (less the
+generated docs/cli.md) and the package's docstrings; a renamed file or a removed flag fails here, not in a
+user's shell."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+from eagle3_hf.cli import COMMANDS, command_parser
+from eagle3_hf.train.arguments import build_parser as train_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATED = {"docs/cli.md"}  # every command's --help: current by tests/test_cli_reference.py
+# flags of the programs the documents show beside ours: SGLang's and vLLM's servers, accelerate, torchrun, pip, pytest
+EXTERNAL_FLAGS = {
+    "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens", "--speculative-use-rejection-sampling", "--attention-backend", "--model",
+    "--model-path", "--speculative-config", "--kv-transfer-config", "--enforce-eager", "--no-enable-chunked-prefill",
+    "--no-enable-prefix-caching", "--config_file", "--num_processes", "--main_process_port", "--main_process_ip",
+    "--machine_rank", "--nproc-per-node", "--no-deps", "--durations", "--help",
+}
+# files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers')
+EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",
+                  "configuration_llama.py", "arg_utils.py", "cli_args.py"}
+COMMAND = re.compile(r"eagle3-hf\s+(?:--debug\s+)?([a-z][\w-]*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*[\w]")
+PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)+(?:[\w.-]+)?)")
+BARE_FILE = re.compile(r"(?<![\w./<>-])([\w-]+\.(?:py|sh|yaml))\b")
+URL = re.compile(r"https?://\S+")
+
+
+def documents() -> Iterator[tuple[str, str]]:
+    """(name, text) of every document: whole Markdown pages and each docstring of the package."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for page in pages:
+        name = page.relative_to(ROOT).as_posix()
+        if name not in GENERATED:
+            yield name, URL.sub("", page.read_text(encoding="utf-8"))
+    for module in sorted((ROOT / "eagle3_hf").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc:
+                    yield f"{module.relative_to(ROOT).as_posix()}:{getattr(node, 'lineno', 1)}", URL.sub("", doc)
+
+
+@cache
+def command_flags(name: str) -> frozenset[str]:
+    parser = train_parser() if name == "train" else command_parser(name)
+    return frozenset(o for action in parser._actions for o in action.option_strings)
+
+
+@cache
+def repository_flags() -> frozenset[str]:
+    """Every option string a parser in the repository defines: the commands', and the benches', experiments' and
+    scripts' (any `--name` string literal in their code), plus the Makefile's and shell scripts'."""
+    found = set().union(*(command_flags(name) for name in COMMANDS))
+    for path in ROOT.rglob("*.py"):
+        if ".venv" in path.parts or "tests" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"--[a-z][\w-]*",
+                                                                                               node.value):
+                found.add(node.value)
+    return frozenset(found)
+
+
+@cache
+def repository_paths() -> frozenset[str]:
+    files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if not {".git", ".venv"} & set(p.parts)}
+    return frozenset(files)
+
+
+def command_text(text: str, match: re.Match[str]) -> str:
+    """The rest of a named command: up to the inline code span's end, or the line's end (with its `\\`
+    continuations), a comment, a pipe or the next command."""
+    rest = text[match.end():]
+    if match.start() > 0 and text[match.start() - 1] == "`":
+        return rest.split("`", 1)[0]
+    lines = []
+    for line in rest.split("\n"):
+        lines.append(line)
+        if not line.rstrip().endswith("\\"):
+            break
+    return re.split(r"\s#\s|[|;&)]|\beagle3-hf\b", "\n".join(lines), maxsplit=1)[0]
+
+
+def stale_names(name: str, text: str) -> list[str]:
+    problems = []
+    paths, subpackages = repository_paths(), {p.split("/")[1] for p in repository_paths() if p.count("/") >= 2
+                                                and p.startswith("eagle3_hf/")}
+    top = {p.split("/")[0] for p in paths if "/" in p}
+    for match in COMMAND.finditer(text):
+        command = match.group(1)
+        if command not in COMMANDS:
+            problems.append(f"{name}: `eagle3-hf {command}` is no command")
+            continue
+        for flag in FLAG.findall(command_text(text, match)):
+            if flag not in command_flags(command):
+                problems.append(f"{name}: `eagle3-hf {command}` has no {flag}")
+    for flag in FLAG.findall(text):
+        if flag not in repository_flags() and flag not in EXTERNAL_FLAGS:
+            problems.append(f"{name}: no parser defines {flag}")
+    for path in (p.rstrip(".") for p in PATH.findall(text)):  # a sentence may end on a path
+        first = path.split("/")[0]
+        # relative to the package (engines/vllm_env.py): a module's path; train/serve or features/ are words
+        in_package = first in subpackages and path.endswith(".py")
+        candidates = [path.rstrip("/")] + ([f"eagle3_hf/{path.rstrip('/')}"] if in_package else [])
+        if (first in top or in_package) and not any(
+                c in paths or any(p.startswith(c + "/") for p in paths) for c in candidates):
+            problems.append(f"{name}: no file or folder {path}")
+    basenames = {p.rsplit("/", 1)[-1] for p in paths}
+    for bare in BARE_FILE.findall(text):
+        if bare not in basenames and bare not in EXTERNAL_FILES and not bare.split(".")[0].isupper():
+            problems.append(f"{name}: no file {bare}")
+    return problems
+
+
+def test_documents_name_only_commands_flags_and_files_that_exist():
+    problems = [p for name, text in documents() for p in stale_names(name, text)]
+    assert problems == []
+
+
+def test_a_stale_name_is_caught():
+    planted = ("Run `eagle3-hf train --data-dir features/` (see eagle3_hf/engines/command.py and vllm_eval.py), "
+               "then `eagle3-hf distill --foo`; `eagle3-hf extract --engine vllm --online` and --no-such-flag.")
+    found = stale_names("probe", planted)
+    assert found == ["probe: `eagle3-hf train` has no --data-dir", "probe: `eagle3-hf distill` is no command",
+                     "probe: `eagle3-hf extract` has no --online", "probe: no parser defines --data-dir",
+                     "probe: no parser defines --foo", "probe: no parser defines --online",
+                     "probe: no parser defines --no-such-flag",
+                     "probe: no file or folder eagle3_hf/engines/command.py", "probe: no file vllm_eval.py"]
+    assert stale_names("probe", "`eagle3-hf train --features hf --prepared-dir prepared/ --output-dir runs/o` "
+                                "(eagle3_hf/scripts/train.py, evaluation/sweep.py, examples/recipes/)") == []
