@@ -46,12 +46,12 @@ def test_identical_extractions(dirs):
 def test_fp8_vs_bf16_and_perturbed_layer(dirs, tmp_path):
     r = diff_features(dirs / "bf16", dirs / "fp8")
     assert any("dtype differs" in w for w in r["warnings"])
-    assert set(r["layers"]) == {"aux[1]", "aux[3]", "aux[5]", "last"}
+    assert set(r["layers"]) == {"aux[2]", "aux[4]", "aux[5]", "last"}
     for stats in r["layers"].values():
         assert 0.99 < stats["cos_mean"] < 1.0 and 0 < stats["rel_err_mean"] < 0.06
     assert r["greedy_agreement"] == 1.0  # greedy is computed before storage: quantisation never touches it
     p = diff_features(dirs / "bf16", dirs / "noisy")
-    assert p["layers"]["aux[1]"]["rel_err_max"] == 0.0 and p["layers"]["aux[3]"]["rel_err_max"] == 0.0
+    assert p["layers"]["aux[2]"]["rel_err_max"] == 0.0 and p["layers"]["aux[4]"]["rel_err_max"] == 0.0
     assert p["layers"]["aux[5]"]["rel_err_mean"] > 0.01  # only layers after the change move
     assert p["layers"]["last"]["cos_mean"] < 1.0
     text = format_report(p)
