@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -73,8 +74,11 @@ def repository_flags() -> frozenset[str]:
 
 @cache
 def repository_paths() -> frozenset[str]:
-    files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if not {".git", ".venv"} & set(p.parts)}
-    return frozenset(files)
+    """Tracked files and new ones git does not ignore: a local run's outputs (runs/, demo_out/) are not the
+    repository's, so a document naming them must not pass because they happen to exist here."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    return frozenset(path for path in listed if path and (ROOT / path).exists())
 
 
 def command_text(text: str, match: re.Match[str]) -> str:
