@@ -281,6 +281,8 @@ def config_from_published(raw: dict[str, Any], tensors: dict[str, torch.Tensor])
         fields.update(eagle31_options(raw))  # norm_output carries no weight: only the config says the recurrence
         fields.pop("eagle_config", None)
         fields.pop("eagle_aux_hidden_state_layer_ids", None)
+    if fields.get("sliding_window") is not None and fields.get("layer_types") is None:
+        fields.pop("sliding_window")  # vLLM's Llama drafter applies a window only where layer_types marks it
     for key in ("model_type", "architectures", "transformers_version", "auto_map", "torch_dtype", "dtype",
                 "quantization_config", "_name_or_path", "speculators_model_type", "speculators_version"):
         fields.pop(key, None)
@@ -379,7 +381,8 @@ def speculators_config(config: Eagle3Config, verifier_architectures: list[str] |
     layer = {k: v for k, v in config.to_dict().items() if k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
         "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
-        "attention_bias", "mlp_bias", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")}
+        "attention_bias", "mlp_bias", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+        "sliding_window", "layer_types", "use_sliding_window")}  # the window where speculators writes it
     layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
                  architectures=["LlamaForCausalLM"])
     return {

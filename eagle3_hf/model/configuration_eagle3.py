@@ -51,6 +51,10 @@ class Eagle3Config(LlamaConfig):
             both; vLLM would apply both, one after the other).
         norm_output (`bool`, False): EAGLE 3.1, the drafter's post-norm output `norm(out)` (what `lm_head` reads)
             is the state the next TTT step and the next draft step read, instead of the pre-norm `out`. No weight.
+        sliding_window (`int`, None): attention sees only the last N tokens (itself included), in training and
+            decoding alike (`ttt_attention`). Written as speculators and vLLM's Llama attention read it:
+            `sliding_window` N with `layer_types ["sliding_attention"]` and `use_sliding_window: true`; read back
+            only when `layer_types` marks the layer sliding, as vLLM does. None: full attention.
         verifier_name_or_path / verifier_revision / verifier_num_hidden_layers / tokenizer_fingerprint:
             provenance, checked when a drafter is finetuned or evaluated against a verifier.
         ttt_steps (`int`, 3) / ttt_step_weight (`float`, 0.8): training-time-test defaults.
@@ -65,6 +69,7 @@ class Eagle3Config(LlamaConfig):
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    sliding_window: int | None = None
     verifier_name_or_path: str | None = None
     verifier_revision: str | None = None
     verifier_num_hidden_layers: int | None = None
@@ -88,11 +93,20 @@ class Eagle3Config(LlamaConfig):
             kwargs.pop("rope_scaling", None)
             kwargs.pop("rope_theta", None)
         kwargs.pop("architectures", None)
+        # the window's other two keys are derived from sliding_window on write; a layer marked full attention
+        # has no window whatever sliding_window says (vLLM's LlamaAttention reads layer_types first)
+        layer_types = kwargs.pop("layer_types", None)
+        kwargs.pop("use_sliding_window", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            self.sliding_window = None
         super().__post_init__(**kwargs)
         self.architectures = [DRAFTER_ARCHITECTURE]
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are both true: pick one (speculators refuses both; vLLM would "
                              "norm the aux input twice)")
+        if self.sliding_window is not None and self.sliding_window <= self.ttt_steps:
+            raise ValueError(f"sliding_window {self.sliding_window} must exceed ttt_steps {self.ttt_steps}: a draft "
+                             "step must see its own earlier drafts")
 
     @property
     def eagle_version(self) -> str:
@@ -129,6 +143,10 @@ class Eagle3Config(LlamaConfig):
                 "use_last_layernorm": True,
                 "use_mtp_layernorm": False,
             }
+        d.pop("sliding_window", None)
+        if self.sliding_window is not None:
+            d.update(sliding_window=int(self.sliding_window), layer_types=["sliding_attention"],
+                     use_sliding_window=True)
         return d
 
     def to_diff_dict(self) -> dict[str, Any]:
@@ -138,7 +156,7 @@ class Eagle3Config(LlamaConfig):
         for key in ("architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "rope_theta",
                     "rope_scaling", "eagle_aux_hidden_state_layer_ids", "eagle_config", "draft_vocab_size",
                     "target_hidden_size", "vocab_size", "hidden_size", "norm_before_residual",
-                    "norm_before_fc", "fc_norm", "norm_output",
+                    "norm_before_fc", "fc_norm", "norm_output", "sliding_window", "layer_types", "use_sliding_window",
                     "rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "intermediate_size", "max_position_embeddings", "rope_parameters"):
             if key in full:

@@ -312,7 +312,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             head_rows = HeadRows.from_masks(logits_mask, teacher_mask)
 
         hidden = self.project_features(aux_hidden_states)  # [B, L, H]
-        keys = packed_keys(document_ids, steps, self.packed_attention)  # grows by one step's keys per step
+        # grows by one step's keys per step
+        keys = packed_keys(document_ids, steps, self.packed_attention, self.config.sliding_window)
         normed, all_hidden, all_valid = [], [], []
         for step in range(steps):
             tokens, valid = shift_within_documents(input_ids, document_ids, step + 1)  # token t+1+i
@@ -381,7 +382,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self._check_embeddings()
         hidden = self.project_features(hidden_states)  # [1, q, H]
         embeds = self.embed_tokens(input_ids)  # [1, q, H]
-        keys = DraftKeys(past_key_values, attention_mask)
+        keys = DraftKeys(past_key_values, attention_mask, position_ids[0], self.config.sliding_window)
         hidden = self.midlayer(embeds, hidden, self.rotary_emb(embeds, position_ids), keys)  # [1, q, H]
         if self.config.norm_output:  # EAGLE 3.1: norm(out) is both what lm_head reads and what is fed back
             hidden = self.norm(hidden)

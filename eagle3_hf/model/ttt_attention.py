@@ -9,6 +9,11 @@ building the mask. What a query may see is the `keys` object the attention is ca
 device: no host synchronisation, the accelerator path) or `PackedDocumentKeys` (one call per document and step,
 less arithmetic: the CPU path), chosen by `packed_keys`; `DraftKeys` (a KV cache, causal or a tree mask) at
 inference.
+
+A sliding window (the config's `sliding_window` N) limits every query to the last N tokens before its own
+position, itself included: key position j is seen from position p iff p - N < j <= p. At TTT step i a query of
+token t sits at position t + i, so it sees its document's step-0 keys t + i - N < j <= t and all of its own
+diagonal keys (positions t + 1 .. t + i): exactly what an engine's drafter sees with that window.
 """
 
 from __future__ import annotations
@@ -187,8 +192,9 @@ class PackedDocumentKeys:
     """What a query sees during the TTT unroll: per document, causal over the step-0 keys plus its own keys of
     steps 1..i (the diagonal). Each step appends its keys; padding rows stay zero (never read)."""
 
-    def __init__(self, spans: list[list[tuple[int, int]]]):
+    def __init__(self, spans: list[list[tuple[int, int]]], window: int | None = None):
         self.spans = spans  # per row: (start, end) of each document (`document_spans`)
+        self.window = window
         self.keys: list[torch.Tensor] = []  # per step: [B, nkv, L, hd]
         self.values: list[torch.Tensor] = []
 
@@ -215,9 +221,16 @@ class PackedDocumentKeys:
             k_parts = [key[b : b + 1].split(sizes, dim=2) for key in self.keys]
             v_parts = [value[b : b + 1].split(sizes, dim=2) for value in self.values]
             pieces = [q.new_zeros(n, heads * head_dim) for n in sizes]
+            diagonals = len(self.keys) - 1
             for d in docs:
+                mask = None  # causal: the fast path, exact while the window does not bind
+                if self.window is not None and sizes[d] > self.window - diagonals:
+                    allowed = band_mask(sizes[d], sizes[d], self.window - diagonals, q.device)
+                    allowed = torch.cat([allowed.new_ones(sizes[d], diagonals), allowed], dim=-1)[None, None]
+                    mask = _as_mask(allowed, attn.config._attn_implementation, q.dtype)
                 out = attn.attend_with_diagonals(q_parts[d], k_parts[0][d], v_parts[0][d],
-                                                 [key[d] for key in k_parts[1:]], [value[d] for value in v_parts[1:]])
+                                                 [key[d] for key in k_parts[1:]], [value[d] for value in v_parts[1:]],
+                                                 mask)
                 pieces[d] = out.reshape(sizes[d], heads * head_dim)  # [n, nh * hd]
             rows.append(torch.cat(pieces, dim=0))
         return torch.stack(rows, dim=0)
@@ -230,8 +243,8 @@ class PackedRowKeys:
     No host synchronisation, whatever the number of documents; attention is computed over whole rows (the
     GPU path: what recipes and gpu_check run)."""
 
-    def __init__(self, document_ids: torch.Tensor, steps: int):
-        self.document_ids, self.steps = document_ids, steps
+    def __init__(self, document_ids: torch.Tensor, steps: int, window: int | None = None):
+        self.document_ids, self.steps, self.window = document_ids, steps, window
         self.keys: list[torch.Tensor] = []  # per step: [B, nkv, L, hd]
         self.values: list[torch.Tensor] = []
         self._mask: torch.Tensor | None = None
@@ -249,60 +262,88 @@ class PackedRowKeys:
     def mask(self, implementation: str, diagonals: int, dtype: torch.dtype) -> torch.Tensor | BlockMask:
         """What step `diagonals` sees over [virtual keys | step-0 keys]: bool [B, 1, L, i + L] for sdpa, additive
         for eager, a BlockMask (block-sparse over documents) for flex_attention."""
+        window = None if self.window is None else self.window - diagonals  # step i's query sits i places later
         if implementation == "flex_attention":
-            return document_block_mask(self.document_ids, diagonals)
+            return document_block_mask(self.document_ids, diagonals, window)
+        if window is not None:  # the band depends on the step
+            return _as_mask(document_mask(self.document_ids, diagonals, window), implementation, dtype)
         if self._mask is None:  # built once per batch, for the largest number of virtual keys
             self._mask = document_mask(self.document_ids, self.steps - 1)
-        allowed = self._mask[..., self.steps - 1 - diagonals :]
-        if implementation == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                          torch.finfo(dtype).min)
+        return _as_mask(self._mask[..., self.steps - 1 - diagonals :], implementation, dtype)
 
 
-def document_mask(document_ids: torch.Tensor, virtual: int) -> torch.Tensor:
+def _as_mask(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: may attend) as the attention implementation takes it: bool for sdpa, additive else."""
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def band_mask(n_q: int, n_k: int, window: int | None, device: torch.device | str) -> torch.Tensor:
+    """bool [n_q, n_k], rows and columns on one position axis: row r sees columns r - window < c <= r (all
+    columns <= r without a window)."""
+    rows = torch.arange(n_q, device=device)[:, None]
+    cols = torch.arange(n_k, device=device)[None]
+    allowed = cols <= rows
+    return allowed if window is None else allowed & (rows - cols < window)
+
+
+def document_mask(document_ids: torch.Tensor, virtual: int, window: int | None = None) -> torch.Tensor:
     """bool [B, 1, L, virtual + L]: every query sees the `virtual` leading keys, then the keys of its own
-    document up to itself (padding, id -1, sees earlier padding: finite, never read)."""
+    document up to itself, the last `window` of them with a window (padding, id -1, sees earlier padding:
+    finite, never read)."""
     batch, length = document_ids.shape
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, L, L]
-    causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+    causal = band_mask(length, length, window, document_ids.device)
     allowed = torch.cat([same.new_ones(batch, length, virtual), same & causal], dim=-1)
     return allowed[:, None]
 
 
-def document_block_mask(document_ids: torch.Tensor, virtual: int) -> BlockMask:
-    """`document_mask` as a flex_attention BlockMask: blocks of other documents are skipped."""
+def document_block_mask(document_ids: torch.Tensor, virtual: int, window: int | None = None) -> BlockMask:
+    """`document_mask` as a flex_attention BlockMask: blocks of other documents (and outside the window) are
+    skipped."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, length = document_ids.shape
+    reach = length if window is None else window
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         key = (kv_idx - virtual).clamp(min=0)
-        own = (document_ids[b, q_idx] == document_ids[b, key]) & (key <= q_idx)
+        own = (document_ids[b, q_idx] == document_ids[b, key]) & (key <= q_idx) & (q_idx - key < reach)
         return (kv_idx < virtual) | own
 
     return create_block_mask(mask_mod, batch, None, length, virtual + length, device=document_ids.device)
 
 
-def packed_keys(document_ids: torch.Tensor, steps: int, mode: str = "auto") -> PackedRowKeys | PackedDocumentKeys:
+def packed_keys(document_ids: torch.Tensor, steps: int, mode: str = "auto",
+                window: int | None = None) -> PackedRowKeys | PackedDocumentKeys:
     """The TTT unroll's keys: `row` (one attention call per step over the batch, no host synchronisation) or
     `document` (one call per document and step over its own keys only: less arithmetic, which wins on a CPU,
-    where a host synchronisation costs nothing). `auto`: `document` on the CPU, `row` on any accelerator."""
+    where a host synchronisation costs nothing). `auto`: `document` on the CPU, `row` on any accelerator.
+    `window`: the sliding window (module docstring)."""
+    if window is not None and window < steps:
+        raise ValueError(f"a sliding window of {window} tokens cannot hold {steps} TTT steps' own keys")
     if mode == "auto":
         mode = "document" if document_ids.device.type == "cpu" else "row"
     if mode == "row":
-        return PackedRowKeys(document_ids, steps)
+        return PackedRowKeys(document_ids, steps, window)
     if mode == "document":
-        return PackedDocumentKeys(document_spans(document_ids))
+        return PackedDocumentKeys(document_spans(document_ids), window)
     raise ValueError(f"packed attention must be 'auto', 'row' or 'document', not {mode!r}")
 
 
 class DraftKeys:
     """What a query sees at inference: a KV cache plus the new positions, causally, or as `attention_mask`
-    (bool [q, S + q], True: may attend) says for a draft tree. After `attend`, `present` is the grown cache."""
+    (bool [q, S + q], True: may attend) says for a draft tree. After `attend`, `present` is the grown cache.
 
-    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None, attention_mask: torch.Tensor | None):
+    With a `window` N, a query at position p also sees only the cache entries c > p - N: the cache holds
+    position c at entry c (the decoders grow and crop it from position 0), and a draft tree's own entries sit
+    within its depth of the query."""
+
+    def __init__(self, past: tuple[torch.Tensor, torch.Tensor] | None, attention_mask: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, window: int | None = None):
         self.past, self.attention_mask = past, attention_mask
+        self.positions, self.window = positions, window  # positions [q]: the queries'
         self.present: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, attn: Eagle3Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -314,6 +355,11 @@ class DraftKeys:
         new, total = q.shape[2], k.shape[2]
         allowed = (torch.ones(new, total, dtype=torch.bool, device=q.device).tril(total - new)
                    if self.attention_mask is None else self.attention_mask.to(q.device))
+        if self.window is not None:
+            if self.positions is None:
+                raise ValueError("a windowed drafter's draft step needs the queries' positions")
+            entries = torch.arange(total, device=q.device)[None]
+            allowed = allowed & (self.positions.to(q.device)[:, None] - entries < self.window)
         mask = torch.zeros(new, total, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
         return attn.attend(q, k, v, mask[None, None]).reshape(1, new, -1)
 

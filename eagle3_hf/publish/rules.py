@@ -23,7 +23,7 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
   (2, N//2, N-3). The V2 runner's `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` (0.32.0) reads only the
   top-level key for EAGLE-3. `AUX_ID_READERS` below holds each version's rule; SGLang's PR 25454 adds 1 to
   `eagle_config`'s ids only when the first is 1.
-- EAGLE 3.1 options (`EAGLE31_SUPPORT` below): vLLM `llama_eagle3.py` reads `norm_before_fc`
+- EAGLE 3.1 options and the attention window (`attention_rules.py`): vLLM `llama_eagle3.py` reads `norm_before_fc`
   (`eagle_config` first), `fc_norm`, `norm_output`; SGLang's `llama_eagle3.py` (after PR 24663) reads `fc_norm`
   and `norm_output` but has no `input_norm`.
   `vllm/model_executor/models/llama_eagle3.py` renames `midlayer.` -> `layers.0.`, prefixes other names
@@ -54,6 +54,7 @@ from ..model.checkpoint import (
 )
 from ..verifier.family import aux_indices_problem, engine_config_problems
 from ..verifier.fit import drafter_misfits
+from .attention_rules import check_eagle31, check_window
 
 if TYPE_CHECKING:
     import torch
@@ -163,81 +164,8 @@ def check_config(cfg: dict, rep: Report, num_layers: int | None) -> None:
                 f"{cfg.get('hidden_size')}: engines cannot share the verifier's embedding; the drafter must "
                 "carry its own trained embed_tokens")
     check_eagle31(cfg, rep)
+    check_window(cfg, rep)
     check_aux_ids(cfg, rep, num_layers)
-
-
-# ---------------------------------------------------------------- EAGLE 3.1 options: which engine versions serve them
-
-@dataclass(frozen=True)
-class OptionSupport:
-    """Whether one engine serves one EAGLE 3.1 option: `since` names the first version that does (None: no version
-    read here does), `before` what earlier versions (or, with `since` None, all) do with it, `source` the file."""
-
-    since: str | None
-    before: str
-    source: str
-
-
-EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
-    "norm_before_fc": {
-        "vllm": OptionSupport("PR 36545 (Mar 2026; the top-level key; eagle_config's, read first, since PR 42143)",
-                              "no input_norm: input_norm.weight is refused at load",
-                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.__init__, combine_hidden_states);"
-                              " speculators layout: vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport(None, "no input_norm: load_weights skips names it has no parameter for, so "
-                                "input_norm.weight is dropped silently and fc reads un-normed features",
-                                "python/sglang/srt/models/llama_eagle3.py (as read after PR 24663)"),
-    },
-    "fc_norm": {
-        "vllm": OptionSupport("PR 42764 (May 2026)", "no fc_norm: fc_norm.* weights are refused at load",
-                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.fc_norm, combine_hidden_states); "
-                              "speculators layout: algos.py of 0.32.0"),
-        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm)", "no fc_norm: fc_norm.* weights are "
-                                "dropped silently and fc reads un-normed features",
-                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.fc_norm)"),
-    },
-    "norm_output": {
-        "vllm": OptionSupport("PR 42764 (May 2026; the speculators layout since PR 46488, which passes the key on "
-                              "in algos.py)", "the key is ignored silently: the next step reads the pre-norm "
-                              "state (the EAGLE 3.0 recurrence)",
-                              "vllm/model_executor/models/llama_eagle3.py (LlamaModel.forward: aux_output); "
-                              "vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport("PR 24663 (May 2026)", "the key is ignored silently: the next step reads the pre-norm "
-                                "state (the EAGLE 3.0 recurrence)",
-                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.forward: aux)"),
-    },
-}
-
-
-def check_eagle31(cfg: dict, rep: Report) -> None:
-    """Per EAGLE 3.1 option the config turns on: an error for an engine no version of which serves it, a warning
-    naming the versions that serve it with the wrong math, silently; and the inconsistent combinations."""
-    options = eagle31_options(cfg)
-    eagle = cfg.get("eagle_config")
-    nested: dict = eagle if isinstance(eagle, dict) else {}
-    if "norm_before_fc" in nested and bool(nested["norm_before_fc"]) != bool(cfg.get("norm_before_fc", False)):
-        rep.add("error", "norm-before-fc-keys", f"eagle_config.norm_before_fc is {nested['norm_before_fc']} but the "
-                f"top-level key is {cfg.get('norm_before_fc', False)}: vLLM since PR 42143 reads eagle_config's, "
-                "before it the top level; write the same value in both", ("vllm",))
-    elif nested.get("norm_before_fc") and not cfg.get("norm_before_fc"):
-        rep.add("warning", "norm-before-fc-keys", "norm_before_fc only in eagle_config: vLLM before PR 42143 reads "
-                "only the top-level key and serves without input_norm; write it at the top level too", ("vllm",))
-    if options["norm_before_fc"] and options["fc_norm"]:
-        rep.add("error", "norm-before-fc-and-fc-norm", "norm_before_fc and fc_norm are both true: vLLM applies both "
-                "(input_norm, then fc_norm), speculators refuses the pair; no trainer here produces it")
-    if cfg.get("use_aux_norm") and not options["fc_norm"]:
-        rep.add("error", "use-aux-norm", "use_aux_norm (SGLang's legacy name of fc_norm) without fc_norm: vLLM reads "
-                "only fc_norm and serves without the per-aux norms; write fc_norm: true", ("vllm",))
-    for option, on in options.items():
-        if not on:
-            continue
-        for engine, support in EAGLE31_SUPPORT[option].items():
-            if support.since is None:
-                rep.add("error", f"{option.replace('_', '-')}-unserved", f"{option} is true: no {engine} version "
-                        f"read here serves it ({support.before}; {support.source})", (engine,))
-            else:
-                rep.add("warning", f"{option.replace('_', '-')}-versions", f"{option} is true: {engine} serves it "
-                        f"since {support.since}; before that, {support.before} ({support.source})", (engine,))
 
 
 # ---------------------------------------------------------------- aux-layer ids: the engines' readers, per version

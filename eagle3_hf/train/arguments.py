@@ -122,6 +122,10 @@ class ModelArguments:
                                          "excludes --norm-before-fc"})
     norm_output: bool = field(
         default=False, metadata={"help": "EAGLE 3.1: the next TTT / draft step reads the post-norm state"})
+    drafter_window: int | None = field(
+        default=None, metadata={"help": "sliding-window attention: the drafter sees only the last N tokens, in "
+                                        "training and decoding (exported as vLLM reads it; eagle3-hf check says who "
+                                        "serves it). Default: full attention, or the --finetune-from source's window"})
 
 
 @dataclass

@@ -50,7 +50,7 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
         tokenizer_fingerprint=fingerprint, norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
-        norm_output=model_args.norm_output,
+        norm_output=model_args.norm_output, sliding_window=model_args.drafter_window,
     )
     config._attn_implementation = model_args.attn_implementation
     if not model_args.finetune_from:
@@ -77,6 +77,13 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
         info["warnings"].append("source drafter was built for another tokenizer (fingerprint differs)")
     for message in info["warnings"]:
         logger.warning("FINETUNE SOURCE MISMATCH: %s", message)
+    if model_args.drafter_window is not None and model_args.drafter_window != src.sliding_window:
+        logger.warning("--finetune-from %s: attention window %s -> %s (--drafter-window; the weights are unchanged)",
+                       model_args.finetune_from, src.sliding_window or "full", model_args.drafter_window)
+        source.config.sliding_window = model_args.drafter_window
+    elif src.sliding_window is not None:
+        logger.info("--finetune-from %s: keeps its %d-token attention window", model_args.finetune_from,
+                    src.sliding_window)
     source.config.aux_hidden_state_indices = list(aux_indices)
     source.config.verifier_name_or_path = model_args.verifier
     source.config.verifier_revision = model_args.verifier_revision
