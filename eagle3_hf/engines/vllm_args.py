@@ -72,6 +72,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = No
     return group
 
 
+def add_run_arguments(group: argparse._ArgumentGroup, unit: str, timeout_note: str = "") -> None:
+    """The knobs of a vLLM run this process drives (extract, regenerate): `unit`s per call, the stall limit, CPU
+    threads."""
+    group.add_argument("--vllm-batch-size", type=int, default=8, help=f"{unit} per vLLM call")
+    group.add_argument("--vllm-timeout", type=float, default=None,
+                       help="seconds vLLM may go without finishing a batch, model load included, before it is "
+                            f"stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h){timeout_note}")
+    group.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+
+
 def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The request's "engine" dict from parsed options (trust_remote_code from the command's own flag)."""
     engine = {key: getattr(args, key, default) for key, (_flag, default) in ENGINE_OPTIONS.items()}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
+from ..engines.vllm_args import add_engine_arguments, add_run_arguments, check_offline, engine_from_args
 from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
@@ -111,12 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
                              "its own venv, then the verifier's final norm and lm_head here (default: %(default)s)")
-    engine.add_argument("--vllm-batch-size", type=int, default=8, help="prompts per vLLM generate call")
-    engine.add_argument("--vllm-timeout", type=float, default=None,
-                        help="seconds vLLM may go without finishing a batch, model load included, before it is "
-                             "stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h); with --endpoint, seconds per "
-                             "request and its file (default 600)")
-    engine.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    add_run_arguments(engine, "prompts", "; with --endpoint, seconds per request and its file (default 600)")
     engine.add_argument("--endpoint", default=None, metavar="URL",
                         help="with --engine vllm: a running vLLM OpenAI server started with the extraction config "
                              "(`eagle3-hf serve-vllm`) computes the states, --vllm-batch-size requests at a time; "

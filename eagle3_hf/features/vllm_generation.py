@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..data.regenerate import ConversationTurns, ConversationWriter, completed_ids
-from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
+from ..engines.vllm_args import add_engine_arguments, add_run_arguments, check_offline, engine_from_args
 
 if TYPE_CHECKING:
     import datasets
@@ -280,11 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                        help="with --features-out: transformers (in this process) or vllm (generate, prepare, then "
                             "prefill through the same vLLM engine, as extract --engine vllm)")
-    group.add_argument("--vllm-batch-size", type=int, default=8, help="samples per vLLM prefill call")
-    group.add_argument("--vllm-timeout", type=float, default=None,
-                       help="seconds vLLM may go without progress, model load included (default "
-                            "$EAGLE3_HF_VLLM_TIMEOUT_S or 4 h)")
-    group.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+    add_run_arguments(group, "samples")
     group.add_argument("--no-progress", action="store_true")
     add_engine_arguments(parser)
 
