@@ -1,5 +1,5 @@
 """Shared fixtures: the real SmolLM2 tokenizer and a tiny verifier saved with it, its fingerprint, the synthetic
-verifier with its offline features, and the loopback Hub. Their code lives in tests/helpers/."""
+verifier with its offline features, a verifier vLLM serves, and the loopback Hub. Their code lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -38,6 +38,23 @@ def tiny_verifier_dir(tmp_path_factory, tokenizer):
 
     path = tmp_path_factory.mktemp("tiny_verifier")
     make_tiny_verifier().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def serveable_model():
+    """A tiny verifier vLLM's CPU build serves (tests/helpers/serveable.py), per module."""
+    from tests.helpers.serveable import serveable_verifier
+
+    return serveable_verifier()
+
+
+@pytest.fixture(scope="module")
+def serveable_dir(tmp_path_factory, serveable_model, tokenizer):
+    """`serveable_model` saved with the SmolLM2 tokenizer: what the vLLM-side stubs and servers load by path."""
+    path = tmp_path_factory.mktemp("serveable")
+    serveable_model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

@@ -16,22 +16,9 @@ from eagle3_hf.cli import main
 
 from tests.helpers.completions_stub import CompletionsStub
 from tests.helpers.hostile_vllm import HostileStub
-from tests.helpers.serveable import serveable_verifier, walk_prepared
+from tests.helpers.serveable import walk_prepared
 
 REFUSED = "refused (nothing read or removed)"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return serveable_verifier()
-
-
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory, model, tokenizer):
-    path = tmp_path_factory.mktemp("serveable")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture
@@ -39,8 +26,8 @@ def prepared(tmp_path, fingerprint):
     return walk_prepared(tmp_path / "prepared", fingerprint, n=4)
 
 
-def extract(url: str, verifier_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
-    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(verifier_dir), "--data",
+def extract(url: str, serveable_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
+    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(serveable_dir), "--data",
                  str(prepared), "--output", str(out), "--vllm-batch-size", "1", "--no-progress", *extra])
 
 
@@ -74,11 +61,11 @@ def expected_line(attack: str, stub: HostileStub) -> str:
 
 @pytest.mark.parametrize("attack", ["outside", "dotdot", "symlink", "lock-symlink", "late-symlink", "foreign-name",
                                     "stale-name", "relative", "oversized", "slow"])
-def test_a_hostile_answer_is_refused_in_one_line_and_nothing_outside_is_touched(tmp_path, model, verifier_dir,
-                                                                                 prepared, attack, capsys):
+def test_a_hostile_answer_is_refused_in_one_line_and_nothing_outside_is_touched(
+        tmp_path, serveable_model, serveable_dir, prepared, attack, capsys):
     storage, victim = tmp_path / "storage", tmp_path / "victim"
-    with HostileStub(model, str(verifier_dir), storage, victim, attack) as stub:
-        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
+    with HostileStub(serveable_model, str(serveable_dir), storage, victim, attack) as stub:
+        code = extract(stub.url, serveable_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
         assert code == 1
         assert errors(capsys) == [expected_line(attack, stub)]
     for path, before in stub.untouched.items():  # the bait: still there, as it was
@@ -91,22 +78,22 @@ def test_a_hostile_answer_is_refused_in_one_line_and_nothing_outside_is_touched(
     assert not list((tmp_path / "f").glob("shard-*"))
 
 
-def test_a_server_that_names_no_storage_is_kept_to_its_first_answers_directory(tmp_path, model, verifier_dir,
+def test_a_server_that_names_no_storage_is_kept_to_its_first_answers_directory(tmp_path, serveable_model, serveable_dir,
                                                                                 prepared, capsys):
     storage = tmp_path / "storage"
-    with CompletionsStub(model, str(verifier_dir), storage, name_storage=False) as stub:
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    with CompletionsStub(serveable_model, str(serveable_dir), storage, name_storage=False) as stub:
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 0
     err = capsys.readouterr().err
     assert (f"[extract] {stub.url} does not name its storage directory: reading and deleting only its files in "
             f"{os.path.realpath(storage)} (--vllm-storage sets it)") in err
     assert os.listdir(storage) == []
 
 
-def test_vllm_storage_that_contradicts_the_server_is_refused_before_any_request(tmp_path, model, verifier_dir,
-                                                                                  prepared, capsys):
+def test_vllm_storage_that_contradicts_the_server_is_refused_before_any_request(tmp_path, serveable_model,
+                                                                                  serveable_dir, prepared, capsys):
     (tmp_path / "mine").mkdir()
-    with CompletionsStub(model, str(verifier_dir), tmp_path / "storage") as stub:
-        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-storage", str(tmp_path / "mine"))
+    with CompletionsStub(serveable_model, str(serveable_dir), tmp_path / "storage") as stub:
+        code = extract(stub.url, serveable_dir, prepared, tmp_path / "f", "--vllm-storage", str(tmp_path / "mine"))
         assert code == 1 and stub.posts == 0
     assert errors(capsys) == [f"error: {stub.url} writes its states to {tmp_path / 'storage'}, not --vllm-storage "
                               f"{tmp_path / 'mine'}"]
@@ -256,7 +243,7 @@ def test_a_bad_request_is_answered_alone_and_the_rest_of_its_batch_is_served(mon
 
 
 def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatch, caplog, capsys, tmp_path,
-                                                                        verifier_dir, fingerprint):
+                                                                        serveable_dir, fingerprint):
     import json
     import urllib.error
     import urllib.request
@@ -264,7 +251,7 @@ def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatc
     from tests.helpers.feature_engine import ScriptServer, fake_engine
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
-    args = ["train", "--verifier", str(verifier_dir), "--prepared-dir", str(prepared), "--output-dir",
+    args = ["train", "--verifier", str(serveable_dir), "--prepared-dir", str(prepared), "--output-dir",
             str(tmp_path / "run"), "--max-steps", "1", "--report-to", "none", "--disable-tqdm", "true"]
     with ScriptServer(fake_engine(), api_key=KEY) as server:
         request = urllib.request.Request(server.url + "/features", data=json.dumps({"ids": [1, 2]}).encode(),
@@ -334,10 +321,10 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_client_waits_that_lon
 
 @pytest.mark.parametrize("command", ["serve-features", "serve-vllm"])
 def test_listening_beyond_loopback_without_a_key_is_refused_before_anything_loads(monkeypatch, capsys, tmp_path,
-                                                                                   verifier_dir, command):
+                                                                                   serveable_dir, command):
     monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
     monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(tmp_path / "no-venv"))  # were the guard gone: another line
-    assert main([command, "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--port", "8123"]) == 1
+    assert main([command, "--verifier", str(serveable_dir), "--host", "0.0.0.0", "--port", "8123"]) == 1
     assert errors(capsys) == [f"error: {command} --host 0.0.0.0 without an API key would serve anyone who reaches "
                               "that address: set EAGLE3_HF_API_KEY (or pass --api-key), or keep --host 127.0.0.1 "
                               "and use an SSH tunnel"]
@@ -352,24 +339,24 @@ def test_the_feature_server_script_refuses_another_host_without_a_key_itself(mon
     assert str(err.value) == "--host 0.0.0.0 without an API key: set EAGLE3_HF_API_KEY or listen on 127.0.0.1"
 
 
-def test_serve_vllm_prints_a_command_that_reads_the_key_and_never_shows_it(monkeypatch, capsys, verifier_dir):
+def test_serve_vllm_prints_a_command_that_reads_the_key_and_never_shows_it(monkeypatch, capsys, serveable_dir):
     monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
-    assert main(["serve-vllm", "--verifier", str(verifier_dir), "--host", "0.0.0.0", "--connector", "cpu",
+    assert main(["serve-vllm", "--verifier", str(serveable_dir), "--host", "0.0.0.0", "--connector", "cpu",
                  "--print-command"]) == 0
     out = capsys.readouterr()
     assert 'VLLM_API_KEY="$EAGLE3_HF_API_KEY" ' in out.out and "--api-key" not in out.out
     assert KEY not in out.out + out.err
 
 
-def test_the_vllm_client_sends_the_key_and_a_refusal_is_one_line(monkeypatch, tmp_path, model, verifier_dir,
+def test_the_vllm_client_sends_the_key_and_a_refusal_is_one_line(monkeypatch, tmp_path, serveable_model, serveable_dir,
                                                                     prepared, capsys):
-    with CompletionsStub(model, str(verifier_dir), tmp_path / "storage", api_key=KEY) as stub:
+    with CompletionsStub(serveable_model, str(serveable_dir), tmp_path / "storage", api_key=KEY) as stub:
         monkeypatch.setenv("EAGLE3_HF_API_KEY", "wrong")
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 1
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 1
         assert errors(capsys) == [f"error: {stub.url} refused the API key in EAGLE3_HF_API_KEY (401): set it to the "
                                   "key the server was started with"]
         monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 0
     assert KEY not in capsys.readouterr().err
 
 
@@ -487,21 +474,21 @@ def test_verifier_defaults_to_the_features_verifier_and_old_features_warn(hashed
             ) in caplog.messages
 
 
-def test_a_feature_server_of_a_same_shape_other_verifier_is_refused_naming_both(tmp_path, model, verifier_dir,
-                                                                               fingerprint, capsys, monkeypatch):
+def test_a_feature_server_of_a_same_shape_other_verifier_is_refused_naming_both(
+        tmp_path, serveable_model, serveable_dir, fingerprint, capsys, monkeypatch):
     from eagle3_hf.verifier.identity import teacher_hashes
 
     from tests.helpers.feature_stub import Stub, identity
 
     monkeypatch.delenv("EAGLE3_HF_API_KEY", raising=False)
-    other = same_shape_other(verifier_dir, tmp_path / "other", "config")
+    other = same_shape_other(serveable_dir, tmp_path / "other", "config")
     served = dict(identity(fingerprint), verifier=str(other), verifier_identity=teacher_hashes(str(other)))
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
-    recorded, found = served["verifier_identity"]["config_sha256"], teacher_hashes(str(verifier_dir))["config_sha256"]
-    with Stub(model, served) as stub:
-        code = main(train_args(stub.url, tmp_path / "run", "--verifier", str(verifier_dir), "--prepared-dir",
+    recorded, found = served["verifier_identity"]["config_sha256"], teacher_hashes(str(serveable_dir))["config_sha256"]
+    with Stub(serveable_model, served) as stub:
+        code = main(train_args(stub.url, tmp_path / "run", "--verifier", str(serveable_dir), "--prepared-dir",
                                str(prepared)))
         assert code == 1 and stub.posts == 0
-    assert errors(capsys) == [f"error: {stub.url}: features of the verifier {other}, not of --verifier {verifier_dir} "
+    assert errors(capsys) == [f"error: {stub.url}: features of the verifier {other}, not of --verifier {serveable_dir} "
                               f"(config_sha256 {recorded[:12]} != {found[:12]}): train with the verifier the features "
                               "were extracted from"]

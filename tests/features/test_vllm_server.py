@@ -26,24 +26,11 @@ from eagle3_hf.features.reader import FeatureDataset
 
 from tests.helpers.completions_stub import CompletionsStub
 from tests.helpers.feature_stub import offline_features
-from tests.helpers.serveable import BF16_STEP, serveable_verifier, walk_prepared
+from tests.helpers.serveable import BF16_STEP, walk_prepared
 from tests.helpers.vllm import vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return serveable_verifier()
-
-
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory, model, tokenizer):
-    path = tmp_path_factory.mktemp("serveable")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture
@@ -51,8 +38,8 @@ def prepared(tmp_path, fingerprint):
     return walk_prepared(tmp_path / "prepared", fingerprint, n=10)
 
 
-def extract(url: str, verifier_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
-    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(verifier_dir), "--data",
+def extract(url: str, serveable_dir: Path, prepared: Path, out: Path, *extra: str) -> int:
+    return main(["extract", "--engine", "vllm", "--endpoint", url, "--verifier", str(serveable_dir), "--data",
                  str(prepared), "--output", str(out), "--samples-per-shard", "4", "--vllm-batch-size", "3",
                  "--no-progress", *extra])
 
@@ -61,21 +48,21 @@ def shards(out: Path) -> list[Path]:
     return sorted(out.glob("shard-*")) if out.exists() else []
 
 
-def test_endpoint_features_equal_the_offline_route_and_the_storage_is_left_empty(tmp_path, model, verifier_dir,
-                                                                                  prepared, fingerprint, capsys):
+def test_endpoint_features_equal_the_offline_route_and_the_storage_is_left_empty(
+        tmp_path, serveable_model, serveable_dir, prepared, fingerprint, capsys):
     storage = tmp_path / "storage"
-    with CompletionsStub(model, str(verifier_dir), storage) as stub:
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    with CompletionsStub(serveable_model, str(serveable_dir), storage) as stub:
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         posts = stub.posts
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0  # a rerun: everything is done
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 0  # a rerun: everything is done
         again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert stub.posts == posts == 10 and again["written_samples"] == 0 and again["resumed_past"] == 10
     assert summary["written_samples"] == 10 and summary["next_token_agreement"] == 1.0
     assert summary["vllm_version"] == "0.32.0" and summary["peak_temporary_bytes"] > 0
     assert sorted(os.listdir(storage)) == []  # every file and every lock taken and deleted
 
-    reference = offline_features(model, prepared, tmp_path / "offline", fingerprint, "bfloat16")
+    reference = offline_features(serveable_model, prepared, tmp_path / "offline", fingerprint, "bfloat16")
     report = diff_features(reference, tmp_path / "f")
     assert report["samples_compared"] == 10 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
     for name, stats in report["layers"].items():
@@ -90,11 +77,11 @@ def test_endpoint_features_equal_the_offline_route_and_the_storage_is_left_empty
     ("fail:1", "answered 500: engine dead"),
     ("full", "without writing /"),
 ])
-def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, model, verifier_dir, prepared,
+def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, serveable_model, serveable_dir, prepared,
                                                                     behaviour, message, capsys):
     storage = tmp_path / "storage"
-    with CompletionsStub(model, str(verifier_dir), storage, behaviour=behaviour) as stub:
-        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f")
+    with CompletionsStub(serveable_model, str(serveable_dir), storage, behaviour=behaviour) as stub:
+        code = extract(stub.url, serveable_dir, prepared, tmp_path / "f")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert shards(tmp_path / "f") == []
@@ -106,60 +93,60 @@ def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, mo
     ({"layer_ids": [2, 3, 4, 6]}, "captures vLLM layer ids [2, 3, 4, 6]; this extraction needs [2, 4, 5, 6]"),
     ({"max_model_len": 20}, "takes at most 20 tokens (its --max-model-len); the longest sample has"),
 ])
-def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_path, model, verifier_dir, prepared,
-                                                                           stub_kwargs, message, capsys):
-    kwargs = {"root": str(verifier_dir), **stub_kwargs}
-    with CompletionsStub(model, kwargs.pop("root"), tmp_path / "storage", **kwargs) as stub:
-        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f")
+def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_path, serveable_model, serveable_dir,
+                                                                           prepared, stub_kwargs, message, capsys):
+    kwargs = {"root": str(serveable_dir), **stub_kwargs}
+    with CompletionsStub(serveable_model, kwargs.pop("root"), tmp_path / "storage", **kwargs) as stub:
+        code = extract(stub.url, serveable_dir, prepared, tmp_path / "f")
         assert stub.posts == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "f").exists()
 
 
-def test_a_writer_that_never_finishes_times_out(tmp_path, model, verifier_dir, prepared, capsys):
+def test_a_writer_that_never_finishes_times_out(tmp_path, serveable_model, serveable_dir, prepared, capsys):
     storage = tmp_path / "storage"
-    with CompletionsStub(model, str(verifier_dir), storage, behaviour="never") as stub:
-        code = extract(stub.url, verifier_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
+    with CompletionsStub(serveable_model, str(serveable_dir), storage, behaviour="never") as stub:
+        code = extract(stub.url, serveable_dir, prepared, tmp_path / "f", "--vllm-timeout", "1")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "did not finish writing" in err[0] and "within 1 s" in err[0], err
     assert os.listdir(storage) == [] and shards(tmp_path / "f") == []
 
 
-def test_a_server_that_dies_mid_run_loses_nothing_the_rerun_completes(tmp_path, model, verifier_dir, prepared,
-                                                                        fingerprint, capsys):
+def test_a_server_that_dies_mid_run_loses_nothing_the_rerun_completes(tmp_path, serveable_model, serveable_dir,
+                                                                        prepared, fingerprint, capsys):
     storage = tmp_path / "storage"
-    with CompletionsStub(model, str(verifier_dir), storage, behaviour="fail:7") as stub:
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 1
+    with CompletionsStub(serveable_model, str(serveable_dir), storage, behaviour="fail:7") as stub:
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 1
     assert "answered 500" in capsys.readouterr().err
     partial = FeatureDataset(tmp_path / "f", split="all", allow_partial=True)
     assert 0 < len(partial) < 10
-    with CompletionsStub(model, str(verifier_dir), storage) as stub:
-        assert extract(stub.url, verifier_dir, prepared, tmp_path / "f") == 0
+    with CompletionsStub(serveable_model, str(serveable_dir), storage) as stub:
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f") == 0
         assert stub.posts == 10 - len(partial)  # only what was missing
     assert os.listdir(storage) == []
-    report = diff_features(offline_features(model, prepared, tmp_path / "offline", fingerprint, "bfloat16"),
+    report = diff_features(offline_features(serveable_model, prepared, tmp_path / "offline", fingerprint, "bfloat16"),
                            tmp_path / "f")
     assert report["samples_compared"] == 10 and report["only_in_b"] == 0
     assert all(stats["rel_err_max"] == 0.0 for stats in report["layers"].values())
 
 
-def test_no_server_and_endpoint_without_vllm_engine_are_one_line(tmp_path, verifier_dir, prepared, capsys):
+def test_no_server_and_endpoint_without_vllm_engine_are_one_line(tmp_path, serveable_dir, prepared, capsys):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert extract(f"http://127.0.0.1:{port}", verifier_dir, prepared, tmp_path / "f") == 1
+    assert extract(f"http://127.0.0.1:{port}", serveable_dir, prepared, tmp_path / "f") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no server answers at http://127.0.0.1:{port}" in err[0], err
     assert "eagle3-hf serve-vllm" in err[0] and not (tmp_path / "f").exists()
-    assert main(["extract", "--endpoint", "http://127.0.0.1:1", "--verifier", str(verifier_dir), "--data",
+    assert main(["extract", "--endpoint", "http://127.0.0.1:1", "--verifier", str(serveable_dir), "--data",
                  str(prepared), "--output", str(tmp_path / "g")]) == 1
     assert capsys.readouterr().err.strip() == ("error: --endpoint URL needs --engine vllm (a vLLM OpenAI server "
                                                "started by `eagle3-hf serve-vllm`)")
 
 
-def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsys):
-    assert main(["serve-vllm", "--verifier", str(verifier_dir), "--port", "8123", "--storage", "/data/hs",
+def test_the_printed_server_command_is_the_extraction_config(serveable_dir, capsys):
+    assert main(["serve-vllm", "--verifier", str(serveable_dir), "--port", "8123", "--storage", "/data/hs",
                  "--connector", "cpu", "--print-command"]) == 0
     line = capsys.readouterr().out.strip()
     env, python, *argv = shlex.split(line)
@@ -174,35 +161,35 @@ def test_the_printed_server_command_is_the_extraction_config(verifier_dir, capsy
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/data/hs", "use_synchronization_lock": True}
     assert "--no-enable-prefix-caching" in argv and args["--port"] == "8123" and args["--dtype"] == "float32"
     names = argv[argv.index("--served-model-name") + 1:]
-    assert names == [str(verifier_dir), "eagle3-hf-layers-2-4-5-6", "eagle3-hf-storage-/data/hs"]
+    assert names == [str(serveable_dir), "eagle3-hf-layers-2-4-5-6", "eagle3-hf-storage-/data/hs"]
 
 
 # ---------------------------------------------------------------- slow: vLLM's own API server on its CPU build
 
 
 @pytest.mark.slow
-def test_vllm_openai_server_features_equal_extracts(tmp_path, model, verifier_dir, fingerprint):
+def test_vllm_openai_server_features_equal_extracts(tmp_path, serveable_model, serveable_dir, fingerprint):
     vllm_or_fail()
     from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
     from eagle3_hf.features.extract import extract_features
     from eagle3_hf.features.write import StoreOptions
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)
-    extract_features(model, fingerprint, prepared, tmp_path / "f_transformers", store=StoreOptions(4),
-                     verifier_name=str(verifier_dir), progress=False)
+    extract_features(serveable_model, fingerprint, prepared, tmp_path / "f_transformers", store=StoreOptions(4),
+                     verifier_name=str(serveable_dir), progress=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     key = "slow-test-key"  # vLLM's own --api-key (as VLLM_API_KEY): the client sends it from EAGLE3_HF_API_KEY
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", EAGLE3_HF_API_KEY=key)
-    with VllmOpenAIServer(str(verifier_dir), [2, 4, 5, 6], port=port, dtype="float32", max_model_len=512,
+    with VllmOpenAIServer(str(serveable_dir), [2, 4, 5, 6], port=port, dtype="float32", max_model_len=512,
                           timeout=600, api_key=key) as server:
         storage = server.storage
         with pytest.raises(urllib.error.HTTPError) as refused:  # no key: vLLM answers 401
             urllib.request.urlopen(server.url + "/v1/models", timeout=30)
         assert refused.value.code == 401
         result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--endpoint", server.url, "--verifier",
-                                 str(verifier_dir), "--data", str(prepared), "--output", str(tmp_path / "f_vllm"),
+                                 str(serveable_dir), "--data", str(prepared), "--output", str(tmp_path / "f_vllm"),
                                  "--samples-per-shard", "4", "--vllm-batch-size", "4", "--no-progress"],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
