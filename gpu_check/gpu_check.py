@@ -295,7 +295,8 @@ def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> 
     from eagle3_hf.features.extract import verifier_info
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
-    from eagle3_hf.features.store import ShardWriter, make_header, merge_manifests
+    from eagle3_hf.features.records import make_header
+    from eagle3_hf.features.store import ShardWriter, merge_manifests
     from eagle3_hf.verifier.capture import capture_features
 
     verifier = learnable_verifier(device)

@@ -25,8 +25,8 @@ from ..engines.vllm_args import add_engine_arguments, add_run_arguments, check_o
 from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .store import canonical_dtype
 from .write import MERGE_TIMEOUT_S, StoreOptions, write_features
 
 if TYPE_CHECKING:

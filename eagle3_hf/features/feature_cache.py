@@ -1,7 +1,7 @@
 """`--cache-features DIR` with `--features`: what the feature server sent is kept, in extract's format.
 
 The first time a sample is needed its states come from the server; the collator rounds them to the storage
-dtype (store.quantize) and this cache commits them through the same ShardWriter `extract` uses, so DIR is
+dtype (quantize.quantize) and this cache commits them through the same ShardWriter `extract` uses, so DIR is
 an ordinary feature directory (checksummed safetensors shards, per-writer journals; FeatureDataset reads
 it; `manifest.json` is merged at the end of training and removed by the next write, so it is never stale).
 A sample in DIR is read back instead of fetched: the stored bits are the ones the online batch is rounded
@@ -28,20 +28,9 @@ import torch
 
 from ..constants import MANIFEST
 from ..errors import Eagle3Error
-from .store import (
-    HEADER_KEYS,
-    FeatureHeader,
-    Manifest,
-    SampleRecord,
-    ShardWriter,
-    carried,
-    header_differs,
-    journal_entries,
-    journals,
-    merge_manifests,
-    read_journal,
-    sample_sha256,
-)
+from .quantize import carried
+from .records import HEADER_KEYS, FeatureHeader, Manifest, SampleRecord
+from .store import ShardWriter, header_differs, journal_entries, journals, merge_manifests, read_journal, sample_sha256
 
 MAX_WRITERS = 1000  # journal prefixes are three digits
 

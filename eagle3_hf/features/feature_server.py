@@ -13,7 +13,7 @@ afterwards (later epochs, reruns, a resumed run).
 "Exactly": the mapping is extract --engine vllm's own (vllm_offline.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
 soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
-(store.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
+(quantize.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
 the same rounding as the offline shards, the batch is bit-equal to the offline one when vLLM returns the same
 states for the same sample.
 
@@ -43,7 +43,8 @@ import torch
 from ..errors import Eagle3Error
 from .api_key import api_key, auth_headers, refused_line
 from .packing import PackedCollator
-from .store import as_stored, canonical_dtype
+from .quantize import as_stored
+from .records import canonical_dtype
 from .vllm_offline import check_states, features_from_states
 
 if TYPE_CHECKING:

@@ -36,8 +36,9 @@ from ..errors import UsageError
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
+from .records import canonical_dtype, make_header
 from .source import VerifierIdentity
-from .store import ShardWriter, canonical_dtype, make_header, merge_manifests
+from .store import ShardWriter, merge_manifests
 
 if TYPE_CHECKING:
     import datasets

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .store import SAMPLE_KEYS, ShardRecord, dequantize, load_manifest
+from .quantize import dequantize
+from .records import SAMPLE_KEYS, ShardRecord
+from .store import load_manifest
 from .verify import verify_shards
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .store import FeatureHeader, make_header
+from .records import FeatureHeader, make_header
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,12 @@ class SourceIdentity:
     verifier: VerifierIdentity
     tokenizer_fingerprint: str
     aux_layer_indices: tuple[int, ...]
-    dtype: str  # storage dtype, canonical (`store.canonical_dtype`)
+    dtype: str  # storage dtype, canonical (`records.canonical_dtype`)
     source: str = "transformers"  # the capture path: "transformers", "vllm", "vllm/speculators", ...
     provenance: Mapping[str, Any] | None = field(default=None, compare=False)  # how the route mapped the states
 
     def header(self) -> FeatureHeader:
-        """The shard header / manifest head (`store.HEADER_KEYS`, then the provenance)."""
+        """The shard header / manifest head (`records.HEADER_KEYS`, then the provenance)."""
         extra = {} if self.provenance is None else {"provenance": dict(self.provenance)}
         return make_header(self.verifier.as_dict(), self.tokenizer_fingerprint, self.aux_layer_indices, self.dtype,
                            source=self.source, **extra)

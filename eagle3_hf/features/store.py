@@ -23,97 +23,32 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
-import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
 from ..constants import MANIFEST
 from ..errors import Eagle3Error
+from .quantize import quantize
+from .records import (
+    FORMAT,
+    HEADER_KEYS,
+    SAMPLE_KEYS,
+    VERIFIER_HASH_KEYS,
+    VERSION,
+    FeatureHeader,
+    JournalRecord,
+    Manifest,
+    SampleRecord,
+    ShardRecord,
+    canonical_dtype,
+)
 
-FORMAT, VERSION = "eagle3_hf.features", 1
-DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
-                  "fp32": "float32", "f32": "float32"}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# Header fields that must match to append to a directory (the verifier dict is compared whole).
-# "source" names the capture path (transformers here, or an engine's tool via imports.py): features from
-# different paths differ numerically and must not be mixed silently either.
-HEADER_KEYS = ("format", "version", "source", "verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype")
-# Per-sample tensors in checksum order; scales only exist for fp8.
-SAMPLE_KEYS = ("input_ids", "loss_mask", "verifier_greedy", "aux_hidden_states", "aux_hidden_states_scale",
-               "last_hidden_state", "last_hidden_state_scale")
-VERIFIER_HASH_KEYS = ("config_sha256", "head_sha256")  # verifier/identity.py: in the verifier record when known
 _SHARD_RE = re.compile(r"^shard-r(\d{3})-(\d{5})\.safetensors$")
-
-
-class _HeaderFields(TypedDict):
-    format: str
-    version: int
-    source: str
-    verifier: dict[str, Any]  # source.VerifierIdentity.as_dict()
-    tokenizer_fingerprint: str
-    aux_layer_indices: list[int]
-    dtype: str
-
-
-class FeatureHeader(_HeaderFields, total=False):
-    """A journal's header line and the head of manifest.json (HEADER_KEYS, then how the route mapped the states)."""
-
-    provenance: dict[str, Any]
-
-
-class ShardRecord(TypedDict):
-    """One shard in a journal line and in manifest.json's "shards"."""
-
-    file: str
-    sha256: str
-    bytes: int
-    num_samples: int
-    num_tokens: int
-
-
-class SampleRecord(TypedDict):
-    """One sample in a journal line and in manifest.json's "samples": where its tokens lie in its shard."""
-
-    id: str
-    shard: str
-    offset: int
-    length: int
-    sha256: str
-
-
-class JournalRecord(TypedDict):
-    """A journal line after the header: a shard (None when the line only records skipped samples) and its samples."""
-
-    shard: ShardRecord | None
-    samples: list[SampleRecord]
-    skipped: dict[str, list[str]]  # reason -> sample ids
-
-
-class _ManifestFields(FeatureHeader):
-    shards: list[ShardRecord]
-    samples: list[SampleRecord]
-    skipped: dict[str, int]  # reason -> count
-    skipped_ids: dict[str, list[str]]  # reason -> sample ids
-
-
-class Manifest(_ManifestFields, total=False):
-    """manifest.json: the header, then every rank's journal merged."""
-
-    missing_samples: int  # samples no rank has written or skipped (a merge that stopped waiting)
-    unfinished: bool  # in memory only: merged from the journals, no manifest.json
-
-
-def canonical_dtype(name: str) -> str:
-    name = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
-    if name not in DTYPES:
-        raise ValueError(f"unknown feature dtype {name!r}: choose bf16, fp8 (float8_e4m3fn) or float32")
-    return name
 
 
 def shard_name(rank: int, idx: int) -> str:
@@ -122,65 +57,6 @@ def shard_name(rank: int, idx: int) -> str:
 
 def journal_name(rank: int) -> str:
     return f"manifest.r{rank:03d}.jsonl"
-
-
-def make_header(verifier: Mapping[str, Any], tokenizer_fingerprint: str, aux_layer_indices: Sequence[int],
-                dtype: str, source: str = "transformers", **extra: Any) -> FeatureHeader:
-    header: dict[str, Any] = {"format": FORMAT, "version": VERSION, "source": source, "verifier": dict(verifier),
-              "tokenizer_fingerprint": tokenizer_fingerprint,
-              "aux_layer_indices": [int(i) for i in aux_layer_indices], "dtype": canonical_dtype(dtype)}
-    header.update(extra)
-    return cast(FeatureHeader, header)  # the fields above, then `extra` (provenance)
-
-
-# ---------------------------------------------------------------- quantisation
-
-def quantize(x: torch.Tensor, rows: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[N, rows*H] float -> stored tensor, plus f32 scales [N, rows] for fp8 (amax of each H-row / 448)."""
-    dtype = canonical_dtype(dtype)
-    if dtype != "float8_e4m3fn":
-        return x.to(DTYPES[dtype]).contiguous(), None
-    n = x.shape[0]
-    xr = x.float().reshape(n, rows, -1)  # [N, rows, H]
-    scale = xr.abs().amax(dim=-1) / FP8_MAX  # [N, rows]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (xr / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(n, -1).contiguous(), scale.contiguous()
-
-
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # code -> value
-
-
-def as_stored(x: torch.Tensor, rows: int, dtype: str | None) -> torch.Tensor:
-    """`x` [N, rows*H] rounded exactly as a shard of `dtype` stores it, in the dtype a batch carries it
-    (packing.PackedCollator): bf16 stays bf16, fp8 is decoded to float32 with its scales; None: float32, unrounded.
-    What the online collators apply, so their batches equal the ones read back from shards, bit for bit."""
-    if dtype is None:
-        return x.float()
-    return carried(*quantize(x, rows, dtype))
-
-
-def carried(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """A stored tensor in the dtype a batch carries it: half precision as stored, fp8 decoded with its scales."""
-    return q if scale is None and q.dtype in (torch.bfloat16, torch.float16) else dequantize(q, scale)
-
-
-def fp8_to_float32(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """float8_e4m3fn -> float32 through a 256-entry table (about 4x torch's CPU cast); `out` must be contiguous."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.float32)
-    np.take(_FP8_TABLE, q.contiguous().view(torch.uint8).numpy(), out=out.numpy())
-    return out
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stored tensor [N, rows*H] (+ scales [N, rows]) -> float32 [N, rows*H] (written into `out` if given)."""
-    if scale is None:
-        return q.float() if out is None else out.copy_(q)
-    out = fp8_to_float32(q, out)
-    n, rows = scale.shape
-    out.view(n, rows, -1).mul_(scale.float()[..., None])
-    return out
 
 
 # ---------------------------------------------------------------- durable writes

@@ -47,15 +47,8 @@ from ..data.regenerate import ConversationTurns, TransformersBackend, completed_
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
-from .store import (
-    FeatureHeader,
-    SampleRecord,
-    ShardWriter,
-    canonical_dtype,
-    load_manifest,
-    make_header,
-    merge_manifests,
-)
+from .records import FeatureHeader, SampleRecord, canonical_dtype, make_header
+from .store import ShardWriter, load_manifest, merge_manifests
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess

@@ -20,8 +20,9 @@ from torch.utils.data import Dataset
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .packing import PackedCollator
+from .quantize import as_stored
 from .reader import select_split
-from .store import as_stored, canonical_dtype
+from .records import canonical_dtype
 
 if TYPE_CHECKING:
     import datasets

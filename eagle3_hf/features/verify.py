@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .store import ShardRecord, atomic_write_bytes, sha256_file
+from .records import ShardRecord
+from .store import atomic_write_bytes, sha256_file
 
 STAMP = "verified.json"
 MODES = ("once", "always", "never")

@@ -30,8 +30,8 @@ from torch import nn
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
+from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .store import canonical_dtype
 from .write import StoreOptions, write_features
 
 if TYPE_CHECKING:

@@ -256,7 +256,7 @@ def verifier_params(cfg: dict[str, Any]) -> dict[str, float]:
 
 def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
     """Bytes the shard writer stores per token: input_ids and verifier_greedy int32, loss_mask uint8, three
-    aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (features/store.py)."""
+    aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (features/quantize.py)."""
     ids = 4 + 4 + 1
     if dtype == "bf16":
         return ids + 4 * target_hidden * 2

@@ -248,8 +248,8 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
     from ..features.feature_cache import FeatureCache
     from ..features.feature_server import EndpointFeatureCollator, FeatureClient
     from ..features.packing import PackedDataset
+    from ..features.records import canonical_dtype, make_header
     from ..features.source import VerifierIdentity
-    from ..features.store import canonical_dtype, make_header
     from ..features.transformers_online import PreparedDataset
     from ..verifier.head import load_verifier_head
     from ..verifier.loading import resolve_verifier

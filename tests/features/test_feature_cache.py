@@ -18,7 +18,8 @@ from eagle3_hf.features.feature_cache import FeatureCache
 from eagle3_hf.features.feature_server import EndpointFeatureCollator, FeatureClient
 from eagle3_hf.features.packing import PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.store import make_header, merge_manifests
+from eagle3_hf.features.records import make_header
+from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.features.transformers_online import PreparedDataset
 from eagle3_hf.verifier.capture import final_norm
 

@@ -7,17 +7,10 @@ import json
 import pytest
 import torch
 
+from eagle3_hf.features.quantize import dequantize, quantize
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.store import (
-    ShardWriter,
-    canonical_dtype,
-    check_header,
-    dequantize,
-    make_header,
-    merge_manifests,
-    quantize,
-    read_journal,
-)
+from eagle3_hf.features.records import canonical_dtype, make_header
+from eagle3_hf.features.store import ShardWriter, check_header, merge_manifests, read_journal
 
 H = 48
 
@@ -110,7 +103,7 @@ def test_header_mismatch_names_field(tmp_path):
 
 def test_fp8_table_decode_and_collate(tmp_path):
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
-    from eagle3_hf.features.store import fp8_to_float32
+    from eagle3_hf.features.quantize import fp8_to_float32
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ref, got = codes.float(), fp8_to_float32(codes)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from eagle3_hf.features.store import ShardWriter, make_header, merge_manifests
+from eagle3_hf.features.records import make_header
+from eagle3_hf.features.store import ShardWriter, merge_manifests
 from eagle3_hf.features.transformers_online import PreparedDataset
 from eagle3_hf.features.vllm_offline import features_from_states, vllm_layer_ids
 from eagle3_hf.verifier.capture import final_norm
