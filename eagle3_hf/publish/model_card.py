@@ -228,6 +228,20 @@ def sweep_section(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layer_facts(config: dict[str, Any]) -> list[str]:
+    """What the layer computes beyond EAGLE 3.0, and which engine serves it (publish/attention_rules.py)."""
+    options = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if config.get(k)]
+    facts = []
+    if options:
+        sglang = "SGLang cannot (no input_norm)" if "norm_before_fc" in options else "SGLang since its PR 24663"
+        facts.append(f"- EAGLE 3.1: {', '.join(f'`{o}`' for o in options)}; vLLM serves it, {sglang} "
+                     "(`eagle3-hf check` names the versions)")
+    if config.get("sliding_window") and "sliding_attention" in (config.get("layer_types") or []):
+        facts.append(f"- sliding-window attention over the last {config['sliding_window']} tokens, trained and "
+                     "served alike by vLLM; SGLang would attend to the whole context")
+    return facts
+
+
 def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = None) -> ModelCard:
     """The card for the checkpoint in `checkpoint_dir`, to be published as `repo_id`."""
     root = Path(checkpoint_dir)
@@ -259,6 +273,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         f"{nested if nested else NOT_RECORDED} for SGLang, which adds 1)",
         "- standard EAGLE-3 layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`); the engines use the "
         "verifier's embedding",
+        *_layer_facts(config),
     ]
     body = "\n\n".join([
         CARD_MARKER,

@@ -58,3 +58,16 @@ def test_serve_flags_are_the_sweeps_recommendation(tmp_path):
 def test_without_a_sweep_the_card_says_the_flags_are_the_default_chain(tmp_path):
     text = str(build_model_card(drafter_dir(tmp_path, EVALUATION), "org/drafter"))
     assert DEFAULT_SGLANG_FLAGS in text and "no sweep recorded" in text
+
+
+def test_the_card_says_which_engines_serve_an_eagle31_or_windowed_layer(tmp_path):
+    plain = build_model_card(drafter_dir(tmp_path / "plain")).text
+    assert "EAGLE 3.1" not in plain and "sliding-window" not in plain
+    CONFIG.update(norm_before_fc=True, norm_output=True, sliding_window=256, layer_types=["sliding_attention"])
+    try:
+        text = build_model_card(drafter_dir(tmp_path / "31")).text
+    finally:
+        for key in ("norm_before_fc", "norm_output", "sliding_window", "layer_types"):
+            CONFIG.pop(key)
+    assert "EAGLE 3.1: `norm_before_fc`, `norm_output`; vLLM serves it, SGLang cannot" in text
+    assert "sliding-window attention over the last 256 tokens" in text
