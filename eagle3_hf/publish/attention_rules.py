@@ -91,14 +91,15 @@ def check_eagle31(cfg: dict, rep: Report) -> None:
 # ---------------------------------------------------------------- the sliding attention window
 
 WINDOW_SUPPORT: dict[str, OptionSupport] = {
-    "vllm": OptionSupport("the versions whose llama_eagle3.py sets target_layer_count (read at commit 00bd1493)",
+    "vllm": OptionSupport("0.32.0 (its installed source) and the versions whose llama_eagle3.py sets "
+                          "target_layer_count (read at commit 00bd1493)",
                           "not read here",
                           "vllm/model_executor/models/llama.py (LlamaAttention: layer_types[i] == 'sliding_attention' "
                           "-> per_layer_sliding_window = sliding_window); llama_eagle3.py (target_layer_count); "
                           "speculators layout: configs/speculators/base.py passes transformer_layer_config on whole"),
     "sglang": OptionSupport(None, "the drafter's RadixAttention is built without sliding_window_size, so it attends "
-                            "to the whole context, which a windowed drafter was not trained on (PR 24664, Jul 2026, "
-                            "adds a window for EAGLE-3 drafters; its reader was not read here)",
+                            "to the whole context; PR 24664, Jul 2026, adds a window for EAGLE-3 drafters, its "
+                            "reader not read here",
                             "python/sglang/srt/models/llama_eagle3.py -> llama.py (LlamaAttention)"),
 }
 
