@@ -86,30 +86,52 @@ def simulated_tau(drafter: Path) -> float:
 
 
 def table(out: Path, seeds: list[int]) -> str:
+    """Per drafter, then per flavour (mean and spread over seeds) and the difference; a run not finished is "—"."""
     rows, taus = [], {}
     for flavour in FLAVOURS:
         for seed in seeds:
             name = f"eagle{flavour}-seed{seed}"
             runs = out / "decode" / name
-            decoded = {r["rule"]: json.loads((runs / f"S3-K{r['topk']}-N4-{r['rule']}.json").read_text())
-                       for r in DECODES}
+            decoded = {r["rule"]: json.loads(path.read_text()) for r in DECODES
+                       if (path := runs / f"S3-K{r['topk']}-N4-{r['rule']}.json").is_file()}
             sim = simulated_tau(out / name)
-            chain, tree = decoded["chain"]["tau"], decoded["sglang"]["tau"]
+            chain, tree = (decoded[rule]["tau"] if rule in decoded else None for rule in ("chain", "sglang"))
             taus[(flavour, seed)] = (sim, chain, tree)
-            rows.append(f"| {flavour} | {seed} | {sim:.3f} | {chain:.3f} | {tree:.3f} | "
-                        f"{decoded['chain']['tokens_sha256']} |")
+            hashes = sorted({d["tokens_sha256"] for d in decoded.values()})
+            rows.append(f"| {flavour} | {seed} | {sim:.3f} | {_num(chain)} | {_num(tree)} | {', '.join(hashes)} |")
     lines = ["| flavour | seed | simulated τ (validation) | τ chain k=3 (80 questions) "
-             "| τ tree S3 K4 N4 (80 questions) | answers' hash (chain) |", "|---|---|---|---|---|---|", *rows, ""]
+             "| τ tree S3 K4 N4 (80 questions) | answers' hash (chain, tree) |", "|---|---|---|---|---|---|", *rows, ""]
     lines += ["| | simulated τ | τ chain | τ tree |", "|---|---|---|---|"]
     for flavour in FLAVOURS:
-        means = [sum(taus[(flavour, s)][i] for s in seeds) / len(seeds) for i in range(3)]
-        spreads = [max(taus[(flavour, s)][i] for s in seeds) - min(taus[(flavour, s)][i] for s in seeds)
-                   for i in range(3)]
-        lines.append(f"| {flavour}: mean of {len(seeds)} seeds (spread) | "
-                     + " | ".join(f"{m:.3f} ({s:.3f})" for m, s in zip(means, spreads)) + " |")
-    diffs = [sum(taus[("3.1", s)][i] - taus[("3.0", s)][i] for s in seeds) / len(seeds) for i in range(3)]
-    lines.append("| 3.1 − 3.0, mean over seeds | " + " | ".join(f"{d:+.3f}" for d in diffs) + " |")
+        cells = []
+        for i in range(3):
+            values = [v for s in seeds if (v := taus[(flavour, s)][i]) is not None]
+            spread = (f"spread {max(values) - min(values):.3f}, {len(values)} seeds" if len(values) > 1
+                      else "1 seed")
+            cells.append(f"{sum(values) / len(values):.3f} ({spread})" if values else "—")
+        lines.append(f"| {flavour}: mean over seeds | " + " | ".join(cells) + " |")
+    cells = []
+    for i in range(3):
+        pairs = [(b, a) for s in seeds
+                 if (a := taus[("3.0", s)][i]) is not None and (b := taus[("3.1", s)][i]) is not None]
+        seeds_used = f"{len(pairs)} seeds" if len(pairs) > 1 else "seed 0"
+        cells.append(f"{sum(b - a for b, a in pairs) / len(pairs):+.3f} ({seeds_used})" if pairs else "—")
+    lines.append("| 3.1 − 3.0, same seed, mean | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def write_between_markers(page: Path, name: str, text: str) -> None:
+    """Replace what lies between `<!-- NAME: begin -->` and `<!-- NAME: end -->` in `page` with `text`."""
+    body = page.read_text(encoding="utf-8")
+    begin, end = f"<!-- {name}: begin -->\n", f"<!-- {name}: end -->"
+    if begin not in body or end not in body:
+        raise SystemExit(f"{page}: no {begin.strip()} ... {end} markers")
+    head, _, rest = body.partition(begin)
+    page.write_text(head + begin + text + end + rest.partition(end)[2], encoding="utf-8")
 
 
 def main() -> None:
@@ -132,10 +154,7 @@ def main() -> None:
     if args.table:
         text = table(args.out, args.seeds)
         print(text)
-        page = args.table.read_text(encoding="utf-8")
-        begin, end = "<!-- eagle31-table: begin -->\n", "<!-- eagle31-table: end -->"
-        head, _, rest = page.partition(begin)
-        args.table.write_text(head + begin + text + end + rest.partition(end)[2], encoding="utf-8")
+        write_between_markers(args.table, "eagle31-table", text)
         return
     data = build_data(args.out, args.prompts)
     drafters = [train(args.out, data, flavour, seed) for seed in args.seeds for flavour in FLAVOURS]

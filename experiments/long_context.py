@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.eagle31 import write_between_markers
+
 VERIFIER = "smollm2-135m-instruct"
 QUESTIONS = ["Summarize the conversations above in a few sentences.",
              "Which topics came up in the conversations above? List them.",
@@ -91,7 +93,7 @@ def table(drafters: list[Path], out: Path, window: int) -> str:
              + " | window − full | answers identical |", "|---|---|---|---|---|---|---|"]
     for d in drafters:
         runs = out / d.name
-        for name, label in (("mt-bench", "MT-bench, all 80"), ("long", "long transcripts")):
+        for name, label in (("mt-bench", "MT-bench"), ("long", "long transcripts")):
             full = json.loads((runs / ("S3-K1-N4-chain.json" if name == "mt-bench" else "long-chain-wfull.json"))
                               .read_text())
             win = json.loads((runs / f"{name}-chain-w{window}.json").read_text())
@@ -109,7 +111,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256, help="the training rows' length (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--min-tokens", type=int, default=2048)
-    parser.add_argument("--table", action="store_true", help="print the table of finished runs")
+    parser.add_argument("--table", nargs="?", const="-", default=None, metavar="PAGE",
+                        help="print the table of finished runs, and write it between the markers of PAGE")
     parser.add_argument("--windowed-copy", type=Path, nargs=2, default=None, metavar=("DRAFTER", "OUT"),
                         help="save DRAFTER with --window in its config (for `evaluate --engine vllm`) and stop")
     parser.add_argument("--write-prompts", type=Path, default=None,
@@ -117,7 +120,10 @@ def main() -> None:
     parser.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a worker: one drafter
     args = parser.parse_args()
     if args.table:
-        print(table(args.drafters, args.out, args.window))
+        text = table(args.drafters, args.out, args.window)
+        print(text)
+        if args.table != "-":
+            write_between_markers(Path(args.table), "long-context-table", text)
         return
     if args.windowed_copy:
         from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
