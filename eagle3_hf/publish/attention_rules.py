@@ -6,13 +6,9 @@ warning (they serve it with the wrong math, silently)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..model.checkpoint import eagle31_options
-
-if TYPE_CHECKING:
-    from .rules import Report
-
+from .report import Report
 
 # ---------------------------------------------------------------- EAGLE 3.1 options: which engine versions serve them
 

@@ -2,7 +2,8 @@
 
 Reads `config.json` and the safetensors headers (tensor values only for the few checks that need them);
 it never builds a model. This module reads the checkpoint (local or on the Hub) and reports; the rules,
-and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py`.
+and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py` and `attention_rules.py`; the
+findings in `report.py`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..verifier.family import text_config
+from .report import ENGINES, LEVELS, Finding, Report
 from .rules import (
-    ENGINES,
-    LEVELS,
     CheckpointWeights,
-    Finding,
-    Report,
     check_config,
     check_names_and_shapes,
     check_values,

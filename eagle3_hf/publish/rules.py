@@ -36,7 +36,7 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,37 +55,12 @@ from ..model.checkpoint import (
 from ..verifier.family import aux_indices_problem, engine_config_problems
 from ..verifier.fit import drafter_misfits
 from .attention_rules import check_eagle31, check_window
+from .report import ENGINES, Report
 
 if TYPE_CHECKING:
     import torch
 
-LEVELS = ("error", "warning", "info")
-ENGINES = ("sglang", "vllm")
 FP16_MAX = 65504.0
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: str  # "error" | "warning" | "info"
-    code: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.level.upper():7s} {self.code}: {self.message}"
-
-
-class Report:
-    """The findings for the engines asked about; a rule names the engines a finding concerns."""
-
-    def __init__(self, engine: str):
-        if engine not in ("all",) + ENGINES:
-            raise ValueError(f"engine must be 'all', 'sglang' or 'vllm', got {engine!r}")
-        self.engines = set(ENGINES) if engine == "all" else {engine}
-        self.findings: list[Finding] = []
-
-    def add(self, level: str, code: str, message: str, engines: Iterable[str] = ENGINES) -> None:
-        if self.engines & set(engines):
-            self.findings.append(Finding(level, code, message))
 
 
 def _init_like(w: torch.Tensor, initializer_range: float) -> str | None:

@@ -1,0 +1,34 @@
+"""What `eagle3-hf check` reports: findings, each with its level, and the report that keeps those concerning the
+engines asked about. Every rule module adds to a `Report`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+LEVELS = ("error", "warning", "info")
+ENGINES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" | "warning" | "info"
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level.upper():7s} {self.code}: {self.message}"
+
+
+class Report:
+    """The findings for the engines asked about; a rule names the engines a finding concerns."""
+
+    def __init__(self, engine: str):
+        if engine not in ("all",) + ENGINES:
+            raise ValueError(f"engine must be 'all', 'sglang' or 'vllm', got {engine!r}")
+        self.engines = set(ENGINES) if engine == "all" else {engine}
+        self.findings: list[Finding] = []
+
+    def add(self, level: str, code: str, message: str, engines: Iterable[str] = ENGINES) -> None:
+        if self.engines & set(engines):
+            self.findings.append(Finding(level, code, message))
