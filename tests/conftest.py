@@ -1,5 +1,6 @@
-"""Shared fixtures: the real SmolLM2 tokenizer and a tiny verifier saved with it, its fingerprint, the synthetic
-verifier with its offline features, a verifier vLLM serves, and the loopback Hub. Their code lives in tests/helpers/."""
+"""Shared fixtures: the real SmolLM2 tokenizer and a tiny verifier saved with it, its fingerprint, the same verifier
+with a slow remote-code tokenizer of that vocabulary (Kimi-K2.5's kind), the synthetic verifier with its offline
+features, a verifier vLLM serves, and the loopback Hub. Their code lives in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -40,6 +41,28 @@ def tiny_verifier_dir(tmp_path_factory, tokenizer):
     make_tiny_verifier().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def slow_remote_tokenizer_dir(tmp_path_factory, tiny_verifier_dir):
+    """`tiny_verifier_dir` with its tokenizer replaced by a slow one shipped as remote code (auto_map, a
+    PythonBackend without offsets, no tokenizer.json: tests/helpers/slow_tokenizer.py), of the same vocabulary:
+    loads only with --trust-remote-code, and must give the fast tokenizer's ids and loss masks."""
+    import shutil
+
+    from tests.helpers.slow_tokenizer import install_slow_tokenizer
+
+    path = tmp_path_factory.mktemp("slow_remote_tokenizer") / "verifier"
+    shutil.copytree(tiny_verifier_dir, path)
+    return install_slow_tokenizer(tiny_verifier_dir, path)
+
+
+@pytest.fixture(scope="session")
+def slow_tokenizer(slow_remote_tokenizer_dir):
+    """The slow remote-code tokenizer of `slow_remote_tokenizer_dir`, loaded (trusted)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(slow_remote_tokenizer_dir, trust_remote_code=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ reasoning and tool calls too, when kept) and its end-of-turn token, never the sy
 assistant header. The span of assistant turn i is found without parsing any template: render
 `messages[:i]` with the generation prompt (ends right after the header) and `messages[:i+1]` (ends after
 the turn); the difference, trailing whitespace removed (ChatML's newline after `<|im_end|>` is never
-generated), is the turn. Token offsets map that character span onto tokens. A template for which the
-prefixes don't line up (e.g. one that drops reasoning from earlier turns) is refused by sample name.
+generated), is the turn; the tokens that start inside it carry loss (token_boundaries.py: by the tokenizer's
+offsets, or by encoding where a slow tokenizer has none). A template for which the prefixes don't line up (e.g.
+one that drops reasoning from earlier turns) is refused by sample name.
 
 A verifier without a template (a base model), or one whose template should not be used, gets one with
 `--chat-template FILE|NAME`; its sha256 is recorded like any template's. `--text` prepares plain text
@@ -26,11 +27,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-import numpy as np
-
 from ..constants import PREPARE_META
 from ..errors import UsageError
 from .prepared_format import save_prepared, skipped_text
+from .token_boundaries import BoundaryInsideToken, span_mask
 
 if TYPE_CHECKING:
     import datasets
@@ -176,37 +176,32 @@ def _diff(a: str, b: str) -> str:
 def render_with_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
                      last_turn_only: bool = False,
                      reasoning: str = "keep", tool_calls: str = "keep", template_kwargs: dict | None = None,
-                     sample_id: str = "sample") -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would."""
+                     sample_id: str = "sample", use_offsets: bool | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would; the mask by
+    token offsets or, for a tokenizer without them, by encoding (token_boundaries.py)."""
     renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools, template_kwargs)
     messages = apply_policies(messages, reasoning, tool_calls, renders_reasoning)
     text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
                                   template_kwargs=template_kwargs, sample_id=sample_id)
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:
-        raise ValueError("loss masks need a fast tokenizer (return_offsets_mapping)") from None
-    starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64, count=len(enc["input_ids"]))
-    mask = np.zeros(len(starts), dtype=bool)
-    for a, b in spans:  # a token belongs to the turn it starts in; a header-straddling token does not
-        mask |= (starts >= a) & (starts < b)
-    return list(enc["input_ids"]), mask.astype(np.int8).tolist()
+    return span_mask(tokenizer, text, spans, sample_id, use_offsets)
 
 
 def render_completion(prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase,
-                      sample_id: str = "sample") -> tuple[list[int], list[int]]:
+                      sample_id: str = "sample", use_offsets: bool | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of plain text: the tokenizer's own special tokens (BOS) as it adds them,
     loss on the tokens that start inside the completion (a token straddling the boundary is context)."""
     if not completion:
         raise NoLossTokens("empty completion")
-    try:
-        enc = tokenizer(prompt + completion, return_offsets_mapping=True, return_special_tokens_mask=True)
-    except NotImplementedError:
-        raise ValueError("loss masks need a fast tokenizer (return_offsets_mapping)") from None
-    starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    special = np.array(enc["special_tokens_mask"], dtype=bool)
-    mask = (starts >= len(prompt)) & ~special
-    return list(enc["input_ids"]), mask.astype(np.int8).tolist()
+    text = prompt + completion
+    core, core_mask = span_mask(tokenizer, text, [(len(prompt), len(text))], sample_id, use_offsets)
+    enc = tokenizer(text, return_special_tokens_mask=True)  # the ids written: with BOS (and EOS) as it adds them
+    ids, special = list(enc["input_ids"]), enc["special_tokens_mask"]
+    at = next((j for j in range(len(ids) - len(core) + 1) if ids[j:j + len(core)] == core), None)
+    if at is None:
+        raise ValueError(f"sample {sample_id}: the tokenizer's special tokens change the text's other ids")
+    mask = [0] * len(ids)
+    mask[at:at + len(core)] = core_mask
+    return ids, [m & (1 - s) for m, s in zip(mask, special)]  # a special token in the text is never loss
 
 
 def new_stats() -> dict:
@@ -272,6 +267,9 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
                     reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
             skip(sid, str(e))
+            return
+        except BoundaryInsideToken:  # rare: a slow tokenizer and a token across a loss edge it cannot place
+            skip(sid, "a loss boundary inside a token the tokenizer gives no offsets for")
             return
         if max_seq_len is not None and len(input_ids) > max_seq_len:
             if overlong == "error":

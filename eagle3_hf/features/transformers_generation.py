@@ -12,7 +12,8 @@ and the tail up to its trailing whitespace (ChatML: `<|im_end|>` yes, the newlin
 Multi-turn conversations are answered turn by turn; the sample comes from the last turn's pass, whose
 prefill covers the whole history. Refused by id, counted in the manifest like extract's refusals:
 `no_generated_turn`, `messages_after_last_turn` (a tool call kept verbatim after it: run prepare + extract
-for those), `template_rewrites_history`, `no_loss_tokens` (after --max-seq-len), `nan_or_inf`.
+for those), `template_rewrites_history`, `boundary_inside_token` (a tokenizer without offsets,
+data/token_boundaries.py), `no_loss_tokens` (after --max-seq-len), `nan_or_inf`.
 
 Numerics: a KV-cached, left-padded batched pass instead of extract's one full forward per sample, so the
 features differ from extract's by float rounding (tests/features/test_transformers_generation.py states the tolerance).
@@ -43,6 +44,7 @@ import torch
 from ..data import regenerate as plain
 from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from ..data.regenerate import ConversationTurns, TransformersBackend, completed_ids
+from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
@@ -59,8 +61,8 @@ if TYPE_CHECKING:
     from ..verifier.generation import FeatureGenerator, Generated
 
 _MARK = "EAGLE3ANSWERMARK"
-# (prompt text, its ids, token start offsets, tail ids, tail loss mask): _Template.prompt
-_Prompt = tuple[str, list[int], list[int], list[int], list[int]]
+# (prompt text, its ids, tail ids, tail loss mask): _Template.prompt
+_Prompt = tuple[str, list[int], list[int], list[int]]
 
 
 class _Job(TypedDict):
@@ -107,7 +109,7 @@ class _Template:
         return apply_policies(messages, renders_reasoning=self.reasoning)  # what prepare renders
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> _Prompt:
-        """(prompt text, its ids, token start offsets, tail ids, tail loss mask) for generating the next turn."""
+        """(prompt text, its ids, tail ids, tail loss mask) for generating the next turn."""
         msgs = self.messages(messages)
         # tokenize=False: the rendered text
         text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
@@ -116,12 +118,9 @@ class _Template:
         if not full.startswith(text + _MARK):
             raise ValueError("the chat template adds text between the generation prompt and the answer")
         tail = full[len(text) + len(_MARK):]
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        tail_enc = self.tok(tail, add_special_tokens=False, return_offsets_mapping=True)
-        end = turn_end(tail)  # where prepare ends the turn's loss
-        tail_mask = [int(s < end) for s, _ in tail_enc["offset_mapping"]]
-        starts = [s for s, _ in enc["offset_mapping"]]
-        return text, list(enc["input_ids"]), starts, list(tail_enc["input_ids"]), tail_mask
+        ids = encode(self.tok, text)
+        tail_ids, tail_mask = span_mask(self.tok, tail, [(0, turn_end(tail))])  # where prepare ends the turn's loss
+        return text, ids, tail_ids, tail_mask
 
 
 # ---------------------------------------------------------------- one batch of conversations
@@ -144,7 +143,7 @@ def _run_batch(convs: list[dict[str, Any]], backend: TransformersBackend, gen: F
                 pieces[k] = template.prompt(p, convs[k].get("tools"))
             except ValueError as e:
                 raise ValueError(f"conversation {convs[k]['id']}: {e}") from None
-        results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][3] for k, _ in asks])
+        results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][2] for k, _ in asks])
         for (k, p), r in zip(asks, results):
             content = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
             states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
@@ -161,7 +160,7 @@ def _sample(row: dict[str, Any], conv: dict[str, Any], last: tuple[int, _Prompt,
             template: _Template, max_seq_len: int | None) -> _Sample | str:
     if last is None:
         return "no_generated_turn"
-    n_prompt, (_text, prompt_ids, starts, _tail, tail_mask), r = last
+    n_prompt, (text, _prompt_ids, _tail, tail_mask), r = last
     if len(row["messages"]) != n_prompt + 1:
         return "messages_after_last_turn"
     try:
@@ -171,7 +170,11 @@ def _sample(row: dict[str, Any], conv: dict[str, Any], last: tuple[int, _Prompt,
         spans = []
     except ValueError:
         return "template_rewrites_history"
-    prompt_mask = [int(any(a <= s < b for a, b in spans)) for s in starts]
+    try:  # earlier turns' spans, as far as they lie in the prompt
+        _, prompt_mask = span_mask(template.tok, text, [(a, min(b, len(text))) for a, b in spans if a < len(text)],
+                                   str(conv["id"]))
+    except BoundaryInsideToken:
+        return "boundary_inside_token"
     mask = prompt_mask + [1] * len(r.answer) + tail_mask
     ids = r.input_ids
     if len(ids) != len(mask):
