@@ -310,7 +310,7 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
 
 
 def build_meta(tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, stats: dict, options: dict) -> dict:
-    from eagle3_hf.data.fingerprint import tokenizer_fingerprint
+    from eagle3_hf.data.fingerprint import tokenizer_fingerprint, tokenizer_record
 
     counts = {k: v for k, v in stats.items() if k != "skipped_ids"}
     counts["skipped"] = dict(stats["skipped"])
@@ -320,6 +320,7 @@ def build_meta(tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, stats: d
         "format": FORMAT,
         "tokenizer": tokenizer_name,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        **tokenizer_record(tokenizer),  # its class and --trust-remote-code: later stages must load the same class
         "tokenizer_vocab_size": len(tokenizer),
         "chat_template_sha256": template_sha,  # None for plain text
         "options": options,

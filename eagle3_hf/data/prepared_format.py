@@ -1,7 +1,7 @@
-"""The prepared dataset on disk: `datasets.save_to_disk` plus a meta file (tokenizer fingerprint, options,
-counts). `prepare` and `regenerate --prepared-out` write it; extraction, vocab, online training and the
-importers read it, only through this module, which refuses a directory without meta or samples, one made with
-another tokenizer, missing columns and repeated ids by name.
+"""The prepared dataset on disk: `datasets.save_to_disk` plus a meta file (tokenizer fingerprint, the tokenizer's
+class and --trust-remote-code, options, counts). `prepare` and `regenerate --prepared-out` write it; extraction,
+vocab, online training and the importers read it, only through this module, which refuses a directory without meta
+or samples, one made with another tokenizer (or another tokenizer class), missing columns and repeated ids by name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ..constants import PREPARE_META
 
 if TYPE_CHECKING:
     import datasets
+    from transformers import PreTrainedTokenizerBase
 
 
 def save_prepared(ds: datasets.Dataset, out_dir: str | Path, meta: dict) -> Path:
@@ -58,6 +59,23 @@ def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) ->
     refuse_empty(path, meta, len(ds))
     check_prepared(ds, str(path))
     return ds, meta
+
+
+def prepared_tokenizer(prepared: datasets.Dataset | str | Path) -> dict:
+    """The tokenizer record (class, --trust-remote-code) of a prepared directory's meta; {} for a Dataset object, a
+    directory without meta, or a meta written before it was recorded."""
+    from .fingerprint import recorded_tokenizer
+
+    if not isinstance(prepared, (str, Path)) or not (Path(prepared) / PREPARE_META).is_file():
+        return {}
+    return recorded_tokenizer(read_prepared_meta(prepared))
+
+
+def check_prepared_tokenizer(prepared: datasets.Dataset | str | Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a tokenizer of another class than the one that prepared `prepared` (one line naming both)."""
+    from .fingerprint import check_tokenizer_class
+
+    check_tokenizer_class(prepared_tokenizer(prepared), tokenizer, f"{Path(str(prepared)) / PREPARE_META}")
 
 
 def open_prepared(prepared: datasets.Dataset | str | Path,

@@ -96,14 +96,19 @@ class TransformersBackend:
     """The verifier in this process; prompts are batched with left padding."""
 
     def __init__(self, verifier: str, revision: str | None = None, device: str | None = None, dtype: str = "auto",
-                 max_new_tokens: int = 1024, temperature: float = 0.0, top_p: float = 1.0):
+                 max_new_tokens: int = 1024, temperature: float = 0.0, top_p: float = 1.0,
+                 trust_remote_code: bool | None = None):
         import torch
 
         from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
+        from eagle3_hf.verifier.remote_code import set_trusted, trusted
 
+        if trust_remote_code is not None:  # a spawned worker: its parent's --trust-remote-code
+            set_trusted(trust_remote_code)
         # what a worker process needs to build the same backend (regenerate --num-workers)
         self.spec: dict[str, Any] = {"verifier": verifier, "revision": revision, "device": device, "dtype": dtype,
-                     "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+                     "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                     "trust_remote_code": trusted()}
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -74,11 +74,14 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
     """The drafter fit (verifier/fit.py) of this pair: a ValueError when it cannot fit, else its warnings; the
-    tokenizer, when given, is compared by fingerprint with the one the drafter was trained with."""
-    fingerprint = None
-    if tokenizer is not None and getattr(drafter.config, "tokenizer_fingerprint", None):
-        from ..data.fingerprint import tokenizer_fingerprint
+    tokenizer, when given, is compared by class and fingerprint with the one the drafter was trained with."""
+    from ..data.fingerprint import check_tokenizer_class, tokenizer_fingerprint
 
+    fingerprint = None
+    if tokenizer is not None:  # the class the training data was tokenized by, where the drafter records it
+        check_tokenizer_class({"tokenizer_class": getattr(drafter.config, "verifier_tokenizer_class", None)},
+                              tokenizer, f"the drafter {getattr(drafter.config, '_name_or_path', '') or ''}".rstrip())
+    if tokenizer is not None and getattr(drafter.config, "tokenizer_fingerprint", None):
         fingerprint = tokenizer_fingerprint(tokenizer)
     return require_fit(drafter.config, verifier, fingerprint)
 

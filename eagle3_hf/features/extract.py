@@ -122,17 +122,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+def data_fingerprint(args: argparse.Namespace) -> str:
+    """The fingerprint of --verifier's tokenizer, refused first when its class is not the one that prepared --data
+    (the same --trust-remote-code at every stage)."""
+    from ..data.fingerprint import tokenizer_fingerprint
+    from ..data.prepared_format import check_prepared_tokenizer
+    from ..verifier.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.verifier, revision=args.revision)
+    check_prepared_tokenizer(args.data, tokenizer)
+    return tokenizer_fingerprint(tokenizer)
+
+
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     """`extract --engine vllm`."""
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..verifier.loading import load_tokenizer
     from .vllm_offline import extract_features_vllm
 
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
     check_offline(engine_from_args(args))
-    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
+    fingerprint = data_fingerprint(args)
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
                                     dtype=args.features_dtype, store=StoreOptions(args.samples_per_shard,
                                                                          args.max_shard_mb << 20),
@@ -148,8 +158,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..verifier.loading import load_tokenizer, load_verifier
+    from ..verifier.loading import load_verifier
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     if args.endpoint and args.engine != "vllm":
@@ -168,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if args.offload_folder is None:
             offload_tmp = tempfile.TemporaryDirectory(prefix="eagle3_offload_")
         kwargs["offload_folder"] = args.offload_folder or offload_tmp.name  # type: ignore[union-attr]
+    fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
     verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
     placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
     if placement:
@@ -175,7 +185,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.device_map:
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
         verifier.to(device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self from mypy
-    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
     summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux,
                                dtype=args.features_dtype,
                                store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),

@@ -34,9 +34,12 @@ class _HeaderFields(TypedDict):
 
 
 class FeatureHeader(_HeaderFields, total=False):
-    """A journal's header line and the head of manifest.json (HEADER_KEYS, then how the route mapped the states)."""
+    """A journal's header line and the head of manifest.json (HEADER_KEYS, then how the route mapped the states and
+    the tokenizer class that made the ids, with its --trust-remote-code: data/fingerprint.py)."""
 
     provenance: dict[str, Any]
+    tokenizer_class: str
+    trust_remote_code: bool
 
 
 class ShardRecord(TypedDict):

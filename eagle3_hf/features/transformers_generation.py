@@ -293,7 +293,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
     `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
     from tqdm.auto import tqdm
 
-    from ..data.fingerprint import tokenizer_fingerprint
+    from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
 
     output, features_out = Path(output), Path(features_out)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -301,7 +301,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
     info = verifier_info(backend.model, backend.name, backend.spec.get("revision"))
     aux = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]), info["num_hidden_layers"])
     fingerprint = tokenizer_fingerprint(backend.tokenizer)
-    header = make_header(info, fingerprint, aux, canonical_dtype(dtype))
+    header = make_header(info, fingerprint, aux, canonical_dtype(dtype), **tokenizer_record(backend.tokenizer))
     ids = [str(c["id"]) for c in conversations]
     if len(set(ids)) != len(ids):
         dup = next(i for k, i in enumerate(ids) if i in ids[:k])

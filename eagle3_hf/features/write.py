@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data.prepared_format import open_prepared, prepared_lengths
+from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
 from .source import FeatureSource, PreparedSample
 from .store import ShardWriter, dist_env, wait_and_merge
 
@@ -92,7 +92,9 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
     rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
 
     source.check([lengths[i] for i in mine])  # before anything is written, done samples included
-    writer = ShardWriter(out_dir, source.identity.header(), rank=rank, samples_per_shard=store.samples_per_shard,
+    header = source.identity.header()
+    header.update(prepared_tokenizer(prepared))  # type: ignore[typeddict-item]  # the class that tokenized the data
+    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=store.samples_per_shard,
                          max_shard_bytes=store.max_shard_bytes)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
     submit = [i for i in todo if lengths[i] > 0]

@@ -57,6 +57,8 @@ class Eagle3Config(LlamaConfig):
             only when `layer_types` marks the layer sliding, as vLLM does. None: full attention.
         verifier_name_or_path / verifier_revision / verifier_num_hidden_layers / tokenizer_fingerprint:
             provenance, checked when a drafter is finetuned or evaluated against a verifier.
+        verifier_tokenizer_class (`str`, None): the tokenizer class that tokenized the training data (a checkpoint's
+            own class under --trust-remote-code, or transformers'); `evaluate` refuses to tokenize with another.
         ttt_steps (`int`, 3) / ttt_step_weight (`float`, 0.8): training-time-test defaults.
     """
 
@@ -74,6 +76,7 @@ class Eagle3Config(LlamaConfig):
     verifier_revision: str | None = None
     verifier_num_hidden_layers: int | None = None
     tokenizer_fingerprint: str | None = None
+    verifier_tokenizer_class: str | None = None
     ttt_steps: int = 3
     ttt_step_weight: float = 0.8
 

@@ -42,15 +42,17 @@ SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = 0.101
 # ---------------------------------------------------------------- the drafter
 
 def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig, d2t: torch.Tensor,
-                  t2d: torch.Tensor, aux_indices: Sequence[int],
-                  fingerprint: str | None) -> tuple[Eagle3DraftModel, dict[str, Any]]:
-    """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info)."""
+                  t2d: torch.Tensor, aux_indices: Sequence[int], fingerprint: str | None,
+                  tokenizer_class: str | None = None) -> tuple[Eagle3DraftModel, dict[str, Any]]:
+    """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info).
+    `tokenizer_class`: the class that tokenized the data, recorded for `evaluate`."""
     info: dict[str, Any] = {"init": "scratch"}
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
         tokenizer_fingerprint=fingerprint, norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
         norm_output=model_args.norm_output, sliding_window=model_args.drafter_window,
+        verifier_tokenizer_class=tokenizer_class,
     )
     config._attn_implementation = model_args.attn_implementation
     if not model_args.finetune_from:
@@ -88,6 +90,7 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     source.config.verifier_name_or_path = model_args.verifier
     source.config.verifier_revision = model_args.verifier_revision
     source.config.tokenizer_fingerprint = fingerprint
+    source.config.verifier_tokenizer_class = tokenizer_class
     if model_args.finetune_vocab == "dataset":
         info["remapped_rows"] = source.remap_lm_head(d2t, t2d)
     return source, info

@@ -15,20 +15,21 @@ head tensors (verifier/identity.py) must agree, and `--verifier` defaults to the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..constants import VOCAB_FILE
+from ..data.fingerprint import check_tokenizer_class, recorded_tokenizer, tokenizer_fingerprint
 from ..errors import UsageError
 from ..verifier.family import logit_softcap, text_config
 from ..verifier.fit import misfits
 from .arguments import DataArguments, ModelArguments
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
     from ..features.feature_server import EndpointFeatureCollator
     from ..features.packing import PackedCollator, PackedDataset
@@ -68,6 +69,7 @@ class TrainingFeatures:
     source: str  # the feature or prepared directory, for the summary and the messages
     endpoint: str | None = None  # a feature server's URL
     online: bool = False  # computed while training, nothing on disk
+    tokenizer: dict[str, Any] = field(default_factory=dict)  # the class that tokenized the data (data/fingerprint.py)
 
 
 def build_datasets(data_args: DataArguments, model_args: ModelArguments,
@@ -111,7 +113,8 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
         who = VerifierIdentity.of(text_config(verifier_config), str(model_args.verifier),
                                   model_args.verifier_revision)
         return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
-                                data_args.prepared_dir, online=True)
+                                data_args.prepared_dir, online=True,
+                                tokenizer=recorded_tokenizer(read_prepared_meta(data_args.prepared_dir)))
     partial = data_args.allow_partial_features
     verify = {"once": "once", "always": "shard", "never": "none"}[data_args.verify_features]
     train_features = FeatureDataset(spec.target, "train", vf, verify=verify, max_tokens=data_args.max_train_tokens,
@@ -122,7 +125,8 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                             PackedCollator(max_seq_len=data_args.max_seq_len),
                             tuple(int(i) for i in manifest["aux_layer_indices"]),
                             str(manifest.get("tokenizer_fingerprint")),
-                            VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target)
+                            VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target,
+                            tokenizer=recorded_tokenizer(manifest))
 
 
 def resolve_features_verifier(data_args: DataArguments, model_args: ModelArguments) -> str:
@@ -188,7 +192,11 @@ def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedCo
     teacher = VerifierIdentity.of(text_config(verifier_config), str(model_args.verifier),
                                   model_args.verifier_revision)
     differ = features.verifier.differences(teacher)
-    fingerprint = teacher_fingerprint(model_args)
+    tokenizer = teacher_tokenizer(model_args)
+    fingerprint = None
+    if tokenizer is not None:
+        check_tokenizer_class(features.tokenizer, tokenizer, features.endpoint or features.source)
+        fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is not None and fingerprint != features.tokenizer_fingerprint:
         differ.append(f"tokenizer_fingerprint {features.tokenizer_fingerprint[:12]} != {fingerprint[:12]}")
     if differ:
@@ -205,16 +213,14 @@ def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedCo
                        "and tokenizer only%s", features.source, " or ".join(missing), names)
 
 
-def teacher_fingerprint(model_args: ModelArguments) -> str | None:
-    """The tokenizer fingerprint of --verifier; None when it has no tokenizer to load here."""
-    from ..data.fingerprint import tokenizer_fingerprint
+def teacher_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of --verifier (with its --trust-remote-code); None when it has no tokenizer to load here."""
     from ..verifier.loading import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(str(model_args.verifier), revision=model_args.verifier_revision)
+        return load_tokenizer(str(model_args.verifier), revision=model_args.verifier_revision)
     except (OSError, ValueError):
         return None
-    return tokenizer_fingerprint(tokenizer)
 
 
 def load_vocabulary(data_args: DataArguments, features: TrainingFeatures,
@@ -291,7 +297,8 @@ def build_endpoint_datasets(url: str, data_args: DataArguments, model_args: Mode
                               int(identity.get("vocab_size") or config.vocab_size), **served_hashes(identity))
     return TrainingFeatures(PackedDataset(train_samples, **pack), PackedDataset(eval_samples, **pack), collator,
                             tuple(int(i) for i in identity["aux_layer_indices"]), fingerprint, served,
-                            data_args.prepared_dir, endpoint=url, online=True)
+                            data_args.prepared_dir, endpoint=url, online=True,
+                            tokenizer=recorded_tokenizer(read_prepared_meta(data_args.prepared_dir)))
 
 
 def served_hashes(identity: dict[str, Any]) -> dict[str, str]:

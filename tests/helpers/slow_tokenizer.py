@@ -117,10 +117,13 @@ class SlowByteLevelBPETokenizer(PreTrainedTokenizer):
 '''
 
 
-def install_slow_tokenizer(fast_dir: str | Path, dest: str | Path) -> Path:
+def install_slow_tokenizer(fast_dir: str | Path, dest: str | Path, keep_fast: bool = False) -> Path:
     """Write the slow remote-code twin of the fast byte-level BPE tokenizer saved in `fast_dir` into `dest`
     (created if needed; other files there, e.g. a model's, are kept; its tokenizer.json is removed, as Kimi ships
-    none, so only the remote class can load it). Returns `dest`."""
+    none, so only the remote class can load it). Returns `dest`.
+
+    `keep_fast`: keep tokenizer.json and name transformers' fast class, as a checkpoint that ships both does: then
+    the tokenizer loads as the fast class without --trust-remote-code and as the remote one with it."""
     fast_dir, dest = Path(fast_dir), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     spec = json.loads((fast_dir / "tokenizer.json").read_text(encoding="utf-8"))
@@ -136,7 +139,7 @@ def install_slow_tokenizer(fast_dir: str | Path, dest: str | Path) -> Path:
     (dest / MODULE_FILE).write_text(TOKENIZER_CODE, encoding="utf-8")
     config = json.loads((fast_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     config = {k: v for k, v in config.items() if k not in ("backend", "tokenizer_class", "auto_map", "is_local")}
-    config["tokenizer_class"] = CLASS_NAME
+    config["tokenizer_class"] = "TokenizersBackend" if keep_fast else CLASS_NAME
     config["auto_map"] = {"AutoTokenizer": [f"{MODULE_FILE[:-3]}.{CLASS_NAME}", None]}
     config["added_tokens_decoder"] = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "rstrip", "normalized",
                                                                            "single_word", "special")}
@@ -145,5 +148,9 @@ def install_slow_tokenizer(fast_dir: str | Path, dest: str | Path) -> Path:
     for name in ("chat_template.jinja", "special_tokens_map.json"):
         if (fast_dir / name).is_file() and fast_dir != dest:
             shutil.copyfile(fast_dir / name, dest / name)
-    (dest / "tokenizer.json").unlink(missing_ok=True)
+    if keep_fast:
+        if fast_dir != dest:
+            shutil.copyfile(fast_dir / "tokenizer.json", dest / "tokenizer.json")
+    else:
+        (dest / "tokenizer.json").unlink(missing_ok=True)
     return dest

@@ -1,10 +1,11 @@
 """--trust-remote-code: off by default; a verifier whose tokenizer ships its own code fails in one line naming the
-flag, and loads with it."""
+flag, and loads with it; code that imports a package not installed fails in one line naming the package."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -60,3 +61,26 @@ def test_every_verifier_command_takes_the_flag():
         flag = [a for a in cli.command_parser(name)._actions if "--trust-remote-code" in a.option_strings]
         assert len(flag) == 1 and flag[0].default is False, name  # once, off by default
     assert ModelArguments().trust_remote_code is False
+
+
+def _tokenizer_importing(path, package: str) -> None:
+    (path / "tokenization_x.py").write_text(f"import {package}\n" + TOKENIZER_CODE)
+
+
+@pytest.mark.parametrize("package", ["eagle3_hf_absent_package", "tiktoken"])
+def test_a_package_the_trusted_code_imports_and_this_environment_lacks_is_one_line(custom_tokenizer_dir, tmp_path,
+                                                                                  capsys, monkeypatch, package):
+    """Kimi-K2.5's tokenizer imports tiktoken: without it, one line names the package and how to install it (for
+    tiktoken, also this project's `kimi` extra), never an ImportError traceback."""
+    monkeypatch.setitem(sys.modules, package, None)  # not importable, even where it is installed
+    _tokenizer_importing(custom_tokenizer_dir, package)
+    src = tmp_path / "convs.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    argv = ["prepare", "--tokenizer", str(custom_tokenizer_dir), "--input", str(src), "--output", str(tmp_path / "p"),
+            "--trust-remote-code"]
+    assert cli.main(argv) == 1
+    extra = " (or this project's extra: pip install -e '.[kimi]')" if package == "tiktoken" else ""
+    assert capsys.readouterr().err.strip() == (f"error: {custom_tokenizer_dir}: its tokenizer needs {package}, not "
+                                               f"installed here: pip install {package}{extra}")
+    assert not (tmp_path / "p").exists()
