@@ -145,3 +145,35 @@ def test_a_boundary_that_cannot_be_placed_skips_the_sample_by_name(tokenizers, m
     assert ds["id"] == ["fine"]
     reason = "a loss boundary inside a token the tokenizer gives no offsets for"
     assert dict(stats["skipped"]) == {reason: 1} and stats["skipped_ids"][reason] == ["cut"]
+
+
+@pytest.mark.parametrize("mode", ["chat", "split-turns", "text"])
+def test_prepare_with_a_slow_remote_code_tokenizer_writes_the_fast_tokenizers_ids_and_masks(
+        tmp_path, tiny_verifier_dir, slow_remote_tokenizer_dir, mode, capsys):
+    """`prepare --trust-remote-code` with a slow tokenizer shipped as remote code (Kimi-K2.5's kind: no offsets)
+    writes exactly what the fast tokenizer of the same vocabulary writes; only the recorded class differs."""
+    from eagle3_hf import cli
+    from eagle3_hf.data.conversations import write_jsonl
+    from eagle3_hf.data.prepared_format import load_prepared
+    from eagle3_hf.verifier import remote_code
+
+    rows = [{"id": f"t{i}", "prompt": p, "completion": c} for i, (p, c) in enumerate(COMPLETIONS)] \
+        if mode == "text" else CONVERSATIONS
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    extra = {"chat": [], "split-turns": ["--split-turns"], "text": ["--text"]}[mode]
+    out = {}
+    try:
+        for name, tokenizer, trust in (("fast", tiny_verifier_dir, []),
+                                       ("slow", slow_remote_tokenizer_dir, ["--trust-remote-code"])):
+            assert cli.main(["prepare", "--tokenizer", str(tokenizer), "--input", str(tmp_path / "in.jsonl"),
+                             "--output", str(tmp_path / name), *extra, *trust]) == 0
+            out[name] = load_prepared(tmp_path / name)
+    finally:
+        remote_code.set_trusted(False)
+    assert "Traceback" not in capsys.readouterr().err
+    (fast, fast_meta), (slow, slow_meta) = out["fast"], out["slow"]
+    assert len(fast) > 0 and slow.to_dict() == fast.to_dict()
+    assert slow_meta["counts"] == fast_meta["counts"]
+    assert slow_meta["tokenizer_fingerprint"] == fast_meta["tokenizer_fingerprint"]
+    assert (fast_meta["tokenizer_class"], fast_meta["trust_remote_code"]) == ("TokenizersBackend", False)
+    assert (slow_meta["tokenizer_class"], slow_meta["trust_remote_code"]) == ("SlowByteLevelBPETokenizer", True)

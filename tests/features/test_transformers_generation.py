@@ -190,3 +190,31 @@ def test_two_workers_share_the_batches(tmp_path, tiny_verifier_dir):
     report = diff_features(tmp_path / "one", tmp_path / "f")
     assert report["samples_compared"] == len(convs) and report["token_mismatch"] == 0
     assert all(s["rel_err_max"] <= 2 ** -7 for s in report["layers"].values())
+
+
+def test_a_slow_remote_code_tokenizer_writes_the_fast_tokenizers_samples(tmp_path, tiny_verifier_dir,
+                                                                         slow_remote_tokenizer_dir, capsys):
+    """`regenerate --features-out --trust-remote-code` with a slow tokenizer shipped as remote code (no offsets: the
+    prompt's earlier turns and the template's tail are masked by encoding) writes the samples, masks and prepared
+    dataset the fast tokenizer of the same vocabulary writes."""
+    from eagle3_hf.cli import main
+    from eagle3_hf.verifier import remote_code
+
+    convs = CONVS[:1] + [{"id": "three", "messages": [U("a"), {"role": "assistant", "content": "b"}, U("c")]}]
+    write_jsonl(tmp_path / "in.jsonl", convs)
+    try:
+        for name, verifier, trust in (("fast", tiny_verifier_dir, []),
+                                      ("slow", slow_remote_tokenizer_dir, ["--trust-remote-code"])):
+            assert main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--output",
+                         str(tmp_path / f"{name}.jsonl"), "--verifier", str(verifier), "--max-new-tokens", "4",
+                         "--features-out", str(tmp_path / name), "--prepared-out", str(tmp_path / f"{name}-prep"),
+                         "--features-dtype", "fp32", *trust]) == 0
+    finally:
+        remote_code.set_trusted(False)
+    assert "Traceback" not in capsys.readouterr().err
+    fast, slow = (datasets.load_from_disk(str(tmp_path / f"{n}-prep")) for n in ("fast", "slow"))
+    assert len(fast) == len(convs) and slow.to_dict() == fast.to_dict()
+    mask = fast["loss_mask"][fast["id"].index("three")]
+    assert sum(a == 0 and b == 1 for a, b in zip([0] + mask, mask)) == 2  # both answered turns carry loss
+    manifest = json.loads((tmp_path / "slow" / "manifest.json").read_text())
+    assert (manifest["tokenizer_class"], manifest["trust_remote_code"]) == ("SlowByteLevelBPETokenizer", True)
