@@ -4,11 +4,12 @@ Renders the embedded default's conversations with SmolLM2's template once, then 
 conversation three ways, alternately in rounds (best round kept): the fast tokenizer with offsets (what a fast
 tokenizer uses), the fast tokenizer with the encoding proof (what a slow one needs), and the same vocabulary as a
 slow remote-code tokenizer (tests/helpers/slow_tokenizer.py) with the encoding proof, beside that slow
-tokenizer's bare encode of the text. `--turns N` also joins N conversations into one of N user/assistant pairs
-(the proof's cost per boundary grows with the text when a boundary needs the exact search). Checks on the way that
-every mask equals the offsets' one and counts the conversations whose boundaries needed the exact search.
+tokenizer's bare encode of the text. `--turns N` joins N conversations into one of N user/assistant pairs;
+`--text` instead masks plain text cut in the middle of a word (`prepare --text` with such a prompt: every boundary
+needs the exact search, whose cost grows with the text). Checks on the way that every mask equals the offsets' one
+and counts the conversations whose boundaries needed the exact search.
 
-    python -m bench.loss_masks [--conversations 600] [--rounds 3] [--turns 1]
+    python -m bench.loss_masks [--conversations 600] [--rounds 3] [--turns 1 | --text]
 
 Prints JSON: ms per conversation of each way and their ratios.
 """
@@ -36,6 +37,19 @@ def rendered(tokenizer: Any, convs: list[dict[str, Any]]) -> list[tuple[str, lis
     return out
 
 
+def mid_word_cuts(convs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(all answers of a conversation as one text, [(cut, end)]) with the cut inside its middle word."""
+    out = []
+    for conv in convs:
+        answer = "\n".join(m["content"] for m in conv["messages"] if m["role"] == "assistant")
+        words = [(i, w) for i, w in enumerate(answer.split(" ")) if len(w) > 3]
+        if words:
+            k, word = words[len(words) // 2]
+            cut = len(" ".join(answer.split(" ")[:k])) + (1 if k else 0) + len(word) // 2
+            out.append((answer, [(cut, len(answer))]))
+    return out
+
+
 def best_ms(fn: Callable[[], Any], rounds: int, n: int, results: dict[str, float], name: str) -> Any:
     start = time.perf_counter()
     out = fn()
@@ -50,6 +64,8 @@ def main() -> None:
                         help="rows of the embedded default set to read (half are prompts without an answer: skipped)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--turns", type=int, default=1, help="join this many conversations into one")
+    parser.add_argument("--text", action="store_true",
+                        help="each conversation's answers as plain text, the loss from the middle of a word on")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -69,7 +85,7 @@ def main() -> None:
         convs = [{"id": f"joined{i}", "messages": [m for c in convs[i:i + args.turns] for m in c["messages"][:2]]}
                  for i in range(0, len(convs) - args.turns + 1, args.turns)]
     start = time.perf_counter()
-    items = rendered(fast, convs)
+    items = mid_word_cuts(convs) if args.text else rendered(fast, convs)
     n = len(items)
     render_ms = (time.perf_counter() - start) * 1e3 / max(n, 1)
     ways: dict[str, Callable[[], list[Any]]] = {
@@ -88,7 +104,7 @@ def main() -> None:
     exact_search = sum(_by_pieces(fast, t, encode(fast, t), sorted({c for sp in s for c in sp})) is None
                        for t, s in items)
     print(json.dumps({
-        "conversations": n, "turns_joined": args.turns,
+        "conversations": n, "turns_joined": args.turns, "text_cut_mid_word": args.text,
         "mean_tokens": round(sum(len(o[0]) for o in outputs["fast_offsets"]) / max(n, 1), 1),
         "mean_loss_spans": round(sum(len(s) for _, s in items) / max(n, 1), 2),
         "ms_per_conversation": {"render_spans_once": round(render_ms, 3), **{k: round(v, 3) for k, v in ms.items()}},
