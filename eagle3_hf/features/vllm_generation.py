@@ -156,10 +156,11 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     engine; resumes where a killed run stopped. Returns a summary."""
     from tqdm.auto import tqdm
 
-    from ..data.fingerprint import tokenizer_fingerprint
+    from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
     from ..data.prepared_format import open_prepared, prepared_lengths, save_prepared
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
+    from .records import FeatureHeader
     from .store import ShardWriter, wait_and_merge
     from .vllm_offline import VllmFeatureSpec
     from .write import PreparedRows
@@ -183,7 +184,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stop_token_ids": eos,
            "chunk": GENERATE_CHUNK}
     request = dict(spec.request(max_model_len, batch_size, 16, engine), generate=gen, seed=seed)
-    writer = ShardWriter(features_out, spec.header, rank=0, samples_per_shard=samples_per_shard)
+    header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer)})  # + the class that tokenized the data
+    writer = ShardWriter(features_out, header, rank=0, samples_per_shard=samples_per_shard)
     start = time.perf_counter()
     summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
                                "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
