@@ -15,6 +15,7 @@ head tensors (verifier/identity.py) must agree, and `--verifier` defaults to the
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from ..features.feature_server import EndpointFeatureCollator
     from ..features.packing import PackedCollator, PackedDataset
+    from ..features.reader import FeatureDataset
     from ..features.source import VerifierIdentity
     from ..features.transformers_online import OnlineFeatureCollator
 
@@ -68,6 +70,7 @@ class TrainingFeatures:
     source: str  # the feature or prepared directory, for the summary and the messages
     endpoint: str | None = None  # a feature server's URL
     online: bool = False  # computed while training, nothing on disk
+    shards: FeatureDataset | None = None  # a feature directory, its checksums not checked yet (`verify_features`)
 
 
 def build_datasets(data_args: DataArguments, model_args: ModelArguments,
@@ -113,16 +116,30 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
         return TrainingFeatures(train, evals, collator, tuple(collator.aux_indices), fingerprint, who,
                                 data_args.prepared_dir, online=True)
     partial = data_args.allow_partial_features
-    verify = {"once": "once", "always": "shard", "never": "none"}[data_args.verify_features]
-    train_features = FeatureDataset(spec.target, "train", vf, verify=verify, max_tokens=data_args.max_train_tokens,
-                                    allow_partial=partial)  # hashes every shard of both splits (the first time)
+    # the manifest, sizes and safetensors headers only: the checksums come after the cheap checks (verify_features)
+    train_features = FeatureDataset(spec.target, "train", vf, verify="none", max_tokens=data_args.max_train_tokens,
+                                    allow_partial=partial)
     eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial)
     manifest = train_features.manifest
     return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
                             PackedCollator(max_seq_len=data_args.max_seq_len),
                             tuple(int(i) for i in manifest["aux_layer_indices"]),
                             str(manifest.get("tokenizer_fingerprint")),
-                            VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target)
+                            VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target,
+                            shards=train_features)
+
+
+def verify_features(features: TrainingFeatures, data_args: DataArguments) -> int:
+    """A feature directory's shard checksums (`--verify-features`, `--verify-threads`; features/verify.py), the only
+    full read of the directory; returns how many shards were hashed (none for online routes)."""
+    if features.shards is None:
+        return 0
+    start = time.perf_counter()
+    hashed = features.shards.verify_checksums(data_args.verify_features, data_args.verify_threads or None)
+    if hashed:
+        logger.info("%s: hashed %d of %d shards in %.1f s (--verify-features %s)", features.source, hashed,
+                    len(features.shards.manifest["shards"]), time.perf_counter() - start, data_args.verify_features)
+    return hashed
 
 
 def resolve_features_verifier(data_args: DataArguments, model_args: ModelArguments) -> str:

@@ -168,7 +168,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     assert 0 < summary["peak_temporary_bytes"] <= 16 * 40 * 4 * HIDDEN * 4 + 16 * 4096  # never more than 16 files
 
     # the same shard format: keys, dtypes, shards, checksums (FeatureDataset verifies every shard's sha256)
-    a, b = FeatureDataset(by_transformers, split="all"), FeatureDataset(by_vllm, split="all")
+    a, b = (FeatureDataset(d, split="all", verify="shard") for d in (by_transformers, by_vllm))
     assert b.manifest["source"] == "vllm" and a.manifest["source"] == "transformers"
     for key in ("verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype"):
         assert a.manifest[key] == b.manifest[key], key
@@ -246,7 +246,7 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["resumed_past"] >= 4 and summary["total_samples"] == 12
     assert summary["written_samples"] == 12 - summary["resumed_past"]
-    b = FeatureDataset(out, split="all")  # every shard's checksum verified
+    b = FeatureDataset(out, split="all", verify="shard")  # every shard's checksum hashed
     assert sorted(b.sample_ids) == sorted(FeatureDataset(reference, split="all").sample_ids)
     assert len(set(b.sample_ids)) == 12
     report = diff_features(reference, out)
