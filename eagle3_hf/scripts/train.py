@@ -45,6 +45,7 @@ from eagle3_hf.train.training_data import (
     load_vocabulary,
     resolve_features_verifier,
     verify_features,
+    warn_untrained_tails,
 )
 from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 from eagle3_hf.verifier.family import logit_softcap
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dataloader_num_workers == 0:  # a DataLoader without workers takes neither
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
+    if args.process_index == 0:  # samples longer than the rows: extracted, stored, and their tails never trained on
+        warn_untrained_tails(features, data_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "

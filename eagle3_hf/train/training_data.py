@@ -129,6 +129,28 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                             shards=train_features)
 
 
+def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, source: str) -> str | None:
+    """What --overlong truncate leaves untrained (one line), or None: samples longer than --max-seq-len were
+    prepared and extracted whole, but only their first max_seq_len tokens are trained on. `stats`: the packed
+    training split's (features/packing.py)."""
+    cut, tokens = int(stats.get("truncated", 0)), int(stats.get("truncated_tokens", 0))
+    if not cut:
+        return None
+    share = tokens / max(tokens + int(stats.get("tokens", 0)), 1)
+    return (f"{source}: {cut} training samples are longer than --max-seq-len {max_seq_len} (the longest has "
+            f"{longest} tokens): their last {tokens} tokens ({share:.1%} of the split) were extracted but are not "
+            f"trained on (--overlong truncate). Train at the extracted length (--max-seq-len {longest}), or "
+            f"--overlong split; or prepare with --max-seq-len {max_seq_len} so they are never extracted")
+
+
+def warn_untrained_tails(features: TrainingFeatures, data_args: DataArguments) -> None:
+    """Log `untrained_tails` for the training split, whatever the route."""
+    longest = max(features.train.dataset.lengths, default=0)
+    message = untrained_tails(features.train.stats, data_args.max_seq_len, longest, features.source)
+    if message:
+        logger.warning(message)
+
+
 def verify_features(features: TrainingFeatures, data_args: DataArguments) -> int:
     """A feature directory's shard checksums (`--verify-features`, `--verify-threads`; features/verify.py), the only
     full read of the directory; returns how many shards were hashed (none for online routes)."""
