@@ -65,7 +65,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = No
     group.add_argument("--max-model-len", type=int, default=None,
                        help="vLLM's context length (default: what the samples need offline: the longest sample "
                             "+ 1, or the longest conversation + answers; a server: the verifier's "
-                            "max_position_embeddings)")
+                            "max_position_embeddings). `extract` (either --engine) takes samples of at most this "
+                            "- 1 tokens (one position is the generated token) and skips and counts longer ones")
     group.add_argument("--vllm-device", choices=DEVICES, default="auto",
                        help="where vLLM runs: cuda (CUDA graphs, stock connector), cpu (enforce_eager, the project's "
                             "connector), auto: cuda when nvidia-smi lists a GPU here")

@@ -27,7 +27,7 @@ from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .write import MERGE_TIMEOUT_S, StoreOptions, write_features
+from .write import MERGE_TIMEOUT_S, StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -51,14 +51,16 @@ class TransformersFeatures:
     features do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one."""
 
     def __init__(self, verifier: PreTrainedModel, tokenizer_fingerprint: str, aux_indices: Sequence[int] | None = None,
-                 dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None):
+                 dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None,
+                 max_model_len: int | None = None):
         self.verifier = verifier
+        self.max_sample_tokens = sample_token_limit(max_model_len)
         who = verifier_identity(verifier, verifier_name, verifier_revision)
         indices = check_aux_indices(aux_indices or default_aux_indices(who.num_hidden_layers), who.num_hidden_layers)
         self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype))
 
-    def check(self, lengths: Sequence[int]) -> None:
-        pass  # any length the verifier takes; an overlong sample fails in its forward, naming nothing written
+    def check(self, lengths: Sequence[int]) -> int | None:
+        return self.max_sample_tokens  # --max-model-len, as vLLM counts it (write.sample_token_limit); else any
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
         for sample in samples:
@@ -75,10 +77,12 @@ def extract_features(verifier: PreTrainedModel, tokenizer_fingerprint: str,
                      aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
                      store: StoreOptions | None = None, verifier_name: str | None = None,
                      verifier_revision: str | None = None, rank: int | None = None, world_size: int | None = None,
-                     progress: bool = True, merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> dict[str, Any]:
-    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict."""
+                     progress: bool = True, merge_timeout_s: float | None = MERGE_TIMEOUT_S,
+                     max_model_len: int | None = None) -> dict[str, Any]:
+    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict. With
+    `max_model_len`, samples of max_model_len tokens or more are skipped and counted (write.py)."""
     source = TransformersFeatures(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name,
-                                  verifier_revision)
+                                  verifier_revision, max_model_len)
     return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
                           progress=progress, merge_timeout_s=merge_timeout_s).as_dict()
 
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                                dtype=args.features_dtype,
                                store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
                                verifier_name=args.verifier, verifier_revision=args.revision,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, max_model_len=args.max_model_len)
     if offload_tmp is not None:
         offload_tmp.cleanup()
     print(json.dumps(summary))

@@ -97,15 +97,16 @@ class StoredFeatures:
 class FeatureDataset(Dataset[dict[str, Any]]):
     """Samples of a feature directory: dicts of tensors in float32 / int64 / bool, read zero-copy from shards.
 
-    verify: "once" (sizes on open; each shard's sha256 unless verify.py's record says this very file was checked
-    already: the default), "shard" (sizes + sha256 of every shard on open), "sample" (sizes on open, each sample's
-    sha256 when read) or "none" (sizes only). allow_partial: read an unfinished extraction's samples (with a
-    warning) instead of refusing it (store.load_manifest).
+    verify: "once" (sizes on open; each shard's sha256 unless its writer or verify.py's record vouches for this
+    very file: the default), "shard" (sizes + sha256 of every shard on open), "sample" (sizes on open, each
+    sample's sha256 when read) or "none" (sizes only; `verify_checksums` later, as training does once its cheap
+    checks have passed). verify_threads: hashing threads (None: verify.default_threads). allow_partial: read an
+    unfinished extraction's samples (with a warning) instead of refusing it (store.load_manifest).
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
                  verify: str = "once", max_tokens: int | None = None, subset_seed: int = 0,
-                 allow_partial: bool = False) -> None:
+                 allow_partial: bool = False, verify_threads: int | None = None) -> None:
         if verify not in ("once", "shard", "sample", "none"):
             raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
@@ -122,8 +123,7 @@ class FeatureDataset(Dataset[dict[str, Any]]):
                 raise FileNotFoundError(f"shard {path} listed in the manifest is missing")
             self._layout[shard["file"]] = self._check_layout(path, shard)
         if verify in ("once", "shard"):
-            self.hashed_shards = verify_shards(self.features_dir, self.manifest["shards"],
-                                               "once" if verify == "once" else "always")
+            self.verify_checksums("once" if verify == "once" else "always", verify_threads)
         samples = self.manifest["samples"]
         keep = select_split([s["id"] for s in samples], split, validation_fraction)
         self._samples = [samples[i] for i in keep]
@@ -136,6 +136,12 @@ class FeatureDataset(Dataset[dict[str, Any]]):
         self.lengths: list[int] = [int(s["length"]) for s in self._samples]
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
         self._open: OrderedDict[str, np.memmap] = OrderedDict()
+
+    def verify_checksums(self, mode: str = "once", threads: int | None = None) -> int:
+        """Every shard of the directory (both splits) against the manifest's sha256 (verify.py: once, always,
+        never); returns how many were hashed, also kept in `hashed_shards`."""
+        self.hashed_shards = verify_shards(self.features_dir, self.manifest["shards"], mode, threads)
+        return self.hashed_shards
 
     def _check_layout(self, path: Path, shard: ShardRecord) -> list[_TensorLayout]:
         data_start, header = read_safetensors_header(path, shard.get("bytes"))

@@ -42,14 +42,18 @@ class FeatureHeader(_HeaderFields, total=False):
     trust_remote_code: bool
 
 
-class ShardRecord(TypedDict):
-    """One shard in a journal line and in manifest.json's "shards"."""
-
+class _ShardFields(TypedDict):
     file: str
     sha256: str
     bytes: int
     num_samples: int
     num_tokens: int
+
+
+class ShardRecord(_ShardFields, total=False):
+    """One shard in a journal line and in manifest.json's "shards"."""
+
+    written: dict[str, int]  # the file's mtime_ns, ctime_ns and inode once written (store.file_stamp; verify.py)
 
 
 class SampleRecord(TypedDict):

@@ -137,13 +137,14 @@ class SampleFeatures:
 
 class FeatureSource(Protocol):
     """A route to hidden states. `check` sees the lengths of every sample of this rank before anything is written
-    (a context too short, a server serving another verifier: refused with nothing on disk); `states` may answer in
-    any order and hold samples back, but answers each sample at most once; `report` adds the route's own facts
-    (engine version, load time) to the extraction summary."""
+    (a server serving another verifier: refused with nothing on disk) and returns the most tokens a sample may
+    have on this route (None: any), so that a longer one is skipped and counted, alone (write.py); `states` may
+    answer in any order and hold samples back, but answers each sample at most once; `report` adds the route's
+    own facts (engine version, load time) to the extraction summary."""
 
     identity: SourceIdentity
 
-    def check(self, lengths: Sequence[int]) -> None: ...
+    def check(self, lengths: Sequence[int]) -> int | None: ...
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]: ...
 

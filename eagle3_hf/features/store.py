@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,10 +75,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
+def atomic_write_bytes(path: Path, data: bytes, unique_tmp: bool = False) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one. `unique_tmp`:
+    a temporary name of this process and thread, for a file that several writers may replace at once."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp" if unique_tmp else path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -91,11 +93,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def sha256_file(path: Path, block: int = 1 << 24) -> str:
+    """sha256 of a file, read into one reused buffer (hashlib and the read release the GIL: threads scale)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
+    buf = bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+def file_stamp(path: Path) -> dict[str, int]:
+    """What identifies one file's bytes without reading them: size, mtime, ctime and inode (verify.py says why)."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
 
 
 def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -421,8 +432,11 @@ class ShardWriter:
                 record["samples"].append({"id": sample_id, "shard": name, "offset": offset, "length": length,
                                           "sha256": sample_sha256(s)})
                 offset += length
+            # the stat of the file just renamed into place: a reader finding it unchanged need not hash it again
+            stamp = file_stamp(self.out_dir / name)
             record["shard"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                               "num_samples": len(samples), "num_tokens": offset}
+                               "num_samples": len(samples), "num_tokens": offset,
+                               "written": {k: stamp[k] for k in ("mtime_ns", "ctime_ns", "ino")}}
             self.written_samples += len(samples)
             self.written_tokens += offset
         with open(self.journal, "ab") as f:

@@ -32,7 +32,7 @@ from ..verifier.family import check_aux_indices, default_aux_indices, logit_soft
 from ..verifier.head import load_verifier_head
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .write import StoreOptions, write_features
+from .write import StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -227,21 +227,24 @@ class VllmFeatures:
         self.result: dict[str, Any] = {}
         self.peak = 0
 
-    def check(self, lengths: Sequence[int]) -> None:
-        longest = max(lengths, default=0)
-        if self.max_model_len is not None and longest + 1 > self.max_model_len:
-            raise ValueError(f"--max-model-len {self.max_model_len}: the longest sample has {longest} tokens "
-                             "(+1 generated)")
+    def check(self, lengths: Sequence[int]) -> int | None:
+        """The server checked (with `endpoint`); returns the most tokens a sample may have: --max-model-len's or a
+        server's context, whichever is shorter, less the generated token (write.sample_token_limit)."""
+        limit = sample_token_limit(self.max_model_len)
         if self.endpoint is not None:
             from .vllm_server import check_server
 
-            self.served = check_server(self.endpoint, self.verifier, self.spec.path, longest, self.spec.layer_ids,
+            self.served = check_server(self.endpoint, self.verifier, self.spec.path, self.spec.layer_ids,
                                        self.vllm_storage)
+            served = sample_token_limit(self.served.get("max_model_len"))
+            if served is not None and (limit is None or served < limit):
+                limit = served
+        return limit
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
         from ..engines.vllm_env import VllmExtraction
 
-        longest = max((len(s.input_ids) for s in samples), default=0)
+        longest = max((len(s.input_ids) for s in samples), default=0)  # the samples that fit (write.py)
         request = self.spec.request(int(self.max_model_len or longest + 1), self.batch_size, self.max_pending,
                                     self.engine, self.connector)
         prompts = ((k, samples[k].input_ids.tolist()) for k in range(len(samples)))

@@ -9,9 +9,9 @@ LOCK_EX until the file is whole), hands the path to the same reader as the offli
 client must see the server's storage: run it on the server's machine, or share that directory.
 
 What is checked against the server before anything is written: it serves the verifier given by
-`--verifier` (its `root`), its `max_model_len` takes the longest sample, and its answers carry a
-hidden-states path (a plain server does not). On every sample the server's own next token must agree with
-the verifier's greedy token computed here from the last captured state; if the first samples all disagree,
+`--verifier` (its `root`) and its answers carry a hidden-states path (a plain server does not); a sample its
+`max_model_len` cannot take is skipped and counted (write.py). On every sample the server's own next token must
+agree with the verifier's greedy token computed here from the last captured state; if the first samples all disagree,
 the server's layer ids are not the ones asked for (or its final norm differs), and the run stops.
 
 Requests run `concurrency` at a time (the server batches them), in order; each has a timeout, 5xx answers
@@ -290,11 +290,12 @@ class EndpointExtraction:
         self._futures.clear()
 
 
-def check_server(url: str, verifier: str, verifier_path: str, longest: int, layer_ids: list[int],
+def check_server(url: str, verifier: str, verifier_path: str, layer_ids: list[int],
                  storage: str | None = None) -> dict[str, Any]:
-    """The model the server at `url` serves, checked against `--verifier`, the layer ids and the longest sample;
-    one line (EndpointError) when it is missing, serves another model, captures other layers (as its second
-    served-model name says) or takes shorter prompts. Its "storage" is the directory whose files the client
+    """The model the server at `url` serves, checked against `--verifier` and the layer ids; one line
+    (EndpointError) when it is missing, serves another model or captures other layers (as its second
+    served-model name says). Its "max_model_len" bounds the samples extracted (longer ones are skipped and
+    counted: write.py). Its "storage" is the directory whose files the client
     may read and delete: `storage` (--vllm-storage), which the server's own must not contradict, else the one
     it names (it must be visible here), else None (the first answer's, StoragePolicy)."""
     from ..engines.vllm_openai import served_layer_ids, served_storage, server_models
@@ -325,10 +326,6 @@ def check_server(url: str, verifier: str, verifier_path: str, longest: int, laye
     elif captured != list(layer_ids):
         raise EndpointError(f"{url} captures vLLM layer ids {captured}; this extraction needs {list(layer_ids)} "
                             "(--aux-layers must be the server's)")
-    limit = model.get("max_model_len")
-    if limit is not None and longest + 1 > int(limit):
-        raise EndpointError(f"{url} takes at most {limit} tokens (its --max-model-len); the longest sample has "
-                            f"{longest} (+1 generated)")
     model["storage"] = storage_directory(url, storage, served_storage(models))
     return model
 

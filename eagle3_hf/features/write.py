@@ -2,13 +2,21 @@
 into the store's shards.
 
 Rank slice (samples i with i % world_size == rank, under `torchrun` / `accelerate launch`), resumption (samples a
-journal already holds are not asked for again), empty samples recorded as skipped, progress in tokens, the
-writer closed whatever happens, then rank 0 merges every rank's journal into manifest.json once every sample is
-accounted for. Killed at any point, the same command resumes (store.py says why nothing is lost or duplicated).
+journal already holds are not asked for again), empty samples and samples longer than the route takes recorded
+as skipped ("empty", "overlong": counted in the summary, their ids in the manifest's skipped_ids), progress in
+tokens, the writer closed whatever happens, then rank 0 merges every rank's journal into manifest.json once
+every sample is accounted for. Killed at any point, the same command resumes (store.py says why nothing is lost
+or duplicated).
+
+One length rule for every route (`sample_token_limit`): with `--max-model-len M` a sample of at most M - 1
+tokens is extracted. vLLM needs that one free position (it refuses a prompt as long as its context, since it
+must generate a token), and the transformers route keeps the same samples so that both routes' directories hold
+the same ones for the same command line. A longer sample is skipped alone; the rank goes on.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +33,16 @@ if TYPE_CHECKING:
     import datasets
 
 MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journals
+OVERLONG = "overlong"  # the skip reason of a sample longer than the route takes
+
+
+def sample_token_limit(max_model_len: int | None) -> int | None:
+    """The most tokens a sample may have under `--max-model-len` (module docstring); None: no limit."""
+    if max_model_len is None:
+        return None
+    if max_model_len < 2:
+        raise ValueError(f"--max-model-len {max_model_len}: a sample needs its tokens and one position more")
+    return int(max_model_len) - 1
 
 
 @dataclass
@@ -44,10 +62,11 @@ class ExtractionSummary:
     written_samples: int
     written_tokens: int
     resumed_past: int
-    skipped: dict[str, int]
+    skipped: dict[str, int]  # this run's: reason ("empty", "overlong", "nan_or_inf") -> samples
     seconds: float
     tokens_per_s: float | None
     route: dict[str, Any] = field(default_factory=dict)  # the source's own report (engine, version, load time)
+    max_sample_tokens: int | None = None  # the longest sample this route takes (None: any)
     total_samples: int | None = None  # rank 0, after the merge
     total_skipped: dict[str, Any] | None = None
 
@@ -56,6 +75,15 @@ class ExtractionSummary:
         if self.total_samples is None:
             del out["total_samples"], out["total_skipped"]
         return {**self.route, **out}
+
+
+def skip_reason(length: int, limit: int | None) -> str | None:
+    """Why a sample of `length` tokens is not extracted, or None."""
+    if length == 0:
+        return "empty"
+    if limit is not None and length > limit:
+        return OVERLONG
+    return None
 
 
 class PreparedRows(Sequence[PreparedSample]):
@@ -91,20 +119,22 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
     lengths = prepared_lengths(ds)
     rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
 
-    source.check([lengths[i] for i in mine])  # before anything is written, done samples included
+    limit = source.check([lengths[i] for i in mine])  # before anything is written, done samples included
     header = source.identity.header()
     header.update(prepared_tokenizer(prepared))  # type: ignore[typeddict-item]  # the class that tokenized the data
     writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=store.samples_per_shard,
                          max_shard_bytes=store.max_shard_bytes)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
-    submit = [i for i in todo if lengths[i] > 0]
+    skip = {i: skip_reason(lengths[i], limit) for i in todo}
+    submit = [i for i in todo if skip[i] is None]
     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"{desc} r{rank}",
                disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
     try:
         for i in todo:
-            if lengths[i] == 0:
-                writer.skip(all_ids[i], "empty")
+            reason = skip[i]
+            if reason is not None:
+                writer.skip(all_ids[i], reason)
         if submit:
             for feats in source.states(PreparedRows(rows, all_ids, submit)):
                 writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
@@ -117,7 +147,13 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
     elapsed = time.perf_counter() - start
     summary = ExtractionSummary(rank, world_size, writer.written_samples, writer.written_tokens, len(mine) - len(todo),
                                 dict(writer.skipped_counts), round(elapsed, 3),
-                                round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None, source.report())
+                                round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None, source.report(),
+                                max_sample_tokens=limit)
+    if writer.skipped_counts.get(OVERLONG):
+        print(f"[extract] rank {rank}: skipped {writer.skipped_counts[OVERLONG]} samples of more than {limit} tokens "
+              f"(a context of {limit} + 1 positions, one for the generated token): prepare with --max-seq-len "
+              f"{limit}, or extract with a longer --max-model-len; their ids: {out_dir}/manifest.json skipped_ids."
+              f"{OVERLONG}", file=sys.stderr)
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     if rank == 0:

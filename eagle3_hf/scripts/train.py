@@ -44,6 +44,8 @@ from eagle3_hf.train.training_data import (
     endpoint_loader_workers,
     load_vocabulary,
     resolve_features_verifier,
+    verify_features,
+    warn_untrained_tails,
 )
 from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 from eagle3_hf.verifier.family import logit_softcap
@@ -67,9 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
-    #    Each node's main process opens them first: it verifies the shards' checksums (once per directory, recorded
-    #    beside the manifest), so the other ranks find them verified instead of each reading every shard again.
-    with args.main_process_first(local=True, desc="verify features"):
+    #    A feature directory is opened from its manifest and the shards' headers only: every refusal that needs
+    #    no shard bytes (verifier, tokenizer, vocabulary, drafter) comes before its checksums (step 5).
+    with args.main_process_first(local=True, desc="open features"):
         features = build_datasets(data_args, model_args, verifier_config)
     train, evals = features.train, features.evals
     if features.endpoint:  # CPU: workers keep the next requests in flight; GPU: the head runs there, in this process
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dataloader_num_workers == 0:  # a DataLoader without workers takes neither
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
+    if args.process_index == 0:  # samples longer than the rows: extracted, stored, and their tails never trained on
+        warn_untrained_tails(features, data_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
@@ -100,7 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
                 model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
 
-    # 5. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
+    # 5. Checksums: each node's main process checks the shards against the manifest while the node's other ranks
+    #    wait (features/verify.py): nothing to hash where the writer or an earlier start vouches for the files on
+    #    disk, else every shard on --verify-threads threads, each recorded as it finishes so a relaunch resumes.
+    with args.main_process_first(local=True, desc="verify features"):
+        if args.local_process_index == 0:
+            verify_features(features, data_args)
+
+    # 6. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
     #    rest (accelerate / DeepSpeed, accumulation, checkpoints, best model by simulated τ) is transformers'.
     trainer = Eagle3Trainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
                             data_collator=features.collator)
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = trainer.evaluate() if len(evals) else {}
 
-    # 6. Save the standard EAGLE-3 layout (what SGLang and vLLM load) and the summary the model card reports.
+    # 7. Save the standard EAGLE-3 layout (what SGLang and vLLM load) and the summary the model card reports.
     trainer.save_model(args.output_dir)
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.is_world_process_zero():
         assert args.output_dir is not None  # parse_args refuses a run without --output-dir
         write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
-    # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
+    # 8. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
     #    interpreter shutdown, turning a finished run into a failed one.
     trainer.accelerator.wait_for_everyone()
     if data_args.cache_features and trainer.is_world_process_zero():  # every writer's journal, one manifest

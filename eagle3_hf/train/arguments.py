@@ -151,10 +151,15 @@ class DataArguments:
         default=False, metadata={"help": "train on an unfinished extraction's samples (--features DIR without its "
                                          "manifest.json), with a warning saying how many, instead of refusing it"})
     verify_features: str = field(
-        default="once", metadata={"help": "shard checksums of a feature directory: once (hashed by the first "
-                                          "reader and recorded in verified.json; re-hashed when a shard's size or "
-                                          "mtime changes), always (every start), never (sizes only)",
+        default="once", metadata={"help": "shard checksums of a feature directory, checked by each node's main "
+                                          "process after every check that needs no shard bytes: once (a shard is "
+                                          "hashed unless its writer or an earlier start, recorded in "
+                                          "verified.json, vouches for the file on disk: same size, mtime, ctime "
+                                          "and inode), always (every shard at every start), never (sizes only)",
                                   "choices": ["once", "always", "never"]})
+    verify_threads: int = field(
+        default=0, metadata={"help": "threads hashing shards (0: the machine's cores, at most 16); more can help "
+                                     "a network filesystem"})
     vocab: str | None = field(default=None, metadata={"help": "vocab.safetensors (default: in the feature or "
                                                                       "prepared directory)"})
     max_seq_len: int = field(default=2048)

@@ -15,6 +15,7 @@ head tensors (verifier/identity.py) must agree, and `--verifier` defaults to the
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
     from ..features.feature_server import EndpointFeatureCollator
     from ..features.packing import PackedCollator, PackedDataset
+    from ..features.reader import FeatureDataset
     from ..features.source import VerifierIdentity
     from ..features.transformers_online import OnlineFeatureCollator
 
@@ -70,6 +72,7 @@ class TrainingFeatures:
     endpoint: str | None = None  # a feature server's URL
     online: bool = False  # computed while training, nothing on disk
     tokenizer: dict[str, Any] = field(default_factory=dict)  # the class that tokenized the data (data/fingerprint.py)
+    shards: FeatureDataset | None = None  # a feature directory, its checksums not checked yet (`verify_features`)
 
 
 def build_datasets(data_args: DataArguments, model_args: ModelArguments,
@@ -116,9 +119,9 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                                 data_args.prepared_dir, online=True,
                                 tokenizer=recorded_tokenizer(read_prepared_meta(data_args.prepared_dir)))
     partial = data_args.allow_partial_features
-    verify = {"once": "once", "always": "shard", "never": "none"}[data_args.verify_features]
-    train_features = FeatureDataset(spec.target, "train", vf, verify=verify, max_tokens=data_args.max_train_tokens,
-                                    allow_partial=partial)  # hashes every shard of both splits (the first time)
+    # the manifest, sizes and safetensors headers only: the checksums come after the cheap checks (verify_features)
+    train_features = FeatureDataset(spec.target, "train", vf, verify="none", max_tokens=data_args.max_train_tokens,
+                                    allow_partial=partial)
     eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial)
     manifest = train_features.manifest
     return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
@@ -126,7 +129,42 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
                             tuple(int(i) for i in manifest["aux_layer_indices"]),
                             str(manifest.get("tokenizer_fingerprint")),
                             VerifierIdentity.from_dict(manifest.get("verifier") or {}), spec.target,
-                            tokenizer=recorded_tokenizer(manifest))
+                            tokenizer=recorded_tokenizer(manifest), shards=train_features)
+
+
+def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, source: str) -> str | None:
+    """What --overlong truncate leaves untrained (one line), or None: samples longer than --max-seq-len were
+    prepared and extracted whole, but only their first max_seq_len tokens are trained on. `stats`: the packed
+    training split's (features/packing.py)."""
+    cut, tokens = int(stats.get("truncated", 0)), int(stats.get("truncated_tokens", 0))
+    if not cut:
+        return None
+    share = tokens / max(tokens + int(stats.get("tokens", 0)), 1)
+    return (f"{source}: {cut} training samples are longer than --max-seq-len {max_seq_len} (the longest has "
+            f"{longest} tokens): their last {tokens} tokens ({share:.1%} of the split) were extracted but are not "
+            f"trained on (--overlong truncate). Train at the extracted length (--max-seq-len {longest}), or "
+            f"--overlong split; or prepare with --max-seq-len {max_seq_len} so they are never extracted")
+
+
+def warn_untrained_tails(features: TrainingFeatures, data_args: DataArguments) -> None:
+    """Log `untrained_tails` for the training split, whatever the route."""
+    longest = max(features.train.dataset.lengths, default=0)
+    message = untrained_tails(features.train.stats, data_args.max_seq_len, longest, features.source)
+    if message:
+        logger.warning(message)
+
+
+def verify_features(features: TrainingFeatures, data_args: DataArguments) -> int:
+    """A feature directory's shard checksums (`--verify-features`, `--verify-threads`; features/verify.py), the only
+    full read of the directory; returns how many shards were hashed (none for online routes)."""
+    if features.shards is None:
+        return 0
+    start = time.perf_counter()
+    hashed = features.shards.verify_checksums(data_args.verify_features, data_args.verify_threads or None)
+    if hashed:
+        logger.info("%s: hashed %d of %d shards in %.1f s (--verify-features %s)", features.source, hashed,
+                    len(features.shards.manifest["shards"]), time.perf_counter() - start, data_args.verify_features)
+    return hashed
 
 
 def resolve_features_verifier(data_args: DataArguments, model_args: ModelArguments) -> str:

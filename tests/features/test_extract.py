@@ -19,7 +19,7 @@ from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features
 
-from tests.helpers.data import extract_in_process, kill_after_shards, make_prepared
+from tests.helpers.data import extract_in_process, kill_after_shards, make_prepared, manifest_without_stat
 from tests.helpers.verifiers import make_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +131,9 @@ def test_sigkill_resume_bit_identical(tmp_path, tiny_verifier_dir, fingerprint):
     for name in names:
         if name.endswith(".jsonl"):  # the journal differs only in how the work was cut into runs
             continue
+        if name == "manifest.json":  # equal but for each shard file's own stat, taken when it was written
+            assert manifest_without_stat(full / name) == manifest_without_stat(killed / name)
+            continue
         assert (full / name).read_bytes() == (killed / name).read_bytes(), name
     assert len(FeatureDataset(killed, split="all")) == 16
 
@@ -187,6 +190,35 @@ def test_cli_extract(tmp_path, tiny_verifier_dir, fingerprint, capsys):
     ds = FeatureDataset(tmp_path / "out", split="all")
     assert ds.manifest["dtype"] == "float8_e4m3fn" and ds.manifest["aux_layer_indices"] == [1, 2, 4]
     assert ds.manifest["verifier"]["name"] == str(tiny_verifier_dir)
+
+
+def test_samples_over_max_model_len_are_skipped_alone_and_counted(tmp_path, tiny_verifier_dir, fingerprint, capsys):
+    """`extract --max-model-len M` on a prepared set with longer samples finishes: samples of more than M - 1
+    tokens (vLLM's rule, kept on this route too) are skipped, counted in the summary and the manifest; a rerun
+    does not retry them."""
+    from eagle3_hf.cli import main
+
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=8, lo=4, hi=40)
+    lengths = {r["id"]: len(r["input_ids"]) for r in datasets.load_from_disk(str(prepared))}
+    edge = sorted(lengths.values())[4]  # a sample of exactly M - 1 tokens is kept
+    over = sorted(i for i, n in lengths.items() if n > edge)
+    assert 0 < len(over) < len(lengths)
+    command = ["extract", "--verifier", str(tiny_verifier_dir), "--data", str(prepared), "--output",
+               str(tmp_path / "out"), "--max-model-len", str(edge + 1), "--samples-per-shard", "2", "--no-progress"]
+    capsys.readouterr()
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["skipped"] == summary["total_skipped"] == {"overlong": len(over)}
+    assert summary["total_samples"] == len(lengths) - len(over) and summary["max_sample_tokens"] == edge
+    assert f"skipped {len(over)} samples of more than {edge} tokens" in captured.err
+    ds = FeatureDataset(tmp_path / "out", split="all")
+    assert sorted(ds.manifest["skipped_ids"]["overlong"]) == over
+    assert sorted(ds.sample_ids) == sorted(set(lengths) - set(over)) and max(ds.lengths) == edge
+    assert main(command) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["written_samples"] == 0 and again["skipped"] == {}
+    assert again["total_skipped"] == {"overlong": len(over)}
 
 
 def test_device_map_with_several_processes_is_refused_in_one_line():

@@ -1,11 +1,13 @@
-"""The loader at scale: shard checksums read once per directory (not by every rank at every start), a changed
-shard still caught, features carried to the device in their storage dtype with the values float32 would hold,
-and DataLoader workers where CUDA is present."""
+"""The loader at scale: shard checksums read once per directory (not by every rank at every start; not at all for
+shards as their writer left them), a changed shard still caught, features carried to the device in their storage
+dtype with the values float32 would hold, and DataLoader workers where CUDA is present."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.store import file_stamp
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.train.arguments import loader_defaults
@@ -43,6 +46,7 @@ def _fresh(root, dtype, tmp_path):
 
 
 def test_shards_are_hashed_once_per_directory(root, tmp_path):
+    """A copy (new inodes: what its writer vouched for is not this file) is hashed by its first reader, once."""
     d = _fresh(root, "bf16", tmp_path)
     shards = len(FeatureDataset(d, verify="none").manifest["shards"])
     assert shards > 1
@@ -50,6 +54,12 @@ def test_shards_are_hashed_once_per_directory(root, tmp_path):
     assert (d / STAMP).is_file()
     assert FeatureDataset(d).hashed_shards == 0  # every later start, every other rank: sizes only
     assert FeatureDataset(d, verify="shard").hashed_shards == shards  # --verify-features always
+
+
+def test_shards_as_written_need_no_hashing(root):
+    """The writer hashed each shard's bytes before writing them: unchanged since, nothing is read again."""
+    ds = FeatureDataset(root / "bf16", split="all")
+    assert ds.hashed_shards == 0 and all("written" in s for s in ds.manifest["shards"])
 
 
 def test_a_shard_changed_after_verification_is_hashed_again_and_caught(root, tmp_path):
@@ -63,17 +73,33 @@ def test_a_shard_changed_after_verification_is_hashed_again_and_caught(root, tmp
         FeatureDataset(d)
 
 
-def test_what_once_cannot_see_always_does(root, tmp_path):
-    """A bit flip that keeps size and mtime (silent disk corruption) passes `once`: documented, and caught by
-    --verify-features always."""
+def test_a_rewrite_that_restores_the_mtime_is_caught_too(root, tmp_path):
+    """Written in place with its size and mtime put back: the ctime moved, so `once` hashes it again."""
     d = _fresh(root, "bf16", tmp_path)
     FeatureDataset(d)
+    time.sleep(0.05)  # past the filesystem's timestamp tick (the kernel's coarse clock)
     shard = d / "shard-r000-00000.safetensors"
     stat = shard.stat()
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ValueError, match="shard-r000-00000.safetensors is corrupt"):
+        FeatureDataset(d)
+
+
+def test_what_once_cannot_see_always_does(root, tmp_path):
+    """A change below the filesystem (a disk's bit rot) leaves every stat field alone: `once` trusts the record,
+    --verify-features always hashes and catches it. Simulated by recording the changed file's stat."""
+    d = _fresh(root, "bf16", tmp_path)
+    FeatureDataset(d)
+    shard = d / "shard-r000-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    record = json.loads((d / STAMP).read_text())
+    record["shards"][shard.name].update(file_stamp(shard))
+    (d / STAMP).write_text(json.dumps(record))
     assert FeatureDataset(d).hashed_shards == 0
     with pytest.raises(ValueError, match="shard-r000-00000.safetensors is corrupt"):
         FeatureDataset(d, verify="shard")

@@ -143,6 +143,66 @@ def test_a_hung_vllm_is_stopped_after_the_timeout(hanging_vllm_venv):
         os.kill(pid, 0)
 
 
+class StandInRun:
+    """VllmExtraction's stand-in: writes each prompt's states as vLLM's connector would ([T, 4, H]: the aux ids,
+    then id N before the final norm) from the verifier in this process; keeps every request it was given."""
+
+    runs: list[StandInRun] = []
+
+    def __init__(self, request, prompts, **_kwargs):
+        self.request, self.prompts = request, list(prompts)
+        self.result, self.peak_pending_bytes = {"vllm_version": "stand-in"}, 0
+        StandInRun.runs.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def records(self):
+        model, folder = StandInRun.model, Path(tempfile.mkdtemp(prefix="eagle3_standin_"))
+        for key, ids in self.prompts:
+            hs, pre = reference_states(model, torch.tensor(ids))
+            states = torch.stack([hs[i] for i in self.request["layer_ids"][:-1]] + [pre], dim=1)
+            path = folder / f"{key}.safetensors"
+            save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(path))
+            yield {"key": key, "path": str(path)}
+
+
+def test_samples_over_max_model_len_are_skipped_counted_and_never_sent(tmp_path, monkeypatch, capsys,
+                                                                        serveable_model, serveable_dir, fingerprint):
+    """`extract --engine vllm --max-model-len M`: vLLM refuses a prompt of M tokens or more, so such a sample is
+    skipped alone (counted in the summary and the manifest) and the rank extracts the others, vLLM started with
+    context M."""
+    import datasets
+
+    import eagle3_hf.engines.vllm_env as vllm_env
+
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda: "python")
+    monkeypatch.setattr(vllm_env, "VllmExtraction", StandInRun)
+    StandInRun.model, StandInRun.runs = serveable_model, []
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=8)
+    lengths = {r["id"]: len(r["input_ids"]) for r in datasets.load_from_disk(str(prepared))}
+    edge = sorted(lengths.values())[len(lengths) // 2]  # a sample of exactly M - 1 tokens is kept
+    over = sorted(i for i, n in lengths.items() if n > edge)
+    assert 0 < len(over) < len(lengths)
+    capsys.readouterr()
+    code = main(["extract", "--engine", "vllm", "--verifier", str(serveable_dir), "--data", str(prepared), "--output",
+                 str(tmp_path / "f"), "--max-model-len", str(edge + 1), "--samples-per-shard", "3", "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["skipped"] == {"overlong": len(over)} == summary["total_skipped"]
+    assert summary["written_samples"] == summary["total_samples"] == len(lengths) - len(over)
+    assert f"skipped {len(over)} samples of more than {edge} tokens" in captured.err
+    (run,) = StandInRun.runs
+    assert run.request["max_model_len"] == edge + 1 and max(len(ids) for _, ids in run.prompts) == edge
+    ds = FeatureDataset(tmp_path / "f", split="all")
+    assert sorted(ds.manifest["skipped_ids"]["overlong"]) == over
+    assert sorted(ds.sample_ids) == sorted(set(lengths) - set(over))
+
+
 # ---------------------------------------------------------------- slow: vLLM's CPU build against transformers
 
 
@@ -168,7 +228,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     assert 0 < summary["peak_temporary_bytes"] <= 16 * 40 * 4 * HIDDEN * 4 + 16 * 4096  # never more than 16 files
 
     # the same shard format: keys, dtypes, shards, checksums (FeatureDataset verifies every shard's sha256)
-    a, b = FeatureDataset(by_transformers, split="all"), FeatureDataset(by_vllm, split="all")
+    a, b = (FeatureDataset(d, split="all", verify="shard") for d in (by_transformers, by_vllm))
     assert b.manifest["source"] == "vllm" and a.manifest["source"] == "transformers"
     for key in ("verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype"):
         assert a.manifest[key] == b.manifest[key], key
@@ -220,6 +280,35 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
 
 
 @pytest.mark.slow
+def test_vllm_extracts_past_samples_longer_than_its_context(tmp_path, tokenizer, fingerprint):
+    """vLLM's CPU build with --max-model-len shorter than some samples: they are skipped and counted, the rank
+    finishes, and what it wrote equals the transformers route's features for the same command line."""
+    vllm_or_fail()
+    verifier = serveable_verifier()
+    vdir = tmp_path / "verifier"
+    verifier.save_pretrained(vdir)
+    tokenizer.save_pretrained(vdir)
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=6)
+    import datasets
+
+    lengths = sorted(len(r["input_ids"]) for r in datasets.load_from_disk(str(prepared)))
+    edge = lengths[len(lengths) // 2]
+    over = sum(n > edge for n in lengths)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    summaries = {}
+    for engine in ("vllm", "transformers"):
+        result = subprocess.run([EAGLE3_HF, "extract", "--engine", engine, "--verifier", str(vdir), "--data",
+                                 str(prepared), "--output", str(tmp_path / engine), "--max-model-len", str(edge + 1),
+                                 "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        summaries[engine] = json.loads(result.stdout.strip().splitlines()[-1])
+    for summary in summaries.values():
+        assert summary["total_skipped"] == {"overlong": over} and summary["total_samples"] == 6 - over
+    report = diff_features(tmp_path / "transformers", tmp_path / "vllm")
+    assert report["samples_compared"] == 6 - over and report["only_in_a"] == report["only_in_b"] == 0
+
+
+@pytest.mark.slow
 def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path, tokenizer, fingerprint):
     from tests.helpers.data import kill_after_shards
 
@@ -246,7 +335,7 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["resumed_past"] >= 4 and summary["total_samples"] == 12
     assert summary["written_samples"] == 12 - summary["resumed_past"]
-    b = FeatureDataset(out, split="all")  # every shard's checksum verified
+    b = FeatureDataset(out, split="all", verify="shard")  # every shard's checksum hashed
     assert sorted(b.sample_ids) == sorted(FeatureDataset(reference, split="all").sample_ids)
     assert len(set(b.sample_ids)) == 12
     report = diff_features(reference, out)

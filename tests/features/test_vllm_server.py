@@ -91,7 +91,6 @@ def test_a_misconfigured_or_failing_server_is_one_line_and_no_shard(tmp_path, se
 @pytest.mark.parametrize("stub_kwargs, message", [
     ({"root": "/models/another"}, "serves /models/another, not the verifier"),
     ({"layer_ids": [2, 3, 4, 6]}, "captures vLLM layer ids [2, 3, 4, 6]; this extraction needs [2, 4, 5, 6]"),
-    ({"max_model_len": 20}, "takes at most 20 tokens (its --max-model-len); the longest sample has"),
 ])
 def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_path, serveable_model, serveable_dir,
                                                                            prepared, stub_kwargs, message, capsys):
@@ -102,6 +101,28 @@ def test_a_server_for_something_else_is_refused_before_anything_is_written(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("server_len, flag, limit", [(20, [], 19), (512, ["--max-model-len", "25"], 24)])
+def test_samples_the_context_cannot_take_are_skipped_and_counted(tmp_path, serveable_model, serveable_dir, prepared,
+                                                                 capsys, server_len, flag, limit):
+    """The shorter of the server's context and --max-model-len bounds the samples, less the generated token: the
+    longer ones are skipped alone, counted in the summary and the manifest, and never sent."""
+    import datasets
+
+    lengths = {r["id"]: len(r["input_ids"]) for r in datasets.load_from_disk(str(prepared))}
+    over = sorted(i for i, n in lengths.items() if n > limit)
+    assert over and len(over) < len(lengths)
+    with CompletionsStub(serveable_model, str(serveable_dir), tmp_path / "storage", max_model_len=server_len) as stub:
+        assert extract(stub.url, serveable_dir, prepared, tmp_path / "f", *flag) == 0
+        assert stub.posts == len(lengths) - len(over)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["skipped"] == {"overlong": len(over)} and summary["max_sample_tokens"] == limit
+    assert f"skipped {len(over)} samples of more than {limit} tokens" in captured.err
+    ds = FeatureDataset(tmp_path / "f", split="all")
+    assert sorted(ds.manifest["skipped_ids"]["overlong"]) == over and ds.manifest["skipped"] == {"overlong": len(over)}
+    assert sorted(ds.sample_ids) == sorted(i for i in lengths if i not in over)
 
 
 def test_a_writer_that_never_finishes_times_out(tmp_path, serveable_model, serveable_dir, prepared, capsys):

@@ -157,3 +157,12 @@ def rows(path) -> dict[str, dict]:
         assert row["id"] not in out, f"duplicate {row['id']}"
         out[row["id"]] = row
     return out
+
+
+def manifest_without_stat(manifest: Path) -> dict:
+    """manifest.json without each shard's `written` stat (that file's own mtime, ctime and inode): what two
+    extractions of the same samples must agree on byte for byte."""
+    record = json.loads(Path(manifest).read_text())
+    for shard in record["shards"]:
+        assert set(shard.pop("written")) == {"mtime_ns", "ctime_ns", "ino"}
+    return record
