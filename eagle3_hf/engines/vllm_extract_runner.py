@@ -260,7 +260,8 @@ def run(request: dict) -> dict:
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     params = prefill_params()
     parent = os.getppid()
-    batch_size, max_pending = int(request.get("batch_size", 8)), int(request.get("max_pending", 32))
+    batch_size = int(request.get("batch_size", 8))
+    max_pending = int(2 * batch_size if request.get("max_pending") is None else request["max_pending"])
     done, generated, t0, generate_seconds = 0, 0, time.perf_counter(), 0.0
     with open(request["progress_file"], "a", encoding="utf-8") as progress:
         if request.get("generate"):

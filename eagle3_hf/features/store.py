@@ -107,6 +107,24 @@ def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def stored_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                  last_hidden_state: torch.Tensor, verifier_greedy: torch.Tensor, dtype: str
+                  ) -> dict[str, torch.Tensor]:
+    """One sample's tensors as a shard stores them (SAMPLE_KEYS, on the CPU): ids int32, mask uint8, the states
+    rounded to `dtype` ([T, 3H], [T, H]; states already in `dtype` are not copied), fp8's per-row scales."""
+    dtype = canonical_dtype(dtype)
+    rows = aux_hidden_states.shape[-1] // last_hidden_state.shape[-1]
+    aux, aux_scale = quantize(aux_hidden_states, rows, dtype)
+    last, last_scale = quantize(last_hidden_state, 1, dtype)
+    tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
+               "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
+               "last_hidden_state": last}
+    if aux_scale is not None and last_scale is not None:  # both or neither (the dtype decides)
+        tensors["aux_hidden_states_scale"] = aux_scale
+        tensors["last_hidden_state_scale"] = last_scale
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+
+
 # ---------------------------------------------------------------- header checks and journals
 
 def header_differs(existing: Mapping[str, Any], new: Mapping[str, Any], key: str) -> bool:
@@ -333,6 +351,7 @@ class ShardWriter:
         self._remove_uncommitted()
         self._pending: list[dict[str, torch.Tensor]] = []
         self._pending_ids: list[str] = []
+        self._pending_sha: list[str | None] = []
         self._pending_bytes = 0
         self._skipped: dict[str, list[str]] = {}
         self.skipped_counts: dict[str, int] = {}
@@ -355,27 +374,26 @@ class ShardWriter:
         if not (torch.isfinite(aux_hidden_states).all() and torch.isfinite(last_hidden_state).all()):
             self.skip(sample_id, "nan_or_inf")
             return False
-        rows = aux_hidden_states.shape[-1] // last_hidden_state.shape[-1]
-        aux, aux_scale = quantize(aux_hidden_states, rows, self.dtype)
-        last, last_scale = quantize(last_hidden_state, 1, self.dtype)
-        tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
-                   "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
-                   "last_hidden_state": last}
-        if aux_scale is not None and last_scale is not None:  # both or neither (the dtype decides)
-            tensors["aux_hidden_states_scale"] = aux_scale
-            tensors["last_hidden_state_scale"] = last_scale
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        self.add_stored(sample_id, stored_sample(input_ids, loss_mask, aux_hidden_states, last_hidden_state,
+                                                 verifier_greedy, self.dtype))
+        return True
+
+    def add_stored(self, sample_id: str, tensors: dict[str, torch.Tensor], sha256: str | None = None) -> None:
+        """Queue one sample already in its stored form (`stored_sample`, checked finite by the caller), with its
+        `sample_sha256` when the caller computed it (vLLM's readers do, in parallel; else the commit does)."""
+        if sample_id in self.done_ids:
+            raise ValueError(f"sample {sample_id!r} is already in {self.out_dir}")
         n = tensors["input_ids"].shape[0]
         for k, v in tensors.items():
             if v.shape[0] != n:
                 raise ValueError(f"sample {sample_id!r}: {k} has {v.shape[0]} rows, input_ids has {n}")
         self._pending.append(tensors)
         self._pending_ids.append(sample_id)
+        self._pending_sha.append(sha256)
         self._pending_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
         self.done_ids.add(sample_id)
         if len(self._pending) >= self.samples_per_shard or self._pending_bytes >= self.max_shard_bytes:
             self.flush()
-        return True
 
     def skip(self, sample_id: str, reason: str) -> None:
         """Record a sample that will not be written; it is journaled with the next shard and counted."""
@@ -387,10 +405,11 @@ class ShardWriter:
         """Hand the pending samples to the writer thread as one shard (waits for the previous shard first)."""
         if not self._pending and not self._skipped:
             return
-        job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped)
+        job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped,
+               self._pending_sha)
         if self._pending:
             self.next_idx += 1
-        self._pending, self._pending_ids, self._pending_bytes, self._skipped = [], [], 0, {}
+        self._pending, self._pending_ids, self._pending_sha, self._pending_bytes, self._skipped = [], [], [], 0, {}
         self.wait()
         self._future = self._pool.submit(self._commit, *job)
 
@@ -400,7 +419,7 @@ class ShardWriter:
             self._future = None
 
     def _commit(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
-                skipped: dict[str, list[str]]) -> None:
+                skipped: dict[str, list[str]], shas: list[str | None]) -> None:
         record: JournalRecord = {"shard": None, "samples": [], "skipped": skipped}
         if self._manifest_on_disk:
             (self.out_dir / MANIFEST).unlink(missing_ok=True)
@@ -416,10 +435,10 @@ class ShardWriter:
                 raise OSError(exc.errno, f"{exc.strerror or exc} while writing {self.out_dir / name}; the shards "
                               "before it are complete: rerun the same command to resume") from exc
             offset = 0
-            for sample_id, s in zip(ids, samples):
+            for sample_id, s, sha in zip(ids, samples, shas):
                 length = s["input_ids"].shape[0]
                 record["samples"].append({"id": sample_id, "shard": name, "offset": offset, "length": length,
-                                          "sha256": sample_sha256(s)})
+                                          "sha256": sha or sample_sha256(s)})
                 offset += length
             record["shard"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                                "num_samples": len(samples), "num_tokens": offset}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..data.prepared_format import open_prepared, prepared_lengths
-from .source import FeatureSource, PreparedSample
+from .source import FeatureSource, PreparedSample, SampleFeatures
 from .store import ShardWriter, dist_env, wait_and_merge
 
 if TYPE_CHECKING:
@@ -72,6 +72,15 @@ class PreparedRows(Sequence[PreparedSample]):
         return PreparedSample(self.ids[self.positions[k]], row["input_ids"].long(), row["loss_mask"])
 
 
+def add_features(writer: ShardWriter, feats: SampleFeatures) -> None:
+    """Queue one route's sample: as the route stored it where it did (SampleFeatures.stored), else rounded here."""
+    if feats.stored is not None:
+        writer.add_stored(feats.sample.sample_id, feats.stored, feats.stored_sha256)
+    else:
+        writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask, feats.aux_hidden_states,
+                   feats.last_hidden_state, feats.verifier_greedy)
+
+
 def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Path, out_dir: str | Path, *,
                    store: StoreOptions | None = None, rank: int | None = None, world_size: int | None = None,
                    progress: bool = True, desc: str = "extract",
@@ -105,8 +114,7 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
                 writer.skip(all_ids[i], "empty")
         if submit:
             for feats in source.states(PreparedRows(rows, all_ids, submit)):
-                writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
-                           feats.aux_hidden_states, feats.last_hidden_state, feats.verifier_greedy)
+                add_features(writer, feats)
                 bar.update(feats.sample.input_ids.numel())
                 bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
     finally:
