@@ -22,7 +22,9 @@ import json
 import os
 import re
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -312,16 +314,27 @@ def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, p
 
 # ---------------------------------------------------------------- the writer
 
+class _Turn:
+    """One commit's place in the journal's order: `done` once it has journaled or given up, `journaled` if it did."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.journaled = False
+
+
 class ShardWriter:
     """Accumulates samples into shards and commits each one durably (file, then journal line).
 
     One writer per rank. Opening a directory that already holds features checks that the header matches
     and exposes `done_ids` (samples written or skipped by any rank) so a restart continues where it stopped.
-    Shards are serialised in a background thread so the verifier keeps running while one is written.
+    Shards are serialised in a background thread so the verifier keeps running while one is written; with
+    `writers` > 1, that many shards are serialised, hashed and written at once (a source faster than one thread
+    can hash and write: vLLM's readers) and still journaled strictly in order, so a kill leaves the journaled
+    shards contiguous and the unjournaled files are removed at the restart, as with one.
     """
 
     def __init__(self, out_dir: str | Path, header: FeatureHeader, rank: int = 0, samples_per_shard: int = 64,
-                 max_shard_bytes: int = 1 << 30) -> None:
+                 max_shard_bytes: int = 1 << 30, writers: int = 1) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.header, self.rank = header, rank
@@ -356,8 +369,10 @@ class ShardWriter:
         self._skipped: dict[str, list[str]] = {}
         self.skipped_counts: dict[str, int] = {}
         self.written_samples = self.written_tokens = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-writer")
-        self._future: Future[None] | None = None
+        self._writers = max(1, int(writers))
+        self._pool = ThreadPoolExecutor(max_workers=self._writers, thread_name_prefix="eagle3-shard-writer")
+        self._futures: deque[Future[None]] = deque()  # commits submitted, oldest first
+        self._turn: _Turn | None = None  # the last submitted commit's
 
     def _remove_uncommitted(self) -> None:
         """Temp files and shards this rank wrote but never journaled (they will be rewritten identically)."""
@@ -402,7 +417,7 @@ class ShardWriter:
         self.done_ids.add(sample_id)
 
     def flush(self) -> None:
-        """Hand the pending samples to the writer thread as one shard (waits for the previous shard first)."""
+        """Hand the pending samples to a writer thread as one shard (waits while `writers` shards are in flight)."""
         if not self._pending and not self._skipped:
             return
         job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped,
@@ -410,17 +425,28 @@ class ShardWriter:
         if self._pending:
             self.next_idx += 1
         self._pending, self._pending_ids, self._pending_sha, self._pending_bytes, self._skipped = [], [], [], 0, {}
-        self.wait()
-        self._future = self._pool.submit(self._commit, *job)
+        while len(self._futures) >= self._writers:
+            self._futures.popleft().result()  # re-raises a failed write here
+        after, self._turn = self._turn, _Turn()
+        self._futures.append(self._pool.submit(self._commit, *job, after, self._turn))
 
     def wait(self) -> None:
-        if self._future is not None:
-            self._future.result()  # re-raises a failed write here
-            self._future = None
+        while self._futures:
+            self._futures.popleft().result()  # re-raises a failed write here
 
     def _commit(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
-                skipped: dict[str, list[str]], shas: list[str | None]) -> None:
+                skipped: dict[str, list[str]], shas: list[str | None], after: _Turn | None, turn: _Turn) -> None:
+        """Write one shard, then, once the commit before it has journaled (`after`), its journal line. After a
+        failed commit the later ones write their files but journal nothing: the journal never has a gap."""
+        try:
+            turn.journaled = self._write_and_journal(idx, samples, ids, skipped, shas, after)
+        finally:
+            turn.done.set()
+
+    def _write_and_journal(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
+                           skipped: dict[str, list[str]], shas: list[str | None], after: _Turn | None) -> bool:
         record: JournalRecord = {"shard": None, "samples": [], "skipped": skipped}
+        offset = 0
         if self._manifest_on_disk:
             (self.out_dir / MANIFEST).unlink(missing_ok=True)
             _fsync_dir(self.out_dir)
@@ -429,12 +455,12 @@ class ShardWriter:
             name = shard_name(self.rank, idx)
             tensors = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
             data = safetensors_save(tensors, metadata={"format": FORMAT})
+            del tensors  # several commits at once: hold the serialised bytes only
             try:
                 atomic_write_bytes(self.out_dir / name, data)
             except OSError as exc:
                 raise OSError(exc.errno, f"{exc.strerror or exc} while writing {self.out_dir / name}; the shards "
                               "before it are complete: rerun the same command to resume") from exc
-            offset = 0
             for sample_id, s, sha in zip(ids, samples, shas):
                 length = s["input_ids"].shape[0]
                 record["samples"].append({"id": sample_id, "shard": name, "offset": offset, "length": length,
@@ -442,12 +468,18 @@ class ShardWriter:
                 offset += length
             record["shard"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                                "num_samples": len(samples), "num_tokens": offset}
+        if after is not None:
+            after.done.wait()  # journal lines in shard order
+            if not after.journaled:
+                return False
+        if idx is not None:
             self.written_samples += len(samples)
             self.written_tokens += offset
         with open(self.journal, "ab") as f:
             f.write((json.dumps(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+        return True
 
     def close(self) -> None:
         """Commit everything pending and stop the writer thread."""

@@ -191,7 +191,7 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
            "chunk": GENERATE_CHUNK}
     request = dict(spec.request(max_model_len, batch_size, max_pending, engine), generate=gen, seed=seed)
     readers = default_readers() if readers is None else max(1, int(readers))
-    writer = ShardWriter(features_out, spec.header, rank=0, samples_per_shard=samples_per_shard)
+    writer = ShardWriter(features_out, spec.header, rank=0, samples_per_shard=samples_per_shard, writers=readers)
     start = time.perf_counter()
     summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
                                "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}

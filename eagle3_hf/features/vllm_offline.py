@@ -19,6 +19,7 @@ its own vLLM instance.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -348,5 +349,7 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
                           connector=connector, debug=debug, endpoint=endpoint, verifier=verifier,
                           vllm_storage=vllm_storage, readers=readers)
+    # as many shards written at once as samples read: one thread cannot hash and write what several read
+    store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
     return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
                           progress=progress, desc="extract vllm").as_dict()

@@ -29,10 +29,11 @@ MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journ
 
 @dataclass
 class StoreOptions:
-    """How the shards are cut."""
+    """How the shards are cut, and how many are written at once (ShardWriter's `writers`)."""
 
     samples_per_shard: int = 64
     max_shard_bytes: int = 1 << 30
+    writers: int = 1
 
 
 @dataclass
@@ -102,7 +103,7 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
 
     source.check([lengths[i] for i in mine])  # before anything is written, done samples included
     writer = ShardWriter(out_dir, source.identity.header(), rank=rank, samples_per_shard=store.samples_per_shard,
-                         max_shard_bytes=store.max_shard_bytes)
+                         max_shard_bytes=store.max_shard_bytes, writers=store.writers)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
     submit = [i for i in todo if lengths[i] > 0]
     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"{desc} r{rank}",

@@ -106,12 +106,13 @@ def files(out: Path) -> dict[str, str]:
 def test_shards_are_byte_identical_to_the_fp32_reader(tmp_path, tiny_verifier_dir, fingerprint, prepared,
                                                        file_dtype, dtype, readers):
     spec = spec_for(tiny_verifier_dir, fingerprint, dtype)
-    store = StoreOptions(samples_per_shard=3)
     before, after = tmp_path / "before", tmp_path / "after"
     old = ConnectorFiles(spec, tmp_path / "old_states", file_dtype, old=True)
     new = ConnectorFiles(spec, tmp_path / "new_states", file_dtype, readers=readers)
-    a = write_features(old, prepared, before, store=store, progress=False, merge_timeout_s=0)
-    b = write_features(new, prepared, after, store=store, progress=False, merge_timeout_s=0)
+    a = write_features(old, prepared, before, store=StoreOptions(samples_per_shard=3), progress=False,
+                       merge_timeout_s=0)
+    b = write_features(new, prepared, after, store=StoreOptions(samples_per_shard=3, writers=readers),
+                       progress=False, merge_timeout_s=0)  # as extract --engine vllm: a writer per reader
     assert a.written_samples == b.written_samples == 11 and a.written_tokens == b.written_tokens
     assert files(before) == files(after)  # shards, journal (per-sample and per-shard sha256) and manifest
     assert len([p for p in after.iterdir() if p.suffix == ".safetensors"]) == 4
@@ -121,7 +122,7 @@ def test_shards_are_byte_identical_to_the_fp32_reader(tmp_path, tiny_verifier_di
 def test_a_nan_stops_the_run_naming_the_sample_and_the_rerun_completes_it(tmp_path, tiny_verifier_dir, fingerprint,
                                                                           prepared):
     spec = spec_for(tiny_verifier_dir, fingerprint, "bf16")
-    store = StoreOptions(samples_per_shard=2)
+    store = StoreOptions(samples_per_shard=2, writers=3)
     out, clean = tmp_path / "out", tmp_path / "clean"
     bad = ConnectorFiles(spec, tmp_path / "bad_states", torch.bfloat16, readers=3, poison=["s006"])
     with pytest.raises(ValueError) as err:
