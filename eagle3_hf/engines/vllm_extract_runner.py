@@ -13,8 +13,9 @@ next to this file), whose write does not need CUDA.
 Request: {"verifier", "verifier_revision", "dtype", "max_model_len", "layer_ids" (ascending), "storage" (the
 connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "progress_file" (JSONL this
 runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
-runner waits before its next batch while more lie in storage), "engine" (vllm_args.py: tensor / pipeline parallel
-sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu" or "stock")}.
+runner waits before its next batch while more lie in storage; default 2 x batch_size), "engine" (vllm_args.py:
+tensor / pipeline parallel sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu"
+or "stock")}.
 The request file's directory is this run's own (VllmExtraction's temporary directory): a runner whose reader
 has exited (killed) removes it, files included, and stops at its next batch.
 Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",

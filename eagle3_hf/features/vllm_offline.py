@@ -10,7 +10,8 @@ own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `i
 (verifier/head.load_verifier_head, capture.greedy_tokens), on the accelerator when there is one (bf16 head,
 fp32 rescoring: verifier/greedy.py). Only the norm and the head are read from the checkpoint, never the body.
 vLLM's runner only writes files; each is checked (token ids, rows, layers, hidden size, finite), taken into a
-shard and deleted at once.
+shard and deleted at once, by several reader threads (`--vllm-readers`) that work in the file's dtype and hand
+the samples on in the engine's order.
 
 Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (write.write_features); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with

@@ -14,9 +14,9 @@ from typing import Any
 
 CAPTURED_STATES = 4  # the 3 aux layers + vLLM's id N, per token
 FILE_ELEMENT_BYTES = 2  # bf16, what vLLM computes in on a GPU
-# GB/s of connector files one reader thread turns into shard-ready samples: bench/vllm_reader.py's `reader_gbps_1`
-# (docs/results/vllm_reader.md: the 2-core machine there; a node's cores are not slower)
-READER_GBPS = 0.5
+# GB/s of connector files one reader thread turns into shard-ready samples: the lower of bench/vllm_reader.py's two
+# `reader_gbps_1` (docs/results/vllm_reader.md; measured with the final norm on the CPU, which a node runs on its GPU)
+READER_GBPS = 0.35
 
 
 def node_prefill_tokens_per_s(active_params: float, gpus: int, mfu: float, peak_tflops: float) -> float:
@@ -40,9 +40,8 @@ def reader_plan(hidden: int, node_tokens_per_s: float, extract_gpus: int = 8, gp
 
 def reader_lines(r: dict[str, Any]) -> list[str]:
     """The reader's two lines of `eagle3-hf plan`."""
-    return [f"  vLLM reader {r['file_bytes_per_token']:,} B/token of connector files ({CAPTURED_STATES} states x "
-            f"hidden, bf16); one reader thread takes {r['tokens_per_s_per_reader']:,.0f} tokens/s "
-            f"(--reader-gbps {r['reader_gbps']:g})",
+    return [f"  vLLM reader {r['file_bytes_per_token']:,} B/token of vLLM's files; one reader thread: "
+            f"{r['tokens_per_s_per_reader']:,.0f} tokens/s (--reader-gbps {r['reader_gbps']:g})",
             f"              {r['engines']} engine(s) x {r['gpus_per_engine']} GPU(s) at "
-            f"{r['tokens_per_s_per_engine']:,.0f} tokens/s each: extract --engine vllm --vllm-readers "
-            f"{r['readers_per_engine']} per engine ({r['readers_per_node']} threads per node)"]
+            f"{r['tokens_per_s_per_engine']:,.0f} tokens/s each: --vllm-readers {r['readers_per_engine']} per "
+            f"engine ({r['readers_per_node']} per node)"]

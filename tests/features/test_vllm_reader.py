@@ -143,3 +143,18 @@ def test_a_nan_stops_the_run_naming_the_sample_and_the_rerun_completes_it(tmp_pa
         x, y = got[got.sample_ids.index(sid)], want[want.sample_ids.index(sid)]
         for key in ("input_ids", "aux_hidden_states", "last_hidden_state", "verifier_greedy"):
             assert torch.equal(x[key], y[key]), (sid, key)
+
+
+@pytest.mark.parametrize("flag, value, message", [("--vllm-readers", "0", "--vllm-readers 0: must be at least 1"),
+                                                  ("--vllm-max-pending", "-1", "--vllm-max-pending -1: must be at "
+                                                                               "least 0")])
+def test_reader_options_out_of_range_are_one_line(tmp_path, capsys, tiny_verifier_dir, prepared, flag, value,
+                                                  message):
+    from eagle3_hf.cli import main
+
+    capsys.readouterr()
+    code = main(["extract", "--engine", "vllm", "--verifier", str(tiny_verifier_dir), "--data", str(prepared),
+                 "--output", str(tmp_path / "out"), flag, value])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err == f"error: {message}"
+    assert not (tmp_path / "out").exists()
