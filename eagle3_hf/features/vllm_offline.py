@@ -198,12 +198,16 @@ class VllmFeatureSpec:
         misconfigured server never leaves a shard behind."""
         from .ordered_pool import ordered_map
 
-        held: list[SampleFeatures] = []
-        def drop(record: dict[str, Any]) -> None:  # reported, never read: the reader would have deleted it
-            Path(record["path"]).unlink(missing_ok=True)
+        def drop(job: tuple[dict[str, Any], PreparedSample]) -> None:  # reported, never read: delete it as read
+            Path(job[0]["path"]).unlink(missing_ok=True)
 
-        for record, feats in ordered_map(lambda r: (r, self.read_sample(r, samples[int(r["key"])])), records,
-                                         readers, on_drop=drop):
+        def read(job: tuple[dict[str, Any], PreparedSample]) -> tuple[dict[str, Any], SampleFeatures]:
+            return job[0], self.read_sample(*job)
+
+        # the sample rows are read here, in this thread (a dataset's rows), the files by the readers
+        jobs = ((record, samples[int(record["key"])]) for record in records)
+        held: list[SampleFeatures] = []
+        for record, feats in ordered_map(read, jobs, readers, on_drop=drop):
             held.append(feats)
             if record.get("next_token") is not None and not self.vouched:
                 self.check_next_token(int(record["next_token"]), int(feats.verifier_greedy[-1]),
