@@ -77,10 +77,25 @@ def add_run_arguments(group: argparse._ArgumentGroup, unit: str, timeout_note: s
     """The knobs of a vLLM run this process drives (extract, regenerate): `unit`s per call, the stall limit, CPU
     threads."""
     group.add_argument("--vllm-batch-size", type=int, default=8, help=f"{unit} per vLLM call")
+    group.add_argument("--vllm-max-pending", type=int, default=None, metavar="N",
+                       help="files vLLM may have written and the readers not yet taken before it starts its next "
+                            "batch (default 2 x --vllm-batch-size; each file is one sample's [tokens, 4, hidden] "
+                            "states: the temporary disk peaks near N + batch files)")
+    group.add_argument("--vllm-readers", type=int, default=None, metavar="N",
+                       help="threads that read, check, map and checksum vLLM's files into shards (default min(4, "
+                            "CPUs); `eagle3-hf plan` says how many a node's engines need)")
     group.add_argument("--vllm-timeout", type=float, default=None,
                        help="seconds vLLM may go without finishing a batch, model load included, before it is "
                             f"stopped (default $EAGLE3_HF_VLLM_TIMEOUT_S or 4 h){timeout_note}")
     group.add_argument("--threads", type=int, default=1, help="vLLM's CPU threads")
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """One line for a run knob out of range (argparse's types take any int)."""
+    for flag, least in (("vllm_batch_size", 1), ("vllm_readers", 1), ("vllm_max_pending", 0)):
+        value = getattr(args, flag, None)
+        if value is not None and value < least:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be at least {least}")
 
 
 def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:

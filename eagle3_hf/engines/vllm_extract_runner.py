@@ -13,8 +13,9 @@ next to this file), whose write does not need CUDA.
 Request: {"verifier", "verifier_revision", "dtype", "max_model_len", "layer_ids" (ascending), "storage" (the
 connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "progress_file" (JSONL this
 runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
-runner waits before its next batch while more lie in storage), "engine" (vllm_args.py: tensor / pipeline parallel
-sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu" or "stock")}.
+runner waits before its next batch while more lie in storage; default 2 x batch_size), "engine" (vllm_args.py:
+tensor / pipeline parallel sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu"
+or "stock")}.
 The request file's directory is this run's own (VllmExtraction's temporary directory): a runner whose reader
 has exited (killed) removes it, files included, and stops at its next batch.
 Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",
@@ -260,7 +261,8 @@ def run(request: dict) -> dict:
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     params = prefill_params()
     parent = os.getppid()
-    batch_size, max_pending = int(request.get("batch_size", 8)), int(request.get("max_pending", 32))
+    batch_size = int(request.get("batch_size", 8))
+    max_pending = int(2 * batch_size if request.get("max_pending") is None else request["max_pending"])
     done, generated, t0, generate_seconds = 0, 0, time.perf_counter(), 0.0
     with open(request["progress_file"], "a", encoding="utf-8") as progress:
         if request.get("generate"):

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engines.vllm_args import add_engine_arguments, add_run_arguments, check_offline, engine_from_args
+from ..engines.vllm_args import (
+    add_engine_arguments,
+    add_run_arguments,
+    check_offline,
+    check_run_arguments,
+    engine_from_args,
+)
 from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
@@ -146,6 +152,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
     check_offline(engine_from_args(args))
+    check_run_arguments(args)
     fingerprint = data_fingerprint(args)
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
                                     dtype=args.features_dtype, store=StoreOptions(args.samples_per_shard,
@@ -153,7 +160,8 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
                                     verifier_name=args.verifier,
                                     verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
                                     max_model_len=args.max_model_len, engine=engine_from_args(args),
-                                    batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
+                                    batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending,
+                                    readers=args.vllm_readers, threads=args.threads, timeout=args.vllm_timeout,
                                     endpoint=args.endpoint, vllm_storage=args.vllm_storage,
                                     debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
                                     progress=not args.no_progress)

@@ -133,6 +133,10 @@ class SampleFeatures:
     aux_hidden_states: torch.Tensor  # [T, 3H]
     last_hidden_state: torch.Tensor  # [T, H], after the final norm
     verifier_greedy: torch.Tensor  # [T]
+    # what a route that prepares samples in parallel (vLLM's readers) already made of them: the tensors as a shard
+    # stores them (store.stored_sample, checked finite) and their sample_sha256, so the writer only queues them
+    stored: dict[str, torch.Tensor] | None = None
+    stored_sha256: str | None = None
 
 
 class FeatureSource(Protocol):

@@ -24,6 +24,7 @@ import re
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -116,6 +117,24 @@ def sample_sha256(tensors: dict[str, torch.Tensor]) -> str:
         if key in tensors:
             h.update(tensors[key].contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
+
+
+def stored_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                  last_hidden_state: torch.Tensor, verifier_greedy: torch.Tensor, dtype: str
+                  ) -> dict[str, torch.Tensor]:
+    """One sample's tensors as a shard stores them (SAMPLE_KEYS, on the CPU): ids int32, mask uint8, the states
+    rounded to `dtype` ([T, 3H], [T, H]; states already in `dtype` are not copied), fp8's per-row scales."""
+    dtype = canonical_dtype(dtype)
+    rows = aux_hidden_states.shape[-1] // last_hidden_state.shape[-1]
+    aux, aux_scale = quantize(aux_hidden_states, rows, dtype)
+    last, last_scale = quantize(last_hidden_state, 1, dtype)
+    tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
+               "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
+               "last_hidden_state": last}
+    if aux_scale is not None and last_scale is not None:  # both or neither (the dtype decides)
+        tensors["aux_hidden_states_scale"] = aux_scale
+        tensors["last_hidden_state_scale"] = last_scale
+    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
 
 # ---------------------------------------------------------------- header checks and journals
@@ -305,16 +324,27 @@ def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, p
 
 # ---------------------------------------------------------------- the writer
 
+class _Turn:
+    """One commit's place in the journal's order: `done` once it has journaled or given up, `journaled` if it did."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.journaled = False
+
+
 class ShardWriter:
     """Accumulates samples into shards and commits each one durably (file, then journal line).
 
     One writer per rank. Opening a directory that already holds features checks that the header matches
     and exposes `done_ids` (samples written or skipped by any rank) so a restart continues where it stopped.
-    Shards are serialised in a background thread so the verifier keeps running while one is written.
+    Shards are serialised in a background thread so the verifier keeps running while one is written; with
+    `writers` > 1, that many shards are serialised, hashed and written at once (a source faster than one thread
+    can hash and write: vLLM's readers) and still journaled strictly in order, so a kill leaves the journaled
+    shards contiguous and the unjournaled files are removed at the restart, as with one.
     """
 
     def __init__(self, out_dir: str | Path, header: FeatureHeader, rank: int = 0, samples_per_shard: int = 64,
-                 max_shard_bytes: int = 1 << 30) -> None:
+                 max_shard_bytes: int = 1 << 30, writers: int = 1) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.header, self.rank = header, rank
@@ -344,12 +374,15 @@ class ShardWriter:
         self._remove_uncommitted()
         self._pending: list[dict[str, torch.Tensor]] = []
         self._pending_ids: list[str] = []
+        self._pending_sha: list[str | None] = []
         self._pending_bytes = 0
         self._skipped: dict[str, list[str]] = {}
         self.skipped_counts: dict[str, int] = {}
         self.written_samples = self.written_tokens = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-writer")
-        self._future: Future[None] | None = None
+        self._writers = max(1, int(writers))
+        self._pool = ThreadPoolExecutor(max_workers=self._writers, thread_name_prefix="eagle3-shard-writer")
+        self._futures: deque[Future[None]] = deque()  # commits submitted, oldest first
+        self._turn: _Turn | None = None  # the last submitted commit's
 
     def _remove_uncommitted(self) -> None:
         """Temp files and shards this rank wrote but never journaled (they will be rewritten identically)."""
@@ -366,27 +399,26 @@ class ShardWriter:
         if not (torch.isfinite(aux_hidden_states).all() and torch.isfinite(last_hidden_state).all()):
             self.skip(sample_id, "nan_or_inf")
             return False
-        rows = aux_hidden_states.shape[-1] // last_hidden_state.shape[-1]
-        aux, aux_scale = quantize(aux_hidden_states, rows, self.dtype)
-        last, last_scale = quantize(last_hidden_state, 1, self.dtype)
-        tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
-                   "verifier_greedy": verifier_greedy.to(torch.int32), "aux_hidden_states": aux,
-                   "last_hidden_state": last}
-        if aux_scale is not None and last_scale is not None:  # both or neither (the dtype decides)
-            tensors["aux_hidden_states_scale"] = aux_scale
-            tensors["last_hidden_state_scale"] = last_scale
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        self.add_stored(sample_id, stored_sample(input_ids, loss_mask, aux_hidden_states, last_hidden_state,
+                                                 verifier_greedy, self.dtype))
+        return True
+
+    def add_stored(self, sample_id: str, tensors: dict[str, torch.Tensor], sha256: str | None = None) -> None:
+        """Queue one sample already in its stored form (`stored_sample`, checked finite by the caller), with its
+        `sample_sha256` when the caller computed it (vLLM's readers do, in parallel; else the commit does)."""
+        if sample_id in self.done_ids:
+            raise ValueError(f"sample {sample_id!r} is already in {self.out_dir}")
         n = tensors["input_ids"].shape[0]
         for k, v in tensors.items():
             if v.shape[0] != n:
                 raise ValueError(f"sample {sample_id!r}: {k} has {v.shape[0]} rows, input_ids has {n}")
         self._pending.append(tensors)
         self._pending_ids.append(sample_id)
+        self._pending_sha.append(sha256)
         self._pending_bytes += sum(v.numel() * v.element_size() for v in tensors.values())
         self.done_ids.add(sample_id)
         if len(self._pending) >= self.samples_per_shard or self._pending_bytes >= self.max_shard_bytes:
             self.flush()
-        return True
 
     def skip(self, sample_id: str, reason: str) -> None:
         """Record a sample that will not be written; it is journaled with the next shard and counted."""
@@ -395,24 +427,36 @@ class ShardWriter:
         self.done_ids.add(sample_id)
 
     def flush(self) -> None:
-        """Hand the pending samples to the writer thread as one shard (waits for the previous shard first)."""
+        """Hand the pending samples to a writer thread as one shard (waits while `writers` shards are in flight)."""
         if not self._pending and not self._skipped:
             return
-        job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped)
+        job = (self.next_idx if self._pending else None, self._pending, self._pending_ids, self._skipped,
+               self._pending_sha)
         if self._pending:
             self.next_idx += 1
-        self._pending, self._pending_ids, self._pending_bytes, self._skipped = [], [], 0, {}
-        self.wait()
-        self._future = self._pool.submit(self._commit, *job)
+        self._pending, self._pending_ids, self._pending_sha, self._pending_bytes, self._skipped = [], [], [], 0, {}
+        while len(self._futures) >= self._writers:
+            self._futures.popleft().result()  # re-raises a failed write here
+        after, self._turn = self._turn, _Turn()
+        self._futures.append(self._pool.submit(self._commit, *job, after, self._turn))
 
     def wait(self) -> None:
-        if self._future is not None:
-            self._future.result()  # re-raises a failed write here
-            self._future = None
+        while self._futures:
+            self._futures.popleft().result()  # re-raises a failed write here
 
     def _commit(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
-                skipped: dict[str, list[str]]) -> None:
+                skipped: dict[str, list[str]], shas: list[str | None], after: _Turn | None, turn: _Turn) -> None:
+        """Write one shard, then, once the commit before it has journaled (`after`), its journal line. After a
+        failed commit the later ones write their files but journal nothing: the journal never has a gap."""
+        try:
+            turn.journaled = self._write_and_journal(idx, samples, ids, skipped, shas, after)
+        finally:
+            turn.done.set()
+
+    def _write_and_journal(self, idx: int | None, samples: list[dict[str, torch.Tensor]], ids: list[str],
+                           skipped: dict[str, list[str]], shas: list[str | None], after: _Turn | None) -> bool:
         record: JournalRecord = {"shard": None, "samples": [], "skipped": skipped}
+        offset = 0
         if self._manifest_on_disk:
             (self.out_dir / MANIFEST).unlink(missing_ok=True)
             _fsync_dir(self.out_dir)
@@ -421,28 +465,34 @@ class ShardWriter:
             name = shard_name(self.rank, idx)
             tensors = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
             data = safetensors_save(tensors, metadata={"format": FORMAT})
+            del tensors  # several commits at once: hold the serialised bytes only
             try:
                 atomic_write_bytes(self.out_dir / name, data)
             except OSError as exc:
                 raise OSError(exc.errno, f"{exc.strerror or exc} while writing {self.out_dir / name}; the shards "
                               "before it are complete: rerun the same command to resume") from exc
-            offset = 0
-            for sample_id, s in zip(ids, samples):
+            for sample_id, s, sha in zip(ids, samples, shas):
                 length = s["input_ids"].shape[0]
                 record["samples"].append({"id": sample_id, "shard": name, "offset": offset, "length": length,
-                                          "sha256": sample_sha256(s)})
+                                          "sha256": sha or sample_sha256(s)})
                 offset += length
             # the stat of the file just renamed into place: a reader finding it unchanged need not hash it again
             stamp = file_stamp(self.out_dir / name)
             record["shard"] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                                "num_samples": len(samples), "num_tokens": offset,
                                "written": {k: stamp[k] for k in ("mtime_ns", "ctime_ns", "ino")}}
+        if after is not None:
+            after.done.wait()  # journal lines in shard order
+            if not after.journaled:
+                return False
+        if idx is not None:
             self.written_samples += len(samples)
             self.written_tokens += offset
         with open(self.journal, "ab") as f:
             f.write((json.dumps(record) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+        return True
 
     def close(self) -> None:
         """Commit everything pending and stop the writer thread."""

@@ -41,7 +41,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..data.regenerate import ConversationTurns, ConversationWriter, completed_ids
-from ..engines.vllm_args import add_engine_arguments, add_run_arguments, check_offline, engine_from_args
+from ..engines.vllm_args import (
+    add_engine_arguments,
+    add_run_arguments,
+    check_offline,
+    check_run_arguments,
+    engine_from_args,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -151,7 +157,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
                     max_seq_len: int | None = None, dtype: str = "bfloat16", aux_indices: Sequence[int] | None = None,
                     samples_per_shard: int = 64, vllm_dtype: str = "auto", max_model_len: int | None = None,
                     engine: dict[str, Any] | None = None, batch_size: int = 8, threads: int = 1,
-                    timeout: float | None = None, debug: bool = False, progress: bool = True) -> dict[str, Any]:
+                    timeout: float | None = None, debug: bool = False, progress: bool = True,
+                    max_pending: int | None = None, readers: int | None = None) -> dict[str, Any]:
     """Answers to `output`, features to `features_out`, the prepared dataset to `prepared_out`, all from one vLLM
     engine; resumes where a killed run stopped. Returns a summary."""
     from tqdm.auto import tqdm
@@ -162,8 +169,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
     from .store import ShardWriter, wait_and_merge
-    from .vllm_offline import VllmFeatureSpec
-    from .write import PreparedRows
+    from .vllm_offline import VllmFeatureSpec, default_readers
+    from .write import PreparedRows, add_features
 
     vllm_python()  # vLLM missing: one line, before anything is written
     output, features_out = Path(output), Path(features_out)
@@ -183,9 +190,10 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     eos = eos_ids(spec.path, tokenizer)
     gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stop_token_ids": eos,
            "chunk": GENERATE_CHUNK}
-    request = dict(spec.request(max_model_len, batch_size, 16, engine), generate=gen, seed=seed)
+    request = dict(spec.request(max_model_len, batch_size, max_pending, engine), generate=gen, seed=seed)
+    readers = default_readers() if readers is None else max(1, int(readers))
     header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer)})  # + the class that tokenized the data
-    writer = ShardWriter(features_out, header, rank=0, samples_per_shard=samples_per_shard)
+    writer = ShardWriter(features_out, header, rank=0, samples_per_shard=samples_per_shard, writers=readers)
     start = time.perf_counter()
     summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
                                "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
@@ -228,9 +236,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
                     bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True,
                                desc="regenerate vllm", disable=not progress, dynamic_ncols=True)
                     run.extract((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
-                    for feats in spec.features(run.records(), PreparedRows(rows, all_ids, submit)):
-                        writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
-                                   feats.aux_hidden_states, feats.last_hidden_state, feats.verifier_greedy)
+                    for feats in spec.features(run.records(), PreparedRows(rows, all_ids, submit), readers=readers):
+                        add_features(writer, feats)
                         bar.update(feats.sample.input_ids.numel())
                     result = run.result or {}
             finally:
@@ -306,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device:
         raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
     check_offline(engine_from_args(args))
+    check_run_arguments(args)
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     summary = regenerate_vllm(
@@ -314,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, max_turns=args.max_turns, max_seq_len=args.max_seq_len, dtype=args.features_dtype,
         aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.torch_dtype,
         max_model_len=args.max_model_len, engine=engine_from_args(args),
-        batch_size=args.vllm_batch_size, threads=args.threads, timeout=args.vllm_timeout,
+        batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, readers=args.vllm_readers,
+        threads=args.threads, timeout=args.vllm_timeout,
         debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"), progress=not args.no_progress)
     print(json.dumps(summary))
     print(f"regenerate --engine vllm: {summary.get('conversations', 0)} conversations answered, "

@@ -10,7 +10,8 @@ own `lm_head` (with its soft-cap) gives `verifier_greedy`: the same functions `i
 (verifier/head.load_verifier_head, capture.greedy_tokens), on the accelerator when there is one (bf16 head,
 fp32 rescoring: verifier/greedy.py). Only the norm and the head are read from the checkpoint, never the body.
 vLLM's runner only writes files; each is checked (token ids, rows, layers, hidden size, finite), taken into a
-shard and deleted at once.
+shard and deleted at once, by several reader threads (`--vllm-readers`) that work in the file's dtype and hand
+the samples on in the engine's order.
 
 Same shards, keys, dtypes, checksums, manifest and resumption as `extract` (write.write_features); the
 manifest's `source` is "vllm". Ranks (RANK / WORLD_SIZE) split the samples as `extract` does, each with
@@ -19,6 +20,7 @@ its own vLLM instance.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -68,7 +70,9 @@ def checkpoint_dtype(path: str | Path) -> str:
 
 def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer_ids: list[int],
                 hidden: int) -> torch.Tensor:
-    """One file vLLM's connector wrote -> its hidden_states [T, len(layer_ids), H] as float32, checked.
+    """One file vLLM's connector wrote -> its hidden_states [T, len(layer_ids), H] in the dtype vLLM wrote,
+    checked. The file is mapped, not copied (safetensors' own loader): its pages are read by the checks and
+    the copies that follow.
 
     ValueError (one line naming the file and the sample) when its token_ids are not the sample's, its rows
     differ from its token_ids (what prefix caching does, vLLM issue 44485), its layer or hidden size is not
@@ -81,6 +85,15 @@ def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"{path}: not a readable hidden-states file for sample {sample_id!r}: {exc}") from None
     return check_states(data, str(path), sample_id, input_ids, layer_ids, hidden)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value is finite, in one vectorised pass in `x`'s own dtype: the smallest and the largest
+    value are both finite exactly when all are (a NaN anywhere makes both NaN)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input_ids: torch.Tensor,
@@ -99,9 +112,10 @@ def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input
     if states.shape[1:] != (len(layer_ids), hidden):
         raise ValueError(f"{path}: hidden_states holds {states.shape[1]} layers x {states.shape[2]} for sample "
                          f"{sample_id!r}, expected {len(layer_ids)} (vLLM ids {layer_ids}) x hidden {hidden}")
-    states = states.float()
-    finite = torch.isfinite(states).all(dim=(0, 2))
-    if not finite.all():
+    if not states.is_floating_point():
+        raise ValueError(f"{path}: hidden_states is {states.dtype}, not floating point (sample {sample_id!r})")
+    if not all_finite(states):  # only now, to name them: which layers
+        finite = torch.isfinite(states).all(dim=2).all(dim=0)  # [layers]
         bad = [layer_ids[j] for j in range(len(layer_ids)) if not finite[j]]
         raise ValueError(f"{path}: non-finite hidden states for sample {sample_id!r} at vLLM layer ids {bad}")
     return states
@@ -109,17 +123,31 @@ def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input
 
 @torch.no_grad()
 def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
-                         head: nn.Module, softcap: float | None) -> dict[str, torch.Tensor]:
-    """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order), last_hidden_state [T, H]
-    (the final norm applied once to vLLM's id N) and verifier_greedy [T], all on `states`' device. The norm and
+                         head: nn.Module, softcap: float | None, dtype: torch.dtype | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order; in `dtype`, default the states' own,
+    one copy), last_hidden_state [T, H] float32 (the final norm applied once to vLLM's id N; only that layer
+    is converted to float32, on the norm's device) and verifier_greedy [T], all on `states`' device. The norm and
     the head run where they live (load_verifier_head: the accelerator when there is one)."""
     slot = {lid: j for j, lid in enumerate(layer_ids)}
-    aux = torch.cat([states[:, slot[int(i)]] for i in aux_indices], dim=-1)
+    t, _, h = states.shape
+    aux = torch.empty(t, len(aux_indices), h, dtype=dtype or states.dtype, device=states.device)  # [T, 3, H]
+    for j, i in enumerate(aux_indices):
+        aux[:, j].copy_(states[:, slot[int(i)]])  # converts, where the storage dtype differs, in the same pass
     where = next(norm.parameters()).device
-    last = norm(states[:, slot[layer_ids[-1]]].to(where))  # vLLM's id N is before the final norm
+    last = norm(states[:, slot[layer_ids[-1]]].to(where).float())  # vLLM's id N is before the final norm
     greedy = greedy_tokens(head, last, softcap)
-    return {"aux_hidden_states": aux, "last_hidden_state": last.to(states.device),
+    return {"aux_hidden_states": aux.view(t, -1), "last_hidden_state": last.to(states.device),
             "verifier_greedy": greedy.to(states.device)}
+
+
+def default_readers() -> int:
+    """Reader threads per extraction process: min(4, the CPUs it may use)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 class VllmFeatureSpec:
@@ -151,35 +179,66 @@ class VllmFeatureSpec:
         self.header = self.identity.header()
         self.next_token_checks = self.next_token_agreements = 0  # a server's own tokens (check_next_token)
 
-    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int = 16,
+    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int | None = None,
                 engine: dict[str, Any] | None = None, connector: str = "auto") -> dict[str, Any]:
-        """The runner's request (vllm_extract_runner.py) for this verifier."""
+        """The runner's request (vllm_extract_runner.py) for this verifier. `max_pending` (default 2 x batch): the
+        runner starts its next batch only while at most that many files wait for the readers, so the engine
+        keeps prefilling while the readers are less than two batches behind."""
+        max_pending = 2 * batch_size if max_pending is None else max_pending
         return {"verifier": self.path, "verifier_revision": self.revision, "dtype": self.vllm_dtype,
                 "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,
                 "max_pending": max_pending, "engine": dict(engine or {}), "connector": connector}
 
-    def features(self, records: Iterable[dict[str, Any]], samples: Sequence[PreparedSample]
+    def features(self, records: Iterable[dict[str, Any]], samples: Sequence[PreparedSample], readers: int = 1
                  ) -> Iterator[SampleFeatures]:
-        """Each file vLLM reports -> checked, mapped, deleted, yielded (a kill before its shard's commit redoes
-        it). A record's key is its sample's place in `samples`. Records from a server carry its next token: the
-        first samples are held back until those tokens vouch for the layers (check_next_token, refuse_unvouched),
-        so that a misconfigured server never leaves a shard behind."""
+        """Each file vLLM reports -> read, checked, mapped, stored, hashed and deleted (`read_sample`) by one of
+        `readers` threads, yielded in the records' order (a kill before its shard's commit redoes it). A record's
+        key is its sample's place in `samples`. Records from a server carry its next token: the first samples are
+        held back until those tokens vouch for the layers (check_next_token, refuse_unvouched), so that a
+        misconfigured server never leaves a shard behind."""
+        from .ordered_pool import ordered_map
+
+        def drop(job: tuple[dict[str, Any], PreparedSample]) -> None:  # reported, never read: delete it as read
+            Path(job[0]["path"]).unlink(missing_ok=True)
+
+        def read(job: tuple[dict[str, Any], PreparedSample]) -> tuple[dict[str, Any], SampleFeatures]:
+            return job[0], self.read_sample(*job)
+
+        # the sample rows are read here, in this thread (a dataset's rows), the files by the readers
+        jobs = ((record, samples[int(record["key"])]) for record in records)
         held: list[SampleFeatures] = []
-        for record in records:
-            sample = samples[int(record["key"])]
-            states = read_states(record["path"], sample.sample_id, sample.input_ids, self.layer_ids, self.hidden)
-            feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap)
-            os.unlink(record["path"])
-            held.append(SampleFeatures(sample, feats["aux_hidden_states"], feats["last_hidden_state"],
-                                       feats["verifier_greedy"]))
+        for record, feats in ordered_map(read, jobs, readers, on_drop=drop):
+            held.append(feats)
             if record.get("next_token") is not None and not self.vouched:
-                self.check_next_token(int(record["next_token"]), int(feats["verifier_greedy"][-1]), sample.sample_id)
+                self.check_next_token(int(record["next_token"]), int(feats.verifier_greedy[-1]),
+                                      feats.sample.sample_id)
                 if not self.vouched:
                     continue
             yield from held
             held.clear()
         if held:  # fewer samples than PROBE from a server, none of whose next tokens agreed
             self.refuse_unvouched(held[-1].sample.sample_id)
+
+    def read_sample(self, record: dict[str, Any], sample: PreparedSample) -> SampleFeatures:
+        """One connector file -> the sample as a shard stores it, with its checksum; the file is deleted once
+        read. Works in the file's dtype: the aux states are copied once into the storage dtype, only vLLM's id N
+        goes to float32 (for the norm and the greedy head)."""
+        from .records import DTYPES
+        from .store import sample_sha256, stored_sample
+
+        states = read_states(record["path"], sample.sample_id, sample.input_ids, self.layer_ids, self.hidden)
+        dtype = self.identity.dtype
+        feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap,
+                                     dtype=None if dtype == "float8_e4m3fn" else DTYPES[dtype])
+        del states  # the file's mapping
+        os.unlink(record["path"])
+        out = SampleFeatures(sample, feats["aux_hidden_states"], feats["last_hidden_state"], feats["verifier_greedy"])
+        if not all_finite(feats["last_hidden_state"]):  # a broken norm: the writer skips it, counted, as before
+            return out
+        out.stored = stored_sample(sample.input_ids, sample.loss_mask, out.aux_hidden_states, out.last_hidden_state,
+                                   out.verifier_greedy, dtype)
+        out.stored_sha256 = sample_sha256(out.stored)
+        return out
 
     @property
     def vouched(self) -> bool:
@@ -215,14 +274,15 @@ class VllmFeatures:
     server started by `serve-vllm` (`endpoint`; features/vllm_server.py), with `batch_size` requests in flight."""
 
     def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, engine: dict[str, Any] | None = None,
-                 batch_size: int = 8, max_pending: int = 16, threads: int = 1, timeout: float | None = None,
+                 batch_size: int = 8, max_pending: int | None = None, threads: int = 1, timeout: float | None = None,
                  connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = "",
-                 vllm_storage: str | None = None):
+                 vllm_storage: str | None = None, readers: int | None = None):
         self.spec, self.identity = spec, spec.identity
         self.max_model_len, self.engine = max_model_len, dict(engine or {})
         self.batch_size, self.max_pending, self.threads, self.timeout = batch_size, max_pending, threads, timeout
         self.connector, self.debug, self.endpoint, self.verifier = connector, debug, endpoint, verifier
         self.vllm_storage = vllm_storage  # the only directory whose files a server may name (vllm_server.py)
+        self.readers = default_readers() if readers is None else max(1, int(readers))
         self.served: dict[str, Any] | None = None
         self.result: dict[str, Any] = {}
         self.peak = 0
@@ -259,7 +319,7 @@ class VllmFeatures:
         else:
             run = VllmExtraction(request, prompts, threads=self.threads, debug=self.debug, timeout=self.timeout)
         with run:
-            yield from self.spec.features(run.records(), samples)
+            yield from self.spec.features(run.records(), samples, readers=self.readers)
             self.result = run.result or {}
             self.peak = run.peak_pending_bytes
 
@@ -267,7 +327,7 @@ class VllmFeatures:
         """The route's facts; "connector" is None from a server (its answers do not name it)."""
         out = {"engine": "vllm", "vllm_version": self.result.get("vllm_version"), "vllm_dtype": self.spec.vllm_dtype,
                "connector": self.result.get("connector"), "vllm_load_seconds": self.result.get("load_seconds"),
-               "peak_temporary_bytes": self.peak}
+               "peak_temporary_bytes": self.peak, "readers": self.readers}
         if self.endpoint is not None:
             spec = self.spec
             out.update(endpoint=self.endpoint,
@@ -280,10 +340,11 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           store: StoreOptions | None = None, verifier_name: str | None = None,
                           verifier_revision: str | None = None, vllm_dtype: str = "auto",
                           max_model_len: int | None = None, engine: dict[str, Any] | None = None, batch_size: int = 8,
-                          max_pending: int = 16, threads: int = 1, timeout: float | None = None,
+                          max_pending: int | None = None, threads: int = 1, timeout: float | None = None,
                           connector: str = "auto", debug: bool = False, progress: bool = True,
                           rank: int | None = None, world_size: int | None = None,
-                          endpoint: str | None = None, vllm_storage: str | None = None) -> dict[str, Any]:
+                          endpoint: str | None = None, vllm_storage: str | None = None,
+                          readers: int | None = None) -> dict[str, Any]:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict.
     With `endpoint`, a running vLLM OpenAI server computes them and no vLLM is needed here."""
     from ..engines.vllm_env import vllm_python
@@ -295,6 +356,8 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
     source = VllmFeatures(spec, max_model_len=max_model_len, engine=engine,
                           batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
                           connector=connector, debug=debug, endpoint=endpoint, verifier=verifier,
-                          vllm_storage=vllm_storage)
+                          vllm_storage=vllm_storage, readers=readers)
+    # as many shards written at once as samples read: one thread cannot hash and write what several read
+    store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
     return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
                           progress=progress, desc="extract vllm").as_dict()

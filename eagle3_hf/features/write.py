@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
-from .source import FeatureSource, PreparedSample
+from .source import FeatureSource, PreparedSample, SampleFeatures
 from .store import ShardWriter, dist_env, wait_and_merge
 
 if TYPE_CHECKING:
@@ -47,10 +47,11 @@ def sample_token_limit(max_model_len: int | None) -> int | None:
 
 @dataclass
 class StoreOptions:
-    """How the shards are cut."""
+    """How the shards are cut, and how many are written at once (ShardWriter's `writers`)."""
 
     samples_per_shard: int = 64
     max_shard_bytes: int = 1 << 30
+    writers: int = 1
 
 
 @dataclass
@@ -100,6 +101,15 @@ class PreparedRows(Sequence[PreparedSample]):
         return PreparedSample(self.ids[self.positions[k]], row["input_ids"].long(), row["loss_mask"])
 
 
+def add_features(writer: ShardWriter, feats: SampleFeatures) -> None:
+    """Queue one route's sample: as the route stored it where it did (SampleFeatures.stored), else rounded here."""
+    if feats.stored is not None:
+        writer.add_stored(feats.sample.sample_id, feats.stored, feats.stored_sha256)
+    else:
+        writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask, feats.aux_hidden_states,
+                   feats.last_hidden_state, feats.verifier_greedy)
+
+
 def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Path, out_dir: str | Path, *,
                    store: StoreOptions | None = None, rank: int | None = None, world_size: int | None = None,
                    progress: bool = True, desc: str = "extract",
@@ -123,7 +133,7 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
     header = source.identity.header()
     header.update(prepared_tokenizer(prepared))  # type: ignore[typeddict-item]  # the class that tokenized the data
     writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=store.samples_per_shard,
-                         max_shard_bytes=store.max_shard_bytes)
+                         max_shard_bytes=store.max_shard_bytes, writers=store.writers)
     todo = [i for i in mine if all_ids[i] not in writer.done_ids]
     skip = {i: skip_reason(lengths[i], limit) for i in todo}
     submit = [i for i in todo if skip[i] is None]
@@ -137,8 +147,7 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
                 writer.skip(all_ids[i], reason)
         if submit:
             for feats in source.states(PreparedRows(rows, all_ids, submit)):
-                writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask,
-                           feats.aux_hidden_states, feats.last_hidden_state, feats.verifier_greedy)
+                add_features(writer, feats)
                 bar.update(feats.sample.input_ids.numel())
                 bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
     finally:

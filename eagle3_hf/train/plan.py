@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import UsageError
+from .plan_reader import READER_GBPS, node_prefill_tokens_per_s, reader_lines, reader_plan
 
 if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
@@ -321,7 +322,8 @@ def zero3_gathered_bytes(config: Eagle3Config, ttt_steps: int, freeze_lm_head: b
 def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any], dataset_tokens: float | None, *,
                draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
                peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8,
-               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0) -> dict[str, Any]:
+               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0, gpus_per_engine: int = 1,
+               reader_gbps: float = READER_GBPS) -> dict[str, Any]:
     """Everything `eagle3-hf plan` prints, as a dict (the command formats it)."""
     from ..model.configuration_eagle3 import Eagle3Config
 
@@ -365,6 +367,8 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
         plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
                              "state, not two, for the hidden weights: an upper bound")
     verifier = verifier_params(text_cfg)
+    node_tps = extract_tokens_per_s or node_prefill_tokens_per_s(verifier["active"], extract_gpus, mfu, peak_tflops)
+    plan["reader"] = reader_plan(int(text_cfg["hidden_size"]), node_tps, extract_gpus, gpus_per_engine, reader_gbps)
     plan["verifier"] = {"layers": int(text_cfg["num_hidden_layers"]), "hidden_size": int(text_cfg["hidden_size"]),
                         "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()}}
     if dataset_tokens:
@@ -376,7 +380,7 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
         epochs = float(recipe.get("num_train_epochs", 1))
         per_token = feature_bytes_per_token(_sizes(config)[2], "bf16")
         # the extraction's budget: prefill tokens/s (given, or the FLOPs at MFU on extract_gpus) against the disk
-        tps = extract_tokens_per_s or extract_gpus * rate / (2 * verifier["active"])
+        tps = node_tps
         disk_tps = disk_gbps * 1e9 / per_token
         plan["extraction"] = {
             "tokens_per_s": tps, "tokens_per_s_from": "assumed, --extract-tokens-per-s" if extract_tokens_per_s
@@ -451,6 +455,7 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
     v = plan["verifier"]
     lines.append(f"  verifier    {v['layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}: "
                  f"{v['params_total'] / 1e9:.1f} B parameters, {v['params_active'] / 1e9:.1f} B active per token")
+    lines += reader_lines(plan["reader"]) if "reader" in plan else []
     if "data" in plan:
         x = plan["data"]
         lines += [
@@ -486,6 +491,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 989)")
     parser.add_argument("--extract-gpus", type=int, default=8, help="GPUs running the verifier for extraction")
+    parser.add_argument("--extract-gpus-per-engine", type=int, default=1,
+                        help="GPUs per vLLM engine (its tensor x pipeline parallel size: 8 for Kimi-K2.5, 1 for an "
+                             "8B model run as 8 replicas), for the readers each engine needs")
+    parser.add_argument("--reader-gbps", type=float, default=READER_GBPS,
+                        help="GB/s of vLLM's connector files one reader thread of `extract --engine vllm` takes "
+                             "(default: bench/vllm_reader.py's measurement, docs/results/vllm_reader.md)")
     parser.add_argument("--extract-tokens-per-s", type=float, default=None,
                         help="prefill tokens/s the extraction reaches, all its GPUs together (default: 2 x active "
                              "FLOPs per token at --mfu on --extract-gpus)")
@@ -505,7 +516,8 @@ def run(args: argparse.Namespace) -> int:
                       gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
                       mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=mean_document,
                       extract_gpus=args.extract_gpus, extract_tokens_per_s=args.extract_tokens_per_s,
-                      disk_gbps=args.disk_gbps)
+                      disk_gbps=args.disk_gbps, gpus_per_engine=args.extract_gpus_per_engine,
+                      reader_gbps=args.reader_gbps)
     title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
     print(format_plan(plan, title))
     if tokens is None:

@@ -67,10 +67,16 @@ def _config_value(top: dict[str, Any], text: dict[str, Any], key: str) -> Any:
     return text[key] if key in text else top.get(key)
 
 
+# RoPE settings as checkpoints publish them (Llama-3.1's "llama3", DeepSeek-V3's and Kimi's yarn `rope_scaling`): the
+# bare PretrainedConfig of transformers 5 cannot standardise them (it reads max_position_embeddings before setting
+# it: AttributeError), and neither the norm nor the head uses them
+ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+
 def _text_config_object(text: dict[str, Any]) -> Any:
     from transformers import PretrainedConfig
 
-    return PretrainedConfig(**text)
+    return PretrainedConfig(**{k: v for k, v in text.items() if k not in ROPE_KEYS})
 
 
 def load_verifier_head(verifier: PreTrainedModel | str | Path, revision: str | None = None,

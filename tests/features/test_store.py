@@ -168,3 +168,53 @@ def test_a_merge_that_stopped_waiting_says_n_of_m_and_a_resumed_writer_unmerges(
     assert len(wait_and_merge(out, [f"x{i}" for i in range(5)], timeout_s=0)["samples"]) == 5
     assert "missing_samples" not in load_manifest(out)
     capsys.readouterr()
+
+
+def test_several_writers_write_the_same_bytes_and_journal_in_order(tmp_path):
+    one, three = _write(tmp_path / "one", "bf16", n=7, per_shard=1), tmp_path / "three"
+    w = ShardWriter(three, _header("bf16"), samples_per_shard=1, writers=3)
+    for i in range(7):
+        w.add(f"x{i}", *_sample(20, i))
+    w.close()
+    merge_manifests(three)
+    for path in sorted(one.iterdir()):
+        assert path.read_bytes() == (three / path.name).read_bytes(), path.name
+
+
+def test_a_failed_commit_among_several_journals_nothing_after_it_and_the_rerun_completes(tmp_path, monkeypatch):
+    """Shard 2's write fails while 3 and 4 are written beside it: the journal keeps 0 and 1 only (no gap), the
+    files of 3 and 4 are removed at the restart, which writes the rest."""
+    import errno
+    import time
+
+    from eagle3_hf.features import store
+
+    real = store.atomic_write_bytes
+
+    def flaky(path, data):
+        if path.name.endswith("00001.safetensors"):
+            time.sleep(0.3)  # 2, 3 and 4 are in flight meanwhile
+        if path.name.endswith("00002.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(store, "atomic_write_bytes", flaky)
+    w = ShardWriter(tmp_path, _header("bf16"), samples_per_shard=1, writers=3)
+    with pytest.raises(OSError, match=r"shard-r000-00002.safetensors; the shards before it are complete"):
+        for i in range(6):
+            w.add(f"x{i}", *_sample(20, i))
+        w.close()
+    w._pool.shutdown(wait=True)
+    _header_line, records = read_journal(tmp_path / "manifest.r000.jsonl")
+    assert [r["shard"]["file"] for r in records] == ["shard-r000-00000.safetensors", "shard-r000-00001.safetensors"]
+    monkeypatch.setattr(store, "atomic_write_bytes", real)
+    again = ShardWriter(tmp_path, _header("bf16"), samples_per_shard=1, writers=3)
+    assert again.next_idx == 2 and again.done_ids == {"x0", "x1"}
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-r000-00000.safetensors",
+                                                                 "shard-r000-00001.safetensors"]
+    for i in range(2, 6):
+        again.add(f"x{i}", *_sample(20, i))
+    again.close()
+    merge_manifests(tmp_path)
+    ds = FeatureDataset(tmp_path, split="all", verify="sample")
+    assert sorted(ds.sample_ids) == [f"x{i}" for i in range(6)]

@@ -144,3 +144,21 @@ def test_extraction_budget_beside_training(capsys, tmp_path):
                       "20000", "--disk-gbps", "0.5")
     assert slow["extraction"]["bound"] == "disk"
     assert slow["extraction"]["hours"] == pytest.approx(17.3e6 * per_token / 0.5e9 / 3600)
+
+
+def test_the_vllm_readers_a_node_needs(capsys, tmp_path):
+    """One engine over 8 GPUs (Kimi) takes all the node's prefill through one process; 8 replicas split it."""
+    from eagle3_hf.train.plan_reader import reader_plan
+
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--extract-tokens-per-s",
+                       "40000", "--extract-gpus-per-engine", "8", "--reader-gbps", "0.5")
+    r = p["reader"]
+    assert rc == 0 and r["file_bytes_per_token"] == 4 * 7168 * 2 and r["engines"] == 1
+    assert r["tokens_per_s_per_reader"] == pytest.approx(0.5e9 / (4 * 7168 * 2))
+    assert r["tokens_per_s_per_engine"] == 40000
+    per = r["tokens_per_s_per_reader"]
+    assert (r["readers_per_engine"] - 1) * per < 40000 <= r["readers_per_engine"] * per  # the fewest that keep up
+    assert f"--vllm-readers {r['readers_per_engine']} per engine" in text
+    replicas = reader_plan(4096, 160000, extract_gpus=8, gpus_per_engine=1, reader_gbps=0.5)
+    assert replicas["engines"] == 8 and replicas["tokens_per_s_per_engine"] == 20000
+    assert replicas["readers_per_engine"] == 2 and replicas["readers_per_node"] == 16  # 15,259 tokens/s per reader

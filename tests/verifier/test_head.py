@@ -96,3 +96,25 @@ def test_kimi_style_hub_repo_fetches_only_the_heads_shard(hub, tmp_path, monkeyp
     x = torch.randn(5, HIDDEN)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
     assert torch.allclose(norm(x), ref)
+
+
+@pytest.mark.parametrize("published", ["llama31_8b_text_config.json", "kimi_k25_text_config.json"])
+def test_published_rope_scaling_configs_load(published, tmp_path):
+    """Llama-3.1's and Kimi-K2.5's config.json as published (their `rope_scaling`), with a small head."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    root = Path(__file__).resolve().parents[2]
+    config = json.loads((root / "examples/recipes" / published).read_text())
+    assert "rope_scaling" in config
+    hidden, vocab = int(config["hidden_size"]), 64
+    config["vocab_size"] = vocab
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weight = torch.rand(hidden) + 0.5
+    save_file({"model.norm.weight": weight, "lm_head.weight": torch.randn(vocab, hidden)},
+              tmp_path / "model.safetensors")
+    norm, head, loaded = load_verifier_head(tmp_path, device="cpu", dtype=torch.float32)
+    assert (loaded.hidden_size, loaded.num_hidden_layers) == (hidden, config["num_hidden_layers"])
+    assert loaded.max_position_embeddings == config["max_position_embeddings"]
+    assert torch.equal(norm.weight, weight) and head.weight.shape == (vocab, hidden)
