@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import UsageError
+from .shm import shm_plan, shm_plan_line
 
 if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
@@ -364,6 +365,8 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
     if recipe.get("hidden_optimizer", "adamw") != "adamw":
         plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
                              "state, not two, for the hidden weights: an upper bound")
+    ranks = max(1, launch.num_processes // max(1, launch.num_machines))
+    plan["shm"] = shm_plan(recipe, ranks, _sizes(config)[2])
     verifier = verifier_params(text_cfg)
     plan["verifier"] = {"layers": int(text_cfg["num_hidden_layers"]), "hidden_size": int(text_cfg["hidden_size"]),
                         "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()}}
@@ -466,6 +469,8 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
             f"  reading     {x['read_tokens_per_s_per_node'] / 1e3:,.0f} k tokens/s per node = "
             f"{x['read_bytes_per_s_per_node'] / 1e9:.2f} GB/s of bf16 features, for the GPUs never to wait",
         ]
+    if "shm" in plan:
+        lines.append(shm_plan_line(plan["shm"]))
     return "\n".join(lines)
 
 
