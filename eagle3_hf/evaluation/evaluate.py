@@ -324,6 +324,7 @@ def load_for_evaluation(args: argparse.Namespace):
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
+    prompts, name = load_prompts(args.prompts, args.num_prompts)  # first: a missing prompt set costs no model load
     cpu = args.device == "cpu" or (not args.device and not torch.cuda.is_available())
     dtype = default_dtype(args.torch_dtype, cpu)
     verifier, device = place_verifier(args, dtype)
@@ -336,7 +337,6 @@ def load_for_evaluation(args: argparse.Namespace):
     for warning in check_pair(verifier, drafter, tokenizer):  # before the embeddings: it names the mismatch
         print(f"WARNING: {warning}", file=sys.stderr)
     drafter.load_verifier_embeddings(verifier)
-    prompts, name = load_prompts(args.prompts, args.num_prompts)
     return verifier, drafter, tokenizer, prompts, name
 
 

@@ -230,6 +230,7 @@ def run_engine(args: argparse.Namespace) -> int:
                          "--data-parallel-size has nothing to spread; use --tensor-parallel-size (with "
                          "--enable-expert-parallel for a MoE verifier)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
+    prompts, name = load_prompts(args.prompts, args.num_prompts)  # then when the prompt set is missing
     cpu = vllm_args.on_cpu(args.vllm_device)
     layout, dtype = engine_layout(args.vllm_engines, cpu), default_dtype(args.torch_dtype, cpu)
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
@@ -239,7 +240,6 @@ def run_engine(args: argparse.Namespace) -> int:
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
-    prompts, name = load_prompts(args.prompts, args.num_prompts)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
     threads = torch.get_num_threads()
     # the context a prompt needs: itself, its answer and the drafts past the answer's end
