@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +17,10 @@ from eagle3_hf import cli
 from eagle3_hf.engines import vllm_args
 from eagle3_hf.evaluation import vllm_engine
 
-from tests.evaluation.test_vllm_engine import EAGLE3_HF, ROOT, fake_vllm_venv, served_pair  # noqa: F401
 from tests.helpers.vllm import vllm_or_fail
+
+ROOT = Path(__file__).resolve().parents[2]
+EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
 
 TOKENS = list(range(5, 13))  # 8 new tokens, equal with and without the drafter (greedy)
 RUN = {"outputs": [TOKENS], "seconds": [1.0], "margins": [[1.0] * 8]}
@@ -73,7 +77,7 @@ def test_the_shared_engine_group_reaches_vllm_as_named():
         "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 16384, "trust_remote_code": True}
 
 
-def test_on_a_gpu_bf16_and_one_engine_at_a_time(fake_vllm_venv, tiny_verifier_dir, drafter_dir, tmp_path,  # noqa: F811
+def test_on_a_gpu_bf16_and_one_engine_at_a_time(fake_vllm_venv, tiny_verifier_dir, drafter_dir, tmp_path,
                                                  monkeypatch, capsys):
     engines = FakeEngines()
     monkeypatch.setattr(vllm_args, "gpu_present", lambda: True)  # nvidia-smi lists a GPU
@@ -94,7 +98,7 @@ def test_on_a_gpu_bf16_and_one_engine_at_a_time(fake_vllm_venv, tiny_verifier_di
     assert summary["acceptance_length"] == pytest.approx(1 + 5 / 3) and summary["lossless"] is True
 
 
-def test_together_splits_the_memory(fake_vllm_venv, tiny_verifier_dir, drafter_dir, tmp_path,  # noqa: F811
+def test_together_splits_the_memory(fake_vllm_venv, tiny_verifier_dir, drafter_dir, tmp_path,
                                     monkeypatch, capsys):
     engines = FakeEngines()
     monkeypatch.setattr(vllm_args, "gpu_present", lambda: True)
@@ -106,7 +110,7 @@ def test_together_splits_the_memory(fake_vllm_venv, tiny_verifier_dir, drafter_d
     assert engines.most_at_once == 2 and request["engine"]["gpu_memory_utilization"] == 0.45
 
 
-def test_on_the_cpu_fp32_and_both_engines_in_one_process(fake_vllm_venv, tiny_verifier_dir, drafter_dir,  # noqa: F811
+def test_on_the_cpu_fp32_and_both_engines_in_one_process(fake_vllm_venv, tiny_verifier_dir, drafter_dir,
                                                          tmp_path, monkeypatch):
     engines = FakeEngines()
     monkeypatch.setattr(vllm_args, "gpu_present", lambda: False)
@@ -128,7 +132,7 @@ def test_data_parallel_is_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_one_engine_at_a_time_measures_what_both_together_measure(served_pair, tmp_path):  # noqa: F811
+def test_one_engine_at_a_time_measures_what_both_together_measure(served_pair, tmp_path):
     """vLLM's CPU build, the trained drafter: the plain and the speculative engine in two processes one after the
     other give the same tokens, the same accepted drafts at every step, and the same lossless verdict as both
     engines in one process (greedy decoding is deterministic there)."""
