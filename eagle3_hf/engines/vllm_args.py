@@ -1,6 +1,7 @@
 """vLLM's engine arguments, one set for every vLLM route: the argparse group the commands share (`extract --engine
-vllm`, `regenerate --engine vllm`, `serve-features`, `serve-vllm`), the request's "engine" dict, and how it becomes
-`vllm.LLM(...)` keyword arguments (the runners, in vLLM's venv) or the OpenAI server's flags (`serve-vllm`).
+vllm`, `regenerate --engine vllm`, `evaluate --engine vllm`, `serve-features`, `serve-vllm`), the request's
+"engine" dict, and how it becomes `vllm.LLM(...)` keyword arguments (the runners, in vLLM's venv) or the OpenAI
+server's flags (`serve-vllm`).
 
 Standard library only: the runners import it by path inside vLLM's venv. The names are vLLM's own (its
 `EngineArgs`, vllm/engine/arg_utils.py; the server's parser, vllm/entrypoints/openai/cli_args.py adds them through
@@ -64,9 +65,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = No
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="vLLM's context length (default: what the samples need offline: the longest sample "
-                            "+ 1, or the longest conversation + answers; a server: the verifier's "
-                            "max_position_embeddings). `extract` (either --engine) takes samples of at most this "
-                            "- 1 tokens (one position is the generated token) and skips and counts longer ones")
+                            "+ 1, or the longest conversation + answers; evaluate: the longest prompt + "
+                            "--max-new-tokens + --k + 1; a server: the verifier's max_position_embeddings). "
+                            "`extract` (either --engine) takes samples of at most this - 1 tokens (one position is "
+                            "the generated token) and skips and counts longer ones")
     group.add_argument("--vllm-device", choices=DEVICES, default="auto",
                        help="where vLLM runs: cuda (CUDA graphs, stock connector), cpu (enforce_eager, the project's "
                             "connector), auto: cuda when nvidia-smi lists a GPU here")

@@ -8,14 +8,17 @@ library and vllm: never eagle3_hf, whose torch and transformers pins differ from
 Request: {"verifier", "drafter" (path or repo id; null: plain decoding), "drafter_revision", "k",
 "prompts" (token ids per prompt, already rendered with the chat template), "max_new_tokens",
 "temperature", "seed", "dtype", "max_model_len", "warmup", "logprobs" (2: return top-2 gaps),
-"plain" (false: skip plain decoding)}.
+"plain" (false: skip plain decoding), "engine" (vllm_args.py: tensor / pipeline parallel sizes, expert parallel,
+memory, trust_remote_code; beside this file)}.
 Result: {"vllm_version", "plain": RUN, "spec": RUN (with a drafter)}, RUN = {"outputs" (token ids per
 prompt), "seconds" (per prompt), "load_seconds", "margins" (top-1 minus top-2 logprob per token, with
 logprobs), "spec" (per prompt: drafts, draft_tokens, accepted, accepted_per_pos from vLLM's own counters, and
 per_step_accepted / per_step_drafted from its per-request metrics)},
 or {"error": {"type", "message", "full_message", "traceback"}} with exit status 3.
-Prompts run one at a time (batch size 1, the latency speculative decoding is for), each prompt's plain and
-speculative runs back to back in alternating order, as `eagle3-hf evaluate` times them.
+Prompts run one at a time (batch size 1, the latency speculative decoding is for). With both engines in the
+request, each prompt's plain and speculative runs go back to back in alternating order, as `eagle3-hf evaluate`
+times them; a request for one engine (no drafter, or "plain": false) is how `evaluate` runs them one after the
+other, each process's exit freeing its engine's memory for the next.
 """
 
 from __future__ import annotations
@@ -79,16 +82,19 @@ def run(request: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_args import llm_kwargs  # this directory (the script's own, on sys.path)
 
+    engine = dict(request.get("engine") or {})
+    engine.setdefault("trust_remote_code", bool(request.get("trust_remote_code", False)))
     common = dict(model=request["verifier"], revision=request.get("verifier_revision"),
-                  dtype=request.get("dtype", "float32"), enforce_eager=_cpu(), disable_log_stats=False,
+                  dtype=request.get("dtype", "float32"), disable_log_stats=False,
                   seed=int(request.get("seed", 0)), max_model_len=int(request.get("max_model_len", 2048)),
-                  trust_remote_code=bool(request.get("trust_remote_code", False)))
+                  **llm_kwargs(engine, cpu=_cpu()))
     engines: dict[str, LLM] = {}
     load_seconds: dict[str, float] = {}
     modes = (["plain"] if request.get("plain", True) else []) + (["spec"] if request.get("drafter") else [])
-    for mode in modes:  # both engines live in this process (in-process engine core), so each prompt's
-        start = time.perf_counter()  # two runs are timed back to back under the same machine load
+    for mode in modes:  # both engines (when asked for) live in this process (in-process engine core), so each
+        start = time.perf_counter()  # prompt's two runs are timed back to back under the same machine load
         kwargs: dict[str, Any] = {}
         if mode == "spec":
             speculative: dict[str, Any] = {"method": "eagle3", "model": request["drafter"],

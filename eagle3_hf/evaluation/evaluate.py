@@ -13,6 +13,8 @@ import csv
 import json
 import shutil
 import sys
+import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -256,7 +258,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--torch-dtype", default="float32", help="verifier and drafter dtype (default: %(default)s)")
+    parser.add_argument("--device-map", default=None,
+                        help="auto (or balanced, sequential, a JSON map of module -> device): shard a verifier too "
+                             "big for one device over the devices of --max-memory instead of --device; the drafter "
+                             "sits with the verifier's first layers")
+    parser.add_argument("--max-memory", default=None,
+                        help="with --device-map: per-device budget, e.g. 0=130GiB,1=130GiB")
+    parser.add_argument("--offload-folder", default=None,
+                        help="with --device-map: where weights that fit no device go (default: a temporary folder)")
+    parser.add_argument("--torch-dtype", default=None,
+                        help="verifier and drafter dtype (default: bfloat16 on a GPU, float32 on the CPU, where the "
+                             "lossless check's ties are fp32 ties)")
     parser.add_argument("--output", required=True, help="directory for acceptance.csv and eagle3_evaluation.json")
     parser.add_argument("--write-to-drafter", action="store_true",
                         help="also copy eagle3_evaluation.json into the drafter directory (the model card reads it)")
@@ -271,22 +283,56 @@ def copy_to_drafter(path: Path, drafter: str) -> None:
         print(f"WARNING: --write-to-drafter ignored: {drafter} is not a local directory", file=sys.stderr)
 
 
+def default_dtype(requested: str | None, cpu: bool) -> str:
+    """--torch-dtype, or by default bfloat16 on a GPU (a verifier of a node's size has no room for float32) and
+    float32 on the CPU (the lossless check's ties are then fp32 ties, docs/contracts.md)."""
+    return requested or ("float32" if cpu else "bfloat16")
+
+
+def place_verifier(args: argparse.Namespace, dtype: str):
+    """The verifier loaded where the command says -> (verifier, the device its inputs and the drafter go to):
+    --device-map shards it over the devices (accelerate's dispatch, layers where --max-memory allows; the
+    decoders bring each captured aux state to the input's device), else it goes whole to --device (cuda if
+    available)."""
+    from ..features.extract import check_device_map_launch, parse_device_map, parse_max_memory
+    from ..verifier.loading import load_verifier
+
+    if (args.max_memory or args.offload_folder) and not args.device_map:
+        raise UsageError("--max-memory and --offload-folder need --device-map")
+    if args.device_map:
+        if args.device:
+            raise UsageError("--device-map places the verifier itself: drop --device")
+        check_device_map_launch(args.device_map)
+        kwargs: dict[str, Any] = {"device_map": parse_device_map(args.device_map)}
+        if args.max_memory:
+            kwargs["max_memory"] = parse_max_memory(args.max_memory)
+        offload = None if args.offload_folder else tempfile.TemporaryDirectory(prefix="eagle3_offload_")
+        kwargs["offload_folder"] = args.offload_folder or offload.name  # type: ignore[union-attr]
+        verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=dtype, **kwargs)
+        if offload is not None:  # the offloaded weights are read while the verifier lives
+            weakref.finalize(verifier, offload.cleanup)
+        return verifier, verifier.device  # the first parameter's device, where the decoders put their inputs
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=dtype)
+    return verifier.to(device), device  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
+
+
 def load_for_evaluation(args: argparse.Namespace):
     """(verifier, drafter, tokenizer, prompts, prompts name) from the command's arguments, checked: a drafter
     with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
     from ..data.prepare import use_chat_template
     from ..errors import NonFiniteError, describe_non_finite, non_finite_names
     from ..model.modeling_eagle3 import Eagle3DraftModel
-    from ..verifier.loading import load_tokenizer, load_verifier
+    from ..verifier.loading import load_tokenizer
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.torch_dtype)
-    verifier = verifier.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
+    prompts, name = load_prompts(args.prompts, args.num_prompts)  # first: a missing prompt set costs no model load
+    cpu = args.device == "cpu" or (not args.device and not torch.cuda.is_available())
+    dtype = default_dtype(args.torch_dtype, cpu)
+    verifier, device = place_verifier(args, dtype)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.torch_dtype,
-                                               device=device)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype, device=device)
     bad = non_finite_names(drafter.state_dict())
     if bad:  # τ and "lossless" of a NaN drafter would look fine: it drafts nothing the verifier accepts
         raise NonFiniteError(f"drafter {args.drafter}: {describe_non_finite(bad)}; refusing to evaluate "
@@ -294,7 +340,6 @@ def load_for_evaluation(args: argparse.Namespace):
     for warning in check_pair(verifier, drafter, tokenizer):  # before the embeddings: it names the mismatch
         print(f"WARNING: {warning}", file=sys.stderr)
     drafter.load_verifier_embeddings(verifier)
-    prompts, name = load_prompts(args.prompts, args.num_prompts)
     return verifier, drafter, tokenizer, prompts, name
 
 

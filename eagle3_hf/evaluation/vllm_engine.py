@@ -1,12 +1,16 @@
 """`eagle3-hf evaluate --engine vllm`: the drafter served by vLLM, beside our own decoder on the same prompts.
 
 The prompts are rendered with the verifier's chat template here, exactly as `evaluate` renders them, and
-passed to vLLM as token ids, so both engines read identical inputs. vLLM runs twice in its own venv
-(vllm_env.py): plain, then with the drafter (`speculative_config` method eagle3). τ and per-position
-acceptance come from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the
-lossless check compares token ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless
---skip-transformers, `evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed
-as one number: vLLM τ minus transformers τ.
+passed to vLLM as token ids, so both engines read identical inputs. vLLM runs in its own venv (vllm_env.py):
+plain, then with the drafter (`speculative_config` method eagle3), with the engine options every vLLM route takes
+(engines/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after the other,
+each in its own process, so the plain one has exited, its memory freed, before the speculative one loads: a
+verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
+and each prompt's two runs are timed back to back (`--vllm-engines` chooses). τ and per-position acceptance come
+from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the lossless check compares
+token ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless --skip-transformers,
+`evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed as one number: vLLM τ minus
+transformers τ.
 """
 
 from __future__ import annotations
@@ -15,22 +19,36 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
+from ..engines import vllm_args
 from ..engines.vllm_env import run_vllm
 from ..errors import UsageError
 
+VLLM_DEFAULT_MEMORY = 0.9  # vLLM's own default gpu_memory_utilization (vllm/engine/arg_utils.py)
+ENGINE_LAYOUTS = ("auto", "sequential", "together")
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags `evaluate` takes for engines other than its own decoder."""
+    """The flags `evaluate` takes for engines other than its own decoder: vLLM's shared engine group and how its
+    plain and speculative engines share the machine."""
     parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                         help="transformers: our in-process decoder; vllm: serve the drafter in vLLM (`make vllm`) "
                              "and print our decoder's τ beside it (default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true",
-                        help="--engine vllm: measure vLLM only (no train/serve gap)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="--engine vllm: vLLM's context length")
+                        help="--engine vllm: measure vLLM only (no train/serve gap; a verifier that only vLLM's "
+                             "tensor parallelism fits)")
+    group = vllm_args.add_engine_arguments(parser, "--engine vllm: vLLM's engine (passed to vLLM as named; "
+                                                   "vllm/engine/arg_utils.py)")
+    group.add_argument("--vllm-engines", choices=ENGINE_LAYOUTS, default="auto",
+                       help="sequential: the plain engine in its own process, which exits before the speculative one "
+                            "loads, so each may take --gpu-memory-utilization of every GPU; together: both in one "
+                            "process, each prompt's two runs timed back to back, each engine given half of "
+                            "--gpu-memory-utilization; auto: sequential on a GPU, together on the CPU (its KV cache "
+                            "is VLLM_CPU_KVCACHE_SPACE GiB per engine)")
 
 
 def _margins(run: dict, i: int, n: int) -> list[float]:
@@ -135,6 +153,50 @@ def format_vllm_summary(summary: dict[str, Any]) -> str:
     return text
 
 
+def engine_layout(choice: str, cpu: bool) -> str:
+    """--vllm-engines: "auto" is one engine at a time on a GPU (each takes what it needs of every GPU) and both in
+    one process on the CPU (timed prompt by prompt under the same machine load)."""
+    if choice not in ENGINE_LAYOUTS:
+        raise UsageError(f"--vllm-engines {choice!r}: expected one of {', '.join(ENGINE_LAYOUTS)}")
+    return ("together" if cpu else "sequential") if choice == "auto" else choice
+
+
+def split_memory(engine: dict[str, Any], engines: int) -> dict[str, Any]:
+    """The engine options for each of `engines` vLLM instances in one process: an equal share of
+    --gpu-memory-utilization (vLLM's default 0.9 when unset), vLLM's per-instance fraction of every GPU."""
+    share = float(engine.get("gpu_memory_utilization") or VLLM_DEFAULT_MEMORY) / engines
+    return dict(engine, gpu_memory_utilization=round(share, 4))
+
+
+def run_engines(request: dict[str, Any], drafter: str, revision: str | None, layout: str, cpu: bool,
+                runner: Callable[..., dict] | None = None, **runner_kwargs: Any) -> dict[str, Any]:
+    """vLLM's plain and speculative runs of `request`: {"vllm_version", "plain": RUN, "spec": RUN} (vllm_runner.py).
+
+    "sequential": two runner processes, the plain engine's finished (its process gone, and every GPU byte it held
+    with it) before the speculative engine's starts. "together": one process holding both engines, each given
+    half of the memory (on a GPU; the CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE). `runner`: one
+    process's run (default vllm_env.run_vllm).
+    """
+    runner = runner or run_vllm
+    spec_request = dict(request, drafter=drafter, drafter_revision=revision)
+    if layout == "together":
+        engine = dict(request.get("engine") or {})
+        return runner(dict(spec_request, engine=engine if cpu else split_memory(engine, 2)), **runner_kwargs)
+    plain = runner(dict(request, drafter=None, drafter_revision=None), **runner_kwargs)
+    spec = runner(dict(spec_request, plain=False), **runner_kwargs)
+    return {"vllm_version": spec.get("vllm_version"), "plain": plain["plain"], "spec": spec["spec"]}
+
+
+def layout_line(layout: str, engine: dict[str, Any], cpu: bool) -> str:
+    """What the terminal is told about how the two engines share the machine."""
+    if layout == "sequential":
+        return "one engine at a time (the plain one exits before the speculative one loads)"
+    if cpu:
+        return "both engines in one process"
+    return (f"both engines in one process, each given {split_memory(engine, 2)['gpu_memory_utilization']:g} of "
+            f"every GPU's memory")
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """`eagle3-hf evaluate --engine vllm`."""
     import torch
@@ -144,7 +206,15 @@ def run_engine(args: argparse.Namespace) -> int:
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
     from ..verifier.remote_code import trusted
-    from .evaluate import check_pair, copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
+    from .evaluate import (
+        check_pair,
+        copy_to_drafter,
+        default_dtype,
+        load_prompts,
+        prompt_turns,
+        render_prompt,
+        write_outputs,
+    )
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
@@ -154,35 +224,47 @@ def run_engine(args: argparse.Namespace) -> int:
         raise UsageError("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
     if getattr(args, "steps", None) not in (None, args.k):
         raise UsageError(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
+    engine = vllm_args.engine_from_args(args)
+    if int(engine.get("data_parallel_size") or 1) > 1:
+        raise UsageError("--engine vllm decodes one prompt at a time (the latency speculative decoding is for): "
+                         "--data-parallel-size has nothing to spread; use --tensor-parallel-size (with "
+                         "--enable-expert-parallel for a MoE verifier)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
+    prompts, name = load_prompts(args.prompts, args.num_prompts)  # then when the prompt set is missing
+    cpu = vllm_args.on_cpu(args.vllm_device)
+    layout, dtype = engine_layout(args.vllm_engines, cpu), default_dtype(args.torch_dtype, cpu)
     debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=args.torch_dtype)
+    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
-    prompts, name = load_prompts(args.prompts, args.num_prompts)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
     threads = torch.get_num_threads()
+    # the context a prompt needs: itself, its answer and the drafts past the answer's end
+    max_model_len = args.max_model_len or max(len(i) for i in ids) + args.max_new_tokens + args.k + 1
+    engine["trust_remote_code"] = trusted()
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-               "dtype": args.torch_dtype, "max_model_len": args.max_model_len, "k": args.k,
-               "logprobs": 2 if args.temperature <= 0 else None, "trust_remote_code": trusted()}
-    print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}) ...", file=sys.stderr)
-    result = run_vllm(dict(request, drafter=args.drafter, drafter_revision=args.revision), threads=threads, debug=debug)
+               "dtype": dtype, "max_model_len": max_model_len, "k": args.k,
+               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine}
+    print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}, {dtype}), "
+          f"{layout_line(layout, engine, cpu)} ...", file=sys.stderr)
+    result = run_engines(request, args.drafter, args.revision, layout, cpu, threads=threads, debug=debug)
     plain, spec = result["plain"], dict(result["spec"], vllm_version=result["vllm_version"])
     summary = summarize(plain, spec, args.k, args.temperature, args.max_new_tokens)
     summary.update(prompts=name, num_prompts=len(ids), max_new_tokens=args.max_new_tokens, verifier=args.verifier,
-                   drafter=args.drafter, threads=threads)
+                   drafter=args.drafter, threads=threads, dtype=dtype, engines=layout,
+                   vllm_engine=vllm_args.llm_kwargs(engine, cpu))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if not args.skip_transformers:
-        from ..verifier.loading import load_verifier
-        from .evaluate import evaluate_drafter
+        from .evaluate import evaluate_drafter, place_verifier
 
-        verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=args.torch_dtype)
+        verifier, device = place_verifier(args, dtype)  # after vLLM has exited: its GPUs are free again
+        drafter.to(device)
         drafter.load_verifier_embeddings(verifier)
         ours = evaluate_drafter(verifier, drafter, tokenizer, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed, prompts_name=name,

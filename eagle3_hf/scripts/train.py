@@ -37,6 +37,7 @@ from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
+from eagle3_hf.train.shm import check_at_start
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
 from eagle3_hf.train.training_data import (
     build_datasets,
@@ -48,7 +49,7 @@ from eagle3_hf.train.training_data import (
     warn_untrained_tails,
 )
 from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
-from eagle3_hf.verifier.family import logit_softcap
+from eagle3_hf.verifier.family import logit_softcap, text_config
 from eagle3_hf.verifier.loading import load_config, resolve_verifier
 from eagle3_hf.verifier.remote_code import set_trusted
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
     set_trusted(model_args.trust_remote_code)  # the verifier's own code: only with --trust-remote-code
     verifier = resolve_features_verifier(data_args, model_args)  # --verifier unset: the one the features name
     verifier_config = load_config(resolve_verifier(verifier), revision=model_args.verifier_revision)
+    # the node's /dev/shm against what its data-loader workers will hold, before a shard is read (a container's
+    # 64 MB default ends a run with "Bus error" at step 0): refused in one line saying what to change
+    check_at_start(args, data_args.features, data_args.max_seq_len, text_config(verifier_config).hidden_size,
+                   ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or 1), cuda=not args.use_cpu)
 
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.

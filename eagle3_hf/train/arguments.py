@@ -52,6 +52,11 @@ class Eagle3TrainingArguments(TrainingArguments):
                                           "document and step: less arithmetic, faster on a CPU), 'auto' (document "
                                           "on the CPU, row elsewhere)", "choices": ["auto", "row", "document"]}
     )
+    shm_check: str = field(
+        default="refuse", metadata={"help": "/dev/shm against what the data-loader workers need at peak "
+                                            "(eagle3_hf/train/shm.py), at start: refuse (one line saying what to "
+                                            "change), warn, or off", "choices": ["refuse", "warn", "off"]}
+    )
     load_best_model_at_end: bool | None = field(  # type: ignore[assignment]  # None: decided in __post_init__
         default=None, metadata={"help": "keep the checkpoint with the best --metric-for-best-model (simulated "
                                         "acceptance length) at the end; default: on wherever evaluation runs and the "

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import UsageError
 from .plan_reader import READER_GBPS, node_prefill_tokens_per_s, reader_lines, reader_plan
+from .shm import shm_plan, shm_plan_line
 
 if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
@@ -366,6 +367,8 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
     if recipe.get("hidden_optimizer", "adamw") != "adamw":
         plan["notes"].append(f"model states assume AdamW; hidden_optimizer {recipe['hidden_optimizer']} keeps one "
                              "state, not two, for the hidden weights: an upper bound")
+    ranks = max(1, launch.num_processes // max(1, launch.num_machines))
+    plan["shm"] = shm_plan(recipe, ranks, _sizes(config)[2])
     verifier = verifier_params(text_cfg)
     node_tps = extract_tokens_per_s or node_prefill_tokens_per_s(verifier["active"], extract_gpus, mfu, peak_tflops)
     plan["reader"] = reader_plan(int(text_cfg["hidden_size"]), node_tps, extract_gpus, gpus_per_engine, reader_gbps)
@@ -471,6 +474,8 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
             f"  reading     {x['read_tokens_per_s_per_node'] / 1e3:,.0f} k tokens/s per node = "
             f"{x['read_bytes_per_s_per_node'] / 1e9:.2f} GB/s of bf16 features, for the GPUs never to wait",
         ]
+    if "shm" in plan:
+        lines.append(shm_plan_line(plan["shm"]))
     return "\n".join(lines)
 
 

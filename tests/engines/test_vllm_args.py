@@ -13,7 +13,7 @@ from eagle3_hf import cli
 from eagle3_hf.engines import vllm_args
 from eagle3_hf.engines.vllm_env import vllm_venv
 
-VLLM_ROUTES = ("extract", "regenerate", "serve-features", "serve-vllm")
+VLLM_ROUTES = ("extract", "regenerate", "serve-features", "serve-vllm", "evaluate")
 ENGINE_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
                 "--enable-expert-parallel", "--gpu-memory-utilization", "--max-num-batched-tokens", "--max-model-len",
                 "--vllm-device")

@@ -14,77 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.cli import main
-from eagle3_hf.engines.vllm_env import STAMP, one_line
+from eagle3_hf.engines.vllm_env import one_line
 from eagle3_hf.evaluation.vllm_engine import compare_engines, cut_final_step
 
 from tests.helpers.vllm import vllm_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
-
-
-# ---------------------------------------------------------------- a verifier vLLM can serve, a drafter for it
-
-
-def chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    """A tiny Llama with the SmolLM2 vocabulary (so the real tokenizer and chat template render prompts) and
-    head_dim 64 (vLLM's CPU attention supports it): its lm_head row j is the embedding of j - 1, so its greedy
-    next token is mostly (token + 1), and attention and MLP outputs are damped but not silenced, so the
-    context still matters a little. A drafter learns it in seconds; a random one scores τ ≈ 1."""
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        embed = model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.copy_(torch.roll(embed, shifts=1, dims=0))
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    return model
-
-
-def trained_drafter(verifier, draft_vocab_size: int = 4096, steps: int = 60, ttt_steps: int = 3, seed: int = 0):
-    """A few Adam steps of the TTT objective on the verifier's greedy continuations of random prompts over
-    the first `draft_vocab_size` ids (the draft vocabulary: vLLM refuses d2t when it is the whole vocabulary)."""
-    from tests.helpers.drafters import random_drafter
-
-    drafter = random_drafter(verifier, draft_vocab_size=draft_vocab_size, seed=seed).train()
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
-    aux = drafter.config.aux_hidden_state_indices
-    for _ in range(steps):
-        ids = torch.randint(0, draft_vocab_size - 128, (4, 96), generator=g)  # as long as the served prompts
-        ids[:, 40:] = ids[:, 39:40] + torch.arange(1, 57)  # a prompt, then a chain like the verifier's answers
-        with torch.no_grad():
-            out = verifier(ids, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in aux], dim=-1)
-        greedy = out.logits.argmax(-1).clamp_max(draft_vocab_size - 1)  # kept ids are 0..N-1: draft id = id
-        result = drafter(ids, features, ttt_steps=ttt_steps)
-        loss = sum(0.8**i * torch.nn.functional.cross_entropy(logits[valid], torch.roll(greedy, -(1 + i), 1)[valid])
-                   for i, (logits, valid) in enumerate(zip(result.logits, result.step_valid)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
-@pytest.fixture(scope="module")
-def served_pair(tmp_path_factory, tokenizer):
-    """(verifier dir with the SmolLM2 tokenizer, trained drafter dir in the standard layout)."""
-    root = tmp_path_factory.mktemp("vllm_pair")
-    verifier = chain_verifier()
-    verifier.save_pretrained(root / "verifier")
-    tokenizer.save_pretrained(root / "verifier")
-    drafter = trained_drafter(verifier)
-    drafter.save_pretrained(root / "drafter")
-    return root / "verifier", root / "drafter"
 
 
 def evaluate_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -153,17 +91,6 @@ def test_compare_engines_tells_numerics_from_real_differences():
         {"tokens": [7, 8, 9], "accepted_per_step": [0, 0]}]}
     got = compare_engines(vllm, ours)
     assert got["prompt_agreement"] == ["equal", "numerics", "differ"] and got["gap"] == pytest.approx(0.25)
-
-
-@pytest.fixture
-def fake_vllm_venv(tmp_path, monkeypatch):
-    """A venv whose python is ours (no vllm inside): enough to reach the checks that precede vLLM itself."""
-    venv = tmp_path / "vllm-venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    (venv / STAMP).write_text("test")
-    monkeypatch.setenv("EAGLE3_HF_VLLM_VENV", str(venv))
-    return venv
 
 
 def test_vllm_missing_is_one_line(tmp_path, monkeypatch, capsys):
