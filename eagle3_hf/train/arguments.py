@@ -114,6 +114,10 @@ class ModelArguments:
                           "dataset's vocabulary and remap lm_head rows explicitly", "choices": ["source", "dataset"]},
     )
     attn_implementation: str = field(default="sdpa", metadata={"choices": ["sdpa", "eager", "flex_attention"]})
+    norm_before_residual: bool = field(
+        default=False, metadata={"help": "the layer's residual is the normed hidden state, hidden_norm(h), instead of "
+                                         "h (speculators' training default); vLLM serves it, SGLang does not "
+                                         "(eagle3-hf check)"})
     norm_before_fc: bool = field(
         default=False, metadata={"help": "EAGLE 3.1: one RMSNorm over the concatenated aux input before fc "
                                          "(input_norm.weight); vLLM serves it, SGLang does not (eagle3-hf check)"})
