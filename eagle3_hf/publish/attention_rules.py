@@ -28,15 +28,18 @@ EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
                               "no input_norm: input_norm.weight is refused at load",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.__init__, combine_hidden_states);"
                               " speculators layout: vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport(None, "no input_norm: load_weights skips names it has no parameter for, so "
-                                "input_norm.weight is dropped silently and fc reads un-normed features",
-                                "python/sglang/srt/models/llama_eagle3.py (as read after PR 24663)"),
+        "sglang": OptionSupport("0.5.17 (read in the 0.5.17 to 0.5.23 releases; eagle_config's key first, then the "
+                                "top level)", "no input_norm (0.5.15, 0.5.16 read): load_weights skips names it has "
+                                "no parameter for, so input_norm.weight is dropped silently and fc reads un-normed "
+                                "features",
+                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.__init__: input_norm; forward)"),
     },
     "fc_norm": {
         "vllm": OptionSupport("PR 42764 (May 2026)", "no fc_norm: fc_norm.* weights are refused at load",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.fc_norm, combine_hidden_states); "
                               "speculators layout: algos.py of 0.32.0"),
-        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm)", "no fc_norm: fc_norm.* weights are "
+        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm; in every release read, 0.5.15 to 0.5.23)",
+                                "no fc_norm: fc_norm.* weights are "
                                 "dropped silently and fc reads un-normed features",
                                 "python/sglang/srt/models/llama_eagle3.py (LlamaModel.fc_norm)"),
     },
@@ -46,8 +49,9 @@ EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
                               "state (the EAGLE 3.0 recurrence)",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.forward: aux_output); "
                               "vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport("PR 24663 (May 2026)", "the key is ignored silently: the next step reads the pre-norm "
-                                "state (the EAGLE 3.0 recurrence)",
+        "sglang": OptionSupport("PR 24663 (May 2026; in every release read, 0.5.15 to 0.5.23)",
+                                "the key is ignored silently: the next step reads the pre-norm state (the EAGLE 3.0 "
+                                "recurrence)",
                                 "python/sglang/srt/models/llama_eagle3.py (LlamaModel.forward: aux)"),
     },
 }

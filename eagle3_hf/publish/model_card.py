@@ -233,7 +233,7 @@ def _layer_facts(config: dict[str, Any]) -> list[str]:
     options = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if config.get(k)]
     facts = []
     if options:
-        sglang = "SGLang cannot (no input_norm)" if "norm_before_fc" in options else "SGLang since its PR 24663"
+        sglang = "SGLang since 0.5.17" if "norm_before_fc" in options else "SGLang since its PR 24663"
         facts.append(f"- EAGLE 3.1: {', '.join(f'`{o}`' for o in options)}; vLLM serves it, {sglang} "
                      "(`eagle3-hf check` names the versions)")
     if config.get("norm_before_residual"):
