@@ -42,7 +42,11 @@ class Eagle3Config(LlamaConfig):
         aux_hidden_state_indices (`list[int]`): verifier `output_hidden_states` indices the drafter reads.
             Written for vLLM as top-level `eagle_aux_hidden_state_layer_ids` and for SGLang (minus one) in
             `eagle_config`; see `engine_aux_layer_ids`.
-        norm_before_residual (`bool`, False): residual is the un-normed hidden (SGLang hard-codes this).
+        norm_before_residual (`bool`, False): the residual around the attention is `hidden_norm(h)` instead of the
+            un-normed `h` (trained with `--norm-before-residual`; speculators' training default). Written at the top
+            level of both layouts, where vLLM's `llama_eagle3.py` reads it (default false there; true for the
+            speculators layout when missing, `configs/speculators/algos.py`); SGLang hard-codes the un-normed
+            residual in every version read (docs/contracts.md), so such a drafter serves on vLLM only.
         norm_before_fc (`bool`, False): EAGLE 3.1, one RMSNorm over the concatenated 3 x target_hidden_size aux
             input before `fc` (weight `input_norm.weight`). vLLM reads it from `eagle_config` first, then the top
             level (`llama_eagle3.py`); speculators applies it in its eagle3 `core.py`. Excludes `fc_norm`.

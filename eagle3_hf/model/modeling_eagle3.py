@@ -61,7 +61,8 @@ class Eagle3Output(ModelOutput):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one layer. Input cat(input_layernorm(embed), hidden_norm(h)); residual = h."""
+    """The drafter's one layer. Input cat(input_layernorm(embed), hidden_norm(h)); residual = h, or hidden_norm(h)
+    with `norm_before_residual` (vLLM's `_norm_before_residual`)."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()

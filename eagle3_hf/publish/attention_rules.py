@@ -1,7 +1,7 @@
-"""The rules of `eagle3-hf check` for what the drafter's layer computes beyond EAGLE-3's: the EAGLE 3.1 options
-and a sliding attention window. Per engine, which versions read each one, with the engine file it was read from;
-an engine no version of which serves an option is an error for that engine, the versions before one that does a
-warning (they serve it with the wrong math, silently)."""
+"""The rules of `eagle3-hf check` for what the drafter's layer computes beyond EAGLE-3's: the normed residual
+(`norm_before_residual`), the EAGLE 3.1 options and a sliding attention window. Per engine, which versions read
+each one, with the engine file it was read from; an engine no version of which serves an option is an error for
+that engine, the versions before one that does a warning (they serve it with the wrong math, silently)."""
 
 from __future__ import annotations
 
@@ -28,15 +28,18 @@ EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
                               "no input_norm: input_norm.weight is refused at load",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.__init__, combine_hidden_states);"
                               " speculators layout: vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport(None, "no input_norm: load_weights skips names it has no parameter for, so "
-                                "input_norm.weight is dropped silently and fc reads un-normed features",
-                                "python/sglang/srt/models/llama_eagle3.py (as read after PR 24663)"),
+        "sglang": OptionSupport("0.5.17 (read in the 0.5.17 to 0.5.23 releases; eagle_config's key first, then the "
+                                "top level)", "no input_norm (0.5.15, 0.5.16 read): load_weights skips names it has "
+                                "no parameter for, so input_norm.weight is dropped silently and fc reads un-normed "
+                                "features",
+                                "python/sglang/srt/models/llama_eagle3.py (LlamaModel.__init__: input_norm; forward)"),
     },
     "fc_norm": {
         "vllm": OptionSupport("PR 42764 (May 2026)", "no fc_norm: fc_norm.* weights are refused at load",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.fc_norm, combine_hidden_states); "
                               "speculators layout: algos.py of 0.32.0"),
-        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm)", "no fc_norm: fc_norm.* weights are "
+        "sglang": OptionSupport("PR 24663 (May 2026; also as use_aux_norm; in every release read, 0.5.15 to 0.5.23)",
+                                "no fc_norm: fc_norm.* weights are "
                                 "dropped silently and fc reads un-normed features",
                                 "python/sglang/srt/models/llama_eagle3.py (LlamaModel.fc_norm)"),
     },
@@ -46,8 +49,9 @@ EAGLE31_SUPPORT: dict[str, dict[str, OptionSupport]] = {
                               "state (the EAGLE 3.0 recurrence)",
                               "vllm/model_executor/models/llama_eagle3.py (LlamaModel.forward: aux_output); "
                               "vllm/transformers_utils/configs/speculators/algos.py"),
-        "sglang": OptionSupport("PR 24663 (May 2026)", "the key is ignored silently: the next step reads the pre-norm "
-                                "state (the EAGLE 3.0 recurrence)",
+        "sglang": OptionSupport("PR 24663 (May 2026; in every release read, 0.5.15 to 0.5.23)",
+                                "the key is ignored silently: the next step reads the pre-norm state (the EAGLE 3.0 "
+                                "recurrence)",
                                 "python/sglang/srt/models/llama_eagle3.py (LlamaModel.forward: aux)"),
     },
 }
@@ -82,6 +86,38 @@ def check_eagle31(cfg: dict, rep: Report) -> None:
             else:
                 rep.add("warning", f"{option.replace('_', '-')}-versions", f"{option} is true: {engine} serves it "
                         f"since {support.since}; before that, {support.before} ({support.source})", (engine,))
+
+
+# ---------------------------------------------------------------- the normed residual: norm_before_residual
+
+RESIDUAL_SUPPORT: dict[str, OptionSupport] = {
+    "vllm": OptionSupport("0.32.0 (its installed source) and commit 00bd1493; earlier versions not read here",
+                          "not read here",
+                          "vllm/model_executor/models/llama_eagle3.py (LlamaDecoderLayer: _norm_before_residual when "
+                          "getattr(config, 'norm_before_residual', False)); speculators layout: "
+                          "vllm/transformers_utils/configs/speculators/algos.py (update_eagle3: true when missing)"),
+    "sglang": OptionSupport(None, "the key is read nowhere: the layer sets residual = hidden_states before "
+                            "hidden_norm, so the drafter serves with the un-normed residual, silently; read in the "
+                            "releases 0.5.15-0.5.18, 0.5.20, 0.5.22, 0.5.23 and commits 03d5a777, d737979c",
+                            "python/sglang/srt/models/llama_eagle3.py (LlamaDecoderLayer.forward)"),
+}
+
+
+def check_residual(cfg: dict, rep: Report) -> None:
+    """`norm_before_residual` true: an error for an engine no version of which computes it (SGLang serves the
+    un-normed residual), and for vLLM, which honours the key, a warning that it must match training: a drafter
+    trained with false and served with true ran at τ 1.03 instead of 1.36 in vLLM 0.32 (docs/contracts.md)."""
+    if not cfg.get("norm_before_residual"):
+        return
+    for engine, support in RESIDUAL_SUPPORT.items():
+        if support.since is None:
+            rep.add("error", "norm-before-residual", f"norm_before_residual is true: no {engine} version read here "
+                    f"serves it ({support.before}; {support.source})", (engine,))
+        else:
+            rep.add("warning", "norm-before-residual", f"norm_before_residual is true: {engine} {support.since} "
+                    "computes the residual from hidden_norm(h), right only if the drafter was trained so (`train "
+                    "--norm-before-residual`, speculators' default); trained with false and served so, a drafter ran "
+                    f"at τ 1.03 instead of 1.36 in vLLM 0.32 ({support.source})", (engine,))
 
 
 # ---------------------------------------------------------------- the sliding attention window

@@ -233,9 +233,13 @@ def _layer_facts(config: dict[str, Any]) -> list[str]:
     options = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if config.get(k)]
     facts = []
     if options:
-        sglang = "SGLang cannot (no input_norm)" if "norm_before_fc" in options else "SGLang since its PR 24663"
+        sglang = "SGLang since 0.5.17" if "norm_before_fc" in options else "SGLang since its PR 24663"
         facts.append(f"- EAGLE 3.1: {', '.join(f'`{o}`' for o in options)}; vLLM serves it, {sglang} "
                      "(`eagle3-hf check` names the versions)")
+    if config.get("norm_before_residual"):
+        facts.append("- the layer's residual is its normed input (`norm_before_residual`, speculators' training "
+                     "default): vLLM serves it; SGLang (every version read, to 0.5.23) adds the un-normed input and "
+                     "would serve it with the wrong math (`eagle3-hf check --engine sglang` refuses it)")
     if config.get("sliding_window") and "sliding_attention" in (config.get("layer_types") or []):
         facts.append(f"- sliding-window attention over the last {config['sliding_window']} tokens, trained and "
                      "served alike by vLLM; SGLang would attend to the whole context")

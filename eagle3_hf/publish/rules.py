@@ -9,7 +9,8 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
   skips anything else without a word (so `layers.0.*` and `model.lm_head.weight` are dropped); missing
   weights keep their random init. `d2t` becomes `hot_token_id = d2t + arange` (offsets). No
   `draft_vocab_size` -> lm_head is loaded from the verifier. `tie_word_embeddings` -> lm_head is the
-  embedding. The decoder layer hard-codes residual = un-normed hidden (`norm_before_residual` ignored).
+  embedding. The decoder layer hard-codes residual = un-normed hidden (`norm_before_residual` ignored in
+  every version read: `attention_rules.RESIDUAL_SUPPORT`).
   `set_embed` keeps the drafter's own embedding only when `target_hidden_size != hidden_size`.
 - SGLang target models (`python/sglang/srt/models/llama.py` `set_eagle3_layers_to_capture`) capture
   `id + 1` for each `eagle_config.eagle_aux_hidden_state_layer_ids` entry, i.e. the residual stream
@@ -54,7 +55,7 @@ from ..model.checkpoint import (
 )
 from ..verifier.family import aux_indices_problem, engine_config_problems
 from ..verifier.fit import drafter_misfits
-from .attention_rules import check_eagle31, check_window
+from .attention_rules import check_eagle31, check_residual, check_window
 from .report import ENGINES, Report
 
 if TYPE_CHECKING:
@@ -126,18 +127,12 @@ def check_config(cfg: dict, rep: Report, num_layers: int | None) -> None:
     if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
         rep.add("warning", "legacy-rope-scaling", f"rope_parameters uses {rope.get('rope_type')!r} scaling but "
                 "there is no legacy rope_scaling: older loaders apply plain RoPE")
-    if cfg.get("norm_before_residual"):
-        rep.add("error", "norm-before-residual", "norm_before_residual is true: SGLang ignores it and always "
-                "uses the un-normed hidden as residual, so this drafter serves with the wrong math there",
-                ("sglang",))
-        rep.add("warning", "norm-before-residual", "norm_before_residual is true: vLLM honours it (residual = the "
-                "normed hidden), right only if the drafter was trained that way; eagle3_hf trains with false, and a "
-                "drafter trained with false served this way ran at τ ≈ 1 in vLLM 0.32 (1.36 -> 1.03)", ("vllm",))
     t_hidden = cfg.get("target_hidden_size")
     if t_hidden is not None and t_hidden != cfg.get("hidden_size"):
         rep.add("warning", "target-hidden-size", f"target_hidden_size {t_hidden} != hidden_size "
                 f"{cfg.get('hidden_size')}: engines cannot share the verifier's embedding; the drafter must "
                 "carry its own trained embed_tokens")
+    check_residual(cfg, rep)
     check_eagle31(cfg, rep)
     check_window(cfg, rep)
     check_aux_ids(cfg, rep, num_layers)

@@ -119,9 +119,13 @@ class ModelArguments:
                           "dataset's vocabulary and remap lm_head rows explicitly", "choices": ["source", "dataset"]},
     )
     attn_implementation: str = field(default="sdpa", metadata={"choices": ["sdpa", "eager", "flex_attention"]})
+    norm_before_residual: bool = field(
+        default=False, metadata={"help": "the layer's residual is the normed hidden state, hidden_norm(h), instead of "
+                                         "h (speculators' training default); vLLM serves it, SGLang does not "
+                                         "(eagle3-hf check)"})
     norm_before_fc: bool = field(
         default=False, metadata={"help": "EAGLE 3.1: one RMSNorm over the concatenated aux input before fc "
-                                         "(input_norm.weight); vLLM serves it, SGLang does not (eagle3-hf check)"})
+                                         "(input_norm.weight); vLLM and SGLang 0.5.17+ serve it (eagle3-hf check)"})
     fc_norm: bool = field(
         default=False, metadata={"help": "EAGLE 3.1: one RMSNorm per aux state before fc (fc_norm.{i}.weight); "
                                          "excludes --norm-before-fc"})

@@ -50,7 +50,8 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
         verifier_name_or_path=model_args.verifier, verifier_revision=model_args.verifier_revision,
-        tokenizer_fingerprint=fingerprint, norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
+        tokenizer_fingerprint=fingerprint, norm_before_residual=model_args.norm_before_residual,
+        norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
         norm_output=model_args.norm_output, sliding_window=model_args.drafter_window,
         verifier_tokenizer_class=tokenizer_class,
     )
@@ -97,18 +98,26 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
 
 
 def refuse_other_recurrence(source_name: str, source: Eagle3Config, target: Eagle3Config) -> None:
-    """A source trained with other EAGLE 3.1 options computes another function (its fc input or its recurrence):
-    loading it into this run's drafter would train and serve it with the wrong math, silently. Refused in one
-    line that names the flags reproducing the source's options; no conversion is lossless (norm_output has no
-    weight to drop, and an added norm changes what fc reads)."""
-    theirs, ours = source.eagle31_options(), target.eagle31_options()
+    """A source trained with another residual (`norm_before_residual`) or other EAGLE 3.1 options computes another
+    function (its residual, its fc input or its recurrence): loading it into this run's drafter would train and
+    serve it with the wrong math, silently. Refused in one line that names the flags reproducing the source's
+    options; no conversion is lossless (norm_output and norm_before_residual have no weight to drop, and an added
+    norm changes what fc reads)."""
+    theirs, ours = layer_options(source), layer_options(target)
     if theirs == ours:
         return
     differ = ", ".join(f"{k} {theirs[k]} (this run {ours[k]})" for k in theirs if theirs[k] != ours[k])
     flags = " ".join(f"--{k.replace('_', '-')}" for k, on in theirs.items() if on) or "none of them"
-    raise ValueError(f"--finetune-from {source_name}: the source is EAGLE {source.eagle_version} and this run EAGLE "
-                     f"{target.eagle_version}: {differ}; pass {flags} of --norm-before-fc / --fc-norm / --norm-output "
-                     "to finetune it as it was trained, or train from scratch")
+    versions = (f"the source is EAGLE {source.eagle_version} and this run EAGLE {target.eagle_version}"
+                if source.eagle_version != target.eagle_version else f"source and run are EAGLE {source.eagle_version}")
+    raise ValueError(f"--finetune-from {source_name}: {versions}: {differ}; pass {flags} of --norm-before-residual / "
+                     "--norm-before-fc / --fc-norm / --norm-output to finetune it as it was trained, or train from "
+                     "scratch")
+
+
+def layer_options(config: Eagle3Config) -> dict[str, bool]:
+    """The options that change what the layer computes from the same weights: the residual and the EAGLE 3.1 three."""
+    return {"norm_before_residual": bool(config.norm_before_residual), **config.eagle31_options()}
 
 
 def finetune_advice(source_acc_0: float) -> str:

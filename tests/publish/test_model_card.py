@@ -69,5 +69,5 @@ def test_the_card_says_which_engines_serve_an_eagle31_or_windowed_layer(tmp_path
     finally:
         for key in ("norm_before_fc", "norm_output", "sliding_window", "layer_types"):
             CONFIG.pop(key)
-    assert "EAGLE 3.1: `norm_before_fc`, `norm_output`; vLLM serves it, SGLang cannot" in text
+    assert "EAGLE 3.1: `norm_before_fc`, `norm_output`; vLLM serves it, SGLang since 0.5.17" in text
     assert "sliding-window attention over the last 256 tokens" in text
