@@ -4,7 +4,6 @@ still one line naming the sample, and a run stopped by it resumes with nothing l
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from eagle3_hf.features.vllm_offline import VllmFeatureSpec
 from eagle3_hf.features.write import StoreOptions, write_features
 from eagle3_hf.verifier.capture import greedy_tokens
 
-from tests.helpers.data import make_prepared
+from tests.helpers.data import feature_files, make_prepared
 
 AUX = (5, 1, 3)  # given out of order: vLLM stores them ascending, the shard in this order
 
@@ -93,8 +92,8 @@ def spec_for(verifier: Path, fingerprint: str, dtype: str) -> VllmFeatureSpec:
 
 
 def files(out: Path) -> dict[str, str]:
-    """sha256 of every file of a feature directory (shards, journal, manifest)."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir()) if p.is_file()}
+    """sha256 of every file of a feature directory (shards, journal, manifest), each shard's `written` stat aside."""
+    return feature_files(out)
 
 
 @pytest.mark.parametrize("file_dtype, dtype, readers", [

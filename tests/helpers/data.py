@@ -166,3 +166,25 @@ def manifest_without_stat(manifest: Path) -> dict:
     for shard in record["shards"]:
         assert set(shard.pop("written")) == {"mtime_ns", "ctime_ns", "ino"}
     return record
+
+
+def feature_files(out: Path) -> dict[str, str]:
+    """sha256 of every file of a feature directory (shards, journals, manifest), the `written` stat of each shard
+    left out of the manifest and the journals: what two writers of the same samples must agree on."""
+    import hashlib
+
+    digests = {}
+    for path in sorted(Path(out).iterdir()):
+        if not path.is_file():
+            continue
+        if path.name == "manifest.json":
+            data = json.dumps(manifest_without_stat(path), sort_keys=True).encode()
+        elif path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            for row in rows:
+                (row.get("shard") or {}).pop("written", None)
+            data = json.dumps(rows, sort_keys=True).encode()
+        else:
+            data = path.read_bytes()
+        digests[path.name] = hashlib.sha256(data).hexdigest()
+    return digests
