@@ -100,16 +100,17 @@ class FeatureDataset(Dataset[dict[str, Any]]):
     verify: "once" (sizes on open; each shard's sha256 unless verify.py's record says this very file was checked
     already: the default), "shard" (sizes + sha256 of every shard on open), "sample" (sizes on open, each sample's
     sha256 when read) or "none" (sizes only). allow_partial: read an unfinished extraction's samples (with a
-    warning) instead of refusing it (store.load_manifest).
+    warning) instead of refusing it (store.load_manifest); node_part: read one node's part of a multi-node
+    extraction (a training run over every node's part).
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
                  verify: str = "once", max_tokens: int | None = None, subset_seed: int = 0,
-                 allow_partial: bool = False) -> None:
+                 allow_partial: bool = False, node_part: bool = False) -> None:
         if verify not in ("once", "shard", "sample", "none"):
             raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
-        self.manifest = load_manifest(self.features_dir, allow_partial)
+        self.manifest = load_manifest(self.features_dir, allow_partial, node_part)
         self.verify, self.split = verify, split
         self.hashed_shards = 0  # shards whose sha256 this open computed (verify.py)
         verifier = self.manifest["verifier"]

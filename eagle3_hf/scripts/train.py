@@ -36,6 +36,7 @@ from transformers.trainer_utils import IntervalStrategy
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
+from eagle3_hf.train.nodes import check_same_vocabulary, check_training_nodes, spread_over_nodes
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
 from eagle3_hf.train.training_data import (
@@ -65,12 +66,18 @@ def main(argv: list[str] | None = None) -> dict:
     verifier = resolve_features_verifier(data_args, model_args)  # --verifier unset: the one the features name
     verifier_config = load_config(resolve_verifier(verifier), revision=model_args.verifier_revision)
 
+    # Over several nodes, what must be shared is checked now, in one line (train/nodes.py): --output-dir (or
+    # --save_on_each_node), and --features (the same on every node, or with --per-node-features each node's part).
+    nodes = check_training_nodes(data_args, args)
+
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
     #    Each node's main process opens them first: it verifies the shards' checksums (once per directory, recorded
     #    beside the manifest), so the other ranks find them verified instead of each reading every shard again.
     with args.main_process_first(local=True, desc="verify features"):
-        features = build_datasets(data_args, model_args, verifier_config)
+        features = build_datasets(data_args, model_args, verifier_config, node_parts=bool(nodes and nodes.parts))
+    if nodes and nodes.parts:  # each node trains on its own part, every rank through the same number of batches
+        features.train, features.evals = spread_over_nodes(features.train, features.evals, nodes.layout, args)
     train, evals = features.train, features.evals
     if features.endpoint:  # CPU: workers keep the next requests in flight; GPU: the head runs there, in this process
         args.dataloader_num_workers = endpoint_loader_workers(args.dataloader_num_workers)
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
+    if nodes:
+        check_same_vocabulary(d2t, nodes.layout)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
                        "simulated τ is reported", data_args.validation_fraction)
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.load_verifier_embeddings(embed)
     model.attach_teacher(head, logit_softcap(verifier_config))
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
-                model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
+                model.num_trainable_parameters() / 1e6, train.stats["rows"], evals.stats["rows"], train.stats)
 
     # 5. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
     #    rest (accelerate / DeepSpeed, accumulation, checkpoints, best model by simulated τ) is transformers'.
@@ -119,12 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
         data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
-              "num_train_rows": len(train), "packing": train.stats},
+              "num_train_rows": train.stats["rows"], "packing": train.stats},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
                 "online": features.online},
     )
     summary["log_history"] = trainer.state.log_history
-    if trainer.is_world_process_zero():
+    if args.should_save:  # rank 0, or each node's first process with --save_on_each_node
         assert args.output_dir is not None  # parse_args refuses a run without --output-dir
         write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
     # 7. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at
