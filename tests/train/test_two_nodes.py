@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.data import make_prepared
-from tests.train.test_multinode import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def two_nodes(command: list[str] | None, per_node: list[list[str]], timeout: float = 300) -> list[tuple[int, str]]:
@@ -93,6 +99,7 @@ def test_two_nodes_without_a_shared_filesystem(tiny_verifier_dir, fingerprint, t
     # an output directory local to each node without --save_on_each_node: refused at launch in one line
     for n, (code, log) in enumerate(two_nodes(script, [train(0, "--per-node-features"),
                                                        train(1, "--per-node-features")])):
+        assert code != 0
         (line,) = error_lines(log)
         assert line.startswith(f"error: --output-dir {node[n] / 'run'} is not shared between nodes"), line
         assert "--save_on_each_node" in line, line
