@@ -9,6 +9,9 @@ file only calls this one). The same script runs in every setting; only the launc
     # 8 GPUs with DeepSpeed ZeRO-3 (configs in accelerate_configs/ and ds_configs/)
     accelerate launch --config_file accelerate_configs/8gpu_zero3.yaml examples/train.py \
         --config examples/recipes/kimi_k25_8gpu_zero3.yaml
+    # two nodes, data parallel (machine_rank 1 on the other; local disks: --per-node-features --save_on_each_node)
+    accelerate launch --config_file accelerate_configs/multinode_ddp_template.yaml --machine_rank 0 \
+        --main_process_ip HEAD examples/train.py --config examples/recipes/kimi_k25_8gpu_ddp.yaml
     # from an installed wheel, without the repository
     accelerate launch -m eagle3_hf.scripts.train --features feats/ --output-dir runs/drafter
     # from an existing drafter instead of from scratch (a directory or a Hub repo id, any layout)
