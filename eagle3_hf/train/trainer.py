@@ -84,7 +84,8 @@ class Eagle3Trainer(Trainer):
         """`--per-node-features`: each node reads its own part (train/nodes.py); else the Trainer's sampler."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         if isinstance(dataset, NodeRows):
-            return node_sampler(dataset, self._train_batch_size, True, self.args.data_seed or self.args.seed)
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return node_sampler(dataset, self._train_batch_size, True, seed)
         return super()._get_train_sampler(train_dataset)
 
     def _get_eval_sampler(self, eval_dataset: Dataset[Any]) -> Sampler[int] | None:
