@@ -74,8 +74,8 @@ def imported_top_levels(path: Path) -> set[str]:
 
 
 # bottom to top: a subpackage may import itself and those before it, never one after it
-LAYERS = ["constants", "errors", "engines", "verifier", "model", "publish", "demo_data", "data", "features", "train",
-          "decoding", "evaluation", "scripts", "cli"]
+LAYERS = ["constants", "errors", "nodes", "engines", "verifier", "model", "publish", "demo_data", "data", "features",
+          "train", "decoding", "evaluation", "scripts", "cli"]
 # the one upward edge: `Eagle3DraftModel.push_to_hub` (transformers' API, on the model) runs the publish step,
 # imported inside that method
 ALLOWED_UPWARD = {("eagle3_hf.model.modeling_eagle3", "eagle3_hf.publish.hub")}

@@ -3,7 +3,8 @@
 The pipeline's offline mode (docs/contracts.md). One verifier forward per sample (no padding, so a sample's features
 do not depend on its neighbours and a resumed run is bit-identical to an uninterrupted one). Under
 `torchrun` / `accelerate launch` each rank takes samples i with i % world_size == rank, writes its own
-shards and journal, and rank 0 merges all journals into manifest.json once every sample is accounted for.
+shards and journal, and rank 0 merges all journals into manifest.json once every sample is accounted for (over
+several nodes `--output` must be shared, or `--per-node-output` has each node merge its own part: write.py).
 Killed at any point, the same command resumes (write.py, store.py). The route itself is `TransformersFeatures`.
 """
 
@@ -33,7 +34,7 @@ from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .write import MERGE_TIMEOUT_S, StoreOptions, sample_token_limit, write_features
+from .write import MERGE_TIMEOUT_S, StoreOptions, check_output_shared, sample_token_limit, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -100,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="verifier revision (Hub)")
     parser.add_argument("--data", required=True, help="prepared dataset directory (from `eagle3-hf prepare`)")
     parser.add_argument("--output", required=True, help="feature directory (created, or resumed/appended)")
+    parser.add_argument("--per-node-output", action="store_true",
+                        help="over several nodes, where --output is a directory local to each node: each node "
+                             "merges its own ranks' shards into a node part, which `train --per-node-features` "
+                             "reads (default: --output must be shared by every node; checked at launch)")
     parser.add_argument("--aux-layers", default=None,
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3)")
     parser.add_argument("--features-dtype", default="bf16",
@@ -173,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from ..verifier.loading import load_verifier
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    check_output_shared(args.output, args.per_node_output)  # before a verifier is loaded
     if args.endpoint and args.engine != "vllm":
         raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
     if getattr(args, "engine", "transformers") == "vllm":

@@ -101,16 +101,17 @@ class FeatureDataset(Dataset[dict[str, Any]]):
     very file: the default), "shard" (sizes + sha256 of every shard on open), "sample" (sizes on open, each
     sample's sha256 when read) or "none" (sizes only; `verify_checksums` later, as training does once its cheap
     checks have passed). verify_threads: hashing threads (None: verify.default_threads). allow_partial: read an
-    unfinished extraction's samples (with a warning) instead of refusing it (store.load_manifest).
+    unfinished extraction's samples (with a warning) instead of refusing it (store.load_manifest); node_part: read
+    one node's part of a multi-node extraction (a training run over every node's part).
     """
 
     def __init__(self, features_dir: str | Path, split: str = "train", validation_fraction: float = 0.05,
                  verify: str = "once", max_tokens: int | None = None, subset_seed: int = 0,
-                 allow_partial: bool = False, verify_threads: int | None = None) -> None:
+                 allow_partial: bool = False, verify_threads: int | None = None, node_part: bool = False) -> None:
         if verify not in ("once", "shard", "sample", "none"):
             raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
-        self.manifest = load_manifest(self.features_dir, allow_partial)
+        self.manifest = load_manifest(self.features_dir, allow_partial, node_part)
         self.verify, self.split = verify, split
         self.hashed_shards = 0  # shards whose sha256 this open computed (verify.py)
         verifier = self.manifest["verifier"]

@@ -86,6 +86,17 @@ class Manifest(_ManifestFields, total=False):
 
     missing_samples: int  # samples no rank has written or skipped (a merge that stopped waiting)
     unfinished: bool  # in memory only: merged from the journals, no manifest.json
+    node_part: NodePart  # one node's ranks only (`extract --per-node-output` on a directory local to each node)
+
+
+class NodePart(TypedDict):
+    """manifest.json of one node's part of a multi-node extraction: which part, and of which dataset."""
+
+    node: int  # 0 .. nodes - 1
+    nodes: int
+    host: str
+    dataset_samples: int  # the prepared dataset's samples, over every node
+    dataset_ids_sha256: str  # sha256 of its sample ids, one per line: the parts of one dataset have the same
 
 
 def canonical_dtype(name: str) -> str:

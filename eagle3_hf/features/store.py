@@ -45,6 +45,7 @@ from .records import (
     FeatureHeader,
     JournalRecord,
     Manifest,
+    NodePart,
     SampleRecord,
     ShardRecord,
     canonical_dtype,
@@ -204,10 +205,12 @@ def journals(out_dir: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -> Manifest:
+def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0,
+                    node_part: NodePart | None = None) -> Manifest:
     """Merge every rank's journal into one manifest (shards in file-name order), written atomically. `missing`:
     samples of the dataset no rank has written or skipped yet (a merge that stopped waiting), recorded so that
-    readers refuse the manifest as unfinished (load_manifest)."""
+    readers refuse the manifest as unfinished (load_manifest). `node_part`: the journals are one node's ranks'
+    (a directory local to that node), recorded so that only a run over every node's part reads it."""
     out_dir = Path(out_dir)
     header: FeatureHeader | None = None
     shards: list[ShardRecord] = []
@@ -243,6 +246,8 @@ def merge_manifests(out_dir: str | Path, write: bool = True, missing: int = 0) -
                                "skipped_ids": {k: v for k, v in sorted(skipped.items())}})
     if missing:
         manifest["missing_samples"] = int(missing)
+    if node_part is not None:
+        manifest["node_part"] = node_part
     if write:
         atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
@@ -272,11 +277,26 @@ def read_manifest(features_dir: str | Path) -> Manifest:
     return manifest
 
 
-def load_manifest(features_dir: str | Path, allow_partial: bool = False) -> Manifest:
+def load_manifest(features_dir: str | Path, allow_partial: bool = False, node_part: bool = False) -> Manifest:
     """The manifest of a finished extraction. One that has not finished (no manifest.json, only the journals of a
     run still writing or stopped; or a manifest merged with samples missing) is part of the data: refused in one
-    line (PartialFeaturesError) unless `allow_partial`, which reads what is there and says how much on stderr."""
+    line (PartialFeaturesError) unless `allow_partial`, which reads what is there and says how much on stderr.
+    One node's part of a multi-node extraction is refused the same way unless `node_part` (a training run over
+    every node's part: train/nodes.py checks that the parts make the dataset)."""
     manifest = read_manifest(features_dir)
+    part = manifest.get("node_part")
+    if part and not node_part:
+        what = (f"node {part['node']}'s part of an extraction over {part['nodes']} nodes ({len(manifest['samples'])} "
+                f"of {part['dataset_samples']} samples)")
+        if not allow_partial:
+            raise PartialFeaturesError(
+                f"{features_dir}: {what}: train on all {part['nodes']} nodes with --per-node-features, or copy every "
+                "node's shard-* and manifest.r*.jsonl files into one directory and rerun the extract command there "
+                "in one process to merge them")
+        if str(features_dir) not in _warned_partial:
+            _warned_partial.add(str(features_dir))
+            print(f"[features] warning: {features_dir}: {what}: using this part only (--allow-partial-features)",
+                  file=sys.stderr)
     missing = int(manifest.get("missing_samples") or 0)
     if not manifest.get("unfinished") and not missing:
         return manifest
@@ -300,8 +320,10 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0) -> Manifest:
-    """Rank 0: merge once every sample of the dataset is written or skipped by some rank."""
+def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, poll_s: float = 2.0,
+                   node_part: NodePart | None = None) -> Manifest:
+    """Rank 0: merge once every sample of the dataset is written or skipped by some rank (with `node_part`: a
+    node's first process, once every sample of its node's ranks is)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     want = set(all_ids)
     told = False
@@ -314,7 +336,7 @@ def wait_and_merge(out_dir: Path, all_ids: list[str], timeout_s: float | None, p
             if not want <= done:
                 print(f"[extract] {len(want - done)} samples still missing after {timeout_s}s; writing a partial "
                       f"manifest (re-run the same command to finish and merge)", file=sys.stderr)
-            return merge_manifests(out_dir, write=True, missing=len(want - done))
+            return merge_manifests(out_dir, write=True, missing=len(want - done), node_part=node_part)
         if not told:
             print(f"[extract] rank 0 done; waiting for {len(want - done)} samples of the other ranks to merge "
                   f"{out_dir}/manifest.json", file=sys.stderr)

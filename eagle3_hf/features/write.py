@@ -12,10 +12,16 @@ One length rule for every route (`sample_token_limit`): with `--max-model-len M`
 tokens is extracted. vLLM needs that one free position (it refuses a prompt as long as its context, since it
 must generate a token), and the transformers route keeps the same samples so that both routes' directories hold
 the same ones for the same command line. A longer sample is skipped alone; the rank goes on.
+
+Over several nodes that merge reads every node's journals, so the output directory must be shared:
+`check_output_shared` says so at launch, or, with `--per-node-output` on directories local to each node, has
+each node's first process merge its own node's ranks into a node part (a manifest with `node_part`), which
+`train --per-node-features` reads on every node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Sequence
@@ -25,7 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import nodes
 from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
+from ..errors import UsageError
+from .records import NodePart
 from .source import FeatureSource, PreparedSample, SampleFeatures
 from .store import ShardWriter, dist_env, wait_and_merge
 
@@ -68,13 +77,16 @@ class ExtractionSummary:
     tokens_per_s: float | None
     route: dict[str, Any] = field(default_factory=dict)  # the source's own report (engine, version, load time)
     max_sample_tokens: int | None = None  # the longest sample this route takes (None: any)
-    total_samples: int | None = None  # rank 0, after the merge
+    total_samples: int | None = None  # rank 0 (a node's first process: its node's), after the merge
     total_skipped: dict[str, Any] | None = None
+    node_part: NodePart | None = None  # what a node's first process merged (--per-node-output)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "route"}
         if self.total_samples is None:
             del out["total_samples"], out["total_skipped"]
+        if self.node_part is None:
+            del out["node_part"]
         return {**self.route, **out}
 
 
@@ -165,7 +177,46 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
               f"{OVERLONG}", file=sys.stderr)
     if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if rank == 0:
+    layout = nodes.node_local(out_dir)
+    if layout is not None:  # a directory local to this node: its first process merges the node's ranks
+        if layout.local_rank == 0:
+            summary.node_part = node_part(layout, all_ids)
+            ranks = set(layout.node_ranks[layout.node])
+            node_ids = [sid for i, sid in enumerate(all_ids) if i % world_size in ranks]
+            manifest = wait_and_merge(out_dir, node_ids, merge_timeout_s, node_part=summary.node_part)
+            summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
+    elif rank == 0:
         manifest = wait_and_merge(out_dir, all_ids, merge_timeout_s)
         summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
     return summary
+
+
+def node_part(layout: nodes.NodeLayout, all_ids: list[str]) -> NodePart:
+    """The manifest's record of this node's part of the dataset `all_ids`."""
+    digest = hashlib.sha256("\n".join(all_ids).encode("utf-8")).hexdigest()
+    return NodePart(node=layout.node, nodes=layout.nodes, host=layout.host, dataset_samples=len(all_ids),
+                    dataset_ids_sha256=digest)
+
+
+def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
+    """At launch, before any verifier is loaded: over several nodes, rank 0's merge reads every node's journals,
+    so `out_dir` must be one directory for all of them. Not shared: refused in one line, or with `per_node`
+    (each node's own local directory) each node's first process merges its own node's ranks
+    (`write_features`). Shared, `per_node` changes nothing: rank 0 merges everything."""
+    if not nodes.multi_node():
+        return
+    with nodes.ProcessGroup():
+        layout = nodes.gather_layout()
+        views = nodes.check_shared(out_dir, layout)
+    seen = views[layout.rank]
+    if min(views) == layout.nodes:
+        return
+    if not per_node:
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "use a shared filesystem, or --per-node-output to have "
+            "each node merge its own ranks' shards into a node part (`train --per-node-features` reads the parts)"))
+    if max(views) > 1:  # some nodes share it, others do not: their node parts would overwrite one another
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "--per-node-output needs a directory local to each node "
+            "or one shared by all; some nodes share this one"))
+    nodes.remember_node_local(out_dir, layout)

@@ -403,6 +403,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         kwargs["state_dict"] = state_dict
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+        """Which process writes is the caller's `is_main_process`: the Trainer passes its `should_save` (rank 0, or
+        each node's first process with --save_on_each_node). transformers 5 also requires global rank 0, which left
+        every node but the first without weights under --save_on_each_node."""
+        return is_main_process
+
     @classmethod
     def from_pretrained(  # type: ignore[override]  # narrower than PreTrainedModel's: a path or repo id, no None
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,

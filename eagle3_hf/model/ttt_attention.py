@@ -153,16 +153,13 @@ class Eagle3Attention(nn.Module):
         if i == 0:
             return self.attend(q, k0, v0, mask)
         groups = heads // kv_heads
-        split = _kernel_dtype(q) not in (torch.float32, torch.float64)
-        acc = torch.float32 if split else q.dtype
-        width = 2 if split else 1  # dims per slot
-        extra = -(-width * i // 8) * 8  # head dims stay a multiple of 8 (flash kernels)
+        kernel = _kernel_dtype(q)
+        acc = q.dtype if kernel in (torch.float32, torch.float64) else torch.float32
         qg = q.view(batch, kv_heads, groups, n, head_dim).to(acc)
         scores = torch.stack([(qg * kd.to(acc).unsqueeze(2)).sum(-1) for kd in diag_keys], dim=-1)
         scores = scores.reshape(batch, heads, n, i)  # raw q_t . k_j[t]; the interface applies the scaling
-        if split:
-            hi = scores.to(torch.bfloat16 if _kernel_dtype(q) == torch.bfloat16 else torch.float16)
-            scores = torch.stack([hi, (scores - hi.to(acc)).to(hi.dtype)], dim=-1).reshape(batch, heads, n, 2 * i)
+        scores, width = score_slots(scores, kernel)  # [B, nh, n, width * i]: width dims per slot
+        extra = -(-width * i // 8) * 8  # head dims stay a multiple of 8 (flash kernels)
         dummy = i if mask is None else 0
         q_ext = F.pad(torch.cat([q, scores.to(q.dtype)], dim=-1), (0, extra - width * i, dummy, 0))
         slot = torch.arange(i, device=q.device)
@@ -178,6 +175,19 @@ class Eagle3Attention(nn.Module):
         diag_v = torch.stack(diag_values, dim=-1).transpose(1, 2).unsqueeze(3)  # [B, n, nkv, 1, hd, i]
         diag_v = diag_v.expand(batch, n, kv_heads, groups, head_dim, i).reshape(batch, n, heads, head_dim, i)
         return out[..., :head_dim] + (diag_v * probs.to(diag_v.dtype)).sum(-1)
+
+
+def score_slots(scores: torch.Tensor, kernel: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The diagonal scores [B, nh, n, i] as the virtual keys' slots carry them: as they are for an fp32 (fp64)
+    kernel (width 1); for a half-precision kernel each as a hi + lo pair of that dtype (width 2), hi the score
+    rounded and lo its remainder, which the kernel's fp32 dot product sums back to the fp32 score. Rounded to bf16
+    alone, a score of 100 would be off by up to 0.5: a factor e^0.5 on its softmax weight."""
+    if kernel in (torch.float32, torch.float64):
+        return scores, 1
+    half = torch.bfloat16 if kernel == torch.bfloat16 else torch.float16
+    hi = scores.to(half)
+    pair = torch.stack([hi, (scores - hi.to(scores.dtype)).to(half)], dim=-1)  # [B, nh, n, i, 2]
+    return pair.reshape(*scores.shape[:-1], 2 * scores.shape[-1]), 2
 
 
 def _kernel_dtype(q: torch.Tensor) -> torch.dtype:

@@ -9,6 +9,9 @@ file only calls this one). The same script runs in every setting; only the launc
     # 8 GPUs with DeepSpeed ZeRO-3 (configs in accelerate_configs/ and ds_configs/)
     accelerate launch --config_file accelerate_configs/8gpu_zero3.yaml examples/train.py \
         --config examples/recipes/kimi_k25_8gpu_zero3.yaml
+    # two nodes, data parallel (machine_rank 1 on the other; local disks: --per-node-features --save_on_each_node)
+    accelerate launch --config_file accelerate_configs/multinode_ddp_template.yaml --machine_rank 0 \
+        --main_process_ip HEAD examples/train.py --config examples/recipes/kimi_k25_8gpu_ddp.yaml
     # from an installed wheel, without the repository
     accelerate launch -m eagle3_hf.scripts.train --features feats/ --output-dir runs/drafter
     # from an existing drafter instead of from scratch (a directory or a Hub repo id, any layout)
@@ -36,6 +39,7 @@ from transformers.trainer_utils import IntervalStrategy
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
+from eagle3_hf.train.nodes import check_same_vocabulary, check_training_nodes, spread_over_nodes
 from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
 from eagle3_hf.train.shm import check_at_start
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
@@ -72,12 +76,20 @@ def main(argv: list[str] | None = None) -> dict:
     check_at_start(args, data_args.features, data_args.max_seq_len, text_config(verifier_config).hidden_size,
                    ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or 1), cuda=not args.use_cpu)
 
+    # Over several nodes, what must be shared is checked now, in one line (train/nodes.py): --output-dir (or
+    # --save_on_each_node), and --features (the same on every node, or with --per-node-features each node's part).
+    nodes = check_training_nodes(data_args, args)
+
     # 2. Datasets: samples packed into rows of --max-seq-len (several documents per row, attention kept within
     #    each), their features read from shards or computed while training (--features); the draft vocabulary.
     #    A feature directory is opened from its manifest and the shards' headers only: every refusal that needs
     #    no shard bytes (verifier, tokenizer, vocabulary, drafter) comes before its checksums (step 5).
     with args.main_process_first(local=True, desc="open features"):
-        features = build_datasets(data_args, model_args, verifier_config)
+        features = build_datasets(data_args, model_args, verifier_config, node_parts=bool(nodes and nodes.parts))
+    if args.process_index == 0:  # samples longer than the rows: extracted, stored, and their tails never trained on
+        warn_untrained_tails(features, data_args)
+    if nodes and nodes.parts:  # each node trains on its own part, every rank through the same number of batches
+        features.train, features.evals = spread_over_nodes(features.train, features.evals, nodes.layout, args)
     train, evals = features.train, features.evals
     if features.endpoint:  # CPU: workers keep the next requests in flight; GPU: the head runs there, in this process
         args.dataloader_num_workers = endpoint_loader_workers(args.dataloader_num_workers)
@@ -86,9 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dataloader_num_workers == 0:  # a DataLoader without workers takes neither
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
-    if args.process_index == 0:  # samples longer than the rows: extracted, stored, and their tails never trained on
-        warn_untrained_tails(features, data_args)
     d2t, t2d = load_vocabulary(data_args, features, verifier_config)
+    if nodes:
+        check_same_vocabulary(d2t, nodes.layout)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
                        "simulated τ is reported", data_args.validation_fraction)
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.load_verifier_embeddings(embed)
     model.attach_teacher(head, logit_softcap(verifier_config))
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
-                model.num_trainable_parameters() / 1e6, len(train), len(evals), train.stats)
+                model.num_trainable_parameters() / 1e6, train.stats["rows"], evals.stats["rows"], train.stats)
 
     # 5. Checksums: each node's main process checks the shards against the manifest while the node's other ranks
     #    wait (features/verify.py): nothing to hash where the writer or an earlier start vouches for the files on
@@ -135,12 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
         data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
-              "num_train_rows": len(train), "packing": train.stats},
+              "num_train_rows": train.stats["rows"], "packing": train.stats},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
                 "online": features.online},
     )
     summary["log_history"] = trainer.state.log_history
-    if trainer.is_world_process_zero():
+    if args.should_save:  # rank 0, or each node's first process with --save_on_each_node
         assert args.output_dir is not None  # parse_args refuses a run without --output-dir
         write_json(os.path.join(args.output_dir, TRAINING_FILE), summary)
     # 8. Leave the process group cleanly: a gloo rank that exits with it alive can abort (SIGABRT) at

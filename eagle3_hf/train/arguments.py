@@ -159,6 +159,11 @@ class DataArguments:
     allow_partial_features: bool = field(
         default=False, metadata={"help": "train on an unfinished extraction's samples (--features DIR without its "
                                          "manifest.json), with a warning saying how many, instead of refusing it"})
+    per_node_features: bool = field(
+        default=False, metadata={"help": "over several nodes, where --features DIR is local to each node: each "
+                                         "node trains on its own part of the extraction (`extract "
+                                         "--per-node-output`), or reads its own copy (default: every node must "
+                                         "read the same features; checked at launch)"})
     verify_features: str = field(
         default="once", metadata={"help": "shard checksums of a feature directory, checked by each node's main "
                                           "process after every check that needs no shard bytes: once (a shard is "

@@ -23,10 +23,11 @@ from ..errors import NonFiniteError, describe_non_finite, non_finite_names
 from .arguments import refuse_unsupported
 from .loss import drafter_loss
 from .metrics import StepStats
+from .nodes import NodeRows
 from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset, Sampler
     from transformers.trainer_utils import EvalLoopOutput
 
     from ..model.modeling_eagle3 import Eagle3DraftModel
@@ -76,6 +77,21 @@ class Eagle3Trainer(Trainer):
         self.optimizer = build_hybrid_optimizer(self.model, args.learning_rate, args.weight_decay,
                                                 (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
         return self.optimizer
+
+    # ------------------------------------------------------------------ each node's own rows
+
+    def _get_train_sampler(self, train_dataset: Dataset[Any] | None = None) -> Sampler[int] | None:
+        """`--per-node-features`: each node reads its own part (train/nodes.py); else the Trainer's sampler."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if isinstance(dataset, NodeRows):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return node_sampler(dataset, self._train_batch_size, True, seed)
+        return super()._get_train_sampler(train_dataset)
+
+    def _get_eval_sampler(self, eval_dataset: Dataset[Any]) -> Sampler[int] | None:
+        if isinstance(eval_dataset, NodeRows):
+            return node_sampler(eval_dataset, self.args.eval_batch_size, False, 0)
+        return super()._get_eval_sampler(eval_dataset)
 
     # ------------------------------------------------------------------ loss
 
@@ -183,9 +199,17 @@ class Eagle3Trainer(Trainer):
         if bad:
             raise NonFiniteError(f"refusing to save {output_dir}: {describe_non_finite(bad)}")
         os.makedirs(output_dir, exist_ok=True)
-        self._drafter().save_pretrained(output_dir, state_dict=state_dict)
+        self._drafter().save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)  # should_save
         with open(os.path.join(output_dir, TRAINING_ARGS_FILE), "w", encoding="utf-8") as f:
             f.write(self.args.to_json_string())  # type: ignore[no-untyped-call]  # unannotated in transformers
+
+
+def node_sampler(rows: NodeRows, batch_size: int, shuffle: bool, seed: int) -> Sampler[int]:
+    """NodeRows' order is made for the batch size its blocks were sized for."""
+    if batch_size != rows.batch:
+        raise ValueError(f"--per-node-features: the rows were spread for batches of {rows.batch}, the loader makes "
+                         f"batches of {batch_size}")
+    return rows.sampler(shuffle, seed)
 
 
 def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..features.reader import FeatureDataset
     from ..features.source import VerifierIdentity
     from ..features.transformers_online import OnlineFeatureCollator
+    from .nodes import NodeRows
 
 logger = logging.getLogger("eagle3_hf.train")
 DEFAULT_WORKERS = 2  # data-loader workers that keep a feature server's next batches' requests in flight
@@ -62,8 +63,8 @@ class TrainingFeatures:
     """What `--features` resolved to: the packed splits, the collator that makes their batches, and what the
     features are of (checked against the verifier the same way for every route)."""
 
-    train: PackedDataset
-    evals: PackedDataset
+    train: PackedDataset | NodeRows  # NodeRows: this node's part, over several nodes (--per-node-features)
+    evals: PackedDataset | NodeRows
     collator: PackedCollator | OnlineFeatureCollator | EndpointFeatureCollator
     aux_layer_indices: tuple[int, ...]
     tokenizer_fingerprint: str
@@ -75,10 +76,11 @@ class TrainingFeatures:
     shards: FeatureDataset | None = None  # a feature directory, its checksums not checked yet (`verify_features`)
 
 
-def build_datasets(data_args: DataArguments, model_args: ModelArguments,
-                   verifier_config: PreTrainedConfig) -> TrainingFeatures:
+def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifier_config: PreTrainedConfig,
+                   node_parts: bool = False) -> TrainingFeatures:
     """The training data of `--features`: shards read back, or features computed while training (the verifier in
-    this process, or a feature server) for the samples of `--prepared-dir`."""
+    this process, or a feature server) for the samples of `--prepared-dir`. `node_parts`: the directory holds
+    this node's part of a multi-node extraction (train/nodes.py checked the parts)."""
     from ..features.packing import PackedCollator, PackedDataset
     from ..features.reader import FeatureDataset
     from ..features.source import FeatureSpec, VerifierIdentity
@@ -121,8 +123,9 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments,
     partial = data_args.allow_partial_features
     # the manifest, sizes and safetensors headers only: the checksums come after the cheap checks (verify_features)
     train_features = FeatureDataset(spec.target, "train", vf, verify="none", max_tokens=data_args.max_train_tokens,
-                                    allow_partial=partial)
-    eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial)
+                                    allow_partial=partial, node_part=node_parts)
+    eval_features = FeatureDataset(spec.target, "validation", vf, verify="none", allow_partial=partial,
+                                   node_part=node_parts)
     manifest = train_features.manifest
     return TrainingFeatures(PackedDataset(train_features, **pack), PackedDataset(eval_features, **pack),
                             PackedCollator(max_seq_len=data_args.max_seq_len),
@@ -147,7 +150,9 @@ def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, sou
 
 
 def warn_untrained_tails(features: TrainingFeatures, data_args: DataArguments) -> None:
-    """Log `untrained_tails` for the training split, whatever the route."""
+    """Log `untrained_tails` for the training split, whatever the route (before it is spread over nodes)."""
+    if not isinstance(features.train, PackedDataset):
+        return
     longest = max(features.train.dataset.lengths, default=0)
     message = untrained_tails(features.train.stats, data_args.max_seq_len, longest, features.source)
     if message:

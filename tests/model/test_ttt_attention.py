@@ -1,6 +1,7 @@
 """The TTT attention over packed rows: one call per step over the whole batch (`PackedRowKeys`), exact against the
 dense per-document pattern (`_causal_with_diagonals`) in fp32, and in bf16 within bf16 tolerance — the half
-precision branch of the virtual keys (hi + lo scores) included."""
+precision branch of the virtual keys (hi + lo scores) included, and shown to matter: with the split turned off
+a bf16 diagonal score loses the precision the test holds it to."""
 
 from __future__ import annotations
 
@@ -105,6 +106,41 @@ def test_row_attention_in_bf16_is_within_bf16_tolerance(autocast):
         # bf16 keeps 8 bits: inputs rounded to 2^-9 relative, scores of size ~10 -> weights within a few %
         err = ((row.double() - ref) * valid).abs()
         assert err.max() < 0.08 and err.mean() < 0.01, (err.max(), err.mean())
+
+
+def rounded_scores(scores: torch.Tensor, kernel: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The diagonal scores without the hi + lo split: rounded to the kernel's half dtype, one dim per slot."""
+    return (scores if kernel in (torch.float32, torch.float64) else scores.to(kernel)), 1
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("split", [True, False])
+def test_bf16_diagonal_scores_keep_fp32_precision_through_the_hi_lo_split(autocast, split, monkeypatch):
+    """A query whose diagonal key equals its own step-0 key must weigh the two alike. With scores of a few hundred
+    (raw q . k) a bf16-rounded diagonal score is off by up to 1 (0.25 after scaling): the two weights split about
+    44/56 instead of 50/50. Inputs exactly representable in bf16, so the kernel's own rounding is lossless and
+    the reference (fp64 of the same values) is what an exact kernel returns: the hi + lo pair must match it to
+    the output's bf16 rounding; without the split (`split=False`) the same check fails."""
+    import eagle3_hf.model.ttt_attention as ttt
+
+    if not split:
+        monkeypatch.setattr(ttt, "score_slots", rounded_scores)
+    model = tiny_model()
+    attn = model.midlayer.self_attn
+    _, _, _, doc = packed_batch(ROWS, LENGTH)
+    valid = (doc != -1)[..., None]
+    (q0, k0, v0), (_, _, v1) = step_tensors(attn, len(ROWS), LENGTH, 2)
+    q1 = 4 * k0.repeat_interleave(attn.num_heads // attn.num_key_value_heads, 1)  # raw self scores ~4 |k|^2 ~ 256
+    tensors = [tuple(t.bfloat16().float() for t in step) for step in [(q0, k0, v0), (q1, k0.clone(), v1)]]
+    reference = brute_force(attn, tensors, doc)[1]
+    if autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = unroll(attn, PackedRowKeys(doc, 2), tensors)[1]
+    else:
+        got = unroll(attn, PackedRowKeys(doc, 2), [tuple(t.bfloat16() for t in step) for step in tensors])[1]
+    err = ((got.double() - reference) * valid).abs()
+    within = bool(err.max() < 0.02 and err.mean() < 0.002)  # measured with the split: max 0.008, mean 0.0006
+    assert within == split, (err.max(), err.mean())  # without it: max 0.23, mean 0.019
 
 
 @pytest.mark.slow

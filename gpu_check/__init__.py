@@ -1,0 +1,1 @@
+"""The one-GPU acceptance run (README.md): `gpu_check/gpu_check.sh`."""
