@@ -124,9 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     # 5. Checksums: each node's main process checks the shards against the manifest while the node's other ranks
     #    wait (features/verify.py): nothing to hash where the writer or an earlier start vouches for the files on
     #    disk, else every shard on --verify-threads threads, each recorded as it finishes so a relaunch resumes.
+    #    How many were hashed goes into the summary (this node's count: its main process hashed).
+    hashed = 0
     with args.main_process_first(local=True, desc="verify features"):
         if args.local_process_index == 0:
-            verify_features(features, data_args)
+            hashed = verify_features(features, data_args)
 
     # 6. Train: the TTT loss, per-step accuracies and simulated acceptance length are Eagle3Trainer's; the
     #    rest (accelerate / DeepSpeed, accumulation, checkpoints, best model by simulated τ) is transformers'.
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = training_summary(
         trainer, final, verifier=model_args.verifier, init=init,
         data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
-              "num_train_rows": train.stats["rows"], "packing": train.stats},
+              "num_train_rows": train.stats["rows"], "packing": train.stats, "shards_hashed_at_start": hashed},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
                 "online": features.online},
     )

@@ -151,7 +151,7 @@ def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, sou
 
 def warn_untrained_tails(features: TrainingFeatures, data_args: DataArguments) -> None:
     """Log `untrained_tails` for the training split, whatever the route (before it is spread over nodes)."""
-    from ..features.packing import PackedDataset
+    from ..features.packing import PackedDataset  # at run time: the module's import is for annotations only
 
     if not isinstance(features.train, PackedDataset):
         return

@@ -42,13 +42,23 @@ def _deepseek_v3_config(**overrides):
     return DeepseekV3Config(**kw)
 
 
-def family_model(family: str, seed: int = 0):
-    """A random, frozen verifier of `family` in eval mode."""
+# What vLLM 0.32's CPU build needs to load the tiny DeepSeek-V3: the latent size its CPU MLA kernel exists for
+# (kv_lora_rank 512 + rope 64, Kimi's own; else "Head dimension 24 is not supported by MLA"), the router fields real
+# DeepSeek-V3/Kimi configs carry (without topk_method vLLM creates no e_score_correction_bias: a KeyError), and
+# head_dim 128 for a drafter of it.
+VLLM_CPU_MLA = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512,
+                    qk_rope_head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def family_model(family: str, seed: int = 0, **overrides):
+    """A random, frozen verifier of `family` in eval mode; `overrides`: DeepSeek-V3 config fields (VLLM_CPU_MLA)."""
     import transformers as tf
 
+    if overrides and family != "deepseek_v3":
+        raise ValueError(f"config overrides are for deepseek_v3, not {family!r}")
     torch.manual_seed(seed)
     if family == "deepseek_v3":
-        model = tf.DeepseekV3ForCausalLM(_deepseek_v3_config())
+        model = tf.DeepseekV3ForCausalLM(_deepseek_v3_config(**overrides))
     elif family == "kimi_k25":
         vision = dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=1, num_attention_heads=2,
                       num_hidden_layers=1, hidden_size=32, intermediate_size=64)
@@ -79,9 +89,9 @@ def family_model(family: str, seed: int = 0):
     return model.float().eval().requires_grad_(False)
 
 
-def save_family_verifier(family: str, path: Path, tokenizer, seed: int = 0):
+def save_family_verifier(family: str, path: Path, tokenizer, seed: int = 0, **overrides):
     """Save the model and the SmolLM2 tokenizer, loadable by path like a Hub checkpoint; returns the model."""
-    model = family_model(family, seed)
+    model = family_model(family, seed, **overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model

@@ -49,6 +49,7 @@ def test_freshly_extracted_shards_are_not_hashed_again(synthetic, tmp_path, spy)
     assert all("written" in s for s in load_manifest(features)["shards"])
     summary = launch(synthetic, features, tmp_path / "run")
     assert summary["log_history"] and spy.files == [] and not (features / STAMP).exists()
+    assert summary["data"]["shards_hashed_at_start"] == 0  # what the run records
 
 
 def test_a_copied_directory_is_hashed_once_after_the_cheap_refusals(synthetic, tmp_path, spy):
@@ -59,10 +60,10 @@ def test_a_copied_directory_is_hashed_once_after_the_cheap_refusals(synthetic, t
     with pytest.raises(ValueError, match="another-tokenizer"):
         launch(synthetic, copy, tmp_path / "refused", "--vocab", str(foreign))
     assert spy.files == []  # refused before a single shard was read
-    launch(synthetic, copy, tmp_path / "first")
-    assert sorted(spy.files) == shards
+    first = launch(synthetic, copy, tmp_path / "first")
+    assert sorted(spy.files) == shards and first["data"]["shards_hashed_at_start"] == len(shards)
     assert sorted(json.loads((copy / STAMP).read_text())["shards"]) == shards
-    launch(synthetic, copy, tmp_path / "second")
-    assert sorted(spy.files) == shards  # the relaunch hashed nothing
+    second = launch(synthetic, copy, tmp_path / "second")
+    assert sorted(spy.files) == shards and second["data"]["shards_hashed_at_start"] == 0  # the relaunch: nothing
     launch(synthetic, copy, tmp_path / "always", "--verify-features", "always", "--verify-threads", "2")
     assert sorted(spy.files) == sorted(shards * 2)

@@ -1,0 +1,212 @@
+"""The rehearsal: the README quickstart's and the guide's Kimi-K2.5 route's commands, in order, at toy size, as a
+user runs them (`python -m eagle3_hf.cli ...`, `torchrun`, `accelerate launch examples/train.py --config RECIPE`),
+each checked for exit 0 and the counts it prints or records. Each stage has tests of its own; this one is about the
+commands working together, with the reference run's quirks all at once:
+
+- Kimi route: a tiny DeepSeek-V3 verifier (MLA, MoE, YaRN) whose tokenizer is slow remote code (Kimi-K2.5's kind,
+  `--trust-remote-code` at every stage), a few conversations longer than extraction's `--max-model-len` (truncated by
+  `prepare --max-seq-len`, then skipped and counted by `extract`), vLLM's CPU build extracting on two "nodes" over
+  loopback with node-local directories (`--per-node-output`), training there by the Kimi 8-GPU recipe under the
+  multi-node DDP template (`--per-node-features --save_on_each_node`), then `check` and `evaluate`.
+- Quickstart: a tiny Llama, `extract --engine vllm` under torchrun, the Llama 8-GPU recipe, `evaluate --engine vllm`
+  (τ and the lossless check from vLLM's own speculative decoding beside ours), `check --engine all`.
+
+vLLM 0.32's CPU build extracts the MLA verifier (once its latent size is the 512 + 64 its CPU MLA kernel exists for:
+tests/helpers/families.py VLLM_CPU_MLA), but cannot serve an EAGLE-3 drafter beside it: `evaluate --engine vllm`
+stops with `error: vLLM refused the drafter ...: ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
+[MultipleOf(32)])` (the MLA cache's only block size is not one the drafter's attention takes). So the Kimi route
+evaluates in-process (transformers) and the quickstart's tiny Llama carries the vLLM evaluation.
+
+Needs `make vllm` (tests/helpers/vllm.py: CI's `make test` installs it; EAGLE3_HF_SKIP_VLLM=1 skips locally)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.two_nodes import two_nodes
+from tests.helpers.vllm import vllm_or_fail
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_CONVS, LONG_EVERY = 16, 5  # conversations c04, c09, c14 are long
+MAX_SEQ_LEN = 128  # the toy recipes' row length (2,048 in the real ones); prepare cuts samples there
+MAX_MODEL_LEN = 100  # under MAX_SEQ_LEN: the three cut samples do not fit vLLM's context, the 13 others (<= 83) do
+WORDS = ("the a model drafts tokens and verifier accepts them when greedy agrees with its own next token per step "
+         "draft tree chain").split()
+
+
+def conversations(path: Path) -> Path:
+    """NUM_CONVS OpenAI-format conversations, answered (as `regenerate` leaves them): short answers of 10-40 words,
+    and every LONG_EVERY-th one 200 words, longer than MAX_SEQ_LEN tokens."""
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(NUM_CONVS):
+            answer = 200 if i % LONG_EVERY == LONG_EVERY - 1 else rng.randint(10, 40)
+            messages = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(8))},
+                        {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(answer))}]
+            f.write(json.dumps({"id": f"c{i:02d}", "messages": messages}) + "\n")
+    return path
+
+
+def cli(*args: str, timeout: float = 300) -> str:
+    """`python -m eagle3_hf.cli ARGS`; exit 0 asserted; its stdout + stderr."""
+    return ok(run([sys.executable, "-m", "eagle3_hf.cli", *args], timeout))
+
+
+def run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1")
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, f"{result.args}\n{out[-4000:]}"
+    return out
+
+
+def last_json(log: str) -> dict:
+    """The JSON summary line a command prints last on stdout."""
+    return json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
+
+
+def tiny_recipe(recipe: str, path: Path, **overrides) -> Path:
+    """The recipe as shipped, at toy size: what a user edits for a dry run (length, steps, CPU numerics)."""
+    config = yaml.safe_load((ROOT / "examples/recipes" / recipe).read_text())
+    config.update(max_seq_len=MAX_SEQ_LEN, bf16=False, max_steps=4, logging_steps=1, eval_steps=2, save_steps=2,
+                  validation_fraction=0.25, dataloader_num_workers=0, learning_rate=1e-3, seed=7,
+                  disable_tqdm=True, **overrides)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def assert_prepared(log: str) -> None:
+    long = len(range(LONG_EVERY - 1, NUM_CONVS, LONG_EVERY))
+    assert f"prepare: {NUM_CONVS} samples from {NUM_CONVS} conversations" in log, log[-2000:]
+    assert f"prepare: truncated {long} samples to {MAX_SEQ_LEN} tokens" in log, log[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 100 s measured on 2 shared cores
+def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
+    vllm_or_fail()
+    from tests.helpers.families import VLLM_CPU_MLA, save_family_verifier
+    from tests.helpers.slow_tokenizer import install_slow_tokenizer
+
+    verifier = tmp_path / "kimi-tiny"
+    save_family_verifier("deepseek_v3", verifier, tokenizer, **VLLM_CPU_MLA)
+    install_slow_tokenizer(default_verifier_dir, verifier)  # loads only with --trust-remote-code
+    v, convs = str(verifier), conversations(tmp_path / "regen.jsonl")
+
+    # prepare at the recipe's length, the tokenizer's own code trusted
+    prepared = tmp_path / "prepared"
+    assert_prepared(cli("prepare", "--tokenizer", v, "--trust-remote-code", "--input", str(convs), "--output",
+                        str(prepared), "--max-seq-len", str(MAX_SEQ_LEN)))
+    cli("vocab", "--data", str(prepared), "--draft-vocab-size", "512", "--output",
+              str(prepared / "vocab.safetensors"))
+
+    # both nodes: the prepared dataset and vocabulary copied to a local path; one rank per node, its vLLM engine
+    node = [tmp_path / f"node{n}" for n in (0, 1)]
+    for n in (0, 1):
+        shutil.copytree(prepared, node[n] / "prepared")
+    extract = [["extract", "--engine", "vllm", "--verifier", v, "--trust-remote-code", "--data",
+                str(node[n] / "prepared"), "--output", str(node[n] / "features"), "--per-node-output",
+                "--max-model-len", str(MAX_MODEL_LEN), "--vllm-batch-size", "4", "--samples-per-shard", "2",
+                "--no-progress"] for n in (0, 1)]
+    runs = two_nodes("torchrun", extract, timeout=420)
+    for code, log in runs:
+        assert code == 0, log[-4000:]
+    summaries = [last_json(log) for _, log in runs]
+    manifests = [json.loads((node[n] / "features" / "manifest.json").read_text()) for n in (0, 1)]
+    assert [s["written_samples"] for s in summaries] == [len(m["samples"]) for m in manifests]
+    assert sum(s["written_samples"] for s in summaries) == NUM_CONVS - 3
+    assert sum(s["skipped"].get("overlong", 0) for s in summaries) == 3  # counted, the ranks finished
+    assert sorted(i for m in manifests for i in m["skipped_ids"]["overlong"]) == ["c04", "c09", "c14"]
+    assert all(m["source"] == "vllm" and m["node_part"]["nodes"] == 2 for m in manifests)
+    for n, m in enumerate(manifests):  # samples-per-shard 2: every node's shards on its own disk
+        assert len(m["shards"]) == -(-len(m["samples"]) // 2)
+        assert all((node[n] / "features" / s["file"]).is_file() for s in m["shards"])
+
+    # training by the Kimi 8-GPU recipe under the multi-node DDP template, each node its own part and output
+    recipe = tiny_recipe("kimi_k25_8gpu_ddp.yaml", tmp_path / "kimi_tiny.yaml", verifier=v)
+    train = [["--config", str(recipe), "--features", str(node[n] / "features"), "--vocab",
+              str(node[n] / "prepared" / "vocab.safetensors"), "--per-node-features", "--save_on_each_node",
+              "--output-dir", str(node[n] / "run")] for n in (0, 1)]
+    runs = two_nodes("accelerate", train, timeout=420)
+    for code, log in runs:
+        assert code == 0, log[-4000:]
+    trained = [json.loads((node[n] / "run" / "eagle3_training.json").read_text()) for n in (0, 1)]
+    # the shards as extract wrote them: the first launch hashed none, on either node
+    assert [t["data"]["shards_hashed_at_start"] for t in trained] == [0, 0]
+    assert trained[0]["metrics"] == trained[1]["metrics"]  # one model, saved on each node
+    assert trained[0]["data"]["packing"]["nodes"] == 2
+    drafter = node[0] / "run"
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["verifier_tokenizer_class"] == "SlowByteLevelBPETokenizer"  # the class prepare used, carried on
+
+    log = cli("check", str(drafter), "--verifier", v, "--engine", "all")
+    assert re.search(r"^OK: 0 error\(s\)", log, re.M), log[-2000:]
+
+    # τ and the lossless check, in-process (vLLM's CPU build cannot serve a drafter beside MLA: module docstring)
+    log = cli("evaluate", "--drafter", str(drafter), "--verifier", v, "--trust-remote-code", "--prompts", "mt-bench",
+              "--num-prompts", "2", "--max-new-tokens", "16", "--k", "3", "--output", str(tmp_path / "eval"),
+              "--no-progress")
+    result = json.loads((tmp_path / "eval" / "eagle3_evaluation.json").read_text())
+    assert result["lossless"] is True and result["mismatches"] == 0 and result["new_tokens"] > 0
+    assert 1.0 <= result["acceptance_length"] <= 4.0
+    assert f"{result['acceptance_length']:.2f}" in log, log[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 151 s measured on 2 shared cores (92 s of CPU)
+def test_the_quickstart(tmp_path, tokenizer):
+    vllm_or_fail()
+    from tests.helpers.served_pair import chain_verifier
+
+    verifier = tmp_path / "llama-tiny"
+    chain_verifier().save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    v, convs = str(verifier), conversations(tmp_path / "regen.jsonl")
+
+    prepared, features, drafter = tmp_path / "prepared", tmp_path / "features", tmp_path / "runs" / "llama-tiny"
+    assert_prepared(cli("prepare", "--tokenizer", v, "--input", str(convs), "--output", str(prepared),
+                        "--max-seq-len", str(MAX_SEQ_LEN)))
+    log = ok(run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "eagle3_hf.cli",
+                  "extract", "--engine", "vllm", "--verifier", v, "--data", str(prepared), "--output", str(features),
+                  "--vllm-batch-size", "8", "--samples-per-shard", "4", "--no-progress"], timeout=420))
+    summary = last_json(log)
+    assert summary["total_samples"] == NUM_CONVS and summary["total_skipped"] == {}  # context: longest + 1
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert len(manifest["samples"]) == NUM_CONVS and len(manifest["shards"]) == NUM_CONVS // 4
+    cli("vocab", "--data", str(prepared), "--draft-vocab-size", "4096", "--output", str(features / "vocab.safetensors"))
+
+    recipe = tiny_recipe("llama31_8b_8gpu_ddp.yaml", tmp_path / "llama_tiny.yaml", verifier=v)
+    # the README's launch line on one CPU process: --num_processes and --mixed_precision override the 8-GPU config
+    ok(run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(ROOT / "accelerate_configs/8gpu_ddp.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+            str(ROOT / "examples/train.py"), "--config", str(recipe), "--features", str(features),
+            "--output-dir", str(drafter)], timeout=420))
+    trained = json.loads((drafter / "eagle3_training.json").read_text())
+    assert trained["data"]["shards_hashed_at_start"] == 0 and trained["data"]["num_samples"] > 0
+    assert (drafter / "model.safetensors").is_file()
+
+    log = cli("evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier", v, "--prompts", "mt-bench",
+              "--num-prompts", "2", "--max-new-tokens", "16", "--k", "3", "--output", str(tmp_path / "eval"),
+              "--write-to-drafter", "--no-progress", timeout=480)
+    served = json.loads((tmp_path / "eval" / "eagle3_evaluation_vllm.json").read_text())
+    ours = json.loads((tmp_path / "eval" / "eagle3_evaluation.json").read_text())
+    assert served["engine"] == "vllm" and served["lossless"] is True and served["mismatches"] == 0
+    assert ours["lossless"] is True and 1.0 <= served["acceptance_length"] <= 4.0
+    assert "train/serve gap (vLLM tau - transformers tau): " in log
+
+    log = cli("check", str(drafter), "--verifier", v, "--engine", "all")
+    assert re.search(r"^OK: 0 error\(s\)", log, re.M), log[-2000:]
