@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-from .errors import run_reporting_user_errors
+from .errors import DEBUG_ENV, run_reporting_user_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("eagle3_hf.data.prepare", "render conversations with the verifier's chat template + loss masks"),
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] != ["train"] and "--debug" in argv:  # train keeps TrainingArguments' own --debug
         debug, argv = True, [a for a in argv if a != "--debug"]
     if debug:  # child processes (the vLLM runner) show their logs and tracebacks too
-        os.environ["EAGLE3_HF_DEBUG"] = "1"
+        os.environ[DEBUG_ENV] = "1"
     return run_reporting_user_errors(_dispatch, argv, debug)
 
 

@@ -25,10 +25,23 @@ class Eagle3Error(Exception):
 
 USER_ERRORS: tuple[type[BaseException], ...] = (Eagle3Error, ValueError, OSError)
 
+DEBUG_ENV = "EAGLE3_HF_DEBUG"  # `eagle3-hf --debug` sets it, so the processes a command starts see it too
+
+
+def debug_requested() -> bool:
+    """EAGLE3_HF_DEBUG is set and not 0 (nor false/no/off): user errors keep their traceback, and the engines a
+    command starts (vLLM, the feature server) show their own logs. The one reading of the variable."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
 
 class UsageError(Eagle3Error):
     """Options that do not fit together, or do not fit the data they name (raised by library code; the CLI, the
     only place that turns errors into exit codes, prints it as one line)."""
+
+
+class EndpointError(Eagle3Error):
+    """An HTTP endpoint (the chat server `regenerate` asks, a vLLM server writing hidden states) that is missing,
+    misconfigured, refuses, fails or stays too slow past its retries: the message names it and how to resume."""
 
 
 class NonFiniteError(Eagle3Error):
@@ -50,7 +63,7 @@ def describe_non_finite(names: list[str]) -> str:
 def run_reporting_user_errors(run: Callable[[list[str]], Any], argv: list[str], debug: bool = False) -> int:
     """`run(argv)` with a user error printed as one line `error: ...` (exit status 1); other exceptions propagate.
     The shared entry of `eagle3-hf` and the training script; `debug` or EAGLE3_HF_DEBUG=1 re-raises everything."""
-    if debug or os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"):
+    if debug or debug_requested():
         result = run(argv)
         return result if isinstance(result, int) else 0
     try:

@@ -15,6 +15,7 @@ import torch
 
 from eagle3_hf import cli
 from eagle3_hf.data.conversations import write_jsonl
+from eagle3_hf.errors import DEBUG_ENV, debug_requested
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
@@ -22,8 +23,9 @@ LONELY = [{"role": "user", "content": "hi"}]
 
 
 def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
-    env.pop("EAGLE3_HF_DEBUG", None) if "EAGLE3_HF_DEBUG" not in (env or {}) else None
+    """The CLI in a subprocess; EAGLE3_HF_DEBUG only where `env` sets it (a debugging shell's is dropped)."""
+    env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV} | dict(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                                                                        **(env or {}))
     return subprocess.run([sys.executable, "-m", "eagle3_hf.cli", *argv], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
 
@@ -43,8 +45,18 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
                           "not a prepared dataset")
     assert_one_line_error(run_cli("diff-features", missing, missing), missing)
     for debug in (run_cli("--debug", "vocab", "--data", missing, "--draft-vocab-size", "8"),
-                  run_cli("vocab", "--data", missing, "--draft-vocab-size", "8", env={"EAGLE3_HF_DEBUG": "1"})):
+                  run_cli("vocab", "--data", missing, "--draft-vocab-size", "8", env={DEBUG_ENV: "1"})):
         assert debug.returncode != 0 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), (" off ", False), ("False", False),
+                                      ("1", True), ("yes", True), ("true", True)])
+def test_debug_is_asked_for_by_the_variable_unless_empty_or_false(value, on, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(DEBUG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DEBUG_ENV, value)
+    assert debug_requested() is on
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -163,7 +175,7 @@ def test_evaluate_with_a_drafter_for_another_verifier_names_that_verifier(synthe
 def test_train_script_reports_user_errors_in_one_line(tmp_path):
     """`accelerate launch examples/train.py ...` is how most users train: its bad input reads like the CLI's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("EAGLE3_HF_DEBUG", None)
+    env.pop(DEBUG_ENV, None)
     result = subprocess.run([sys.executable, str(ROOT / "examples/train.py"), "--features", str(tmp_path / "none"),
                              "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
                             env=env, cwd=ROOT)

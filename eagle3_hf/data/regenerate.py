@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import Eagle3Error
+from ..errors import EndpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 # (content, reasoning or None, tool_calls or None, finish_reason, generated tokens)
 Completion = tuple[str, "str | None", "list | None", str, int]
 _RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
-
-
-class EndpointError(Eagle3Error, RuntimeError):
-    """The endpoint refused, or stayed down past the retries: the message says which and how to resume."""
 
 
 class ConversationTurns:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines import vllm_args
 from ..engines.vllm_env import run_vllm
-from ..errors import UsageError
+from ..errors import UsageError, debug_requested
 
 VLLM_DEFAULT_MEMORY = 0.9  # vLLM's own default gpu_memory_utilization (vllm/engine/arg_utils.py)
 ENGINE_LAYOUTS = ("auto", "sequential", "together")
@@ -233,7 +232,7 @@ def run_engine(args: argparse.Namespace) -> int:
     prompts, name = load_prompts(args.prompts, args.num_prompts)  # then when the prompt set is missing
     cpu = vllm_args.on_cpu(args.vllm_device)
     layout, dtype = engine_layout(args.vllm_engines, cpu), default_dtype(args.torch_dtype, cpu)
-    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")  # set by `eagle3-hf --debug`
+    debug = debug_requested()
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)

@@ -29,7 +29,7 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from ..errors import UsageError
+from ..errors import UsageError, debug_requested
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from .records import canonical_dtype
@@ -168,7 +168,7 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
                                     batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending,
                                     readers=args.vllm_readers, threads=args.threads, timeout=args.vllm_timeout,
                                     endpoint=args.endpoint, vllm_storage=args.vllm_storage,
-                                    debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"),
+                                    debug=debug_requested(),
                                     progress=not args.no_progress)
     print(json.dumps(summary))
     return 0

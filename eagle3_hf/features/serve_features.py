@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
+from ..errors import debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .api_key import API_KEY_ENV, api_key, check_bind
 from .vllm_offline import checkpoint_dtype, vllm_layer_ids
@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_offline(engine_from_args(args))  # one vllm.LLM: data parallelism is one server per replica
-    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
+    debug = debug_requested()
     server = start_feature_server(args.verifier, threads=args.threads, debug=debug, timeout=args.timeout,
                                   log_file=args.log_file, revision=args.revision, aux_indices=aux,
                                   dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,

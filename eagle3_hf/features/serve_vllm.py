@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..engines.vllm_args import engine_from_args
+from ..errors import debug_requested
 from .api_key import API_KEY_ENV, api_key, check_bind
 from .serve_features import add_process_arguments, add_server_arguments, server_request
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(shell_command(python, argv, key_from=API_KEY_ENV if key else None))
         print(f"# then, on the same machine: {client}", file=sys.stderr)
         return 0
-    debug = os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0")
+    debug = debug_requested()
     vllm_python()  # vLLM missing: one line
     server = VllmOpenAIServer(request["verifier"], request["layer_ids"], port=args.port, host=args.host,
                               storage=args.storage, threads=args.threads, timeout=args.timeout,

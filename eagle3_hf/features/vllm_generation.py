@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
+from ..errors import debug_requested
 
 if TYPE_CHECKING:
     import datasets
@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, engine=engine_from_args(args),
         batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, readers=args.vllm_readers,
         threads=args.threads, timeout=args.vllm_timeout,
-        debug=os.environ.get("EAGLE3_HF_DEBUG", "").strip() not in ("", "0"), progress=not args.no_progress)
+        debug=debug_requested(), progress=not args.no_progress)
     print(json.dumps(summary))
     print(f"regenerate --engine vllm: {summary.get('conversations', 0)} conversations answered, "
           f"{summary['already_answered']} already answered, {summary['written_samples']} samples written "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..errors import EndpointError
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
@@ -260,8 +261,6 @@ class VllmFeatureSpec:
     def refuse_unvouched(self, sample_id: str) -> None:
         """Stop the run (EndpointError, naming `sample_id`, the last sample checked) unless a server's next token
         has agreed at least once: after PROBE checks, or when the records end with samples still held."""
-        from .vllm_server import EndpointError
-
         if self.next_token_agreements == 0:
             raise EndpointError(f"the server's next token differs from the verifier's greedy token on its last saved "
                                 f"state for all of the first {self.next_token_checks} samples (last {sample_id!r}): "

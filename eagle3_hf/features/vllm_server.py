@@ -45,14 +45,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import Eagle3Error
+from ..errors import EndpointError
 from .api_key import api_key, auth_headers, refused_line
 
 PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
-
-
-class EndpointError(Eagle3Error):
-    """A vLLM server that is missing, misconfigured, failing or too slow; one line."""
 
 
 def remove_file(path: str) -> None:

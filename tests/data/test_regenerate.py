@@ -15,7 +15,8 @@ import pytest
 
 from eagle3_hf import cli
 from eagle3_hf.data.conversations import load_conversations, write_jsonl
-from eagle3_hf.data.regenerate import EndpointBackend, EndpointError, TransformersBackend, regenerate
+from eagle3_hf.data.regenerate import EndpointBackend, TransformersBackend, regenerate
+from eagle3_hf.errors import EndpointError
 
 from tests.helpers.data import rows
 from tests.helpers.openai_stub import OpenAIStub, reply_for

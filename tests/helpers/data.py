@@ -76,11 +76,13 @@ def prepared_dataset(path: Path, num_samples: int = 48, seed: int = 0, min_len: 
 
 
 def build_offline_data(root: Path, verifier: LlamaForCausalLM, num_samples: int = 48, draft_vocab: int = 128,
-                       seed: int = 0, verifier_name: str = "synthetic-verifier") -> Path:
-    """prepared -> features (float32) -> vocab.safetensors over the verifier's greedy tokens."""
+                       seed: int = 0, verifier_name: str = "synthetic-verifier",
+                       aux_indices: tuple[int, ...] | None = (1, 3, 4)) -> Path:
+    """prepared -> features (float32) -> vocab.safetensors over the verifier's greedy tokens. `aux_indices`
+    None: the layers `Eagle3Config.from_verifier` picks by default."""
     prepared = prepared_dataset(root / "prepared", num_samples, seed)
     features = root / "features"
-    extract_features(verifier, FINGERPRINT, prepared, features, aux_indices=[1, 3, 4], dtype="float32",
+    extract_features(verifier, FINGERPRINT, prepared, features, aux_indices=aux_indices, dtype="float32",
                      store=StoreOptions(16), verifier_name=verifier_name, progress=False)
     from eagle3_hf.features.reader import FeatureDataset
 
