@@ -162,7 +162,8 @@ def node_need(recipe_path: str, verifier_config: str | None, accelerate_config: 
     """The feature read rate one node needs by the plan (its MFU assumption), for the recipe's dataset-free plan."""
     import yaml
 
-    from eagle3_hf.train.plan import build_plan, read_launch, verifier_text_config
+    from eagle3_hf.train.plan import build_plan
+    from eagle3_hf.train.plan_inputs import read_launch, verifier_text_config
 
     recipe = yaml.safe_load(Path(recipe_path).read_text())
     launch = read_launch(accelerate_config, recipe)

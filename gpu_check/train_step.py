@@ -11,7 +11,8 @@ import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.train.loss import drafter_loss
-from eagle3_hf.train.plan import GIB, Launch, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token
+from eagle3_hf.train.plan import GIB, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token
+from eagle3_hf.train.plan_inputs import Launch
 
 MAX_SYNCS = 2  # per micro-step, as tests/train/test_host_syncs.py holds it on the CPU
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}

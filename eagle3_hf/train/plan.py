@@ -21,11 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import UsageError
+from .plan_inputs import (
+    Launch,
+    dataset_from_features,
+    draft_vocab_from_features,
+    load_yaml_or_json,
+    read_launch,
+    verifier_text_config,
+)
 from .plan_reader import READER_GBPS, node_prefill_tokens_per_s, reader_lines, reader_plan
 from .shm import shm_plan, shm_plan_line
 
@@ -33,101 +40,6 @@ if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
 
 GIB = 2**30
-REPO = Path(__file__).resolve().parent.parent
-
-
-# ---------------------------------------------------------------------------------------------- inputs
-
-
-@dataclass
-class Launch:
-    """How the run is launched: what the accelerate config (and the DeepSpeed file it names) say."""
-
-    num_processes: int = 1
-    num_machines: int = 1
-    zero_stage: int = 0  # 0: no DeepSpeed
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    zero_init: bool = False
-    deepspeed_file: str | None = None
-
-
-def _load(path: str | Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
-
-            loaded: dict[str, Any] = yaml.safe_load(f) or {}
-        else:
-            loaded = json.load(f)
-    return loaded
-
-
-def _find(path: str, near: Path) -> Path:
-    """A path as written in a config: relative to the working directory, else to the repository."""
-    for candidate in (Path(path), near / path, REPO / path):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"{path}: not found (looked in the working directory, {near} and {REPO})")
-
-
-def read_launch(accelerate_config: str | None, recipe: dict[str, Any]) -> Launch:
-    """Processes and machines from the accelerate config; ZeRO stage and offload from its DeepSpeed file
-    (or the recipe's `deepspeed` key)."""
-    acc = _load(accelerate_config) if accelerate_config else {}
-    launch = Launch(num_processes=int(acc.get("num_processes", 1)), num_machines=int(acc.get("num_machines", 1)))
-    ds = acc.get("deepspeed_config") or {}
-    ds_file = ds.get("deepspeed_config_file") or recipe.get("deepspeed")
-    if ds_file:
-        path = _find(ds_file, Path(accelerate_config).parent if accelerate_config else REPO)
-        zero = _load(path).get("zero_optimization", {})
-        launch.zero_stage = int(zero.get("stage", 0))
-        launch.offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-        launch.offload_param = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
-        launch.zero_init = bool(ds.get("zero3_init_flag", False))
-        launch.deepspeed_file = str(ds_file)
-    return launch
-
-
-def verifier_text_config(recipe: dict[str, Any], verifier_config: str | None) -> dict[str, Any]:
-    """The verifier's language-model config: from `--verifier-config`, else the recipe's verifier
-    (a local directory or a cached Hub id)."""
-    from ..verifier.family import text_config_dict
-
-    if verifier_config:
-        return text_config_dict(_load(verifier_config))
-    name = recipe.get("verifier")
-    if not name:
-        raise UsageError("the recipe names no verifier: pass --verifier-config FILE")
-    try:
-        from ..verifier.loading import load_config, resolve_verifier
-
-        return text_config_dict(load_config(resolve_verifier(name)))
-    except Exception as err:  # noqa: BLE001 - offline, gated, remote code: all need the same hint
-        raise UsageError(f"cannot read the config of verifier {name!r} ({type(err).__name__}); pass "
-                         f"--verifier-config FILE (e.g. examples/recipes/kimi_k25_text_config.json)") from err
-
-
-def dataset_from_features(recipe: dict[str, Any]) -> tuple[float, float] | None:
-    """(tokens, mean sample length) of the recipe's `features` directory when its features are already extracted."""
-    from ..features.store import load_manifest
-
-    data_dir = recipe.get("features")
-    if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
-        return None
-    lengths = [int(s["length"]) for s in load_manifest(data_dir, allow_partial=True)["samples"]]  # an estimate
-    return (float(sum(lengths)), sum(lengths) / len(lengths)) if lengths else None
-
-
-def draft_vocab_from_features(recipe: dict[str, Any]) -> int | None:
-    """The draft vocabulary size of the recipe's `features/vocab.safetensors` (what training will use)."""
-    from safetensors import safe_open
-
-    path = Path(recipe.get("vocab") or Path(recipe.get("features") or "/nonexistent") / "vocab.safetensors")
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        return int(f.get_slice("d2t").get_shape()[0])
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
@@ -511,7 +423,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = _load(args.recipe)
+    recipe = load_yaml_or_json(args.recipe)
     launch = read_launch(args.accelerate_config, recipe)
     tokens, mean_document = args.dataset_tokens, args.mean_document_tokens
     if tokens is None and (found := dataset_from_features(recipe)):

@@ -112,7 +112,8 @@ def test_the_feature_read_rate_a_node_needs_is_its_training_tokens_times_their_b
     token's features take, so bench/dataset_read.py's measured rate can be read against it."""
     import yaml
 
-    from eagle3_hf.train.plan import build_plan, read_launch, train_flops_per_token, verifier_text_config
+    from eagle3_hf.train.plan import build_plan, train_flops_per_token
+    from eagle3_hf.train.plan_inputs import read_launch, verifier_text_config
 
     root = Path(__file__).resolve().parents[2]
     recipe = yaml.safe_load((root / "examples/recipes/llama31_8b_8gpu_ddp.yaml").read_text())
