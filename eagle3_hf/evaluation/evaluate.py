@@ -13,7 +13,6 @@ import csv
 import json
 import shutil
 import sys
-import tempfile
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..decoding.core import eos_ids
 from ..decoding.tree import config_problem, num_candidates
 from ..errors import UsageError
 from ..verifier.fit import require_fit
+from ..verifier.placement import add_placement_arguments, placement_kwargs
 
 
 def prompt_turns(row: dict | str) -> list[str] | None:
@@ -258,14 +258,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--device-map", default=None,
-                        help="auto (or balanced, sequential, a JSON map of module -> device): shard a verifier too "
-                             "big for one device over the devices of --max-memory instead of --device; the drafter "
-                             "sits with the verifier's first layers")
-    parser.add_argument("--max-memory", default=None,
-                        help="with --device-map: per-device budget, e.g. 0=130GiB,1=130GiB")
-    parser.add_argument("--offload-folder", default=None,
-                        help="with --device-map: where weights that fit no device go (default: a temporary folder)")
+    add_placement_arguments(parser, "0=130GiB,1=130GiB", note=", instead of --device; the drafter sits with the "
+                            "verifier's first layers")
     parser.add_argument("--torch-dtype", default=None,
                         help="verifier and drafter dtype (default: bfloat16 on a GPU, float32 on the CPU, where the "
                              "lossless check's ties are fp32 ties)")
@@ -294,20 +288,12 @@ def place_verifier(args: argparse.Namespace, dtype: str):
     --device-map shards it over the devices (accelerate's dispatch, layers where --max-memory allows; the
     decoders bring each captured aux state to the input's device), else it goes whole to --device (cuda if
     available)."""
-    from ..features.extract import check_device_map_launch, parse_device_map, parse_max_memory
     from ..verifier.loading import load_verifier
 
-    if (args.max_memory or args.offload_folder) and not args.device_map:
-        raise UsageError("--max-memory and --offload-folder need --device-map")
-    if args.device_map:
-        if args.device:
-            raise UsageError("--device-map places the verifier itself: drop --device")
-        check_device_map_launch(args.device_map)
-        kwargs: dict[str, Any] = {"device_map": parse_device_map(args.device_map)}
-        if args.max_memory:
-            kwargs["max_memory"] = parse_max_memory(args.max_memory)
-        offload = None if args.offload_folder else tempfile.TemporaryDirectory(prefix="eagle3_offload_")
-        kwargs["offload_folder"] = args.offload_folder or offload.name  # type: ignore[union-attr]
+    if args.device_map and args.device:
+        raise UsageError("--device-map places the verifier itself: drop --device")
+    kwargs, offload = placement_kwargs(args)
+    if kwargs:
         verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=dtype, **kwargs)
         if offload is not None:  # the offloaded weights are read while the verifier lives
             weakref.finalize(verifier, offload.cleanup)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..engines.vllm_args import (
 from ..errors import UsageError, debug_requested
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from ..verifier.placement import add_placement_arguments, placement_kwargs
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from .write import MERGE_TIMEOUT_S, StoreOptions, check_output_shared, sample_token_limit, write_features
@@ -109,14 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="three output_hidden_states indices a,b,c in 1..N-1 (default 2,N//2,N-3)")
     parser.add_argument("--features-dtype", default="bf16",
                         help="stored features: bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
-    parser.add_argument("--device-map", default=None,
-                        help="auto (or balanced, sequential): shard a verifier too big for one device over the "
-                             "devices of --max-memory, offloading the rest to --offload-folder; or a JSON map "
-                             "(string or file) of module name -> device")
-    parser.add_argument("--max-memory", default=None,
-                        help="with --device-map: per-device budget, e.g. 0=70GiB,1=70GiB,cpu=200GiB")
-    parser.add_argument("--offload-folder", default=None,
-                        help="with --device-map: where weights that fit no device go (default: a temporary folder)")
+    add_placement_arguments(parser, "0=70GiB,1=70GiB,cpu=200GiB")
     parser.add_argument("--device", default=None, help="device for the verifier (default cuda:LOCAL_RANK or cpu)")
     parser.add_argument("--torch-dtype", default="auto", help="verifier compute dtype (auto = checkpoint's)")
     parser.add_argument("--samples-per-shard", type=int, default=64)
@@ -183,18 +176,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
     if getattr(args, "engine", "transformers") == "vllm":
         return run_vllm_engine(args, aux)
-    kwargs: dict[str, Any] = {"dtype": args.torch_dtype}
-    if (args.max_memory or args.offload_folder) and not args.device_map:
-        raise UsageError("--max-memory and --offload-folder need --device-map")
-    offload_tmp = None
-    check_device_map_launch(args.device_map)
-    if args.device_map:
-        kwargs["device_map"] = parse_device_map(args.device_map)
-        if args.max_memory:
-            kwargs["max_memory"] = parse_max_memory(args.max_memory)
-        if args.offload_folder is None:
-            offload_tmp = tempfile.TemporaryDirectory(prefix="eagle3_offload_")
-        kwargs["offload_folder"] = args.offload_folder or offload_tmp.name  # type: ignore[union-attr]
+    placed, offload_tmp = placement_kwargs(args)
+    kwargs: dict[str, Any] = {"dtype": args.torch_dtype, **placed}
     fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
     verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
     placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
@@ -212,40 +195,3 @@ def run(args: argparse.Namespace) -> int:
         offload_tmp.cleanup()
     print(json.dumps(summary))
     return 0
-
-
-def check_device_map_launch(device_map: str | None, world_size: str | None = None) -> None:
-    """--device-map shards one verifier over this node's devices: with several processes (WORLD_SIZE > 1) each would
-    load the whole verifier over the same devices. Refused in one line."""
-    world = int((world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1")) or 1)
-    if device_map and world > 1:
-        raise ValueError(f"--device-map {device_map} with WORLD_SIZE={world}: one process shards one verifier over the "
-                         "node's GPUs; launch a single process (python -m eagle3_hf.cli extract ...), or drop "
-                         "--device-map for data-parallel replicas of a verifier that fits one GPU")
-
-
-def parse_device_map(value: str) -> str | dict[str, Any]:
-    """`auto`-style strategies pass through; otherwise a JSON object (inline or a file) of module -> device."""
-    if value in ("auto", "balanced", "balanced_low_0", "sequential"):
-        return value
-    text = Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
-    try:
-        mapping: object = json.loads(text)
-    except json.JSONDecodeError:
-        raise UsageError(f"--device-map {value!r}: not auto/balanced/balanced_low_0/sequential, a JSON file or "
-                         f"JSON text") from None
-    if not isinstance(mapping, dict):
-        raise UsageError(f"--device-map {value!r}: expected a JSON object of module name -> device")
-    return mapping
-
-
-def parse_max_memory(value: str) -> dict[int | str, int | str]:
-    """`0=70GiB,1=70GiB,cpu=200GiB` -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"} (plain numbers are bytes)."""
-    budget: dict[int | str, int | str] = {}
-    for item in value.split(","):
-        device, sep, size = item.partition("=")
-        device, size = device.strip(), size.strip()
-        if not sep or not device or not size:
-            raise UsageError(f"--max-memory {value!r}: expected DEVICE=SIZE[,DEVICE=SIZE...], e.g. 0=70GiB,cpu=200GiB")
-        budget[int(device) if device.isdigit() else device] = int(size) if size.isdigit() else size
-    return budget

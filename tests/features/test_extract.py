@@ -222,7 +222,7 @@ def test_samples_over_max_model_len_are_skipped_alone_and_counted(tmp_path, tiny
 
 
 def test_device_map_with_several_processes_is_refused_in_one_line():
-    from eagle3_hf.features.extract import check_device_map_launch
+    from eagle3_hf.verifier.placement import check_device_map_launch
 
     check_device_map_launch("auto", "1")
     check_device_map_launch(None, "8")
