@@ -16,8 +16,10 @@ import torch
 
 import eagle3_hf.features.verify as verify
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.store import ShardWriter, load_manifest, merge_manifests, sha256_file
+from eagle3_hf.features.store import ShardWriter, load_manifest, merge_manifests
 from eagle3_hf.features.verify import STAMP, verify_shards
+
+from tests.helpers.data import HashSpy
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDS = 6
@@ -49,20 +51,9 @@ def copied(written: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(written, tmp_path / "copy", ignore=shutil.ignore_patterns(STAMP)))
 
 
-class Spy:
-    """sha256_file, counting the files it hashed."""
-
-    def __init__(self) -> None:
-        self.files: list[str] = []
-
-    def __call__(self, path: Path) -> str:
-        self.files.append(Path(path).name)
-        return sha256_file(path)
-
-
 def test_shards_as_written_are_not_hashed(tmp_path, monkeypatch):
     d = write_directory(tmp_path / "features")
-    spy = Spy()
+    spy = HashSpy()
     monkeypatch.setattr(verify, "sha256_file", spy)
     assert verify_shards(d, load_manifest(d)["shards"], "once") == 0
     assert spy.files == [] and not (d / STAMP).exists()
@@ -72,7 +63,7 @@ def test_shards_as_written_are_not_hashed(tmp_path, monkeypatch):
 
 def test_threads_hash_every_shard_once_and_record_them(written, tmp_path, monkeypatch):
     d = copied(written, tmp_path)
-    spy = Spy()
+    spy = HashSpy()
     monkeypatch.setattr(verify, "sha256_file", spy)
     shards = load_manifest(d)["shards"]
     assert verify_shards(d, shards, "once", threads=4) == SHARDS
@@ -133,7 +124,7 @@ def test_a_killed_hash_resumes_with_the_shards_it_had_not_reached(written, tmp_p
     shards = load_manifest(d)["shards"]
     recorded = json.loads((d / STAMP).read_text())["shards"]
     assert sorted(recorded) == sorted(s["file"] for s in shards[:k])
-    spy = Spy()
+    spy = HashSpy()
     monkeypatch.setattr(verify, "sha256_file", spy)
     assert verify_shards(d, shards, "once", threads=2) == SHARDS - k
     assert sorted(spy.files) == sorted(s["file"] for s in shards[k:])
@@ -164,7 +155,7 @@ def test_a_shard_changed_after_it_was_written_is_hashed_and_caught(tmp_path, mon
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    spy = Spy()
+    spy = HashSpy()
     monkeypatch.setattr(verify, "sha256_file", spy)
     with pytest.raises(ValueError, match=f"{shard.name} is corrupt"):
         verify_shards(d, shards, "once")

@@ -190,3 +190,16 @@ def feature_files(out: Path) -> dict[str, str]:
             data = path.read_bytes()
         digests[path.name] = hashlib.sha256(data).hexdigest()
     return digests
+
+
+class HashSpy:
+    """store.sha256_file, recording the names of the files it hashed (what a launch read in full)."""
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+
+    def __call__(self, path: Path) -> str:
+        from eagle3_hf.features.store import sha256_file
+
+        self.files.append(Path(path).name)
+        return sha256_file(path)

@@ -11,30 +11,19 @@ import pytest
 
 import eagle3_hf.features.verify as verify
 from eagle3_hf.data.vocab import load_vocab, save_vocab
-from eagle3_hf.features.store import load_manifest, sha256_file
+from eagle3_hf.features.store import load_manifest
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.scripts.train import main as train_main
 
-from tests.helpers.data import COMMON, FINGERPRINT, SYN_VOCAB
+from tests.helpers.data import COMMON, FINGERPRINT, SYN_VOCAB, HashSpy
 
 ONE_STEP = ["--max-steps", "1", "--save-strategy", "no", "--eval-strategy", "no", "--validation-fraction", "0.2",
             "--report-to", "none", *COMMON]
 
 
-class Spy:
-    """sha256_file, counting the shard files it hashed."""
-
-    def __init__(self) -> None:
-        self.files: list[str] = []
-
-    def __call__(self, path: Path) -> str:
-        self.files.append(Path(path).name)
-        return sha256_file(path)
-
-
 @pytest.fixture
-def spy(monkeypatch) -> Spy:
-    found = Spy()
+def spy(monkeypatch) -> HashSpy:
+    found = HashSpy()
     monkeypatch.setattr(verify, "sha256_file", found)
     return found
 
