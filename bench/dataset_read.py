@@ -54,7 +54,8 @@ def main() -> None:
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.features.records import make_header
-    from eagle3_hf.features.store import ShardWriter, merge_manifests
+    from eagle3_hf.features.shard_writer import ShardWriter
+    from eagle3_hf.features.store import merge_manifests
 
     work = Path(tempfile.mkdtemp(prefix="eagle3_bench_read_"))
     H, g = args.hidden, torch.Generator().manual_seed(0)

@@ -49,7 +49,8 @@ def write_features(root: Path, gb: float, hidden: int, shard_mb: int, tokens_per
 
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
     from eagle3_hf.features.records import make_header
-    from eagle3_hf.features.store import ShardWriter, merge_manifests
+    from eagle3_hf.features.shard_writer import ShardWriter
+    from eagle3_hf.features.store import merge_manifests
 
     vocab, layers = 512, 4
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,

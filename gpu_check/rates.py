@@ -63,7 +63,8 @@ def loader_rows(tiny: bool, workers: tuple[int, ...] = (0, 4)) -> dict:
     from eagle3_hf.features.packing import PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.features.records import make_header
-    from eagle3_hf.features.store import ShardWriter, merge_manifests
+    from eagle3_hf.features.shard_writer import ShardWriter
+    from eagle3_hf.features.store import merge_manifests
 
     from bench.dataset_read import loader_rate, node_need
 

@@ -30,7 +30,8 @@ from ..constants import MANIFEST
 from ..errors import Eagle3Error
 from .quantize import carried
 from .records import HEADER_KEYS, FeatureHeader, Manifest, SampleRecord
-from .store import ShardWriter, header_differs, journal_entries, journals, merge_manifests, read_journal, sample_sha256
+from .shard_writer import ShardWriter
+from .store import header_differs, journal_entries, journals, merge_manifests, read_journal, sample_sha256
 
 MAX_WRITERS = 1000  # journal prefixes are three digits
 

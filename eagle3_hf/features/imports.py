@@ -37,8 +37,9 @@ from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
 from .records import canonical_dtype, make_header
+from .shard_writer import ShardWriter
 from .source import VerifierIdentity
-from .store import ShardWriter, merge_manifests
+from .store import merge_manifests
 
 if TYPE_CHECKING:
     import datasets

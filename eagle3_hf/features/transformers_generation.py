@@ -50,7 +50,8 @@ from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
 from .prepared_from_shards import write_prepared
 from .records import FeatureHeader, canonical_dtype, make_header
-from .store import ShardWriter, merge_manifests
+from .shard_writer import ShardWriter
+from .store import merge_manifests
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess

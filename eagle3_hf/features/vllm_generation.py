@@ -168,7 +168,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
-    from .store import ShardWriter, wait_and_merge
+    from .shard_writer import ShardWriter
+    from .store import wait_and_merge
     from .vllm_offline import VllmFeatureSpec, default_readers
     from .write import PreparedRows, add_features
 

@@ -35,8 +35,9 @@ from .. import nodes
 from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
 from ..errors import UsageError
 from .records import NodePart
+from .shard_writer import ShardWriter
 from .source import FeatureSource, PreparedSample, SampleFeatures
-from .store import ShardWriter, dist_env, wait_and_merge
+from .store import dist_env, wait_and_merge
 
 if TYPE_CHECKING:
     import datasets

@@ -10,7 +10,8 @@ import torch
 from eagle3_hf.features.quantize import dequantize, quantize
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.records import canonical_dtype, make_header
-from eagle3_hf.features.store import ShardWriter, check_header, merge_manifests, read_journal
+from eagle3_hf.features.shard_writer import ShardWriter
+from eagle3_hf.features.store import check_header, merge_manifests, read_journal
 
 from tests.helpers.data import feature_files
 
@@ -188,9 +189,9 @@ def test_a_failed_commit_among_several_journals_nothing_after_it_and_the_rerun_c
     import errno
     import time
 
-    from eagle3_hf.features import store
+    from eagle3_hf.features import shard_writer
 
-    real = store.atomic_write_bytes
+    real = shard_writer.atomic_write_bytes
 
     def flaky(path, data):
         if path.name.endswith("00001.safetensors"):
@@ -199,7 +200,7 @@ def test_a_failed_commit_among_several_journals_nothing_after_it_and_the_rerun_c
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(store, "atomic_write_bytes", flaky)
+    monkeypatch.setattr(shard_writer, "atomic_write_bytes", flaky)
     w = ShardWriter(tmp_path, _header("bf16"), samples_per_shard=1, writers=3)
     with pytest.raises(OSError, match=r"shard-r000-00002.safetensors; the shards before it are complete"):
         for i in range(6):
@@ -208,7 +209,7 @@ def test_a_failed_commit_among_several_journals_nothing_after_it_and_the_rerun_c
     w._pool.shutdown(wait=True)
     _header_line, records = read_journal(tmp_path / "manifest.r000.jsonl")
     assert [r["shard"]["file"] for r in records] == ["shard-r000-00000.safetensors", "shard-r000-00001.safetensors"]
-    monkeypatch.setattr(store, "atomic_write_bytes", real)
+    monkeypatch.setattr(shard_writer, "atomic_write_bytes", real)
     again = ShardWriter(tmp_path, _header("bf16"), samples_per_shard=1, writers=3)
     assert again.next_idx == 2 and again.done_ids == {"x0", "x1"}
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-r000-00000.safetensors",

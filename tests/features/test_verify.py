@@ -16,7 +16,8 @@ import torch
 
 import eagle3_hf.features.verify as verify
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.store import ShardWriter, load_manifest, merge_manifests
+from eagle3_hf.features.shard_writer import ShardWriter
+from eagle3_hf.features.store import load_manifest, merge_manifests
 from eagle3_hf.features.verify import STAMP, verify_shards
 
 from tests.helpers.data import HashSpy

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.store import ShardWriter, merge_manifests
+from eagle3_hf.features.shard_writer import ShardWriter
+from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.features.transformers_online import PreparedDataset
 from eagle3_hf.features.vllm_offline import features_from_states, vllm_layer_ids
 from eagle3_hf.verifier.capture import final_norm

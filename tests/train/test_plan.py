@@ -14,7 +14,7 @@ import torch
 
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.store import ShardWriter
+from eagle3_hf.features.shard_writer import ShardWriter
 from eagle3_hf.train.plan import GIB, feature_bytes_per_token, verifier_params
 
 ROOT = Path(__file__).resolve().parents[2]
