@@ -1,23 +1,34 @@
-"""EAGLE-3 against EAGLE 3.1 on the demo's data: docs/results/eagle31.md.
+"""EAGLE-3 against EAGLE 3.1 as the field trains it, on the demo's data: docs/results/eagle31.md.
 
-The demo's recipe (examples/recipes/small_cpu.yaml, two processes) trains each flavour with each seed on the same
-features and draft vocabulary; only the flavour flags differ between a seed's runs. Each drafter is then decoded
-for real (greedy, lossless) on all 80 MT-bench questions as a chain (k = 3) and as the demo's tree (S 3, K 4, N 4,
-SGLang's attention rule), and its validation simulated τ is read from its training record. The spread between two
-seeds of one flavour is the yardstick a difference between flavours is read against. Finished stages are reused,
-so a killed run resumes:
+Four flavours on the same features, draft vocabulary and recipe (examples/recipes/small_cpu.yaml, two processes),
+differing only in the drafter's options:
 
-    .venv/bin/python -m experiments.eagle31 --out runs/eagle31            # data, training, decoding
+- `3.0`: no option (this project's default until this comparison: the residual stream un-normed);
+- `3.0-nbr`: `norm_before_residual` (the 3.0 drafter speculators trains by default);
+- `3.1`: `norm_before_residual`, `norm_before_fc`, `norm_output` (EAGLE 3.1 as speculators trains it);
+- `norm_output`: `norm_before_residual` + `norm_output`, to say which 3.1 option does what.
+
+The two main flavours (`3.0-nbr`, `3.1`) get the learning rate from the recipe's grid (1e-3, 2e-3, 4e-3, seed 0)
+with the best validation simulated τ; the other two keep the recipe's 2e-3, which was tuned for `3.0`
+(docs/results/recipe.md). Every flavour trains with seeds 0 and 1; the seed spread is the yardstick. Each drafter
+is decoded for real (greedy, lossless) on all 80 MT-bench questions: the chain k = 3 and the demo's tree (S 3, K 4,
+N 4, SGLang's rule) for every drafter, the chain k = 5 for the two main flavours. Jobs run two at a time (a
+training is two single-thread processes, a decode one), in the order the verdict needs them; every finished job is
+reused, so a killed run resumes:
+
+    .venv/bin/python -m experiments.eagle31 --out runs/eagle31            # data, 12 trainings, 20 decodes
     .venv/bin/python -m experiments.eagle31 --out runs/eagle31 --table docs/results/eagle31.md
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.runs import CLI, run_logged
@@ -25,10 +36,26 @@ from experiments.tree_attention import decode_all
 
 VERIFIER = "smollm2-135m-instruct"
 RECIPE = "examples/recipes/small_cpu.yaml"
-FLAVOURS = {"3.0": [], "3.1": ["--norm-before-fc", "true", "--norm-output", "true"]}
-DECODES = [{"steps": 3, "topk": 1, "num_draft_tokens": 4, "rule": "chain"},
-           {"steps": 3, "topk": 4, "num_draft_tokens": 4, "rule": "sglang"}]
+RECIPE_LR = 2e-3
+LR_GRID = (1e-3, 2e-3, 4e-3)
+NBR = ["--norm-before-residual", "true"]
+FLAVOURS = {"3.0": [], "3.0-nbr": NBR, "3.1": [*NBR, "--norm-before-fc", "true", "--norm-output", "true"],
+            "norm_output": [*NBR, "--norm-output", "true"]}
+TUNED = ("3.0-nbr", "3.1")
+CHAIN3 = {"steps": 3, "topk": 1, "num_draft_tokens": 4, "rule": "chain"}
+TREE = {"steps": 3, "topk": 4, "num_draft_tokens": 4, "rule": "sglang"}
+CHAIN5 = {"steps": 5, "topk": 1, "num_draft_tokens": 6, "rule": "chain"}
 MAX_NEW_TOKENS = 64
+_PORTS = itertools.count(29500 + os.getpid() % 400 * 2)
+
+
+def decode_name(run: dict) -> str:
+    return f"S{run['steps']}-K{run['topk']}-N{run['num_draft_tokens']}-{run['rule']}"
+
+
+def drafter_name(flavour: str, lr: float, seed: int) -> str:
+    """The recipe's lr keeps the old name (`eagle3.0-seed0`), which the long-context section decodes."""
+    return f"eagle{flavour}-seed{seed}" if lr == RECIPE_LR else f"eagle{flavour}-lr{lr:g}-seed{seed}"
 
 
 def build_data(out: Path, prompts: int) -> Path:
@@ -51,77 +78,161 @@ def build_data(out: Path, prompts: int) -> Path:
     return data
 
 
-def train(out: Path, data: Path, flavour: str, seed: int) -> Path:
-    """The demo's training command with this flavour's flags and seed."""
-    drafter = out / f"eagle{flavour}-seed{seed}"
+def train(out: Path, data: Path, flavour: str, lr: float, seed: int) -> Path:
+    """The demo's training command with this flavour's flags, learning rate and seed (two single-thread processes)."""
+    drafter = out / drafter_name(flavour, lr, seed)
     if (drafter / "model.safetensors").is_file():
         return drafter
-    port = str(29500 + os.getpid() % 1000)
+    port = str(next(_PORTS))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run_logged(["accelerate", "launch", "--config_file", "accelerate_configs/cpu_2proc.yaml", "--num_processes", "2",
                 "--main_process_port", port, "examples/train.py", "--config", RECIPE, "--verifier", VERIFIER,
                 "--features", str(data / "features"), "--output-dir", str(drafter), "--seed", str(seed),
-                *FLAVOURS[flavour]], out / "logs" / f"{drafter.name}.train.log")
+                "--learning-rate", str(lr), *FLAVOURS[flavour]], out / "logs" / f"{drafter.name}.train.log", env)
     return drafter
 
 
-def decode(drafters: list[Path], out: Path) -> None:
-    """Every drafter's chain and tree on all 80 questions, one single-thread process per core."""
-    jobs = [(d, out / "decode" / d.name) for d in drafters]
-    procs = []
-    for shard in range(2):
-        mine = jobs[shard::2]
-        if not mine:
-            continue
-        args = [sys.executable, "-m", "experiments.eagle31", "--decode-only",
-                *[f"{d}={o}" for d, o in mine]]
-        procs.append(subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    if any(p.wait() for p in procs):
-        raise SystemExit("a decoding process failed (its output is above)")
+def decode(out: Path, drafter: Path, run: dict) -> Path:
+    """One decode of all 80 questions in its own single-thread process."""
+    path = out / "decode" / drafter.name / f"{decode_name(run)}.json"
+    if not path.is_file():
+        run_logged([sys.executable, "-m", "experiments.eagle31", "--decode-only", str(drafter), json.dumps(run),
+                    str(path.parent)], out / "logs" / f"{drafter.name}.{decode_name(run)}.log",
+                   {**os.environ, "OMP_NUM_THREADS": "1"})
+    return path
 
 
-def simulated_tau(drafter: Path) -> float:
-    """The kept (best) epoch's validation simulated τ from the training record."""
-    record = json.loads((drafter / "eagle3_training.json").read_text(encoding="utf-8"))
-    return float(record["metrics"]["simulated_acceptance_length"])
+def simulated_tau(drafter: Path) -> float | None:
+    """The kept (best) epoch's validation simulated τ from the training record; None before it trained."""
+    record = drafter / "eagle3_training.json"
+    if not record.is_file():
+        return None
+    return float(json.loads(record.read_text(encoding="utf-8"))["metrics"]["simulated_acceptance_length"])
+
+
+def chosen_lr(out: Path, flavour: str) -> float | None:
+    """The grid's lr with the best seed-0 validation simulated τ (never a test-set number); None until all ran."""
+    taus = {lr: simulated_tau(out / drafter_name(flavour, lr, 0)) for lr in LR_GRID}
+    if any(t is None for t in taus.values()):
+        return None
+    return max(LR_GRID, key=lambda lr: (taus[lr], -abs(lr - RECIPE_LR)))
+
+
+def flavour_lr(out: Path, flavour: str) -> float | None:
+    return chosen_lr(out, flavour) if flavour in TUNED else RECIPE_LR
+
+
+@dataclass
+class Job:
+    """A training or a decode; `ready` says whether what it needs exists yet."""
+
+    name: str
+    work: callable
+    ready: callable = field(default=lambda: True)
+
+
+def jobs(out: Path, data: Path, seeds: list[int]) -> list[Job]:
+    """Every job in the order the verdict needs it: the lr grid, the main flavours' decodes, then the rest."""
+    def training(flavour: str, seed: int, lr: float | None = None) -> Job:
+        def lr_now() -> float | None:
+            return lr if lr is not None else flavour_lr(out, flavour)
+        return Job(f"train {flavour} lr={lr or 'chosen'} seed={seed}",
+                   lambda: train(out, data, flavour, lr_now(), seed), lambda: lr_now() is not None)
+
+    def decoding(flavour: str, seed: int, run: dict) -> Job:
+        def drafter() -> Path | None:
+            lr = flavour_lr(out, flavour)
+            path = out / drafter_name(flavour, lr, seed) if lr is not None else None
+            return path if path is not None and (path / "model.safetensors").is_file() else None
+        return Job(f"decode {flavour} seed={seed} {decode_name(run)}",
+                   lambda: decode(out, drafter(), run), lambda: drafter() is not None)
+
+    todo = [training(f, 0, lr) for lr in (RECIPE_LR, 1e-3, 4e-3) for f in TUNED]
+    todo += [training("3.0", 0), *(decoding(f, 0, CHAIN3) for f in TUNED), decoding("3.0", 0, CHAIN3)]
+    todo += [*(decoding(f, 0, CHAIN5) for f in TUNED)]
+    for seed in seeds[1:]:
+        todo += [*(training(f, seed) for f in TUNED), training("3.0", seed)]
+        todo += [*(decoding(f, seed, CHAIN3) for f in (*TUNED, "3.0")), *(decoding(f, seed, CHAIN5) for f in TUNED)]
+    todo += [training("norm_output", s) for s in seeds] + [decoding("norm_output", s, CHAIN3) for s in seeds]
+    todo += [decoding(f, s, TREE) for s in seeds for f in FLAVOURS]
+    return todo
+
+
+def run_jobs(todo: list[Job], slots: int) -> None:
+    """At most `slots` jobs at a time, each the first ready one in order; a failure stops new starts."""
+    lock, wake, running, failed = threading.Lock(), threading.Condition(), set(), []
+
+    def start(job: Job) -> None:
+        try:
+            job.work()
+            print(f"done: {job.name}", flush=True)
+        except BaseException as e:  # noqa: BLE001 - reported and re-raised by the scheduler below
+            failed.append((job.name, e))
+        with wake:
+            running.discard(job.name)
+            wake.notify_all()
+
+    pending = list(todo)
+    with wake:
+        while (pending or running) and not failed:
+            with lock:
+                ready = [j for j in pending if j.ready()] if len(running) < slots else []
+            if ready:
+                job = ready[0]
+                pending.remove(job)
+                running.add(job.name)
+                print(f"start: {job.name}", flush=True)
+                threading.Thread(target=start, args=(job,), daemon=True).start()
+                continue
+            if not running:
+                raise SystemExit(f"nothing can start: {[j.name for j in pending]}")
+            wake.wait()
+    if failed:
+        raise SystemExit(f"{failed[0][0]}: {failed[0][1]}")
 
 
 def table(out: Path, seeds: list[int]) -> str:
-    """Per drafter, then per flavour (mean and spread over seeds) and the difference; a run not finished is "—"."""
-    rows, taus = [], {}
+    """The lr grid, then per drafter, then per flavour (mean and spread over seeds); a run not finished is "—"."""
+    lines = ["| flavour | lr 1e-3 | lr 2e-3 | lr 4e-3 | chosen |", "|---|---|---|---|---|"]
+    for flavour in TUNED:
+        taus = [simulated_tau(out / drafter_name(flavour, lr, 0)) for lr in LR_GRID]
+        lines.append(f"| {flavour} | " + " | ".join(_num(t) for t in taus) + f" | {_lr(chosen_lr(out, flavour))} |")
+    columns = [("simulated τ (validation)", None), ("τ chain k=3", CHAIN3), ("τ tree S3 K4 N4", TREE),
+               ("τ chain k=5", CHAIN5)]
+    lines += ["", "| flavour | lr | seed | " + " | ".join(c for c, _ in columns) + " | answers' hash |",
+              "|---|---|---|" + "---|" * len(columns) + "---|"]
+    values: dict[tuple[str, int], list[float | None]] = {}
     for flavour in FLAVOURS:
+        lr = flavour_lr(out, flavour)
         for seed in seeds:
-            name = f"eagle{flavour}-seed{seed}"
-            runs = out / "decode" / name
-            decoded = {r["rule"]: json.loads(path.read_text()) for r in DECODES
-                       if (path := runs / f"S3-K{r['topk']}-N4-{r['rule']}.json").is_file()}
-            sim = simulated_tau(out / name)
-            chain, tree = (decoded[rule]["tau"] if rule in decoded else None for rule in ("chain", "sglang"))
-            taus[(flavour, seed)] = (sim, chain, tree)
-            hashes = sorted({d["tokens_sha256"] for d in decoded.values()})
-            rows.append(f"| {flavour} | {seed} | {sim:.3f} | {_num(chain)} | {_num(tree)} | {', '.join(hashes)} |")
-    lines = ["| flavour | seed | simulated τ (validation) | τ chain k=3 (80 questions) "
-             "| τ tree S3 K4 N4 (80 questions) | answers' hash (chain, tree) |", "|---|---|---|---|---|---|", *rows, ""]
-    lines += ["| | simulated τ | τ chain | τ tree |", "|---|---|---|---|"]
+            drafter = out / drafter_name(flavour, lr, seed) if lr is not None else None
+            row, hashes = [simulated_tau(drafter) if drafter else None], set()
+            for _, run in columns[1:]:
+                path = out / "decode" / drafter.name / f"{decode_name(run)}.json" if drafter else None
+                result = json.loads(path.read_text()) if path and path.is_file() else None
+                row.append(result["tau"] if result else None)
+                hashes |= {result["tokens_sha256"]} if result else set()
+            values[(flavour, seed)] = row
+            lines.append(f"| {flavour} | {_lr(lr)} | {seed} | " + " | ".join(_num(v) for v in row)
+                         + f" | {', '.join(sorted(hashes)) or '—'} |")
+    lines += ["", "| flavour, mean over seeds (spread) | " + " | ".join(c for c, _ in columns) + " |",
+              "|---|" + "---|" * len(columns)]
     for flavour in FLAVOURS:
         cells = []
-        for i in range(3):
-            values = [v for s in seeds if (v := taus[(flavour, s)][i]) is not None]
-            spread = (f"spread {max(values) - min(values):.3f}, {len(values)} seeds" if len(values) > 1
-                      else "1 seed")
-            cells.append(f"{sum(values) / len(values):.3f} ({spread})" if values else "—")
-        lines.append(f"| {flavour}: mean over seeds | " + " | ".join(cells) + " |")
-    cells = []
-    for i in range(3):
-        pairs = [(b, a) for s in seeds
-                 if (a := taus[("3.0", s)][i]) is not None and (b := taus[("3.1", s)][i]) is not None]
-        seeds_used = f"{len(pairs)} seeds" if len(pairs) > 1 else "seed 0"
-        cells.append(f"{sum(b - a for b, a in pairs) / len(pairs):+.3f} ({seeds_used})" if pairs else "—")
-    lines.append("| 3.1 − 3.0, same seed, mean | " + " | ".join(cells) + " |")
+        for i in range(len(columns)):
+            got = [v for s in seeds if (v := values[(flavour, s)][i]) is not None]
+            spread = f"{max(got) - min(got):.3f}, {len(got)} seeds" if len(got) > 1 else "1 seed"
+            cells.append(f"{sum(got) / len(got):.3f} ({spread})" if got else "—")
+        lines.append(f"| {flavour} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _num(x: float | None) -> str:
     return "—" if x is None else f"{x:.3f}"
+
+
+def _lr(lr: float | None) -> str:
+    return "—" if lr is None else f"{lr:g}"
 
 
 def write_between_markers(page: Path, name: str, text: str) -> None:
@@ -139,17 +250,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/eagle31"))
     parser.add_argument("--prompts", type=int, default=600, help="the demo's training prompts (default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--slots", type=int, default=2, help="jobs at a time (default: %(default)s)")
     parser.add_argument("--table", type=Path, default=None, help="print the table and write it between markers here")
-    parser.add_argument("--decode-only", nargs="+", default=None, help=argparse.SUPPRESS)  # DRAFTER=OUT pairs
+    parser.add_argument("--decode-only", nargs=3, default=None, help=argparse.SUPPRESS)  # DRAFTER RUN_JSON OUT
     args = parser.parse_args()
     if args.decode_only:
-        import torch
-
-        torch.set_num_threads(1)
-        for pair in args.decode_only:
-            drafter, _, out = pair.partition("=")
-            Path(out).mkdir(parents=True, exist_ok=True)
-            decode_all(drafter, VERIFIER, DECODES, Path(out), MAX_NEW_TOKENS, None)
+        drafter, run, out = args.decode_only
+        Path(out).mkdir(parents=True, exist_ok=True)
+        decode_all(drafter, VERIFIER, [json.loads(run)], Path(out), MAX_NEW_TOKENS, None)
         return
     if args.table:
         text = table(args.out, args.seeds)
@@ -157,8 +265,7 @@ def main() -> None:
         write_between_markers(args.table, "eagle31-table", text)
         return
     data = build_data(args.out, args.prompts)
-    drafters = [train(args.out, data, flavour, seed) for seed in args.seeds for flavour in FLAVOURS]
-    decode(drafters, args.out)
+    run_jobs(jobs(args.out, data, args.seeds), args.slots)
 
 
 if __name__ == "__main__":
