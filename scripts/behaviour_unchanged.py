@@ -4,7 +4,8 @@ Sixteen of the demo's prompts go through every offline feature route the CLI has
 pass, as `make demo` runs it; `extract` with transformers hooks; `import-features speculators` of files written
 the way speculators writes them; with --vllm, `extract --engine vllm`), and two short trainings from them (from
 the regenerated shards, and online with `--features hf`). Every feature directory is reduced to the sha256 of its
-files (each shard's own `written` stat left out: it names the file's inode and times, which no two runs share)
+files (each shard's own `written` stat left out: it names the file's inode and times, which no two runs share; a
+safetensors file by its sorted metadata and tensors: the format does not fix the order of its metadata)
 and every drafter to the sha256 of its model.safetensors. The stages run through the CLI only, so the same
 script runs against any commit:
 
@@ -48,10 +49,27 @@ def digest_dir(directory: Path) -> str:
                 for shard in [row.get("shard") or {}, *(row.get("shards") or [])]:
                     shard.pop("written", None)
             data = json.dumps(rows, sort_keys=True).encode()
+        elif path.suffix == ".safetensors":
+            data = safetensors_content(path)
         else:
             data = path.read_bytes()
         h.update(str(path.relative_to(directory)).encode() + b"\0" + hashlib.sha256(data).digest())
     return h.hexdigest()[:16]
+
+
+def safetensors_content(path: Path) -> bytes:
+    """A safetensors file's metadata (sorted: the format keeps a map, whose order is not fixed) and tensors."""
+    import torch
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(path), framework="pt") as f:
+        h.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name)
+            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode() + raw)
+    return h.digest()
 
 
 def speculators_files(prepared: Path, out: Path) -> None:
