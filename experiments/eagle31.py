@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ def build_data(out: Path, prompts: int) -> Path:
 def train(out: Path, data: Path, flavour: str, lr: float, seed: int) -> Path:
     """The demo's training command with this flavour's flags, learning rate and seed (two single-thread processes)."""
     drafter = out / drafter_name(flavour, lr, seed)
+    wait_for_running(drafter)
     if (drafter / "model.safetensors").is_file():
         return drafter
     port = str(next(_PORTS))
@@ -90,6 +92,16 @@ def train(out: Path, data: Path, flavour: str, lr: float, seed: int) -> Path:
                 "--features", str(data / "features"), "--output-dir", str(drafter), "--seed", str(seed),
                 "--learning-rate", str(lr), *FLAVOURS[flavour]], out / "logs" / f"{drafter.name}.train.log", env)
     return drafter
+
+
+def wait_for_running(drafter: Path) -> None:
+    """A training of `drafter` still running from a scheduler that was stopped (its processes outlive it) is waited
+    for, not started a second time."""
+    import time
+
+    pattern = f"--output-dir {drafter} "
+    while subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
+        time.sleep(30)
 
 
 def decode(out: Path, drafter: Path, run: dict) -> Path:
@@ -132,27 +144,34 @@ class Job:
 
 
 def jobs(out: Path, data: Path, seeds: list[int]) -> list[Job]:
-    """Every job in the order the verdict needs it: the lr grid, the main flavours' decodes, then the rest."""
-    def training(flavour: str, seed: int, lr: float | None = None) -> Job:
+    """Every job in the order the verdict needs it, so that a run cut short has measured what matters most: the
+    three main flavours at the recipe's lr with their chain decodes and both seeds, the k = 5 chains, then the lr
+    grid of the two main flavours (and, where it picks another lr, those drafters), `norm_output` and the trees."""
+    def training(flavour: str, seed: int, lr: float | None = RECIPE_LR) -> Job:
         def lr_now() -> float | None:
             return lr if lr is not None else flavour_lr(out, flavour)
         return Job(f"train {flavour} lr={lr or 'chosen'} seed={seed}",
                    lambda: train(out, data, flavour, lr_now(), seed), lambda: lr_now() is not None)
 
-    def decoding(flavour: str, seed: int, run: dict) -> Job:
+    def decoding(flavour: str, seed: int, run: dict, lr: float | None = RECIPE_LR) -> Job:
         def drafter() -> Path | None:
-            lr = flavour_lr(out, flavour)
-            path = out / drafter_name(flavour, lr, seed) if lr is not None else None
+            at = lr if lr is not None else flavour_lr(out, flavour)
+            path = out / drafter_name(flavour, at, seed) if at is not None else None
             return path if path is not None and (path / "model.safetensors").is_file() else None
-        return Job(f"decode {flavour} seed={seed} {decode_name(run)}",
+        return Job(f"decode {flavour} lr={lr or 'chosen'} seed={seed} {decode_name(run)}",
                    lambda: decode(out, drafter(), run), lambda: drafter() is not None)
 
-    todo = [training(f, 0, lr) for lr in (RECIPE_LR, 1e-3, 4e-3) for f in TUNED]
-    todo += [training("3.0", 0), *(decoding(f, 0, CHAIN3) for f in TUNED), decoding("3.0", 0, CHAIN3)]
-    todo += [*(decoding(f, 0, CHAIN5) for f in TUNED)]
-    for seed in seeds[1:]:
-        todo += [*(training(f, seed) for f in TUNED), training("3.0", seed)]
-        todo += [*(decoding(f, seed, CHAIN3) for f in (*TUNED, "3.0")), *(decoding(f, seed, CHAIN5) for f in TUNED)]
+    main = ("3.0", *TUNED)
+    first, rest = seeds[0], seeds[1:]
+    todo = [training(f, first) for f in (*TUNED, "3.0")]
+    todo += [decoding(f, first, CHAIN3) for f in TUNED]
+    todo += [training(f, s) for s in rest for f in TUNED]
+    todo += [decoding("3.0", first, CHAIN3), *(decoding(f, first, CHAIN5) for f in TUNED)]
+    todo += [training("3.0", s) for s in rest] + [decoding(f, s, CHAIN3) for s in rest for f in main]
+    todo += [training(f, first, lr) for lr in LR_GRID if lr != RECIPE_LR for f in TUNED]
+    todo += [decoding(f, s, CHAIN5) for s in rest for f in TUNED]
+    todo += [training(f, s, None) for s in rest for f in TUNED]  # nothing to do where the grid keeps 2e-3
+    todo += [decoding(f, s, run, None) for run in (CHAIN3, CHAIN5) for s in seeds for f in TUNED]
     todo += [training("norm_output", s) for s in seeds] + [decoding("norm_output", s, CHAIN3) for s in seeds]
     todo += [decoding(f, s, TREE) for s in seeds for f in FLAVOURS]
     return todo
@@ -192,38 +211,48 @@ def run_jobs(todo: list[Job], slots: int) -> None:
 
 
 def table(out: Path, seeds: list[int]) -> str:
-    """The lr grid, then per drafter, then per flavour (mean and spread over seeds); a run not finished is "—"."""
+    """The lr grid, then per drafter, then per flavour and lr (mean and spread over seeds); a run not finished
+    is "—". Every flavour at the recipe's lr; a main flavour again at the grid's lr where that differs."""
     lines = ["| flavour | lr 1e-3 | lr 2e-3 | lr 4e-3 | chosen |", "|---|---|---|---|---|"]
     for flavour in TUNED:
         taus = [simulated_tau(out / drafter_name(flavour, lr, 0)) for lr in LR_GRID]
         lines.append(f"| {flavour} | " + " | ".join(_num(t) for t in taus) + f" | {_lr(chosen_lr(out, flavour))} |")
     columns = [("simulated τ (validation)", None), ("τ chain k=3", CHAIN3), ("τ tree S3 K4 N4", TREE),
                ("τ chain k=5", CHAIN5)]
+    variants = [(f, RECIPE_LR) for f in FLAVOURS]
+    variants += [(f, lr) for f in TUNED if (lr := chosen_lr(out, f)) not in (None, RECIPE_LR)]
     lines += ["", "| flavour | lr | seed | " + " | ".join(c for c, _ in columns) + " | answers' hash |",
               "|---|---|---|" + "---|" * len(columns) + "---|"]
-    values: dict[tuple[str, int], list[float | None]] = {}
-    for flavour in FLAVOURS:
-        lr = flavour_lr(out, flavour)
+    values: dict[tuple[str, float, int], list[float | None]] = {}
+    for flavour, lr in variants:
         for seed in seeds:
-            drafter = out / drafter_name(flavour, lr, seed) if lr is not None else None
-            row, hashes = [simulated_tau(drafter) if drafter else None], set()
+            drafter = out / drafter_name(flavour, lr, seed)
+            row, hashes = [simulated_tau(drafter)], set()
             for _, run in columns[1:]:
-                path = out / "decode" / drafter.name / f"{decode_name(run)}.json" if drafter else None
-                result = json.loads(path.read_text()) if path and path.is_file() else None
+                path = out / "decode" / drafter.name / f"{decode_name(run)}.json"
+                result = json.loads(path.read_text()) if path.is_file() else None
                 row.append(result["tau"] if result else None)
                 hashes |= {result["tokens_sha256"]} if result else set()
-            values[(flavour, seed)] = row
+            values[(flavour, lr, seed)] = row
             lines.append(f"| {flavour} | {_lr(lr)} | {seed} | " + " | ".join(_num(v) for v in row)
                          + f" | {', '.join(sorted(hashes)) or '—'} |")
-    lines += ["", "| flavour, mean over seeds (spread) | " + " | ".join(c for c, _ in columns) + " |",
+    lines += ["", "| flavour, lr: mean over seeds (spread) | " + " | ".join(c for c, _ in columns) + " |",
               "|---|" + "---|" * len(columns)]
-    for flavour in FLAVOURS:
+    for flavour, lr in variants:
         cells = []
         for i in range(len(columns)):
-            got = [v for s in seeds if (v := values[(flavour, s)][i]) is not None]
+            got = [v for s in seeds if (v := values[(flavour, lr, s)][i]) is not None]
             spread = f"{max(got) - min(got):.3f}, {len(got)} seeds" if len(got) > 1 else "1 seed"
             cells.append(f"{sum(got) / len(got):.3f} ({spread})" if got else "—")
-        lines.append(f"| {flavour} | " + " | ".join(cells) + " |")
+        lines.append(f"| {flavour}, {_lr(lr)} | " + " | ".join(cells) + " |")
+    for a, b in (("3.0-nbr", "3.0"), ("3.1", "3.0-nbr"), ("norm_output", "3.0-nbr"), ("3.1", "3.0")):
+        cells = []
+        for i in range(len(columns)):
+            pairs = [(x, y) for s in seeds if (x := values[(a, RECIPE_LR, s)][i]) is not None
+                     and (y := values[(b, RECIPE_LR, s)][i]) is not None]
+            cells.append(f"{sum(x - y for x, y in pairs) / len(pairs):+.3f} ({len(pairs)} seed"
+                         f"{'s' if len(pairs) > 1 else ''})" if pairs else "—")
+        lines.append(f"| {a} − {b}, same seed, {_lr(RECIPE_LR)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
