@@ -223,7 +223,7 @@ class ImportedFeatures:
             else:
                 sample_id = f"{self.fmt}-{item['index']}"
             self._current = (sample_id, item, loaded)
-            yield PreparedSample(sample_id, tokens, mask)
+            yield PreparedSample(sample_id, tokens, cast(torch.Tensor, mask))
 
     def _find(self, sample: PreparedSample) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The capture's item (and its file, when already read) for `sample`."""

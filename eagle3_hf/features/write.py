@@ -142,8 +142,7 @@ class FeatureSink:
                                   max_shard_bytes=store.max_shard_bytes, writers=store.writers)
         self.bar: Any = None
         self.unit = "tok"
-        self.start = time.perf_counter()
-        self.elapsed: float | None = None
+        self.start = time.perf_counter()  # the summary's clock: until `finish`
         # what other processes' writers did (transformers_generation's spawned workers), added to this one's
         self.others: dict[str, Any] = {"samples": 0, "tokens": 0, "skipped": {}}
 
@@ -180,14 +179,12 @@ class FeatureSink:
             self.others["skipped"][reason] = self.others["skipped"].get(reason, 0) + n
 
     def close(self) -> None:
-        """Commit what is pending (whatever happened); the clock of the summary stops here."""
+        """Commit what is pending (whatever happened); again: nothing more."""
         try:
             self.writer.close()
         finally:
             if self.bar is not None:
                 self.bar.close()
-            if self.elapsed is None:
-                self.elapsed = time.perf_counter() - self.start
 
     def __enter__(self) -> FeatureSink:
         return self
@@ -201,7 +198,7 @@ class FeatureSink:
         """The summary of this run; then, once every rank is here, rank 0 (or each node's first process, with
         --per-node-output) merges the journals of the dataset `all_ids` into manifest.json."""
         self.close()
-        elapsed = float(self.elapsed or 0.0)
+        elapsed = time.perf_counter() - self.start
         writer, others = self.writer, self.others
         skipped = dict(writer.skipped_counts)
         for reason, n in others["skipped"].items():
