@@ -1,5 +1,7 @@
 """The one write loop of every offline route: this rank's slice of a prepared dataset, through a `FeatureSource`,
-into the store's shards.
+into the store's shards. `FeatureSink` is its end: the writer, skips, progress, summary (`ExtractionSummary`) and
+the one merge; `import-features` and the routes that generate their samples (regenerate --features-out) write
+through it too.
 
 Rank slice (samples i with i % world_size == rank, under `torchrun` / `accelerate launch`), resumption (samples a
 journal already holds are not asked for again), empty samples and samples longer than the route takes recorded
