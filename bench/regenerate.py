@@ -45,12 +45,13 @@ class Clock:
 
 
 def _features_pass(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int, Path]:
+    from eagle3_hf.data.regenerate import RegenerateOutputs
     from eagle3_hf.features.transformers_generation import regenerate_with_features
 
     with Clock() as clock:
-        stats = regenerate_with_features(prompts, work / "c.jsonl", work / "f", backend, batch_size=batch_size,
-                                         prepared_out=work / "prep", progress=False)
-    return clock, stats["tokens"], work / "prep"
+        summary = regenerate_with_features(prompts, RegenerateOutputs(work / "c.jsonl", work / "f", work / "prep"),
+                                           backend, batch_size=batch_size, progress=False)
+    return clock, summary.written_tokens, work / "prep"
 
 
 def _bare_forward(model, samples: list[list[int]], batch_size: int, pad: int) -> Clock:

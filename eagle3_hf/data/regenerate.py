@@ -25,6 +25,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +39,29 @@ if TYPE_CHECKING:
 # (content, reasoning or None, tool_calls or None, finish_reason, generated tokens)
 Completion = tuple[str, "str | None", "list | None", str, int]
 _RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class RegenerateOutputs:
+    """Where `regenerate --features-out` writes: the answered conversations (--output), the features
+    (--features-out) and, optionally, the prepared dataset (--prepared-out)."""
+
+    conversations: Path
+    features: Path
+    prepared: Path | None = None
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How answers are generated and cut into samples: sampling (vLLM's route; the in-process one samples as its
+    `TransformersBackend` was built), the turns answered per conversation and the tokens kept per sample."""
+
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_turns: int | None = None
+    max_seq_len: int | None = None
 
 
 class ConversationTurns:

@@ -28,13 +28,20 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from ..errors import UsageError, debug_requested
+from ..errors import UsageError
 from ..verifier.capture import capture_features
 from ..verifier.family import check_aux_indices, default_aux_indices, text_config
 from ..verifier.placement import add_placement_arguments, placement_kwargs
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .write import MERGE_TIMEOUT_S, StoreOptions, check_output_shared, sample_token_limit, write_features
+from .write import (
+    MERGE_TIMEOUT_S,
+    ExtractionSummary,
+    StoreOptions,
+    check_output_shared,
+    sample_token_limit,
+    write_features,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -85,13 +92,13 @@ def extract_features(verifier: PreTrainedModel, tokenizer_fingerprint: str,
                      store: StoreOptions | None = None, verifier_name: str | None = None,
                      verifier_revision: str | None = None, rank: int | None = None, world_size: int | None = None,
                      progress: bool = True, merge_timeout_s: float | None = MERGE_TIMEOUT_S,
-                     max_model_len: int | None = None) -> dict[str, Any]:
-    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict. With
+                     max_model_len: int | None = None) -> ExtractionSummary:
+    """Write features for this rank's slice of `prepared_dataset` to `out_dir`; returns its summary. With
     `max_model_len`, samples of max_model_len tokens or more are skipped and counted (write.py)."""
     source = TransformersFeatures(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name,
                                   verifier_revision, max_model_len)
     return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
-                          progress=progress, merge_timeout_s=merge_timeout_s).as_dict()
+                          progress=progress, merge_timeout_s=merge_timeout_s)
 
 
 # ---------------------------------------------------------------- CLI
@@ -144,7 +151,7 @@ def data_fingerprint(args: argparse.Namespace) -> str:
 
 def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     """`extract --engine vllm`."""
-    from .vllm_offline import extract_features_vllm
+    from .vllm_offline import VllmOptions, extract_features_vllm
 
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
@@ -153,17 +160,11 @@ def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
     check_run_arguments(args)
     fingerprint = data_fingerprint(args)
     summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
-                                    dtype=args.features_dtype, store=StoreOptions(args.samples_per_shard,
-                                                                         args.max_shard_mb << 20),
-                                    verifier_name=args.verifier,
-                                    verifier_revision=args.revision, vllm_dtype=args.torch_dtype,
-                                    max_model_len=args.max_model_len, engine=engine_from_args(args),
-                                    batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending,
-                                    readers=args.vllm_readers, threads=args.threads, timeout=args.vllm_timeout,
-                                    endpoint=args.endpoint, vllm_storage=args.vllm_storage,
-                                    debug=debug_requested(),
+                                    dtype=args.features_dtype, revision=args.revision,
+                                    options=VllmOptions.from_args(args),
+                                    store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
                                     progress=not args.no_progress)
-    print(json.dumps(summary))
+    print(json.dumps(summary.as_dict()))
     return 0
 
 
@@ -193,5 +194,5 @@ def run(args: argparse.Namespace) -> int:
                                progress=not args.no_progress, max_model_len=args.max_model_len)
     if offload_tmp is not None:
         offload_tmp.cleanup()
-    print(json.dumps(summary))
+    print(json.dumps(summary.as_dict()))
     return 0

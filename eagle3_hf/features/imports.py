@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -36,10 +37,9 @@ from ..errors import UsageError
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
-from .records import canonical_dtype, make_header
-from .shard_writer import ShardWriter
-from .source import VerifierIdentity
-from .store import merge_manifests
+from .records import canonical_dtype
+from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .write import ExtractionSummary, FeatureSink, StoreOptions
 
 if TYPE_CHECKING:
     import datasets
@@ -162,91 +162,146 @@ def read_specforge(src: str | Path) -> Iterator[dict[str, Any]]:
         yield {"index": i, "file": str(path), "load": load}
 
 
-# ---------------------------------------------------------------- import
+# ---------------------------------------------------------------- the source
 
-def import_features(
-    fmt: str,
-    src: str | Path,
-    out_dir: str | Path,
-    verifier: PreTrainedModel | str | Path,
-    tokenizer_fingerprint: str,
-    aux_indices: Sequence[int] | None = None,
-    dtype: str = "bfloat16",
-    prepared: datasets.Dataset | str | Path | None = None,
-    hidden_states_dir: str | Path | None = None,
-    verifier_name: str | None = None,
-    verifier_revision: str | None = None,
-    samples_per_shard: int = 64,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Import a speculators or SpecForge capture into `out_dir` (resumable like extraction); returns a summary.
+@dataclass(frozen=True)
+class ImportOptions:
+    """What only an import needs: speculators' hidden-states directory, when not SOURCE/hidden_states."""
 
-    `aux_indices` are our output_hidden_states indices of the captured layers (default (2, N//2, N-3), the
-    default of both tools). `prepared` (our prepared dataset) gives imported samples our ids, matched by tokens.
-    """
-    from tqdm.auto import tqdm
+    hidden_states_dir: str | Path | None = None
 
-    if fmt not in SOURCES:
-        raise ValueError(f"unknown format {fmt!r}: choose from {sorted(SOURCES)}")
-    norm, head, config = load_verifier_head(verifier, verifier_revision)
-    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
-    name = verifier_name or (str(verifier) if not isinstance(verifier, nn.Module) else
-                             getattr(verifier.config, "_name_or_path", type(verifier).__name__))
-    info = VerifierIdentity.of(config, str(name), verifier_revision,
-                               files=None if isinstance(verifier, nn.Module) else str(verifier)).as_dict()
-    provenance = {"format": fmt, "last_hidden_state": "final norm applied at import (stored pre-norm)"
-                  if fmt == "speculators" else "stored post-norm by the engine",
-                  "verifier_greedy": "argmax of the verifier's lm_head, computed at import"}
-    header = make_header(info, tokenizer_fingerprint, indices, canonical_dtype(dtype), source=SOURCES[fmt],
-                         provenance=provenance)
-    writer = ShardWriter(out_dir, header, samples_per_shard=samples_per_shard)
-    id_map = _ids_from_prepared(prepared) if prepared is not None else None
-    reader = read_speculators(src, hidden_states_dir) if fmt == "speculators" else read_specforge(src)
-    softcap = logit_softcap(config)
-    bar = tqdm(unit="sample", desc=f"import {fmt}", disable=not progress)
-    try:
-        for item in reader:
-            tokens = item.get("input_ids")
+
+class ImportedFeatures:
+    """A speculators or SpecForge capture as a `FeatureSource`: each sample's file read when the sample is asked
+    for (found by its tokens, or by the id `captured` gave it), the verifier's final norm applied where the engine
+    stored the last state before it, the greedy token from the verifier's lm_head. A sample whose file the
+    capture lacks (a failed request) is answered skipped, "missing_file"."""
+
+    def __init__(self, fmt: str, src: str | Path, verifier: PreTrainedModel | str | Path, tokenizer_fingerprint: str,
+                 aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                 verifier_revision: str | None = None, options: ImportOptions | None = None):
+        if fmt not in SOURCES:
+            raise ValueError(f"unknown format {fmt!r}: choose from {sorted(SOURCES)}")
+        self.fmt, self.src, self.options = fmt, Path(src), options or ImportOptions()
+        self.norm, self.head, config = load_verifier_head(verifier, verifier_revision)
+        n_layers, self.hidden = int(config.num_hidden_layers), int(config.hidden_size)
+        indices = check_aux_indices(aux_indices or default_aux_indices(n_layers), n_layers)
+        name = str(verifier) if not isinstance(verifier, nn.Module) else \
+            getattr(verifier.config, "_name_or_path", type(verifier).__name__)
+        who = VerifierIdentity.of(config, str(name), verifier_revision,
+                                  files=None if isinstance(verifier, nn.Module) else str(verifier))
+        provenance = {"format": fmt, "last_hidden_state": "final norm applied at import (stored pre-norm)"
+                      if fmt == "speculators" else "stored post-norm by the engine",
+                      "verifier_greedy": "argmax of the verifier's lm_head, computed at import"}
+        self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype),
+                                       SOURCES[fmt], provenance)
+        self.softcap = logit_softcap(config)
+        self._current: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None  # captured()'s last item
+        self._by_tokens: dict[str, list[dict[str, Any]]] | None = None
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        if self.fmt == "speculators":
+            return read_speculators(self.src, self.options.hidden_states_dir)
+        return read_specforge(self.src)
+
+    def captured(self, prepared: datasets.Dataset | str | Path | None = None) -> Iterator[PreparedSample]:
+        """The capture's samples in its order, named by the sample of `prepared` with the same tokens (each
+        sample once), or `{format}-{row}` without it. SpecForge's tokens live in its files: each is read here once
+        and kept for `states`."""
+        id_map = _ids_from_prepared(prepared) if prepared is not None else None
+        for item in self._read():
+            tokens, mask = item.get("input_ids"), item.get("loss_mask")
             loaded = None
             if tokens is None:  # SpecForge: the tokens live in the file
                 loaded = item["load"]()
-                tokens = loaded["token_ids"]
+                tokens, mask = loaded["token_ids"], loaded["loss_mask"]
             if id_map is not None:
                 candidates = id_map.get(_token_key(tokens), [])
                 if not candidates:
                     raise ValueError(f"{item['file']}: its tokens match no sample of the prepared dataset {prepared}")
                 sample_id = candidates.pop(0)
             else:
-                sample_id = f"{fmt}-{item['index']}"
-            if sample_id in writer.done_ids:
-                continue
+                sample_id = f"{self.fmt}-{item['index']}"
+            self._current = (sample_id, item, loaded)
+            yield PreparedSample(sample_id, tokens, cast(torch.Tensor, mask))
+
+    def _find(self, sample: PreparedSample) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The capture's item (and its file, when already read) for `sample`."""
+        if self._current is not None and self._current[0] == sample.sample_id:
+            _, item, loaded = self._current
+            self._current = None
+            return item, loaded
+        if self._by_tokens is None:  # by tokens: SpecForge's files are read once here for theirs
+            self._by_tokens = {}
+            for item in self._read():
+                tokens = item["input_ids"] if "input_ids" in item else item["load"]()["token_ids"]
+                self._by_tokens.setdefault(_token_key(tokens), []).append(item)
+        found = self._by_tokens.get(_token_key(sample.input_ids))
+        if not found:
+            raise ValueError(f"{self.src}: no captured sample has the tokens of sample {sample.sample_id!r}")
+        return found.pop(0), None
+
+    def check(self, lengths: Sequence[int]) -> int | None:
+        return None  # any length: the engine already ran
+
+    def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
+        for sample in samples:
+            item, loaded = self._find(sample)
             if item.get("missing"):
-                writer.skip(sample_id, "missing_file")
+                yield SampleFeatures.skipped(sample, "missing_file")
                 continue
             loaded = loaded or item["load"]()
             if "input_ids" in item and not torch.equal(loaded["token_ids"], item["input_ids"]):
                 raise ValueError(f"{item['file']}: token_ids differ from row {item['index']} of the dataset")
             aux, last = loaded["aux"], loaded["last"]
-            t = tokens.shape[0]
-            if aux.shape != (t, 3 * hidden) or last.shape != (t, hidden):
+            t = sample.input_ids.shape[0]
+            if aux.shape != (t, 3 * self.hidden) or last.shape != (t, self.hidden):
                 raise ValueError(f"{item['file']}: aux {tuple(aux.shape)} / last {tuple(last.shape)} do not match "
-                                 f"{t} tokens x hidden {hidden} of the verifier (3 aux layers expected)")
+                                 f"{t} tokens x hidden {self.hidden} of the verifier (3 aux layers expected)")
             with torch.no_grad():
                 last = last.float()
                 if loaded["needs_norm"]:
-                    last = norm(last)  # [T, H] now post-norm, like ours
-                greedy = greedy_tokens(head, last, softcap)
-            mask = item.get("loss_mask", loaded.get("loss_mask"))
-            writer.add(sample_id, tokens, mask, aux, last, greedy)
-            bar.update(1)
-    finally:
-        writer.close()
-        bar.close()
-    manifest = merge_manifests(out_dir)
-    return {"format": fmt, "written_samples": writer.written_samples, "written_tokens": writer.written_tokens,
-            "skipped": dict(writer.skipped_counts), "total_samples": len(manifest["samples"]),
-            "total_skipped": manifest["skipped"]}
+                    last = self.norm(last)  # [T, H] now post-norm, like ours
+                greedy = greedy_tokens(self.head, last, self.softcap)
+            yield SampleFeatures(sample, aux, last, greedy)
+
+    def report(self) -> dict[str, Any]:
+        return {"format": self.fmt}
+
+
+def open_source(kind: str, target: str | Path, verifier: str, *, revision: str | None = None,
+                aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                options: ImportOptions | None = None, tokenizer_fingerprint: str | None = None) -> ImportedFeatures:
+    """The capture at `target` written by `kind` (speculators, specforge) from `verifier`; the tokenizer
+    fingerprint is `verifier`'s tokenizer's unless given."""
+    if tokenizer_fingerprint is None:
+        from ..data.fingerprint import tokenizer_fingerprint as fingerprint_of
+        from ..verifier.loading import load_tokenizer
+
+        tokenizer_fingerprint = fingerprint_of(load_tokenizer(verifier, revision=revision))
+    return ImportedFeatures(kind, target, verifier, tokenizer_fingerprint, aux_indices, dtype, revision, options)
+
+
+# ---------------------------------------------------------------- import
+
+def import_features(source: ImportedFeatures, out_dir: str | Path, *,
+                    prepared: datasets.Dataset | str | Path | None = None, store: StoreOptions | None = None,
+                    progress: bool = True) -> ExtractionSummary:
+    """Import a speculators or SpecForge capture into `out_dir` in its own order (resumable like extraction).
+    `prepared` (our prepared dataset) gives imported samples our ids, matched by tokens."""
+    sink = FeatureSink(out_dir, source.identity.header(), store=store)
+    all_ids: list[str] = []
+    resumed = 0
+    with sink:
+        sink.progress(f"import {source.fmt}", unit="sample", enabled=progress)
+        for sample in source.captured(prepared):
+            all_ids.append(sample.sample_id)
+            if sample.sample_id in sink.done_ids:
+                resumed += 1
+                continue
+            for feats in source.states([sample]):
+                sink.add(feats)
+    return sink.finish(all_ids, resumed_past=resumed, route=source.report())
 
 
 # ---------------------------------------------------------------- CLI
@@ -269,19 +324,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..verifier.loading import load_tokenizer
-
     if args.aux_layers and args.engine_layer_ids:
         raise UsageError("give --aux-layers or --engine-layer-ids, not both")
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     if args.engine_layer_ids:
         shift = 1 if args.format == "specforge" else 0  # SGLang ids name a layer's output
         aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
-    fingerprint = tokenizer_fingerprint(load_tokenizer(args.verifier, revision=args.revision))
-    summary = import_features(args.format, args.source, args.output, args.verifier, fingerprint, aux_indices=aux,
-                              dtype=args.features_dtype, prepared=args.data, hidden_states_dir=args.hidden_states,
-                              verifier_name=args.verifier, verifier_revision=args.revision,
-                              samples_per_shard=args.samples_per_shard, progress=not args.no_progress)
-    print(json.dumps(summary))
+    source = open_source(args.format, args.source, args.verifier, revision=args.revision, aux_indices=aux,
+                         dtype=args.features_dtype, options=ImportOptions(args.hidden_states))
+    summary = import_features(source, args.output, prepared=args.data, store=StoreOptions(args.samples_per_shard),
+                              progress=not args.no_progress)
+    print(json.dumps(summary.as_dict()))
     return 0

@@ -137,6 +137,15 @@ class SampleFeatures:
     # stores them (store.stored_sample, checked finite) and their sample_sha256, so the writer only queues them
     stored: dict[str, torch.Tensor] | None = None
     stored_sha256: str | None = None
+    # set when the route has no features for this sample and says why (imports: "missing_file"): the writer records
+    # it as skipped, counted and listed in the manifest's skipped_ids, and the tensors are empty
+    skip_reason: str | None = None
+
+    @classmethod
+    def skipped(cls, sample: PreparedSample, reason: str) -> SampleFeatures:
+        """A sample the route cannot answer, with the reason the manifest records."""
+        empty = torch.empty(0)
+        return cls(sample, empty, empty, empty, skip_reason=reason)
 
 
 class FeatureSource(Protocol):
@@ -144,7 +153,8 @@ class FeatureSource(Protocol):
     (a server serving another verifier: refused with nothing on disk) and returns the most tokens a sample may
     have on this route (None: any), so that a longer one is skipped and counted, alone (write.py); `states` may
     answer in any order and hold samples back, but answers each sample at most once; `report` adds the route's
-    own facts (engine version, load time) to the extraction summary."""
+    own facts (engine version, load time) to the extraction summary. A sample the route has nothing for is
+    answered `SampleFeatures.skipped(sample, reason)`."""
 
     identity: SourceIdentity
 

@@ -43,15 +43,22 @@ import torch
 
 from ..data import regenerate as plain
 from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
-from ..data.regenerate import ConversationTurns, TransformersBackend, completed_ids
+from ..data.regenerate import (
+    ConversationTurns,
+    GenerationOptions,
+    RegenerateOutputs,
+    TransformersBackend,
+    completed_ids,
+)
 from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .extract import verifier_info
 from .prepared_from_shards import write_prepared
 from .records import FeatureHeader, canonical_dtype, make_header
-from .shard_writer import ShardWriter
+from .source import PreparedSample, SampleFeatures
 from .store import merge_manifests
+from .write import ExtractionSummary, FeatureSink, StoreOptions
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -73,7 +80,7 @@ class _Job(TypedDict):
     header: FeatureHeader
     features_out: str
     output: str
-    samples_per_shard: int
+    store: StoreOptions
     max_turns: int | None
     max_seq_len: int | None
 
@@ -93,7 +100,9 @@ class _Report(TypedDict, total=False):
 
     rank: int
     conversations: int
+    samples: int
     tokens: int
+    skipped: dict[str, int]
     generated: int
     error: str
     finished: bool
@@ -196,12 +205,13 @@ def _pending_path(output: Path, rank: int) -> Path:
     return output.with_name(f"{output.name}.r{rank:03d}.pending")
 
 
-def _work(rank: int, backend: TransformersBackend, job: _Job,
-          next_batch: Callable[[], list[dict[str, Any]] | None], report: Callable[[_Report], None]) -> None:
-    """Process batches until next_batch() returns None; report(dict) after each."""
+def _work(rank: int, backend: TransformersBackend, job: _Job, next_batch: Callable[[], list[dict[str, Any]] | None],
+          report: Callable[[_Report], None], sink: FeatureSink | None = None) -> None:
+    """Process batches until next_batch() returns None; report(dict) after each. Writes through `sink` (the
+    driver's, rank 0) or a sink of its own rank (a spawned worker); closes it at the end."""
     gen = backend.generator(job["aux"])
     template = _Template(backend.tokenizer)
-    writer = ShardWriter(job["features_out"], job["header"], rank=rank, samples_per_shard=job["samples_per_shard"])
+    sink = sink or FeatureSink(job["features_out"], job["header"], store=job["store"], rank=rank)
     pending = open(_pending_path(Path(job["output"]), rank), "ab")
     try:
         while (batch := next_batch()) is not None:
@@ -209,15 +219,23 @@ def _work(rank: int, backend: TransformersBackend, job: _Job,
             pending.write(b"".join((json.dumps(row, ensure_ascii=False) + "\n").encode() for row, _ in done))
             pending.flush()
             os.fsync(pending.fileno())  # answers are durable before their shard can be journaled
-            tokens = 0
+            samples = tokens = 0
+            skipped: dict[str, int] = {}
             for row, sample in done:
                 if isinstance(sample, str):
-                    writer.skip(str(row["id"]), sample)
-                elif writer.add(str(row["id"]), **sample):
+                    sink.skip(str(row["id"]), sample)
+                    skipped[sample] = skipped.get(sample, 0) + 1
+                elif sink.add(SampleFeatures(PreparedSample(str(row["id"]), sample["input_ids"], sample["loss_mask"]),
+                                             sample["aux_hidden_states"], sample["last_hidden_state"],
+                                             sample["verifier_greedy"])):
+                    samples += 1
                     tokens += sample["input_ids"].numel()
-            report({"rank": rank, "conversations": len(done), "tokens": tokens, "generated": generated})
+                else:
+                    skipped["nan_or_inf"] = skipped.get("nan_or_inf", 0) + 1
+            report({"rank": rank, "conversations": len(done), "samples": samples, "tokens": tokens,
+                    "skipped": skipped, "generated": generated})
     finally:
-        writer.close()
+        sink.close()
         pending.close()
 
 
@@ -284,19 +302,21 @@ def _settle_answers(output: Path, features_out: Path) -> set[str]:
 
 # ---------------------------------------------------------------- driver
 
-def regenerate_with_features(conversations: list[dict[str, Any]], output: str | Path, features_out: str | Path,
-                             backend: TransformersBackend, *, num_workers: int = 1, batch_size: int = 16,
-                             max_turns: int | None = None, max_seq_len: int | None = None, dtype: str = "bfloat16",
-                             aux_indices: Sequence[int] | None = None, samples_per_shard: int = 64,
-                             prepared_out: str | Path | None = None,
-                             progress: bool = True) -> dict[str, Any]:
-    """Regenerate every conversation without features in `features_out`; write answers, features and (with
-    `prepared_out`) the prepared dataset. Returns counts. num_workers > 1 spawns num_workers - 1 processes."""
+def regenerate_with_features(conversations: list[dict[str, Any]], outputs: RegenerateOutputs,
+                             backend: TransformersBackend, *, generation: GenerationOptions | None = None,
+                             num_workers: int = 1, batch_size: int = 16, dtype: str = "bfloat16",
+                             aux_indices: Sequence[int] | None = None, store: StoreOptions | None = None,
+                             progress: bool = True) -> ExtractionSummary:
+    """Regenerate every conversation without features in `outputs.features`; write answers, features and (with
+    `outputs.prepared`) the prepared dataset. The backend samples; `generation` gives the turns and the
+    sample length. num_workers > 1 spawns num_workers - 1 processes."""
     from tqdm.auto import tqdm
 
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
 
-    output, features_out = Path(output), Path(features_out)
+    gen_options = generation or GenerationOptions()
+    max_turns, max_seq_len = gen_options.max_turns, gen_options.max_seq_len
+    output, features_out = Path(outputs.conversations), Path(outputs.features)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.touch()
     info = verifier_info(backend.model, backend.name, backend.spec.get("revision"))
@@ -320,22 +340,27 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
         batch_size = max(1, min(batch_size, -(-len(todo) // (2 * num_workers))))
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
     job: _Job = {"aux": aux, "header": header, "features_out": str(features_out), "output": str(output),
-           "samples_per_shard": samples_per_shard, "max_turns": max_turns, "max_seq_len": max_seq_len}
-    stats: dict[str, Any] = {"input": len(conversations), "already_done": len(conversations) - len(todo),
-                             "written": 0, "tokens": 0, "generated": 0, "workers": num_workers}
+                 "store": store or StoreOptions(), "max_turns": max_turns, "max_seq_len": max_seq_len}
+    route: dict[str, Any] = {"engine": "transformers", "input": len(conversations),
+                             "already_done": len(conversations) - len(todo), "conversations": 0, "generated": 0,
+                             "workers": num_workers}
     bar = tqdm(total=len(todo), desc="regenerate+features", unit="conv", disable=not progress)
-    start = time.monotonic()
+    sink = FeatureSink(features_out, header, store=job["store"], rank=0, world_size=max(1, num_workers))
+    tokens = 0
 
     def tick(msg: _Report) -> None:
+        nonlocal tokens
         if "error" in msg:
             raise RuntimeError(f"regenerate worker {msg['rank']}: {msg['error']} (finished batches are saved; "
                                f"rerun to resume)")
         if "conversations" in msg:
-            stats["written"] += msg["conversations"]
-            stats["tokens"] += msg["tokens"]
-            stats["generated"] += msg["generated"]
+            route["conversations"] += msg["conversations"]
+            route["generated"] += msg["generated"]
+            tokens += msg["tokens"]
+            if msg["rank"] != 0:  # rank 0 writes through `sink`, which counts its own
+                sink.count_others(msg["samples"], msg["tokens"], msg["skipped"])
             bar.update(msg["conversations"])
-            bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.0f}", refresh=False)
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - sink.start, 1e-9):.0f}", refresh=False)
 
     procs: list[BaseProcess] = []
     threads = torch.get_num_threads()
@@ -344,7 +369,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
     try:
         if num_workers <= 1 or len(batches) <= 1:
             it = iter(batches)
-            _work(0, backend, job, lambda: next(it, None), tick)
+            _work(0, backend, job, lambda: next(it, None), tick, sink)
         else:
             procs, tasks, results = _start_workers(backend, job, batches, num_workers)
 
@@ -352,7 +377,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
                 _drain(results, procs, tick)
                 return tasks.get()  # a batch, or this process's end marker
 
-            _work(0, backend, job, next_batch, tick)
+            _work(0, backend, job, next_batch, tick, sink)
             while any(p.is_alive() for p in procs):
                 _drain(results, procs, tick, timeout=0.5)
             _drain(results, procs, tick)
@@ -360,25 +385,25 @@ def regenerate_with_features(conversations: list[dict[str, Any]], output: str | 
             if bad:
                 raise RuntimeError(f"a regenerate worker exited with code {bad[0]} (rerun to resume)")
     finally:
+        sink.close()
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join()
         bar.close()
         torch.set_num_threads(threads)
-    stats["seconds"] = time.monotonic() - start
-    merge_manifests(features_out, write=True)
+    summary = sink.finish(ids, resumed_past=route["already_done"], route=route)
     done = _settle_answers(output, features_out)
     missing = [i for i in ids if i not in done]
     if missing:
         raise RuntimeError(f"{len(missing)} conversations (e.g. {missing[0]!r}) have no features after the run")
-    if prepared_out is not None:
+    if outputs.prepared is not None:
         options = {"source": "regenerate --features-out", "max_seq_len": max_seq_len, "overlong": "truncate",
                    "max_turns": max_turns, "last_turn_only": False, "split_turns": False, "reasoning": "keep",
                    "tool_calls": "keep", "template_kwargs": None}
-        stats["prepared"] = write_prepared(features_out, Path(prepared_out), backend.tokenizer, backend.name, ids,
-                                           options)["counts"]
-    return stats
+        summary.route["prepared"] = write_prepared(features_out, Path(outputs.prepared), backend.tokenizer,
+                                                   backend.name, ids, options)["counts"]
+    return summary
 
 
 def _start_workers(backend: TransformersBackend, job: _Job, batches: list[list[dict[str, Any]]], num_workers: int
@@ -447,14 +472,18 @@ def run(args: argparse.Namespace) -> int:
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    stats = regenerate_with_features(conversations, args.output, args.features_out, backend,
-                                     num_workers=args.num_workers, batch_size=args.batch_size,
-                                     max_turns=args.max_turns, max_seq_len=args.max_seq_len,
-                                     dtype=args.features_dtype, aux_indices=aux,
-                                     samples_per_shard=args.samples_per_shard, prepared_out=args.prepared_out)
-    print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
-          f"{stats['tokens']} sample tokens ({stats['generated']} generated) in {stats['seconds']:.1f}s "
-          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s, {stats['workers']} worker(s)) "
+    outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),
+                                Path(args.prepared_out) if args.prepared_out else None)
+    generation = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_turns,
+                                   args.max_seq_len)
+    summary = regenerate_with_features(conversations, outputs, backend, generation=generation,
+                                       num_workers=args.num_workers, batch_size=args.batch_size,
+                                       dtype=args.features_dtype, aux_indices=aux,
+                                       store=StoreOptions(args.samples_per_shard))
+    route = summary.route
+    print(f"regenerate: {route['conversations']} conversations written, {route['already_done']} already done, "
+          f"{summary.written_tokens} sample tokens ({route['generated']} generated) in {summary.seconds:.1f}s "
+          f"({summary.written_tokens / max(summary.seconds, 1e-9):.1f} tok/s, {route['workers']} worker(s)) "
           f"-> {args.output}, {args.features_out}" + (f", {args.prepared_out}" if args.prepared_out else ""),
           file=sys.stderr)
     return 0

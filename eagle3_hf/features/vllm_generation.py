@@ -30,16 +30,22 @@ One process (rank 0); vLLM's own --tensor-parallel-size for more devices.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
-import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..data.regenerate import ConversationTurns, ConversationWriter, completed_ids
+from ..data.regenerate import (
+    ConversationTurns,
+    ConversationWriter,
+    GenerationOptions,
+    RegenerateOutputs,
+    completed_ids,
+)
 from ..engines.vllm_args import (
     add_engine_arguments,
     add_run_arguments,
@@ -47,7 +53,8 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from ..errors import debug_requested
+from .vllm_offline import VllmOptions
+from .write import ExtractionSummary, StoreOptions
 
 if TYPE_CHECKING:
     import datasets
@@ -151,33 +158,26 @@ def default_max_model_len(convs: list[dict[str, Any]], tokenizer: PreTrainedToke
     return min(longest + 1, limit) if limit else longest + 1
 
 
-def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, features_out: str | Path, verifier: str, *,
-                    prepared_out: str | Path | None = None, revision: str | None = None, max_new_tokens: int = 1024,
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, max_turns: int | None = None,
-                    max_seq_len: int | None = None, dtype: str = "bfloat16", aux_indices: Sequence[int] | None = None,
-                    samples_per_shard: int = 64, vllm_dtype: str = "auto", max_model_len: int | None = None,
-                    engine: dict[str, Any] | None = None, batch_size: int = 8, threads: int = 1,
-                    timeout: float | None = None, debug: bool = False, progress: bool = True,
-                    max_pending: int | None = None, readers: int | None = None) -> dict[str, Any]:
-    """Answers to `output`, features to `features_out`, the prepared dataset to `prepared_out`, all from one vLLM
-    engine; resumes where a killed run stopped. Returns a summary."""
-    from tqdm.auto import tqdm
-
+def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutputs, verifier: str, *,
+                    revision: str | None = None, aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                    generation: GenerationOptions | None = None, options: VllmOptions | None = None,
+                    store: StoreOptions | None = None, progress: bool = True) -> ExtractionSummary:
+    """Answers, features in `dtype` and (with `outputs.prepared`) the prepared dataset, all from one vLLM engine;
+    resumes where a killed run stopped. vLLM's options but the endpoint (an engine of our own here)."""
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
     from ..data.prepared_format import open_prepared, prepared_lengths, save_prepared
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
-    from .shard_writer import ShardWriter
-    from .store import wait_and_merge
     from .vllm_offline import VllmFeatureSpec, default_readers
-    from .write import PreparedRows, add_features
+    from .write import FeatureSink, PreparedRows
 
+    gen_options, options = generation or GenerationOptions(), options or VllmOptions()
     vllm_python()  # vLLM missing: one line, before anything is written
-    output, features_out = Path(output), Path(features_out)
+    output, features_out = Path(outputs.conversations), Path(outputs.features)
     tokenizer = load_tokenizer(verifier, revision=revision)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    spec = VllmFeatureSpec(verifier, fingerprint, aux_indices, dtype, verifier, revision, vllm_dtype)
+    spec = VllmFeatureSpec(verifier, fingerprint, aux_indices, dtype, verifier, revision, options.dtype)
     ids = [str(c["id"]) for c in conversations]
     if len(set(ids)) != len(ids):
         dup = next(i for k, i in enumerate(ids) if i in ids[:k])
@@ -186,39 +186,43 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
     output.touch()
     answered = completed_ids(output) & set(ids)
     todo = [c for c in conversations if str(c["id"]) not in answered]
+    max_model_len = options.max_model_len
     if max_model_len is None:
-        max_model_len = default_max_model_len(conversations, tokenizer, max_new_tokens, max_turns, spec.max_positions)
+        max_model_len = default_max_model_len(conversations, tokenizer, gen_options.max_new_tokens,
+                                              gen_options.max_turns, spec.max_positions)
     eos = eos_ids(spec.path, tokenizer)
-    gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stop_token_ids": eos,
-           "chunk": GENERATE_CHUNK}
-    request = dict(spec.request(max_model_len, batch_size, max_pending, engine), generate=gen, seed=seed)
-    readers = default_readers() if readers is None else max(1, int(readers))
+    gen = {"max_tokens": gen_options.max_new_tokens, "temperature": gen_options.temperature,
+           "top_p": gen_options.top_p, "stop_token_ids": eos, "chunk": GENERATE_CHUNK}
+    request = dict(spec.request(max_model_len, options.batch_size, options.max_pending, dict(options.engine)),
+                   generate=gen, seed=gen_options.seed)
+    readers = default_readers() if options.readers is None else max(1, int(options.readers))
     header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer)})  # + the class that tokenized the data
-    writer = ShardWriter(features_out, header, rank=0, samples_per_shard=samples_per_shard, writers=readers)
-    start = time.perf_counter()
-    summary: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
-                               "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
-    scratch = tempfile.TemporaryDirectory(prefix="eagle3_regen_prepared_") if prepared_out is None else None
-    prepared_dir = Path(prepared_out) if prepared_out is not None else Path(cast(Any, scratch).name) / "prepared"
+    sink = FeatureSink(features_out, header, store=dataclasses.replace(store or StoreOptions(), writers=readers))
+    route: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
+                             "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
+    scratch = tempfile.TemporaryDirectory(prefix="eagle3_regen_prepared_") if outputs.prepared is None else None
+    prepared_dir = Path(outputs.prepared) if outputs.prepared is not None else \
+        Path(cast(Any, scratch).name) / "prepared"
+    resumed_past = 0
 
     def phase_two() -> tuple[datasets.Dataset, list[int], Any, list[str]]:
-        ds, meta = prepare_answers(output, set(ids), tokenizer, verifier, max_seq_len)
+        nonlocal resumed_past
+        ds, meta = prepare_answers(output, set(ids), tokenizer, verifier, gen_options.max_seq_len)
         if len(ds) == 0:
             raise ValueError(f"{output}: 0 samples to extract (prepare refused: {meta['counts']['skipped']})")
         save_prepared(ds, prepared_dir, meta)
-        summary["prepared"] = meta["counts"]
+        route["prepared"] = meta["counts"]
         ds = open_prepared(prepared_dir, fingerprint)  # what `extract --engine vllm --data P` reads
         all_ids = list(ds["id"])
         lengths = prepared_lengths(ds)
-        submit = [i for i in range(len(ds)) if all_ids[i] not in writer.done_ids and lengths[i] > 0]
+        submit = [i for i in range(len(ds)) if all_ids[i] not in sink.done_ids and lengths[i] > 0]
         longest = max((lengths[i] for i in submit), default=0)
         if longest + 1 > max_model_len:
             raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
-        summary["resumed_past"] = len(ds) - len(submit)
+        resumed_past = len(ds) - len(submit)
         return ds, submit, ds.with_format("torch", columns=["input_ids", "loss_mask"]), all_ids
 
-    bar = None
-    try:
+    with sink:
         ds: Any = None
         rows: Any = None
         submit: list[int] = []
@@ -228,31 +232,24 @@ def regenerate_vllm(conversations: list[dict[str, Any]], output: str | Path, fea
         if todo or submit:
             write = ConversationWriter(output)
             try:
-                with VllmExtraction(request, None, threads=threads, debug=debug, timeout=timeout) as run:
+                with VllmExtraction(request, None, threads=options.threads, debug=options.debug,
+                                    timeout=options.timeout) as run:
                     if todo:
-                        summary.update(generate_answers(run, todo, tokenizer, eos, write,
-                                                        verifier, seed, max_turns))
+                        route.update(generate_answers(run, todo, tokenizer, eos, write, verifier, gen_options.seed,
+                                                      gen_options.max_turns))
                         ds, submit, rows, all_ids = phase_two()
                     lengths = prepared_lengths(ds)
-                    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True,
-                               desc="regenerate vllm", disable=not progress, dynamic_ncols=True)
+                    sink.progress("regenerate vllm", int(sum(lengths[i] for i in submit)), enabled=progress)
                     run.extract((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
                     for feats in spec.features(run.records(), PreparedRows(rows, all_ids, submit), readers=readers):
-                        add_features(writer, feats)
-                        bar.update(feats.sample.input_ids.numel())
+                        sink.add(feats)
                     result = run.result or {}
             finally:
                 write.close()
-            summary.update(vllm_version=result.get("vllm_version"), connector=result.get("connector"),
-                           vllm_load_seconds=result.get("load_seconds"),
-                           vllm_generate_seconds=result.get("generate_seconds"))
-    finally:
-        writer.close()
-        if bar is not None:
-            bar.close()
-    manifest = wait_and_merge(features_out, all_ids, 3600)
-    summary.update(written_samples=writer.written_samples, written_tokens=writer.written_tokens,
-                   total_samples=len(manifest["samples"]), seconds=round(time.perf_counter() - start, 3))
+            route.update(vllm_version=result.get("vllm_version"), connector=result.get("connector"),
+                         vllm_load_seconds=result.get("load_seconds"),
+                         vllm_generate_seconds=result.get("generate_seconds"))
+    summary = sink.finish(all_ids, resumed_past=resumed_past, route=route)
     if scratch is not None:
         scratch.cleanup()
     return summary
@@ -317,15 +314,15 @@ def run(args: argparse.Namespace) -> int:
     check_run_arguments(args)
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    summary = regenerate_vllm(
-        conversations, args.output, args.features_out, args.verifier, prepared_out=args.prepared_out,
-        revision=args.revision, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, max_turns=args.max_turns, max_seq_len=args.max_seq_len, dtype=args.features_dtype,
-        aux_indices=aux, samples_per_shard=args.samples_per_shard, vllm_dtype=args.torch_dtype,
-        max_model_len=args.max_model_len, engine=engine_from_args(args),
-        batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, readers=args.vllm_readers,
-        threads=args.threads, timeout=args.vllm_timeout,
-        debug=debug_requested(), progress=not args.no_progress)
+    outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),
+                                Path(args.prepared_out) if args.prepared_out else None)
+    generation = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_turns,
+                                   args.max_seq_len)
+    # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
+    options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)
+    summary = regenerate_vllm(conversations, outputs, args.verifier, revision=args.revision, aux_indices=aux,
+                              dtype=args.features_dtype, generation=generation, options=options,
+                              store=StoreOptions(args.samples_per_shard), progress=not args.no_progress).as_dict()
     print(json.dumps(summary))
     print(f"regenerate --engine vllm: {summary.get('conversations', 0)} conversations answered, "
           f"{summary['already_answered']} already answered, {summary['written_samples']} samples written "

@@ -20,22 +20,24 @@ its own vLLM instance.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..errors import EndpointError
+from ..errors import EndpointError, debug_requested
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .write import StoreOptions, sample_token_limit, write_features
+from .write import ExtractionSummary, StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
     import datasets
@@ -268,33 +270,61 @@ class VllmFeatureSpec:
                                 "`eagle3-hf serve-vllm`)")
 
 
+@dataclass(frozen=True)
+class VllmOptions:
+    """How vLLM runs (`extract --engine vllm`, `regenerate --engine vllm`): its compute dtype ("auto": the
+    checkpoint's, checkpoint_dtype), context, engine arguments (engines/vllm_args.py), requests per call and files
+    waiting at most, CPU threads, seconds per call, connector, the running server (`endpoint`, its `storage`
+    directory) instead of an engine of our own, reader threads, and whether it shows its logs (--debug)."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    batch_size: int = 8
+    max_pending: int | None = None
+    threads: int = 1
+    timeout: float | None = None
+    connector: str = "auto"
+    endpoint: str | None = None
+    storage: str | None = None
+    readers: int | None = None
+    debug: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VllmOptions:
+        """From a command's arguments (engines/vllm_args.py's run and engine arguments; --endpoint where it has it)."""
+        from ..engines.vllm_args import engine_from_args
+
+        return cls(dtype=args.torch_dtype, max_model_len=args.max_model_len, engine=engine_from_args(args),
+                   batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, threads=args.threads,
+                   timeout=args.vllm_timeout, endpoint=getattr(args, "endpoint", None),
+                   storage=getattr(args, "vllm_storage", None), readers=args.vllm_readers, debug=debug_requested())
+
+
 class VllmFeatures:
     """vLLM as a `FeatureSource`: an engine of our own in vLLM's venv (`VllmExtraction`), or a running OpenAI
-    server started by `serve-vllm` (`endpoint`; features/vllm_server.py), with `batch_size` requests in flight."""
+    server started by `serve-vllm` (`options.endpoint`; features/vllm_server.py), with `batch_size` requests in
+    flight. `verifier` is the name a server is checked against."""
 
-    def __init__(self, spec: VllmFeatureSpec, *, max_model_len: int | None = None, engine: dict[str, Any] | None = None,
-                 batch_size: int = 8, max_pending: int | None = None, threads: int = 1, timeout: float | None = None,
-                 connector: str = "auto", debug: bool = False, endpoint: str | None = None, verifier: str = "",
-                 vllm_storage: str | None = None, readers: int | None = None):
+    def __init__(self, spec: VllmFeatureSpec, options: VllmOptions | None = None, verifier: str = ""):
         self.spec, self.identity = spec, spec.identity
-        self.max_model_len, self.engine = max_model_len, dict(engine or {})
-        self.batch_size, self.max_pending, self.threads, self.timeout = batch_size, max_pending, threads, timeout
-        self.connector, self.debug, self.endpoint, self.verifier = connector, debug, endpoint, verifier
-        self.vllm_storage = vllm_storage  # the only directory whose files a server may name (vllm_server.py)
-        self.readers = default_readers() if readers is None else max(1, int(readers))
+        self.options, self.verifier = options or VllmOptions(), verifier
+        self.readers = default_readers() if self.options.readers is None else max(1, int(self.options.readers))
         self.served: dict[str, Any] | None = None
         self.result: dict[str, Any] = {}
         self.peak = 0
 
     def check(self, lengths: Sequence[int]) -> int | None:
-        """The server checked (with `endpoint`); returns the most tokens a sample may have: --max-model-len's or a
+        """The server checked (with an endpoint); returns the most tokens a sample may have: --max-model-len's or a
         server's context, whichever is shorter, less the generated token (write.sample_token_limit)."""
-        limit = sample_token_limit(self.max_model_len)
-        if self.endpoint is not None:
+        options = self.options
+        limit = sample_token_limit(options.max_model_len)
+        if options.endpoint is not None:
             from .vllm_server import check_server
 
-            self.served = check_server(self.endpoint, self.verifier, self.spec.path, self.spec.layer_ids,
-                                       self.vllm_storage)
+            # the only directory whose files a server may name (vllm_server.py)
+            self.served = check_server(options.endpoint, self.verifier, self.spec.path, self.spec.layer_ids,
+                                       options.storage)
             served = sample_token_limit(self.served.get("max_model_len"))
             if served is not None and (limit is None or served < limit):
                 limit = served
@@ -303,20 +333,22 @@ class VllmFeatures:
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
         from ..engines.vllm_env import VllmExtraction
 
+        options = self.options
         longest = max((len(s.input_ids) for s in samples), default=0)  # the samples that fit (write.py)
-        request = self.spec.request(int(self.max_model_len or longest + 1), self.batch_size, self.max_pending,
-                                    self.engine, self.connector)
+        request = self.spec.request(int(options.max_model_len or longest + 1), options.batch_size,
+                                    options.max_pending, dict(options.engine), options.connector)
         prompts = ((k, samples[k].input_ids.tolist()) for k in range(len(samples)))
         run: VllmExtraction | EndpointExtraction
         if self.served is not None:
             from .vllm_server import EndpointExtraction
 
-            run = EndpointExtraction(str(self.endpoint), prompts, model=str(self.served["id"]),
-                                     concurrency=self.batch_size,
-                                     timeout=ENDPOINT_TIMEOUT_S if self.timeout is None else self.timeout,
+            run = EndpointExtraction(str(options.endpoint), prompts, model=str(self.served["id"]),
+                                     concurrency=options.batch_size,
+                                     timeout=ENDPOINT_TIMEOUT_S if options.timeout is None else options.timeout,
                                      storage=self.served["storage"])
         else:
-            run = VllmExtraction(request, prompts, threads=self.threads, debug=self.debug, timeout=self.timeout)
+            run = VllmExtraction(request, prompts, threads=options.threads, debug=options.debug,
+                                 timeout=options.timeout)
         with run:
             yield from self.spec.features(run.records(), samples, readers=self.readers)
             self.result = run.result or {}
@@ -327,36 +359,35 @@ class VllmFeatures:
         out = {"engine": "vllm", "vllm_version": self.result.get("vllm_version"), "vllm_dtype": self.spec.vllm_dtype,
                "connector": self.result.get("connector"), "vllm_load_seconds": self.result.get("load_seconds"),
                "peak_temporary_bytes": self.peak, "readers": self.readers}
-        if self.endpoint is not None:
+        if self.options.endpoint is not None:
             spec = self.spec
-            out.update(endpoint=self.endpoint,
+            out.update(endpoint=self.options.endpoint,
                        next_token_agreement=round(spec.next_token_agreements / max(spec.next_token_checks, 1), 4))
         return out
 
 
-def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_dataset: datasets.Dataset | str | Path,
-                          out_dir: str | Path, aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
-                          store: StoreOptions | None = None, verifier_name: str | None = None,
-                          verifier_revision: str | None = None, vllm_dtype: str = "auto",
-                          max_model_len: int | None = None, engine: dict[str, Any] | None = None, batch_size: int = 8,
-                          max_pending: int | None = None, threads: int = 1, timeout: float | None = None,
-                          connector: str = "auto", debug: bool = False, progress: bool = True,
-                          rank: int | None = None, world_size: int | None = None,
-                          endpoint: str | None = None, vllm_storage: str | None = None,
-                          readers: int | None = None) -> dict[str, Any]:
-    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir`; returns the summary's dict.
-    With `endpoint`, a running vLLM OpenAI server computes them and no vLLM is needed here."""
+def open_source(verifier: str, tokenizer_fingerprint: str, *, revision: str | None = None,
+                aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                options: VllmOptions | None = None) -> VllmFeatures:
+    """vLLM's features of `verifier` (`extract --engine vllm`, with `options.endpoint` a running server's; then
+    no vLLM is needed here), stored in `dtype`."""
     from ..engines.vllm_env import vllm_python
 
-    if endpoint is None:
+    options = options or VllmOptions()
+    if options.endpoint is None:
         vllm_python()  # vLLM missing: one line, before anything is written
-    spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name, verifier_revision,
-                           vllm_dtype)
-    source = VllmFeatures(spec, max_model_len=max_model_len, engine=engine,
-                          batch_size=batch_size, max_pending=max_pending, threads=threads, timeout=timeout,
-                          connector=connector, debug=debug, endpoint=endpoint, verifier=verifier,
-                          vllm_storage=vllm_storage, readers=readers)
+    spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier, revision, options.dtype)
+    return VllmFeatures(spec, options, verifier)
+
+
+def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_dataset: datasets.Dataset | str | Path,
+                          out_dir: str | Path, *, aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
+                          revision: str | None = None, options: VllmOptions | None = None,
+                          store: StoreOptions | None = None, progress: bool = True) -> ExtractionSummary:
+    """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir` (the rank from RANK /
+    WORLD_SIZE, as `extract`)."""
+    source = open_source(verifier, tokenizer_fingerprint, revision=revision, aux_indices=aux_indices, dtype=dtype,
+                         options=options)
     # as many shards written at once as samples read: one thread cannot hash and write what several read
     store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
-    return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
-                          progress=progress, desc="extract vllm").as_dict()
+    return write_features(source, prepared_dataset, out_dir, store=store, progress=progress, desc="extract vllm")

@@ -1,5 +1,7 @@
 """The one write loop of every offline route: this rank's slice of a prepared dataset, through a `FeatureSource`,
-into the store's shards.
+into the store's shards. `FeatureSink` is its end: the writer, skips, progress, summary (`ExtractionSummary`) and
+the one merge; `import-features` and the routes that generate their samples (regenerate --features-out) write
+through it too.
 
 Rank slice (samples i with i % world_size == rank, under `torchrun` / `accelerate launch`), resumption (samples a
 journal already holds are not asked for again), empty samples and samples longer than the route takes recorded
@@ -34,7 +36,7 @@ import torch
 from .. import nodes
 from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
 from ..errors import UsageError
-from .records import NodePart
+from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
 from .source import FeatureSource, PreparedSample, SampleFeatures
 from .store import dist_env, wait_and_merge
@@ -114,13 +116,119 @@ class PreparedRows(Sequence[PreparedSample]):
         return PreparedSample(self.ids[self.positions[k]], row["input_ids"].long(), row["loss_mask"])
 
 
-def add_features(writer: ShardWriter, feats: SampleFeatures) -> None:
-    """Queue one route's sample: as the route stored it where it did (SampleFeatures.stored), else rounded here."""
+def add_features(writer: ShardWriter, feats: SampleFeatures) -> bool:
+    """Queue one route's sample: as the route stored it where it did (SampleFeatures.stored), else rounded here; a
+    sample the route skipped (SampleFeatures.skip_reason) is recorded as skipped. False: not written."""
+    sid = feats.sample.sample_id
+    if feats.skip_reason is not None:
+        writer.skip(sid, feats.skip_reason)
+        return False
     if feats.stored is not None:
-        writer.add_stored(feats.sample.sample_id, feats.stored, feats.stored_sha256)
-    else:
-        writer.add(feats.sample.sample_id, feats.sample.input_ids, feats.sample.loss_mask, feats.aux_hidden_states,
-                   feats.last_hidden_state, feats.verifier_greedy)
+        writer.add_stored(sid, feats.stored, feats.stored_sha256)
+        return True
+    return writer.add(sid, feats.sample.input_ids, feats.sample.loss_mask, feats.aux_hidden_states,
+                      feats.last_hidden_state, feats.verifier_greedy)
+
+
+class FeatureSink:
+    """Where every offline route's samples go: one rank's `ShardWriter` (its journal, resumption through
+    `done_ids`), the skips and their counts, the progress bar, and at `finish` the summary, the barrier between
+    ranks and the one merge of the journals into manifest.json. `write_features` feeds it from a `FeatureSource`;
+    the generation routes, which only know their samples once generated, feed it themselves."""
+
+    def __init__(self, out_dir: str | Path, header: FeatureHeader, *, store: StoreOptions | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:
+        store = store or StoreOptions()
+        self.out_dir, self.rank, self.world_size = Path(out_dir), rank, world_size
+        self.writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=store.samples_per_shard,
+                                  max_shard_bytes=store.max_shard_bytes, writers=store.writers)
+        self.bar: Any = None
+        self.unit = "tok"
+        self.start = time.perf_counter()  # the summary's clock: until `finish`
+        # what other processes' writers did (transformers_generation's spawned workers), added to this one's
+        self.others: dict[str, Any] = {"samples": 0, "tokens": 0, "skipped": {}}
+
+    @property
+    def done_ids(self) -> set[str]:
+        """Samples written or skipped by any rank before (and during) this run."""
+        return self.writer.done_ids
+
+    def progress(self, desc: str, total: int | None = None, unit: str = "tok", enabled: bool = True) -> None:
+        """Show a bar: in tokens written (unit "tok") or samples (any other unit)."""
+        from tqdm.auto import tqdm
+
+        self.unit = unit
+        self.bar = tqdm(total=total, unit=unit, unit_scale=unit == "tok", desc=desc, disable=not enabled,
+                        dynamic_ncols=True)
+
+    def skip(self, sample_id: str, reason: str) -> None:
+        self.writer.skip(sample_id, reason)
+
+    def add(self, feats: SampleFeatures) -> bool:
+        """Write (queue) one sample, or record its skip; False when it was not written."""
+        written = add_features(self.writer, feats)
+        if self.bar is not None and feats.skip_reason is None:
+            self.bar.update(feats.sample.input_ids.numel() if self.unit == "tok" else 1)
+            if self.unit == "tok":
+                self.bar.set_postfix(skipped=sum(self.writer.skipped_counts.values()), refresh=False)
+        return written
+
+    def count_others(self, samples: int, tokens: int, skipped: dict[str, int]) -> None:
+        """Add what another process's writer of the same directory wrote and skipped to this summary."""
+        self.others["samples"] += samples
+        self.others["tokens"] += tokens
+        for reason, n in skipped.items():
+            self.others["skipped"][reason] = self.others["skipped"].get(reason, 0) + n
+
+    def close(self) -> None:
+        """Commit what is pending (whatever happened); again: nothing more."""
+        try:
+            self.writer.close()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+    def __enter__(self) -> FeatureSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def finish(self, all_ids: list[str], *, resumed_past: int, route: dict[str, Any] | None = None,
+               max_sample_tokens: int | None = None,
+               merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> ExtractionSummary:
+        """The summary of this run; then, once every rank is here, rank 0 (or each node's first process, with
+        --per-node-output) merges the journals of the dataset `all_ids` into manifest.json."""
+        self.close()
+        elapsed = time.perf_counter() - self.start
+        writer, others = self.writer, self.others
+        skipped = dict(writer.skipped_counts)
+        for reason, n in others["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        samples, tokens = writer.written_samples + others["samples"], writer.written_tokens + others["tokens"]
+        summary = ExtractionSummary(self.rank, self.world_size, samples, tokens, resumed_past, skipped,
+                                    round(elapsed, 3), round(tokens / elapsed, 1) if elapsed > 0 else None,
+                                    dict(route or {}), max_sample_tokens=max_sample_tokens)
+        if skipped.get(OVERLONG):
+            limit = max_sample_tokens
+            print(f"[extract] rank {self.rank}: skipped {skipped[OVERLONG]} samples of more than {limit} tokens "
+                  f"(a context of {limit} + 1 positions, one for the generated token): prepare with --max-seq-len "
+                  f"{limit}, or extract with a longer --max-model-len; their ids: {self.out_dir}/manifest.json "
+                  f"skipped_ids.{OVERLONG}", file=sys.stderr)
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        layout = nodes.node_local(self.out_dir)
+        if layout is not None:  # a directory local to this node: its first process merges the node's ranks
+            if layout.local_rank == 0:
+                summary.node_part = node_part(layout, all_ids)
+                ranks = set(layout.node_ranks[layout.node])
+                node_ids = [sid for i, sid in enumerate(all_ids) if i % self.world_size in ranks]
+                manifest = wait_and_merge(self.out_dir, node_ids, merge_timeout_s, node_part=summary.node_part)
+                summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
+        elif self.rank == 0:
+            manifest = wait_and_merge(self.out_dir, all_ids, merge_timeout_s)
+            summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
+        return summary
 
 
 def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Path, out_dir: str | Path, *,
@@ -129,13 +237,9 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
                    merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> ExtractionSummary:
     """Write `source`'s features for this rank's slice of `prepared` to `out_dir`. Appending to a directory
     written with another identity (verifier, tokenizer, aux layers, dtype, capture path) is refused."""
-    from tqdm.auto import tqdm
-
-    store = store or StoreOptions()
     env_rank, env_world = dist_env()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
-    out_dir = Path(out_dir)
     ds = open_prepared(prepared, source.identity.tokenizer_fingerprint)
     all_ids = list(ds["id"])
     mine = range(rank, len(ds), world_size)
@@ -145,51 +249,22 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
     limit = source.check([lengths[i] for i in mine])  # before anything is written, done samples included
     header = source.identity.header()
     header.update(prepared_tokenizer(prepared))  # type: ignore[typeddict-item]  # the class that tokenized the data
-    writer = ShardWriter(out_dir, header, rank=rank, samples_per_shard=store.samples_per_shard,
-                         max_shard_bytes=store.max_shard_bytes, writers=store.writers)
-    todo = [i for i in mine if all_ids[i] not in writer.done_ids]
-    skip = {i: skip_reason(lengths[i], limit) for i in todo}
-    submit = [i for i in todo if skip[i] is None]
-    bar = tqdm(total=int(sum(lengths[i] for i in submit)), unit="tok", unit_scale=True, desc=f"{desc} r{rank}",
-               disable=not progress, dynamic_ncols=True)
-    start = time.perf_counter()
-    try:
+    sink = FeatureSink(out_dir, header, store=store, rank=rank, world_size=world_size)
+    with sink:
+        todo = [i for i in mine if all_ids[i] not in sink.done_ids]
+        skip = {i: skip_reason(lengths[i], limit) for i in todo}
+        submit = [i for i in todo if skip[i] is None]
+        sink.progress(f"{desc} r{rank}", int(sum(lengths[i] for i in submit)), enabled=progress)
+        sink.start = time.perf_counter()
         for i in todo:
             reason = skip[i]
             if reason is not None:
-                writer.skip(all_ids[i], reason)
+                sink.skip(all_ids[i], reason)
         if submit:
             for feats in source.states(PreparedRows(rows, all_ids, submit)):
-                add_features(writer, feats)
-                bar.update(feats.sample.input_ids.numel())
-                bar.set_postfix(skipped=sum(writer.skipped_counts.values()), refresh=False)
-    finally:
-        writer.close()
-        bar.close()
-    elapsed = time.perf_counter() - start
-    summary = ExtractionSummary(rank, world_size, writer.written_samples, writer.written_tokens, len(mine) - len(todo),
-                                dict(writer.skipped_counts), round(elapsed, 3),
-                                round(writer.written_tokens / elapsed, 1) if elapsed > 0 else None, source.report(),
-                                max_sample_tokens=limit)
-    if writer.skipped_counts.get(OVERLONG):
-        print(f"[extract] rank {rank}: skipped {writer.skipped_counts[OVERLONG]} samples of more than {limit} tokens "
-              f"(a context of {limit} + 1 positions, one for the generated token): prepare with --max-seq-len "
-              f"{limit}, or extract with a longer --max-model-len; their ids: {out_dir}/manifest.json skipped_ids."
-              f"{OVERLONG}", file=sys.stderr)
-    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    layout = nodes.node_local(out_dir)
-    if layout is not None:  # a directory local to this node: its first process merges the node's ranks
-        if layout.local_rank == 0:
-            summary.node_part = node_part(layout, all_ids)
-            ranks = set(layout.node_ranks[layout.node])
-            node_ids = [sid for i, sid in enumerate(all_ids) if i % world_size in ranks]
-            manifest = wait_and_merge(out_dir, node_ids, merge_timeout_s, node_part=summary.node_part)
-            summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
-    elif rank == 0:
-        manifest = wait_and_merge(out_dir, all_ids, merge_timeout_s)
-        summary.total_samples, summary.total_skipped = len(manifest["samples"]), manifest["skipped"]
-    return summary
+                sink.add(feats)
+    return sink.finish(all_ids, resumed_past=len(mine) - len(todo), route=source.report(), max_sample_tokens=limit,
+                       merge_timeout_s=merge_timeout_s)
 
 
 def node_part(layout: nodes.NodeLayout, all_ids: list[str]) -> NodePart:

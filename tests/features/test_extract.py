@@ -35,7 +35,7 @@ def test_features_equal_capture(tmp_path, verifier, fingerprint):
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=10, vocab=V)
     summary = extract_features(verifier, fingerprint, prepared, tmp_path / "f32", dtype="float32",
                                store=StoreOptions(4), progress=False)
-    assert summary["written_samples"] == 10 and summary["total_samples"] == 10
+    assert summary.written_samples == 10 and summary.total_samples == 10
     extract_features(verifier, fingerprint, prepared, tmp_path / "bf16", store=StoreOptions(5), progress=False)
     rows = datasets.load_from_disk(str(prepared)).with_format("torch")
     f32 = FeatureDataset(tmp_path / "f32", split="all")
@@ -66,13 +66,13 @@ def test_nan_sample_skipped_and_counted(tmp_path, fingerprint):
     with torch.no_grad():
         model.model.embed_tokens.weight[bad] = float("nan")
     summary = extract_features(model, fingerprint, prepared, tmp_path / "out", store=StoreOptions(2), progress=False)
-    assert summary["skipped"] == {"nan_or_inf": 1} and summary["total_skipped"] == {"nan_or_inf": 1}
+    assert summary.skipped == {"nan_or_inf": 1} and summary.total_skipped == {"nan_or_inf": 1}
     ds = FeatureDataset(tmp_path / "out", split="all")
     assert ds.sample_ids == ["s000", "s001", "s003", "s004", "s005"]
     assert ds.manifest["skipped_ids"] == {"nan_or_inf": ["s002"]}
     # a re-run does not retry or double count it
     again = extract_features(model, fingerprint, prepared, tmp_path / "out", progress=False)
-    assert again["written_samples"] == 0 and again["total_skipped"] == {"nan_or_inf": 1}
+    assert again.written_samples == 0 and again.total_skipped == {"nan_or_inf": 1}
 
 
 def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
@@ -94,7 +94,7 @@ def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
         extract_features(verifier, fingerprint, other, tmp_path / "out2", progress=False)
     # the same settings append (nothing new to do here) without complaint
     assert extract_features(verifier, fingerprint, prepared, out, progress=False,
-                            verifier_name="tiny")["total_samples"] == 4
+                            verifier_name="tiny").total_samples == 4
 
 
 _CHILD = r"""
@@ -144,10 +144,10 @@ def test_ranks_take_disjoint_slices_and_merge(tmp_path, verifier, fingerprint):
     extract_features(verifier, fingerprint, prepared, single, store=StoreOptions(2), progress=False)
     r1 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=1,
                           world_size=2)
-    assert r1["written_samples"] == 4 and not (dp / "manifest.json").exists()  # rank 1 never merges
+    assert r1.written_samples == 4 and not (dp / "manifest.json").exists()  # rank 1 never merges
     r0 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=0,
                           world_size=2)
-    assert r0["written_samples"] == 5 and r0["total_samples"] == 9
+    assert r0.written_samples == 5 and r0.total_samples == 9
     a, b = FeatureDataset(single, split="all"), FeatureDataset(dp, split="all")
     assert sorted(b.sample_ids) == a.sample_ids
     for i, sid in enumerate(b.sample_ids):

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.features.extract import extract_features
-from eagle3_hf.features.imports import import_features
+from eagle3_hf.features.imports import ImportedFeatures, import_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.write import write_features
 from eagle3_hf.verifier.head import load_verifier_head
 
 from tests.helpers.data import make_prepared
@@ -35,6 +36,11 @@ def reference(tmp_path_factory, verifier, fingerprint):
     extract_features(verifier, fingerprint, prepared, root / "ours", aux_indices=AUX, dtype="float32",
                      progress=False)
     return root
+
+
+def _import(fmt, src, out, verifier, fingerprint, aux_indices=AUX, dtype="bfloat16", prepared=None):
+    return import_features(ImportedFeatures(fmt, src, verifier, fingerprint, aux_indices, dtype), out,
+                           prepared=prepared)
 
 
 def _engine_states(model, ids):
@@ -81,9 +87,9 @@ def test_speculators_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_
         save_file({"hidden_states": torch.stack([*aux, pre_norm_last], dim=1).contiguous(),  # [T, 4, H]
                    "token_ids": ids}, str(src / "hidden_states" / f"hs_{i}.safetensors"))
     out = tmp_path / "imported"
-    s = import_features("speculators", src, out, str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
-                        dtype="float32", prepared=reference / "prep", progress=False)
-    assert s["written_samples"] == 4 and s["total_skipped"] == {"missing_file": 1}
+    s = _import("speculators", src, out, str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
+                        dtype="float32", prepared=reference / "prep")
+    assert s.written_samples == 4 and s.total_skipped == {"missing_file": 1}
     imported = FeatureDataset(out, split="all")
     m = imported.manifest
     assert m["source"] == "vllm/speculators" and "pre-norm" in m["provenance"]["last_hidden_state"]
@@ -94,6 +100,14 @@ def test_speculators_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_
     ours._samples = [s for s in ours._samples if s["id"] != prep["id"][3]]
     ours.sample_ids = ours_wo3
     _compare(ours, imported, exact_last=False)
+    # the same capture as a FeatureSource through the one write loop, asked for our prepared samples: the same
+    # features, the sample without a file recorded as skipped
+    source = ImportedFeatures("speculators", src, str(tiny_verifier_dir), fingerprint, AUX, "float32")
+    summary = write_features(source, reference / "prep", tmp_path / "via_source", progress=False)
+    assert summary.written_samples == 4 and summary.skipped == {"missing_file": 1}
+    via_source = FeatureDataset(tmp_path / "via_source", split="all")
+    assert via_source.manifest["skipped_ids"] == {"missing_file": [prep["id"][3]]}
+    _compare(via_source, imported, exact_last=True)
 
 
 def test_specforge_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_verifier_dir, capsys):
@@ -122,11 +136,11 @@ def test_specforge_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_ve
     assert imported.manifest["aux_layer_indices"] == list(AUX) and imported.manifest["source"] == "sglang/specforge"
     _compare(FeatureDataset(reference / "ours", split="all"), imported, exact_last=True)
     # importing again resumes (nothing to do); mixing with transformers-extracted features is refused
-    assert import_features("specforge", tmp_path / "sf", out, str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
-                           dtype="fp32", prepared=reference / "prep", progress=False)["written_samples"] == 0
+    assert _import("specforge", tmp_path / "sf", out, str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
+                           dtype="fp32", prepared=reference / "prep").written_samples == 0
     with pytest.raises(ValueError, match="source"):
-        import_features("specforge", tmp_path / "sf", reference / "ours", str(tiny_verifier_dir), fingerprint,
-                        aux_indices=AUX, dtype="fp32", progress=False)
+        _import("specforge", tmp_path / "sf", reference / "ours", str(tiny_verifier_dir), fingerprint,
+                        aux_indices=AUX, dtype="fp32")
 
 
 class _NotATensor:
@@ -137,8 +151,8 @@ def test_specforge_pickles_loaded_weights_only(tmp_path, tiny_verifier_dir, fing
     (tmp_path / "sf").mkdir()
     torch.save({"input_ids": torch.arange(3), "payload": _NotATensor()}, tmp_path / "sf" / "data_0.ckpt")
     with pytest.raises(ValueError, match=r"data_0\.ckpt: cannot be loaded with torch.load\(weights_only=True\)"):
-        import_features("specforge", tmp_path / "sf", tmp_path / "out", str(tiny_verifier_dir), fingerprint,
-                        aux_indices=AUX, progress=False)
+        _import("specforge", tmp_path / "sf", tmp_path / "out", str(tiny_verifier_dir), fingerprint,
+                        aux_indices=AUX)
 
 
 def test_speculators_wrong_shape_named(tmp_path, tiny_verifier_dir, fingerprint):
@@ -148,8 +162,7 @@ def test_speculators_wrong_shape_named(tmp_path, tiny_verifier_dir, fingerprint)
     save_file({"hidden_states": torch.zeros(3, 3, 64), "token_ids": torch.tensor([5, 6, 7])},
               str(src / "hidden_states" / "hs_0.safetensors"))
     with pytest.raises(ValueError, match=r"hs_0\.safetensors: hidden_states has shape \(3, 3, 64\)"):
-        import_features("speculators", src, tmp_path / "out", str(tiny_verifier_dir), fingerprint, aux_indices=AUX,
-                        progress=False)
+        _import("speculators", src, tmp_path / "out", str(tiny_verifier_dir), fingerprint, aux_indices=AUX)
 
 
 def _speculators(src, tensors=None, columns=("input_ids", "loss_mask"), raw: bytes | None = None):

@@ -22,11 +22,12 @@ import torch
 from eagle3_hf.data.conversations import write_jsonl
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.data.prepare import prepare_conversations
-from eagle3_hf.data.regenerate import TransformersBackend, regenerate
+from eagle3_hf.data.regenerate import RegenerateOutputs, TransformersBackend, regenerate
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.transformers_generation import regenerate_with_features
+from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import kill_after_shards, rows  # rows: JSONL rows by id, refusing duplicates
 
@@ -56,9 +57,11 @@ def _extract(backend, prepared, out, dtype):
 
 
 def test_features_equal_extract_and_answers_equal_regenerate(tmp_path, backend):
-    stats = regenerate_with_features(CONVS, tmp_path / "c.jsonl", tmp_path / "f32", backend, batch_size=3,
-                                     dtype="fp32", samples_per_shard=2, prepared_out=tmp_path / "prep", progress=False)
-    assert stats["written"] == len(CONVS) and stats["generated"] > 0
+    outputs = RegenerateOutputs(tmp_path / "c.jsonl", tmp_path / "f32", tmp_path / "prep")
+    stats = regenerate_with_features(CONVS, outputs, backend, batch_size=3, dtype="fp32", store=StoreOptions(2),
+                                     progress=False)
+    assert stats.route["conversations"] == len(CONVS) and stats.route["generated"] > 0
+    assert stats.written_samples == stats.total_samples == len(CONVS) and stats.skipped == {}
     # the answers are those of plain `regenerate` (HF generate, greedy)
     regenerate(CONVS, tmp_path / "plain.jsonl", backend, batch_size=3, progress=False)
     ours, plain = rows(tmp_path / "c.jsonl"), rows(tmp_path / "plain.jsonl")
@@ -72,7 +75,8 @@ def test_features_equal_extract_and_answers_equal_regenerate(tmp_path, backend):
     assert all(s["rel_err_max"] <= 1e-5 for s in report["layers"].values()), report["layers"]
     assert report["greedy_agreement"] == 1.0
     # bf16 storage: at most one bf16 step apart
-    regenerate_with_features(CONVS, tmp_path / "c16.jsonl", tmp_path / "bf16", backend, batch_size=3, progress=False)
+    regenerate_with_features(CONVS, RegenerateOutputs(tmp_path / "c16.jsonl", tmp_path / "bf16"), backend, batch_size=3,
+                             progress=False)
     _extract(backend, tmp_path / "prep", tmp_path / "x16", "bf16")
     report = diff_features(tmp_path / "x16", tmp_path / "bf16")
     assert report["samples_compared"] == len(CONVS) and report["token_mismatch"] == 0
@@ -107,13 +111,14 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from eagle3_hf.data.conversations import load_conversations
-from eagle3_hf.data.regenerate import TransformersBackend
+from eagle3_hf.data.regenerate import RegenerateOutputs, TransformersBackend
 from eagle3_hf.features.transformers_generation import regenerate_with_features
+from eagle3_hf.features.write import StoreOptions
 verifier_dir, src, out, feats = sys.argv[1:5]
 backend = TransformersBackend(verifier_dir, device="cpu", max_new_tokens=6)
 backend.model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(0.05))
-regenerate_with_features(load_conversations(src), out, feats, backend, batch_size=2, samples_per_shard=1,
-                         progress=False)
+regenerate_with_features(load_conversations(src), RegenerateOutputs(out, feats), backend, batch_size=2,
+                         store=StoreOptions(1), progress=False)
 """
 
 
@@ -131,13 +136,14 @@ def test_sigkill_and_resume(tmp_path, tiny_verifier_dir, backend):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        stats = regenerate_with_features(convs, out, feats, backend, batch_size=2, samples_per_shard=1, progress=False)
-        full = regenerate_with_features(convs, tmp_path / "u.jsonl", tmp_path / "u", backend, batch_size=2,
-                                        samples_per_shard=1, progress=False)
+        stats = regenerate_with_features(convs, RegenerateOutputs(out, feats), backend, batch_size=2,
+                                         store=StoreOptions(1), progress=False)
+        full = regenerate_with_features(convs, RegenerateOutputs(tmp_path / "u.jsonl", tmp_path / "u"), backend,
+                                        batch_size=2, store=StoreOptions(1), progress=False)
     finally:
         torch.set_num_threads(threads)
-    assert stats["already_done"] >= len(partial) and stats["already_done"] + stats["written"] == 12
-    assert full["written"] == 12
+    assert stats.resumed_past >= len(partial) and stats.resumed_past + stats.route["conversations"] == 12
+    assert full.route["conversations"] == 12
     resumed = rows(out)  # no duplicate ids
     assert sorted(resumed) == [c["id"] for c in convs] == sorted(FeatureDataset(feats, split="all").sample_ids)
     uninterrupted = rows(tmp_path / "u.jsonl")
@@ -170,7 +176,8 @@ def test_cli(tmp_path, tiny_verifier_dir, backend):
     assert len(FeatureDataset(tmp_path / "f", split="all")) == len(ds) and len(rows(tmp_path / "c.jsonl")) == len(CONVS)
     regenerate(CONVS[:1], tmp_path / "plain.jsonl", backend, progress=False)
     with pytest.raises(ValueError, match="have no features"):  # a plain regenerate output is not taken for done
-        regenerate_with_features(CONVS, tmp_path / "plain.jsonl", tmp_path / "g", backend, progress=False)
+        regenerate_with_features(CONVS, RegenerateOutputs(tmp_path / "plain.jsonl", tmp_path / "g"), backend,
+                                 progress=False)
 
 
 def test_two_workers_share_the_batches(tmp_path, tiny_verifier_dir):
@@ -178,15 +185,16 @@ def test_two_workers_share_the_batches(tmp_path, tiny_verifier_dir):
     slow = TransformersBackend(str(tiny_verifier_dir), device="cpu", max_new_tokens=6)
     slow.model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(0.3))
     convs = CONVS + [{"id": f"d{i}", "messages": [U(f"more {i}")]} for i in range(5)]
-    stats = regenerate_with_features(convs, tmp_path / "c.jsonl", tmp_path / "f", slow, num_workers=2, batch_size=1,
-                                     samples_per_shard=1, progress=False)
-    assert stats["written"] == len(convs)
+    stats = regenerate_with_features(convs, RegenerateOutputs(tmp_path / "c.jsonl", tmp_path / "f"), slow,
+                                     num_workers=2, batch_size=1, store=StoreOptions(1), progress=False)
+    assert stats.route["conversations"] == len(convs) == stats.written_samples == stats.total_samples
     ds = FeatureDataset(tmp_path / "f", split="all")
     shards = [s["file"] for s in ds.manifest["shards"]]
     assert any("-r000-" in s for s in shards) and any("-r001-" in s for s in shards)
     assert sorted(ds.sample_ids) == sorted(c["id"] for c in convs) == sorted(rows(tmp_path / "c.jsonl"))
     one = TransformersBackend(str(tiny_verifier_dir), device="cpu", max_new_tokens=6)
-    regenerate_with_features(convs, tmp_path / "one.jsonl", tmp_path / "one", one, batch_size=1, progress=False)
+    regenerate_with_features(convs, RegenerateOutputs(tmp_path / "one.jsonl", tmp_path / "one"), one, batch_size=1,
+                             progress=False)
     report = diff_features(tmp_path / "one", tmp_path / "f")
     assert report["samples_compared"] == len(convs) and report["token_mismatch"] == 0
     assert all(s["rel_err_max"] <= 2 ** -7 for s in report["layers"].values())
