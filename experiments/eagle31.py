@@ -100,7 +100,7 @@ def wait_for_running(drafter: Path) -> None:
     import time
 
     pattern = f"--output-dir {drafter} "
-    while subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
+    while subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True).returncode == 0:
         time.sleep(30)
 
 
