@@ -138,8 +138,8 @@ def _ids_for(reader: AuxIdReader, want: list[int], n: int | None) -> list[int] |
 
 def sglang_ids_to_send(indices: Sequence[int], family: str | None, num_layers: int | None = None,
                        version: str | None = None) -> list[int]:
-    """The ids to give SGLang (`eagle_config.eagle_aux_hidden_state_layer_ids`, or
-    `--return-aux-hidden-state-layer-ids`) so that it captures `output_hidden_states` indices `indices` with every
+    """The ids to give SGLang (`eagle_config.eagle_aux_hidden_state_layer_ids`, or the server's
+    `return_aux_hidden_state_layer_ids`) so that it captures `output_hidden_states` indices `indices` with every
     reader of `family` (every family when None; one release when `version` is given). Llama: each index - 1;
     DeepSeek-V3 / Kimi since PR 25454: the same when the first index is 2, else the indices as they are. Raises
     UsageError when no ids are read back as `indices` by all of them."""

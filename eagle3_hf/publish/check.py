@@ -136,7 +136,8 @@ def check_drafter(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
-    parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, embedding)")
+    parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
+                        "embedding, and the SGLang aux-id reader of its family)")
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all", help="serving engine to check for")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
