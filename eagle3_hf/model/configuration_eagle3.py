@@ -61,6 +61,8 @@ class Eagle3Config(LlamaConfig):
             only when `layer_types` marks the layer sliding, as vLLM does. None: full attention.
         verifier_name_or_path / verifier_revision / verifier_num_hidden_layers / tokenizer_fingerprint:
             provenance, checked when a drafter is finetuned or evaluated against a verifier.
+        verifier_architectures (`list[str]`, None): the verifier's `architectures`, which pick SGLang's model file
+            and so how it reads the aux-layer ids (`eagle3-hf check` without `--verifier` reads them here).
         verifier_tokenizer_class (`str`, None): the tokenizer class that tokenized the training data (a checkpoint's
             own class under --trust-remote-code, or transformers'); `evaluate` refuses to tokenize with another.
         ttt_steps (`int`, 3) / ttt_step_weight (`float`, 0.8): training-time-test defaults.
@@ -79,6 +81,7 @@ class Eagle3Config(LlamaConfig):
     verifier_name_or_path: str | None = None
     verifier_revision: str | None = None
     verifier_num_hidden_layers: int | None = None
+    verifier_architectures: list[str] | None = None
     tokenizer_fingerprint: str | None = None
     verifier_tokenizer_class: str | None = None
     ttt_steps: int = 3
@@ -191,6 +194,8 @@ class Eagle3Config(LlamaConfig):
         is always one full-attention GQA Llama layer, as the engines' Llama drafter is.
         """
         cfg = text_config_dict(verifier_config)
+        top = getattr(verifier_config, "config", verifier_config)  # a VLM's architectures are outside text_config
+        archs = top.get("architectures") if isinstance(top, dict) else getattr(top, "architectures", None)
         hidden = int(cfg["hidden_size"])
         num_layers = int(cfg["num_hidden_layers"])
         if hidden % PREFERRED_HEAD_DIM == 0:
@@ -230,6 +235,7 @@ class Eagle3Config(LlamaConfig):
             verifier_name_or_path=verifier_name_or_path or cfg.get("_name_or_path") or None,
             verifier_revision=verifier_revision,
             verifier_num_hidden_layers=num_layers,
+            verifier_architectures=list(archs) if archs else None,
             tokenizer_fingerprint=tokenizer_fingerprint,
         )
         kwargs.update(overrides)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..verifier.family import text_config
+from .aux_id_rules import sglang_family
 from .report import ENGINES, LEVELS, Finding, Report
 from .rules import (
     CheckpointWeights,
@@ -51,7 +52,8 @@ def _resolve(path_or_repo: str | os.PathLike, revision: str | None, patterns: li
     return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=patterns))
 
 
-def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Path | None]:
+def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Path | None, list[str]]:
+    """(text config, local directory or None, the top-level `architectures` SGLang picks its model file by)."""
     from ..verifier.loading import resolve_verifier
 
     path: Path | None = Path(resolve_verifier(verifier))  # the embedded default's name -> its cached directory
@@ -62,7 +64,7 @@ def _load_verifier(verifier: str, revision: str | None = None) -> tuple[dict, Pa
 
         cfg = json.loads(Path(hf_hub_download(verifier, "config.json", revision=revision)).read_text())
         path = None
-    return text_config(cfg), path
+    return text_config(cfg), path, list(cfg.get("architectures") or [])
 
 
 def _verifier_embedding(root: Path) -> tuple[Any, str] | None:
@@ -106,14 +108,14 @@ def check_drafter(
         cfg = {**layer, **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")},
                "architectures": ["LlamaForCausalLMEagle3"], "model_type": layer.get("model_type", "llama")}
         rep.engines.discard("sglang")  # the remaining checks are about what vLLM makes of it
-    vcfg, vpath = None, None
+    vcfg, vpath, varch = None, None, list(cfg.get("verifier_architectures") or [])  # as export records them
     if verifier is not None:
         try:
-            vcfg, vpath = _load_verifier(verifier)
+            vcfg, vpath, varch = _load_verifier(verifier)
         except Exception as exc:  # noqa: BLE001
             rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
-    check_config(cfg, rep, int(num_layers) if num_layers else None)
+    check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
     files = _weight_files(root)
     if not files:
         extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
@@ -134,7 +136,8 @@ def check_drafter(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
-    parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, embedding)")
+    parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
+                        "embedding, and the SGLang aux-id reader of its family)")
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all", help="serving engine to check for")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")

@@ -12,18 +12,17 @@ on demand) and adds to a `Report`. The engine behaviour each rule guards against
   embedding. The decoder layer hard-codes residual = un-normed hidden (`norm_before_residual` ignored in
   every version read: `attention_rules.RESIDUAL_SUPPORT`).
   `set_embed` keeps the drafter's own embedding only when `target_hidden_size != hidden_size`.
-- SGLang target models (`python/sglang/srt/models/llama.py` `set_eagle3_layers_to_capture`) capture
-  `id + 1` for each `eagle_config.eagle_aux_hidden_state_layer_ids` entry, i.e. the residual stream
-  entering layer id+1; with no ids (`model_executor/model_runner.py` reads only `eagle_config`) they
-  capture (2, N//2, N-3) as given. `configs/model_config.py` renames a `LlamaForCausalLM` draft to
-  `LlamaForCausalLMEagle3`.
+- SGLang target models capture for `eagle_config.eagle_aux_hidden_state_layer_ids` what their model file's
+  `set_eagle3_layers_to_capture` makes of them, per family (`aux_id_rules.py`: Llama + 1 to every id, DeepSeek-V3
+  / Kimi since PR 25454 + 1 only when the first id is 1); with no ids (`model_runner.py` reads only
+  `eagle_config`) they capture (2, N//2, N-3) as given. `configs/model_config.py` renames a `LlamaForCausalLM`
+  draft to `LlamaForCausalLMEagle3`.
 - vLLM `vllm/v1/worker/gpu_model_runner.py` (`_get_eagle3_aux_layers_from_config`; the CPU runner inherits it)
   reads the top-level `eagle_aux_hidden_state_layer_ids` and captures the stream entering layer id (the
   transformers `output_hidden_states` index, `model_executor/models/interfaces.py` `_maybe_add_hidden_state`);
   since PR 42764 it falls back to `eagle_config`'s ids *as they are* (no + 1), before it to the target's default
   (2, N//2, N-3). The V2 runner's `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` (0.32.0) reads only the
-  top-level key for EAGLE-3. `AUX_ID_READERS` below holds each version's rule; SGLang's PR 25454 adds 1 to
-  `eagle_config`'s ids only when the first is 1.
+  top-level key for EAGLE-3. `aux_id_rules.AUX_ID_READERS` holds each release's rule.
 - EAGLE 3.1 options and the attention window (`attention_rules.py`): vLLM `llama_eagle3.py` reads `norm_before_fc`
   (`eagle_config` first), `fc_norm`, `norm_output`; SGLang's `llama_eagle3.py` (after PR 24663) reads `fc_norm`
   and `norm_output` but has no `input_norm`.
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +51,11 @@ from ..model.checkpoint import (
     expected_shapes,
     vocab_mapping_issues,
 )
-from ..verifier.family import aux_indices_problem, engine_config_problems
+from ..verifier.family import engine_config_problems
 from ..verifier.fit import drafter_misfits
 from .attention_rules import check_eagle31, check_residual, check_window
-from .report import ENGINES, Report
+from .aux_id_rules import check_aux_ids
+from .report import Report
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +89,8 @@ def _init_like(w: torch.Tensor, initializer_range: float) -> str | None:
     return None
 
 
-def check_config(cfg: dict, rep: Report, num_layers: int | None) -> None:
+def check_config(cfg: dict, rep: Report, num_layers: int | None, family: str | None = None) -> None:
+    """The config.json rules; `family` is the verifier's SGLang reader family (aux_id_rules), None if unknown."""
     arch = list(cfg.get("architectures") or [])
     if arch[:1] not in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLM"]):
         rep.add("error", "architectures", f"architectures {arch} is not ['LlamaForCausalLMEagle3']: the engines "
@@ -135,108 +135,7 @@ def check_config(cfg: dict, rep: Report, num_layers: int | None) -> None:
     check_residual(cfg, rep)
     check_eagle31(cfg, rep)
     check_window(cfg, rep)
-    check_aux_ids(cfg, rep, num_layers)
-
-
-# ---------------------------------------------------------------- aux-layer ids: the engines' readers, per version
-
-@dataclass(frozen=True)
-class AuxIdReader:
-    """How one engine version turns a config's aux-layer ids into the verifier layers it captures.
-
-    `read(top, nested, default)` gets the top-level `eagle_aux_hidden_state_layer_ids`, `eagle_config`'s, and the
-    verifier's default (2, N//2, N-3) (None where the depth is unknown) and returns the captured
-    `output_hidden_states` indices (the residual stream entering layer i), or the string "default" for a default
-    whose depth is unknown. `source` is the engine file the rule was read from."""
-
-    engine: str
-    version: str
-    source: str
-    read: Callable[[list[int] | None, list[int] | None, list[int] | None], list[int] | str]
-
-
-def _default(default: list[int] | None) -> list[int] | str:
-    return list(default) if default else "default"
-
-
-AUX_ID_READERS = (
-    AuxIdReader("sglang", "before PR 25454", "python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) and "
-                "model_executor/model_runner.py: only eagle_config's ids, each + 1",
-                lambda top, nested, default: [i + 1 for i in nested] if nested else _default(default)),
-    AuxIdReader("sglang", "since PR 25454 (May 2026)", "the same files: eagle_config's ids + 1 only when the first "
-                "id is 1, else as they are",
-                lambda top, nested, default: ([i + 1 for i in nested] if nested[0] == 1 else list(nested))
-                if nested else _default(default)),
-    AuxIdReader("vllm", "before PR 42764", "vllm/v1/worker/gpu_model_runner.py (_get_eagle3_aux_layers_from_config): "
-                "only the top-level ids, as they are",
-                lambda top, nested, default: list(top) if top else _default(default)),
-    AuxIdReader("vllm", "since PR 42764 (May 2026; 0.32.0 read here)", "vllm/v1/worker/gpu_model_runner.py "
-                "(_get_eagle3_aux_layers_from_config): the top-level ids, else eagle_config's, both as they are",
-                lambda top, nested, default: list(top) if top else (list(nested) if nested else _default(default))),
-)
-
-
-def aux_ids_read(cfg: dict, num_layers: int | None) -> list[tuple[AuxIdReader, list[int] | str]]:
-    """What every engine version in AUX_ID_READERS captures for this config.json."""
-    top = [int(i) for i in cfg.get("eagle_aux_hidden_state_layer_ids") or []] or None
-    eagle = cfg.get("eagle_config")
-    nested = [int(i) for i in (eagle.get("eagle_aux_hidden_state_layer_ids") or [])] if isinstance(eagle, dict) else []
-    default = [2, num_layers // 2, num_layers - 3] if num_layers else None
-    return [(reader, reader.read(top, nested or None, default)) for reader in AUX_ID_READERS]
-
-
-def check_aux_id_versions(cfg: dict, rep: Report, n: int | None) -> None:
-    """An error for each engine whose versions read this config's ids as different layers: no export can be right
-    for all of them, so the drafter serves on layers it was not trained on in some version, silently."""
-    readings = aux_ids_read(cfg, n)
-    for engine in ENGINES:
-        mine = [(reader, got) for reader, got in readings if reader.engine == engine]
-        if len({str(got) for _, got in mine}) < 2:
-            continue
-        said = "; ".join(f"{reader.version} captures {got}" for reader, got in mine)
-        rep.add("error", f"aux-ids-{engine}-versions", f"{engine} versions read these aux ids as different layers: "
-                f"{said} ({mine[0][0].source}; {mine[-1][0].source}). Train on the default indices (2, N//2, N-3), "
-                "which every version reads alike, or pin the engine version", (engine,))
-
-
-def check_aux_ids(cfg: dict, rep: Report, n: int | None) -> None:
-    top = cfg.get("eagle_aux_hidden_state_layer_ids")
-    eagle = cfg.get("eagle_config")
-    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-    default = [2, n // 2, n - 3] if n else None
-    default_txt = str(default) if default else "(2, N//2, N-3) for an N-layer verifier"
-    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
-        rep.add("error", "use-aux-hidden-state", "eagle_config.use_aux_hidden_state is false: engines then skip "
-                "fc and feed a single hidden state (EAGLE-1 style)")
-    if top and nested:
-        if [int(i) for i in top] != [int(i) + 1 for i in nested]:
-            hint = " (the same numbers in both: off by one for one engine)" if list(top) == list(nested) else ""
-            rep.add("error", "aux-ids-mismatch", f"vLLM reads top-level eagle_aux_hidden_state_layer_ids {list(top)} "
-                    f"as hidden-state indices, SGLang reads eagle_config's {list(nested)} and adds 1 -> "
-                    f"{[int(i) + 1 for i in nested]}: the engines feed different layers{hint}; for training "
-                    "indices (a, b, c) write top-level [a, b, c] and eagle_config [a-1, b-1, c-1]")
-    elif nested and not top:
-        used = [int(i) + 1 for i in nested]
-        level = "warning" if not default else ("error" if used != default else "info")
-        rep.add(level, "aux-ids-vllm", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM before PR 42764 ignores "
-                f"eagle_config and captures its default {default_txt}, vLLM since then reads eagle_config's "
-                f"{[int(i) for i in nested]} as they are; SGLang captures {used}; add top-level {used}", ("vllm",))
-    elif top and not nested:
-        level = "warning" if not default else ("error" if [int(i) for i in top] != default else "info")
-        rep.add(level, "aux-ids-sglang", f"no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang reads only that "
-                f"key and falls back to capturing {default_txt}, vLLM captures {list(top)}; add eagle_config "
-                f"{{'eagle_aux_hidden_state_layer_ids': {[int(i) - 1 for i in top]}, 'use_aux_hidden_state': true}}",
-                ("sglang",))
-    else:
-        rep.add("warning", "aux-ids-missing", f"no aux layer ids at all: both engines capture {default_txt}; right "
-                "only if the drafter was trained on exactly those hidden-state indices")
-    ids = [int(i) for i in top] if top else ([int(i) + 1 for i in nested] if nested else [])
-    problem = aux_indices_problem(ids, n) if ids else None  # the rule extraction and training apply
-    if problem:
-        kind, why = problem
-        why += " (EAGLE-3's fc reads three layers: 3 x target_hidden_size)" if kind == "count" else ""
-        rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}")
-    check_aux_id_versions(cfg, rep, n)
+    check_aux_ids(cfg, rep, num_layers, family)
 
 
 class CheckpointWeights:

@@ -10,7 +10,8 @@ The aux-layer convention lives in exactly one place, `engine_aux_layer_ids`, bec
   number as the `output_hidden_states` index.
 - SGLang (`model_runner.py` reads `eagle_config.eagle_aux_hidden_state_layer_ids`; the target model's
   `set_eagle3_layers_to_capture`, e.g. `python/sglang/srt/models/llama.py`, adds 1: its id names a layer
-  *output*). Without ids both engines default to indices (2, N//2, N-3).
+  *output*; the DeepSeek-V3 / Kimi files differ, `eagle3_hf/publish/aux_id_rules.py` has each family's reader).
+  Without ids both engines default to indices (2, N//2, N-3).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def standard_config(**overrides: Any) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": list(AUX),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in AUX], "use_aux_hidden_state": True},
         "norm_before_residual": False, "verifier_num_hidden_layers": VERIFIER_LAYERS,
-        "verifier_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "torch_dtype": "float32",
+        "verifier_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "verifier_architectures": ["LlamaForCausalLM"],
+        "torch_dtype": "float32",
     }
     cfg.update(overrides)
     return {k: v for k, v in cfg.items() if v is not ...}  # `key=...` deletes a key
