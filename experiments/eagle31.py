@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -82,7 +81,7 @@ def build_data(out: Path, prompts: int) -> Path:
 def train(out: Path, data: Path, flavour: str, lr: float, seed: int) -> Path:
     """The demo's training command with this flavour's flags, learning rate and seed (two single-thread processes)."""
     drafter = out / drafter_name(flavour, lr, seed)
-    wait_for_running(drafter)
+    wait_for_running("--output-dir", str(drafter))
     if (drafter / "model.safetensors").is_file():
         return drafter
     port = str(next(_PORTS))
@@ -94,19 +93,29 @@ def train(out: Path, data: Path, flavour: str, lr: float, seed: int) -> Path:
     return drafter
 
 
-def wait_for_running(drafter: Path) -> None:
-    """A training of `drafter` still running from a scheduler that was stopped (its processes outlive it) is waited
-    for, not started a second time."""
+def wait_for_running(*needles: str) -> None:
+    """A job still running from a scheduler that was stopped (its processes outlive it: a process whose command
+    line holds every needle) is waited for, not started a second time."""
     import time
 
-    pattern = f"--output-dir {drafter} "
-    while subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True).returncode == 0:
+    def running() -> bool:
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                args = cmdline.read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if all(n in args for n in needles) and args[:1] != ["pgrep"]:
+                return True
+        return False
+
+    while running():
         time.sleep(30)
 
 
 def decode(out: Path, drafter: Path, run: dict) -> Path:
     """One decode of all 80 questions in its own single-thread process."""
     path = out / "decode" / drafter.name / f"{decode_name(run)}.json"
+    wait_for_running("--decode-only", str(drafter), json.dumps(run))
     if not path.is_file():
         run_logged([sys.executable, "-m", "experiments.eagle31", "--decode-only", str(drafter), json.dumps(run),
                     str(path.parent)], out / "logs" / f"{drafter.name}.{decode_name(run)}.log",
@@ -145,8 +154,9 @@ class Job:
 
 def jobs(out: Path, data: Path, seeds: list[int]) -> list[Job]:
     """Every job in the order the verdict needs it, so that a run cut short has measured what matters most: the
-    three main flavours at the recipe's lr with their chain decodes and both seeds, the k = 5 chains, then the lr
-    grid of the two main flavours (and, where it picks another lr, those drafters), `norm_output` and the trees."""
+    three main flavours at the recipe's lr with their chain decodes, the lr grid of the field's 3.0, the second
+    seeds, the k = 5 chains, the lr grid of 3.1 (and, where a grid picks another lr, those drafters),
+    `norm_output` and the trees."""
     def training(flavour: str, seed: int, lr: float | None = RECIPE_LR) -> Job:
         def lr_now() -> float | None:
             return lr if lr is not None else flavour_lr(out, flavour)
@@ -165,10 +175,12 @@ def jobs(out: Path, data: Path, seeds: list[int]) -> list[Job]:
     first, rest = seeds[0], seeds[1:]
     todo = [training(f, first) for f in (*TUNED, "3.0")]
     todo += [decoding(f, first, CHAIN3) for f in TUNED]
-    todo += [training(f, s) for s in rest for f in TUNED]
-    todo += [decoding("3.0", first, CHAIN3), *(decoding(f, first, CHAIN5) for f in TUNED)]
-    todo += [training("3.0", s) for s in rest] + [decoding(f, s, CHAIN3) for s in rest for f in main]
-    todo += [training(f, first, lr) for lr in LR_GRID if lr != RECIPE_LR for f in TUNED]
+    todo += [training("3.0-nbr", first, lr) for lr in LR_GRID if lr != RECIPE_LR]
+    todo += [decoding("3.0", first, CHAIN3)]
+    todo += [training(f, s) for s in rest for f in ("3.0-nbr", "3.0", "3.1")]
+    todo += [*(decoding(f, first, CHAIN5) for f in TUNED)]
+    todo += [decoding(f, s, CHAIN3) for s in rest for f in main]
+    todo += [training("3.1", first, lr) for lr in LR_GRID if lr != RECIPE_LR]
     todo += [decoding(f, s, CHAIN5) for s in rest for f in TUNED]
     todo += [training(f, s, None) for s in rest for f in TUNED]  # nothing to do where the grid keeps 2e-3
     todo += [decoding(f, s, run, None) for run in (CHAIN3, CHAIN5) for s in seeds for f in TUNED]
