@@ -153,32 +153,3 @@ class FeatureSource(Protocol):
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]: ...
 
     def report(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """Where training reads its features (`train --features`): a feature directory, the verifier in the training
-    process, or a feature server."""
-
-    kind: str  # "directory", "transformers" or "server"
-    target: str  # the directory; the verifier ("" means --verifier); the server's URL
-
-    SYNTAX = ("a feature directory (from `eagle3-hf extract`), `hf` or `hf:VERIFIER` (the verifier in the "
-              "training process, nothing on disk; with --prepared-dir), or http://HOST:PORT (a feature server "
-              "started by `eagle3-hf serve-features`; with --prepared-dir)")
-
-    @classmethod
-    def parse(cls, value: str) -> FeatureSpec:
-        value = str(value).strip()
-        if not value:
-            raise ValueError(f"--features is empty: pass {cls.SYNTAX}")
-        if value.startswith(("http://", "https://")):
-            return cls("server", value.rstrip("/"))
-        if value == "hf" or value.startswith("hf:"):
-            return cls("transformers", value[3:])
-        return cls("directory", value)
-
-    @property
-    def online(self) -> bool:
-        """Computed while training (nothing on disk): the samples come from --prepared-dir."""
-        return self.kind != "directory"
