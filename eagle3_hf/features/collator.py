@@ -43,12 +43,18 @@ class FeatureCollator:
         self.source, self.prepared, self.cache = source, prepared, cache
         self.storage_dtype = canonical_dtype(storage_dtype or source.identity.dtype)
         self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+        # the route's checks before the first batch (a server serving another verifier), and its length limit
+        self.max_sample_tokens = source.check(prepared.lengths)
         if cache is not None and canonical_dtype(cache.header["dtype"]) != self.storage_dtype:
             raise ValueError(f"--cache-features {cache.dir} stores {cache.header['dtype']}, the batches are rounded "
                              f"to {self.storage_dtype}: they must agree")
 
     def sample(self, sample_id: str) -> PreparedSample:
         row = self.prepared[self.prepared.position(sample_id)]
+        limit = self.max_sample_tokens
+        if limit is not None and len(row["input_ids"]) > limit:
+            raise Eagle3Error(f"sample {sample_id!r} has {len(row['input_ids'])} tokens, more than the feature source "
+                              f"({self.source.identity.source}) takes ({limit}): prepare with --max-seq-len {limit}")
         return PreparedSample(sample_id, row["input_ids"], row["loss_mask"])
 
     def rounded(self, aux: torch.Tensor, last: torch.Tensor, greedy: torch.Tensor) -> Features:
