@@ -15,7 +15,7 @@ engine is one more module beside the others, opened from the table in `sources.p
 | our feature server (`train --features http://...`) | `feature_server.py` (`ServerFeatures`) | no | yes |
 | a feature directory (`train --features DIR`) | `reader.py` (`DirectoryFeatures`) | no | read directly |
 | speculators / SpecForge files (`import-features`) | `imports.py` | yes | no |
-| transformers or vLLM, answers and features in one pass | `transformers_generation.py`, `vllm_generation.py` | yes | no |
+| answers and features in one pass | `transformers_generation.py`, `vllm_generation.py` | yes | no |
 
 The offline routes write through one loop (`write.write_features`); the store is `store.py`, its reader
 `reader.py`, packing into training rows `packing.py`; online, the one collator (`collator.FeatureCollator`) asks

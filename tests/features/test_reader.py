@@ -9,13 +9,11 @@ import random
 import pytest
 import torch
 
-from eagle3_hf.data.prepared_samples import in_validation, select_split
-from eagle3_hf.features.extract import extract_features
+from eagle3_hf.data.prepared_samples import PreparedDataset, in_validation, select_split
+from eagle3_hf.features.collator import FeatureCollator
+from eagle3_hf.features.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.data.prepared_samples import PreparedDataset
-from eagle3_hf.features.collator import FeatureCollator
-from eagle3_hf.features.extract import TransformersFeatures
 from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import make_prepared
