@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ..errors import EndpointError, debug_requested
-from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .sources import FeatureKind, SourceRequest
+from .vllm_states import all_finite, check_states, features_from_states, vllm_layer_ids
 from .write import ExtractionSummary, StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
@@ -46,12 +46,6 @@ if TYPE_CHECKING:
 
 SOURCE = "vllm"
 ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
-
-
-def vllm_layer_ids(aux_indices: Sequence[int], num_layers: int) -> list[int]:
-    """What vLLM is asked to capture: the aux indices (same numbers in vLLM) and N, ascending (vLLM sorts)."""
-    indices = check_aux_indices(aux_indices, num_layers)
-    return sorted(indices) + [num_layers]
 
 
 def checkpoint_dtype(path: str | Path) -> str:
@@ -88,60 +82,6 @@ def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer
     except Exception as exc:  # a truncated or foreign file
         raise ValueError(f"{path}: not a readable hidden-states file for sample {sample_id!r}: {exc}") from None
     return check_states(data, str(path), sample_id, input_ids, layer_ids, hidden)
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value is finite, in one vectorised pass in `x`'s own dtype: the smallest and the largest
-    value are both finite exactly when all are (a NaN anywhere makes both NaN)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input_ids: torch.Tensor,
-                 layer_ids: list[int], hidden: int) -> torch.Tensor:
-    """read_states' checks on tensors already loaded (`path` names where they came from: a file, a server)."""
-    for key in ("hidden_states", "token_ids"):
-        if key not in data:
-            raise ValueError(f"{path}: no {key!r} tensor (sample {sample_id!r}); found {sorted(data)}")
-    states, tokens = data["hidden_states"], data["token_ids"]
-    if not torch.equal(tokens.long(), input_ids.long()):
-        raise ValueError(f"{path}: its token_ids ({tokens.numel()}) are not sample {sample_id!r}'s input_ids "
-                         f"({input_ids.numel()})")
-    if states.dim() != 3 or states.shape[0] != tokens.shape[0]:
-        raise ValueError(f"{path}: hidden_states has shape {tuple(states.shape)} but token_ids has {tokens.shape[0]} "
-                         f"rows (sample {sample_id!r}); with prefix caching vLLM saves fewer rows: it must be off")
-    if states.shape[1:] != (len(layer_ids), hidden):
-        raise ValueError(f"{path}: hidden_states holds {states.shape[1]} layers x {states.shape[2]} for sample "
-                         f"{sample_id!r}, expected {len(layer_ids)} (vLLM ids {layer_ids}) x hidden {hidden}")
-    if not states.is_floating_point():
-        raise ValueError(f"{path}: hidden_states is {states.dtype}, not floating point (sample {sample_id!r})")
-    if not all_finite(states):  # only now, to name them: which layers
-        finite = torch.isfinite(states).all(dim=2).all(dim=0)  # [layers]
-        bad = [layer_ids[j] for j in range(len(layer_ids)) if not finite[j]]
-        raise ValueError(f"{path}: non-finite hidden states for sample {sample_id!r} at vLLM layer ids {bad}")
-    return states
-
-
-@torch.no_grad()
-def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
-                         head: nn.Module, softcap: float | None, dtype: torch.dtype | None = None
-                         ) -> dict[str, torch.Tensor]:
-    """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order; in `dtype`, default the states' own,
-    one copy), last_hidden_state [T, H] float32 (the final norm applied once to vLLM's id N; only that layer
-    is converted to float32, on the norm's device) and verifier_greedy [T], all on `states`' device. The norm and
-    the head run where they live (load_verifier_head: the accelerator when there is one)."""
-    slot = {lid: j for j, lid in enumerate(layer_ids)}
-    t, _, h = states.shape
-    aux = torch.empty(t, len(aux_indices), h, dtype=dtype or states.dtype, device=states.device)  # [T, 3, H]
-    for j, i in enumerate(aux_indices):
-        aux[:, j].copy_(states[:, slot[int(i)]])  # converts, where the storage dtype differs, in the same pass
-    where = next(norm.parameters()).device
-    last = norm(states[:, slot[layer_ids[-1]]].to(where).float())  # vLLM's id N is before the final norm
-    greedy = greedy_tokens(head, last, softcap)
-    return {"aux_hidden_states": aux.view(t, -1), "last_hidden_state": last.to(states.device),
-            "verifier_greedy": greedy.to(states.device)}
 
 
 def default_readers() -> int:
@@ -366,18 +306,17 @@ class VllmFeatures:
         return out
 
 
-def open_source(verifier: str, tokenizer_fingerprint: str, *, revision: str | None = None,
-                aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
-                options: VllmOptions | None = None) -> VllmFeatures:
-    """vLLM's features of `verifier` (`extract --engine vllm`, with `options.endpoint` a running server's; then
-    no vLLM is needed here), stored in `dtype`."""
+def open_source(request: SourceRequest) -> VllmFeatures:
+    """The table's opener (sources.py) of `--engine vllm` and, with `options.endpoint`, of a running vLLM OpenAI
+    server (then no vLLM is needed here): `request.options` is a `VllmOptions` (None: its defaults)."""
     from ..engines.vllm_env import vllm_python
 
-    options = options or VllmOptions()
+    options = request.options if isinstance(request.options, VllmOptions) else VllmOptions()
     if options.endpoint is None:
         vllm_python()  # vLLM missing: one line, before anything is written
-    spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier, revision, options.dtype)
-    return VllmFeatures(spec, options, verifier)
+    spec = VllmFeatureSpec(request.verifier, request.tokenizer_fingerprint, request.aux_indices, request.dtype,
+                           request.verifier, request.revision, options.dtype)
+    return VllmFeatures(spec, options, request.verifier)
 
 
 def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_dataset: datasets.Dataset | str | Path,
@@ -386,8 +325,10 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           store: StoreOptions | None = None, progress: bool = True) -> ExtractionSummary:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir` (the rank from RANK /
     WORLD_SIZE, as `extract`)."""
-    source = open_source(verifier, tokenizer_fingerprint, revision=revision, aux_indices=aux_indices, dtype=dtype,
-                         options=options)
+    kind: FeatureKind = "vllm" if options is None or options.endpoint is None else "vllm-server"
+    source = open_source(SourceRequest(kind, verifier, verifier, revision,
+                                       None if aux_indices is None else tuple(aux_indices), dtype,
+                                       tokenizer_fingerprint=tokenizer_fingerprint, options=options))
     # as many shards written at once as samples read: one thread cannot hash and write what several read
     store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
     return write_features(source, prepared_dataset, out_dir, store=store, progress=progress, desc="extract vllm")
