@@ -78,6 +78,12 @@ class FeatureCollator:
         if lost:
             raise Eagle3Error(f"the feature source ({self.source.identity.source}) returned no features for sample "
                               f"{lost[0]!r}" + (f" and {len(lost) - 1} more" if len(lost) > 1 else ""))
+        skipped = [f for f in fetched.values() if f.skip_reason is not None]
+        if skipped:  # offline, write_features leaves such a sample out; a batch that names it cannot be built
+            raise Eagle3Error(f"the feature source ({self.source.identity.source}) skipped sample "
+                              f"{skipped[0].sample.sample_id!r} ({skipped[0].skip_reason}): it has no features to "
+                              "train on; leave it out of the prepared samples or write the features offline "
+                              "(`eagle3-hf extract`), which records it as skipped")
         if self.cache is not None:
             self.cache.put({sid: {"input_ids": f.sample.input_ids, "loss_mask": f.sample.loss_mask,
                                   "aux_hidden_states": f.aux_hidden_states, "last_hidden_state": f.last_hidden_state,

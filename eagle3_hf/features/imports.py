@@ -199,6 +199,7 @@ class ImportedFeatures:
         self.softcap = logit_softcap(config)
         self._current: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None  # captured()'s last item
         self._by_tokens: dict[str, list[dict[str, Any]]] | None = None
+        self._given: dict[str, dict[str, Any]] = {}  # sample id -> its captured item, found by tokens
 
     def _read(self) -> Iterator[dict[str, Any]]:
         if self.fmt == "speculators":
@@ -237,10 +238,13 @@ class ImportedFeatures:
             for item in self._read():
                 tokens = item["input_ids"] if "input_ids" in item else item["load"]()["token_ids"]
                 self._by_tokens.setdefault(_token_key(tokens), []).append(item)
+        if sample.sample_id in self._given:  # asked again (a sample whose pieces fall in two training batches)
+            return self._given[sample.sample_id], None
         found = self._by_tokens.get(_token_key(sample.input_ids))
         if not found:
             raise ValueError(f"{self.src}: no captured sample has the tokens of sample {sample.sample_id!r}")
-        return found.pop(0), None
+        self._given[sample.sample_id] = found.pop(0)  # samples with the same tokens get one captured item each
+        return self._given[sample.sample_id], None
 
     def check(self, lengths: Sequence[int]) -> int | None:
         return None  # any length: the engine already ran

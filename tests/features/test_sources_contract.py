@@ -5,7 +5,8 @@ slice one route's output the same way.
 
 Parametrised over the table (features/sources.py SOURCES): a new row is tested by adding it, and fails here until
 HARNESSES says how to open it against this machine (a stub server, files written the route's way). A row that
-cannot run here is skipped, saying why.
+cannot run here is skipped, saying why (vLLM's own engine only). A sample a route answers as skipped (an import's
+missing file) is recorded so by the writer and refused by the collator, never trained on.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def vllm(ctx: dict) -> SourceRequest:
 
 
 def vllm_server(ctx: dict) -> SourceRequest:
-    from tests.helpers.completions_stub import CompletionsStub
-
     from eagle3_hf.features.vllm_offline import VllmOptions
+
+    from tests.helpers.completions_stub import CompletionsStub
 
     stub = ctx["enter"](CompletionsStub(ctx["model"], str(ctx["verifier"]), ctx["tmp"] / "storage"))
     return request(ctx, "vllm-server", options=VllmOptions(endpoint=stub.url, batch_size=3))
@@ -105,13 +106,6 @@ def request(ctx: dict, kind, target: str = "", options=None) -> SourceRequest:
                          dtype=DTYPE, tokenizer_fingerprint=ctx["fingerprint"], options=options)
 
 
-def opened(req: SourceRequest):
-    try:
-        return open_source(req)
-    except NotImplementedError as exc:  # a route the table names whose module has no opener yet
-        pytest.skip(str(exc))
-
-
 def batches(rows: PackedDataset, size: int = 3) -> list[list[dict]]:
     return [[rows[r] for r in range(i, min(i + size, len(rows)))] for i in range(0, len(rows), size)]
 
@@ -125,13 +119,14 @@ def test_written_and_online_batches_are_equal(kind, tmp_path, serveable_model, s
         ctx = {"model": serveable_model, "verifier": serveable_dir, "fingerprint": fingerprint,
                "prepared": prepared, "tmp": tmp_path, "enter": stack.enter}
         req = HARNESSES[kind](ctx)
-        summary = write_features(opened(req), prepared, tmp_path / "written", store=StoreOptions(4), progress=False)
+        summary = write_features(open_source(req), prepared, tmp_path / "written", store=StoreOptions(4),
+                                 progress=False)
         assert summary.written_samples == 8, summary
         offline = PackedDataset(FeatureDataset(tmp_path / "written", "all"), MAX_SEQ_LEN, overlong="split")
         every = PreparedDataset(prepared, "all", 0.0, fingerprint)
         online = PackedDataset(every, MAX_SEQ_LEN, overlong="split")
         assert offline.rows == online.rows and offline.stats["split"] > 0
-        collate = FeatureCollator(opened(req), every, max_seq_len=MAX_SEQ_LEN)
+        collate = FeatureCollator(open_source(req), every, max_seq_len=MAX_SEQ_LEN)
         assert collate.storage_dtype == DTYPE
         for b, (want_rows, got_rows) in enumerate(zip(batches(offline), batches(online))):
             want = PackedCollator(max_seq_len=MAX_SEQ_LEN)(want_rows)
@@ -139,6 +134,28 @@ def test_written_and_online_batches_are_equal(kind, tmp_path, serveable_model, s
             assert sorted(got) == sorted(want)
             for key in want:
                 assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (kind, b, key)
+
+
+def test_a_skipped_sample_is_recorded_offline_and_refused_online(tmp_path, serveable_model, serveable_dir,
+                                                                  fingerprint):
+    """speculators wrote no file for one row (a failed request): write_features records the sample as skipped and
+    leaves it out; FeatureCollator refuses a batch naming it, in one line naming the sample and the reason."""
+    from eagle3_hf.errors import Eagle3Error
+
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    ctx = {"model": serveable_model, "verifier": serveable_dir, "fingerprint": fingerprint, "prepared": prepared,
+           "tmp": tmp_path}
+    req = speculators(ctx)
+    (Path(req.target) / "hidden_states" / "hs_2.safetensors").unlink()
+    summary = write_features(open_source(req), prepared, tmp_path / "written", progress=False)
+    assert (summary.written_samples, summary.skipped) == (3, {"missing_file": 1})
+    every = PreparedDataset(prepared, "all", 0.0, fingerprint)
+    assert FeatureDataset(tmp_path / "written", "all").sample_ids == [s for s in every.sample_ids if s != "w002"]
+    rows = PackedDataset(every, 1000)
+    collate = FeatureCollator(open_source(req), every)
+    with pytest.raises(Eagle3Error, match=r"skipped sample 'w002' \(missing_file\)") as refused:
+        collate([rows[r] for r in range(len(rows))])
+    assert "\n" not in str(refused.value)
 
 
 class _Stack:
