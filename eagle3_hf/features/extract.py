@@ -31,7 +31,7 @@ from ..engines.vllm_args import (
 )
 from ..errors import UsageError
 from ..verifier.capture import capture_features
-from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from ..verifier.family import check_aux_indices, default_aux_indices
 from ..verifier.placement import add_placement_arguments, placement_kwargs
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
@@ -53,14 +53,7 @@ if TYPE_CHECKING:
 
 def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict[str, Any]:
     """The manifest's `verifier` record of a loaded verifier."""
-    return verifier_identity(verifier, name, revision).as_dict()
-
-
-def verifier_identity(verifier: PreTrainedModel, name: str | None = None,
-                      revision: str | None = None) -> VerifierIdentity:
-    loaded_from = getattr(verifier.config, "_name_or_path", None)  # the files its hashes are read from
-    name = name or loaded_from or type(verifier).__name__
-    return VerifierIdentity.of(text_config(verifier), str(name), revision, files=loaded_from or str(name))
+    return VerifierIdentity.of_model(verifier, name, revision).as_dict()
 
 
 class TransformersFeatures:
@@ -72,7 +65,7 @@ class TransformersFeatures:
                  max_model_len: int | None = None):
         self.verifier = verifier
         self.max_sample_tokens = sample_token_limit(max_model_len)
-        who = verifier_identity(verifier, verifier_name, verifier_revision)
+        who = VerifierIdentity.of_model(verifier, verifier_name, verifier_revision)
         indices = check_aux_indices(aux_indices or default_aux_indices(who.num_hidden_layers), who.num_hidden_layers)
         self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype))
 
@@ -201,7 +194,7 @@ def transformers_options(args: argparse.Namespace) -> tuple[TransformersOptions,
 
 def vllm_options(args: argparse.Namespace) -> tuple[Any, None]:
     """`extract --engine vllm`'s options for the vLLM routes (their typed record, read from the arguments through
-    the table: vllm_offline.VllmOptions), checked first."""
+    the table: vllm_spec.VllmOptions), checked first."""
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")

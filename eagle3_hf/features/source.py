@@ -74,6 +74,16 @@ class VerifierIdentity:
         return cls(str(name), revision, int(config.num_hidden_layers), int(config.hidden_size),
                    int(config.vocab_size), hashes.get("config_sha256"), hashes.get("head_sha256"))
 
+    @classmethod
+    def of_model(cls, model: Any, name: str | None = None, revision: str | None = None) -> VerifierIdentity:
+        """Of a loaded verifier (a transformers model): named `name`, else the path it was loaded from, else its
+        class; the hashes from the files it was loaded from."""
+        from ..verifier.family import text_config
+
+        loaded_from = getattr(model.config, "_name_or_path", None)  # the files its hashes are read from
+        name = name or loaded_from or type(model).__name__
+        return cls.of(text_config(model), str(name), revision, files=loaded_from or str(name))
+
     def differences(self, other: VerifierIdentity) -> list[str]:
         """What of `other` contradicts this record: the shapes, and each hash both hold ("config_sha256 ab12..
         != cd34.."). Empty when they agree on everything both record."""
