@@ -111,7 +111,7 @@ def empty_prepared(tmp_path, tokenizer):
 
 
 def test_every_reader_of_an_empty_prepared_dataset_names_it(empty_prepared, tmp_path, tiny_verifier_dir, capsys):
-    from eagle3_hf.features.transformers_online import PreparedDataset
+    from eagle3_hf.data.prepared_samples import PreparedDataset
 
     expected = f"prepared dataset {empty_prepared} has 0 samples"
     for argv in (["extract", "--verifier", str(tiny_verifier_dir), "--data", str(empty_prepared), "--output",

@@ -16,6 +16,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +31,12 @@ from ..engines.vllm_args import (
 )
 from ..errors import UsageError
 from ..verifier.capture import capture_features
-from ..verifier.family import check_aux_indices, default_aux_indices, text_config
+from ..verifier.family import check_aux_indices, default_aux_indices
 from ..verifier.placement import add_placement_arguments, placement_kwargs
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .sources import FeatureKind, SourceRequest, options_from_args
+from .sources import open_source as open_source_of
 from .write import (
     MERGE_TIMEOUT_S,
     ExtractionSummary,
@@ -50,14 +53,7 @@ if TYPE_CHECKING:
 
 def verifier_info(verifier: PreTrainedModel, name: str | None = None, revision: str | None = None) -> dict[str, Any]:
     """The manifest's `verifier` record of a loaded verifier."""
-    return verifier_identity(verifier, name, revision).as_dict()
-
-
-def verifier_identity(verifier: PreTrainedModel, name: str | None = None,
-                      revision: str | None = None) -> VerifierIdentity:
-    loaded_from = getattr(verifier.config, "_name_or_path", None)  # the files its hashes are read from
-    name = name or loaded_from or type(verifier).__name__
-    return VerifierIdentity.of(text_config(verifier), str(name), revision, files=loaded_from or str(name))
+    return VerifierIdentity.of_model(verifier, name, revision).as_dict()
 
 
 class TransformersFeatures:
@@ -69,7 +65,7 @@ class TransformersFeatures:
                  max_model_len: int | None = None):
         self.verifier = verifier
         self.max_sample_tokens = sample_token_limit(max_model_len)
-        who = verifier_identity(verifier, verifier_name, verifier_revision)
+        who = VerifierIdentity.of_model(verifier, verifier_name, verifier_revision)
         indices = check_aux_indices(aux_indices or default_aux_indices(who.num_hidden_layers), who.num_hidden_layers)
         self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype))
 
@@ -84,6 +80,43 @@ class TransformersFeatures:
 
     def report(self) -> dict[str, Any]:
         return {}
+
+
+@dataclass(frozen=True)
+class TransformersOptions:
+    """The transformers route's own options: a verifier already loaded (else it is loaded from the request's
+    verifier with `load_kwargs`, from_pretrained's keywords: placement, dtype), the device to move it to (unless
+    a device map placed it) and --max-model-len."""
+
+    model: PreTrainedModel | None = None
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+    device: str | None = None
+    max_model_len: int | None = None
+
+
+def open_source(request: SourceRequest) -> TransformersFeatures:
+    """The table's opener (sources.py): the verifier in this process."""
+    from ..verifier.loading import load_verifier
+
+    options = request.options if isinstance(request.options, TransformersOptions) else TransformersOptions()
+    if request.target and request.target != request.verifier:  # train --features hf:VERIFIER
+        raise UsageError(f"--features hf:{request.target} names another verifier than --verifier "
+                         f"{request.verifier}: the teacher and the features must come from one verifier")
+    verifier = options.model
+    if verifier is None:
+        verifier = load_verifier(request.verifier, revision=request.revision, **options.load_kwargs)
+        placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
+        if placement:
+            print(f"[extract] verifier placed on {dict(placement)} (module groups per device)", file=sys.stderr)
+    if options.device is not None and not getattr(verifier, "hf_device_map", None):
+        verifier.to(options.device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self
+    return TransformersFeatures(verifier, request.tokenizer_fingerprint, request.aux_indices, request.dtype,
+                                request.verifier or None, request.revision, options.max_model_len)
+
+
+def named_verifier(target: str) -> tuple[str | None, str | None]:
+    """`--features hf:NAME` names NAME (no revision); `hf` names none."""
+    return (target or None), None
 
 
 def extract_features(verifier: PreTrainedModel, tokenizer_fingerprint: str,
@@ -149,49 +182,47 @@ def data_fingerprint(args: argparse.Namespace) -> str:
     return tokenizer_fingerprint(tokenizer)
 
 
-def run_vllm_engine(args: argparse.Namespace, aux: list[int] | None) -> int:
-    """`extract --engine vllm`."""
-    from .vllm_offline import VllmOptions, extract_features_vllm
+def transformers_options(args: argparse.Namespace) -> tuple[TransformersOptions, Any]:
+    """`extract`'s transformers options, and the temporary offload folder to remove once written (or None)."""
+    placed, offload_tmp = placement_kwargs(args)
+    device = None
+    if not args.device_map:
+        device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    return TransformersOptions(load_kwargs={"dtype": args.torch_dtype, **placed}, device=device,
+                               max_model_len=args.max_model_len), offload_tmp
 
+
+def vllm_options(args: argparse.Namespace) -> tuple[Any, None]:
+    """`extract --engine vllm`'s options for the vLLM routes (their typed record, read from the arguments through
+    the table: vllm_spec.VllmOptions), checked first."""
     if args.device_map or args.max_memory or args.offload_folder or args.device:
         raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/--offload-folder/"
                          "--device (use --tensor-parallel-size)")
     check_offline(engine_from_args(args))
     check_run_arguments(args)
-    fingerprint = data_fingerprint(args)
-    summary = extract_features_vllm(args.verifier, fingerprint, args.data, args.output, aux_indices=aux,
-                                    dtype=args.features_dtype, revision=args.revision,
-                                    options=VllmOptions.from_args(args),
-                                    store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
-                                    progress=not args.no_progress)
-    print(json.dumps(summary.as_dict()))
-    return 0
+    return options_from_args("vllm-server" if args.endpoint else "vllm", args), None
+
+
+OPTIONS = {"transformers": transformers_options, "vllm": vllm_options, "vllm-server": vllm_options}
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verifier.loading import load_verifier
-
+    """`extract`: the route of --engine (and --endpoint) opened from the table (sources.py), written by
+    write_features."""
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_output_shared(args.output, args.per_node_output)  # before a verifier is loaded
     if args.endpoint and args.engine != "vllm":
         raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
-    if getattr(args, "engine", "transformers") == "vllm":
-        return run_vllm_engine(args, aux)
-    placed, offload_tmp = placement_kwargs(args)
-    kwargs: dict[str, Any] = {"dtype": args.torch_dtype, **placed}
+    kind: FeatureKind = "vllm-server" if args.endpoint else args.engine
+    options, offload_tmp = OPTIONS[kind](args)
     fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
-    verifier = load_verifier(args.verifier, revision=args.revision, **kwargs)
-    placement = Counter(str(d) for d in (getattr(verifier, "hf_device_map", None) or {}).values())
-    if placement:
-        print(f"[extract] verifier placed on {dict(placement)} (module groups per device)", file=sys.stderr)
-    if not args.device_map:
-        device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
-        verifier.to(device)  # type: ignore[arg-type]  # functools.wraps on PreTrainedModel.to hides self from mypy
-    summary = extract_features(verifier, fingerprint, args.data, args.output, aux_indices=aux,
-                               dtype=args.features_dtype,
-                               store=StoreOptions(args.samples_per_shard, args.max_shard_mb << 20),
-                               verifier_name=args.verifier, verifier_revision=args.revision,
-                               progress=not args.no_progress, max_model_len=args.max_model_len)
+    source = open_source_of(SourceRequest(kind, args.verifier, args.verifier, args.revision,
+                                          None if aux is None else tuple(aux), args.features_dtype,
+                                          tokenizer_fingerprint=fingerprint, options=options))
+    # as many shards written at once as a route reads samples at once (vLLM's readers)
+    store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
+    summary = write_features(source, args.data, args.output, store=store, progress=not args.no_progress,
+                             desc="extract" if kind == "transformers" else "extract vllm")
     if offload_tmp is not None:
         offload_tmp.cleanup()
     print(json.dumps(summary.as_dict()))

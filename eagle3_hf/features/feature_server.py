@@ -2,15 +2,15 @@
 
 `eagle3-hf serve-features --verifier V` keeps vLLM loaded with extract_hidden_states (its own venv, its own
 machine if need be); a trainer started with `--features URL` reads the prepared dataset and its
-packing plan as `--features hf` does (the verifier in the trainer), and `EndpointFeatureCollator` sends
-every document of a row to the server
-(the whole sample's token ids, as `extract --engine vllm` prefilled it), turns the states that come back
-into exactly the batch offline mode builds, and keeps nothing: the server deletes each file once it has
+packing plan as `--features hf` does (the verifier in the trainer), and the one online collator
+(collator.FeatureCollator) asks this route (`ServerFeatures`) for every document of a batch: the whole sample's
+token ids, as `extract --engine vllm` prefilled it, are sent to the server, the states that come back are turned
+into exactly the batch offline mode builds, and nothing is kept: the server deletes each file once it has
 read it, the bytes travel once, the batch is built and they are dropped. With `--cache-features DIR`
 (feature_cache.py) each sample is fetched once, kept in DIR as `extract` would write it, and read from there
 afterwards (later epochs, reruns, a resumed run).
 
-"Exactly": the mapping is extract --engine vllm's own (vllm_offline.check_states, features_from_states: aux
+"Exactly": the mapping is extract --engine vllm's own (vllm_states.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
 soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
 (quantize.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
@@ -34,7 +34,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -42,19 +42,18 @@ import torch
 
 from ..errors import Eagle3Error
 from .api_key import api_key, auth_headers, refused_line
-from .packing import PackedCollator
-from .quantize import as_stored
 from .records import canonical_dtype
-from .vllm_offline import check_states, features_from_states
+from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .vllm_states import check_states, features_from_states
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .feature_cache import FeatureCache
-    from .transformers_online import PreparedDataset
+    from .sources import SourceRequest
 
 # what must match between the server and the training run
 IDENTITY_KEYS = ("hidden_size", "num_hidden_layers", "tokenizer_fingerprint")
+MAX_IN_FLIGHT = 8  # requests of one batch sent at once (the server batches them)
 
 
 class FeatureServerError(Eagle3Error):
@@ -172,73 +171,83 @@ def retry_after_s(value: str | None) -> float:
         return 0.0
 
 
-class EndpointFeatureCollator:
-    """Rows of a PackedDataset over a PreparedDataset -> offline's batch, the states fetched from a feature server.
+class ServerFeatures:
+    """A feature server as a `FeatureSource`: each sample one request (`max_in_flight` at a time, so the server
+    batches them), its states checked and mapped exactly as `extract --engine vllm` maps a file (vllm_states)."""
 
-    Each distinct sample of a batch is one request (sent together, `max_in_flight` at a time, so the server
-    batches them); DataLoader workers keep the next batches' requests in flight while the step runs.
-    """
-
-    def __init__(self, client: FeatureClient, prepared: PreparedDataset, norm: nn.Module, head: nn.Module,
-                 softcap: float | None, aux_indices: Sequence[int], layer_ids: Sequence[int], hidden: int,
-                 max_seq_len: int | None = None, storage_dtype: str | None = "bfloat16", pad_token_id: int = 0,
-                 max_in_flight: int = 8, cache: FeatureCache | None = None):
-        self.client, self.prepared = client, prepared
-        self.norm, self.head, self.softcap = norm, head, softcap
-        self.aux_indices, self.layer_ids, self.hidden = list(aux_indices), list(layer_ids), int(hidden)
-        self.storage_dtype = canonical_dtype(storage_dtype) if storage_dtype else None
-        self.collate = PackedCollator(pad_token_id=pad_token_id, max_seq_len=max_seq_len)
+    def __init__(self, client: FeatureClient, served: Mapping[str, Any], norm: nn.Module, head: nn.Module,
+                 softcap: float | None, identity: SourceIdentity, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self.client, self.norm, self.head, self.softcap, self.identity = client, norm, head, softcap, identity
+        self.layer_ids = [int(i) for i in served["layer_ids"]]
+        self.hidden = identity.verifier.hidden_size
         self.max_in_flight = max(1, int(max_in_flight))
-        self._position = {sid: i for i, sid in enumerate(prepared.sample_ids)}
-        self.cache = cache  # --cache-features: samples read from DIR, fetched ones written there
-        if cache is not None and canonical_dtype(cache.header["dtype"]) != (self.storage_dtype or "float32"):
-            raise ValueError(f"--cache-features {cache.dir} stores {cache.header['dtype']}, the batches are rounded "
-                             f"to {self.storage_dtype or 'float32'}: they must agree")
 
-    def sample_features(self, sample_id: str) -> dict[str, torch.Tensor]:
+    def check(self, lengths: Sequence[int]) -> int | None:
+        return None  # the server takes any sample its own context takes, and says so per request
+
+    def sample_features(self, sample: PreparedSample) -> SampleFeatures:
         """One whole sample's features (float32, unrounded), fetched and mapped as extract --engine vllm does."""
-        input_ids = self.prepared[self._position[sample_id]]["input_ids"].long()
-        data = self.client.states(input_ids.tolist(), sample_id)
-        states = check_states(data, f"feature server {self.client.url}", sample_id, input_ids, self.layer_ids,
-                              self.hidden)
-        return features_from_states(states, self.aux_indices, self.layer_ids, self.norm, self.head, self.softcap)
+        data = self.client.states(sample.input_ids.tolist(), sample.sample_id)
+        states = check_states(data, f"feature server {self.client.url}", sample.sample_id, sample.input_ids,
+                              self.layer_ids, self.hidden)
+        f = features_from_states(states, self.identity.aux_layer_indices, self.layer_ids, self.norm, self.head,
+                                 self.softcap)
+        return SampleFeatures(sample, f["aux_hidden_states"], f["last_hidden_state"], f["verifier_greedy"])
 
-    def rounded(self, f: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A whole sample's features rounded as a shard stores them (per token row: slicing commutes)."""
-        return {"aux_hidden_states": as_stored(f["aux_hidden_states"], len(self.aux_indices), self.storage_dtype),
-                "last_hidden_state": as_stored(f["last_hidden_state"], 1, self.storage_dtype),
-                "verifier_greedy": f["verifier_greedy"].long()}
+    def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
+        if not samples:
+            return
+        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(samples)),
+                                thread_name_prefix="eagle3-features") as pool:
+            yield from pool.map(self.sample_features, samples)
 
-    def features(self, wanted: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """{id: rounded features}: from the cache where it holds the sample, else fetched (and cached)."""
-        have: dict[str, dict[str, torch.Tensor]] = {}
-        if self.cache is not None:
-            have = self.cache.get(wanted, {sid: self.prepared[self._position[sid]]["input_ids"].long()
-                                           for sid in wanted})
-        missing = [sid for sid in wanted if sid not in have]
-        if missing:
-            with ThreadPoolExecutor(max_workers=min(self.max_in_flight, len(missing)),
-                                    thread_name_prefix="eagle3-features") as pool:
-                fetched = dict(zip(missing, pool.map(self.sample_features, missing)))
-            if self.cache is not None:
-                self.cache.put({sid: dict(f, **{k: v for k, v in self.prepared[self._position[sid]].items()
-                                                if k in ("input_ids", "loss_mask")}) for sid, f in fetched.items()})
-            have.update((sid, self.rounded(f)) for sid, f in fetched.items())
-        return have
+    def report(self) -> dict[str, Any]:
+        return {"engine": "vllm", "feature_server": self.client.url, "requests": self.client.requests,
+                "request_seconds": round(self.client.wait_s, 3)}
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        wanted = list(dict.fromkeys(sid for row in rows for sid, _s, _e in row["pieces"]))
-        features = self.features(wanted)
-        full = []
-        for row in rows:
-            aux, last, greedy = [], [], []
-            for sid, start, end in row["pieces"]:
-                f = features[sid]
-                aux.append(f["aux_hidden_states"][start:end])
-                last.append(f["last_hidden_state"][start:end])
-                greedy.append(f["verifier_greedy"][start:end])
-            out = {k: v for k, v in row.items() if k != "prefix_input_ids"}
-            out.update(aux_hidden_states=torch.cat(aux), last_hidden_state=torch.cat(last),
-                       verifier_greedy=torch.cat(greedy))
-            full.append(out)
-        return self.collate(full)
+
+def served_identity(url: str, served: Mapping[str, Any], dtype: str, tokenizer_fingerprint: str | None = None,
+                    vocab_size: int | None = None) -> SourceIdentity:
+    """A feature server's GET /identity as the SourceIdentity of what it serves (the verifier it names, its widths
+    and hashes; vLLM's layer ids in the provenance), its features stored as `dtype`. `vocab_size` stands in where
+    the server does not report one."""
+    hashes = served.get("verifier_identity") or {}
+    verifier = VerifierIdentity(str(served.get("verifier") or url), served.get("verifier_revision"),
+                                int(served["num_hidden_layers"]), int(served["hidden_size"]),
+                                int(served.get("vocab_size") or vocab_size or 0),
+                                *(str(hashes[k]) if isinstance(hashes, dict) and hashes.get(k) else None
+                                  for k in ("config_sha256", "head_sha256")))
+    provenance = {"engine": "vllm", "feature_server": url, "vllm_version": served.get("vllm_version"),
+                  "vllm_layer_ids": [int(i) for i in served["layer_ids"]]}
+    return SourceIdentity(verifier, str(tokenizer_fingerprint or served.get("tokenizer_fingerprint")),
+                          tuple(int(i) for i in served["aux_layer_indices"]), canonical_dtype(dtype), "vllm",
+                          provenance)
+
+
+def open_source(request: SourceRequest) -> ServerFeatures:
+    """The table's opener (sources.py): the server at `request.target`, its identity checked before the verifier's
+    final norm and head are read (from `request.verifier`)."""
+    from ..verifier.family import logit_softcap, text_config
+    from ..verifier.head import load_verifier_head
+    from ..verifier.loading import load_config, resolve_verifier
+    from .sources import OnlineOptions
+
+    options = request.options or OnlineOptions()
+    path = resolve_verifier(request.verifier)
+    config = text_config(load_config(path, revision=request.revision))
+    client = FeatureClient(request.target, timeout=options.timeout, retries=options.retries)
+    expected = {"hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
+                "tokenizer_fingerprint": request.tokenizer_fingerprint}
+    served = client.check(expected, names={"hidden_size": f", {request.verifier}",
+                                           "num_hidden_layers": f", {request.verifier}",
+                                           "tokenizer_fingerprint": f", {options.prepared_dir}"})
+    norm, head, _ = load_verifier_head(path, request.revision)
+    identity = served_identity(client.url, served, request.dtype, request.tokenizer_fingerprint,
+                               int(config.vocab_size))
+    return ServerFeatures(client, served, norm, head, logit_softcap(config), identity, MAX_IN_FLIGHT)
+
+
+def served_verifier(target: str) -> tuple[str | None, str | None]:
+    """(name, revision) of the verifier a feature server names; unreachable or a refused key: one line now."""
+    found = FeatureClient(target, retries=0).identity()
+    return (str(found["verifier"]) if found.get("verifier") else None), found.get("verifier_revision")

@@ -39,6 +39,7 @@ from ..verifier.family import check_aux_indices, default_aux_indices, logit_soft
 from ..verifier.head import load_verifier_head
 from .records import canonical_dtype
 from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .sources import FeatureKind, SourceRequest
 from .write import ExtractionSummary, FeatureSink, StoreOptions
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ class ImportedFeatures:
         self.softcap = logit_softcap(config)
         self._current: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None  # captured()'s last item
         self._by_tokens: dict[str, list[dict[str, Any]]] | None = None
+        self._given: dict[str, dict[str, Any]] = {}  # sample id -> its captured item, found by tokens
 
     def _read(self) -> Iterator[dict[str, Any]]:
         if self.fmt == "speculators":
@@ -236,10 +238,13 @@ class ImportedFeatures:
             for item in self._read():
                 tokens = item["input_ids"] if "input_ids" in item else item["load"]()["token_ids"]
                 self._by_tokens.setdefault(_token_key(tokens), []).append(item)
+        if sample.sample_id in self._given:  # asked again (a sample whose pieces fall in two training batches)
+            return self._given[sample.sample_id], None
         found = self._by_tokens.get(_token_key(sample.input_ids))
         if not found:
             raise ValueError(f"{self.src}: no captured sample has the tokens of sample {sample.sample_id!r}")
-        return found.pop(0), None
+        self._given[sample.sample_id] = found.pop(0)  # samples with the same tokens get one captured item each
+        return self._given[sample.sample_id], None
 
     def check(self, lengths: Sequence[int]) -> int | None:
         return None  # any length: the engine already ran
@@ -269,17 +274,19 @@ class ImportedFeatures:
         return {"format": self.fmt}
 
 
-def open_source(kind: str, target: str | Path, verifier: str, *, revision: str | None = None,
-                aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
-                options: ImportOptions | None = None, tokenizer_fingerprint: str | None = None) -> ImportedFeatures:
-    """The capture at `target` written by `kind` (speculators, specforge) from `verifier`; the tokenizer
-    fingerprint is `verifier`'s tokenizer's unless given."""
-    if tokenizer_fingerprint is None:
-        from ..data.fingerprint import tokenizer_fingerprint as fingerprint_of
+def open_source(request: SourceRequest) -> ImportedFeatures:
+    """The table's opener (sources.py): the capture at `request.target` written by `request.kind` (speculators,
+    specforge) from `request.verifier`; `request.options` an `ImportOptions` (None: its defaults). The tokenizer
+    fingerprint is the verifier's tokenizer's unless the request names one."""
+    fingerprint = request.tokenizer_fingerprint
+    if not fingerprint:
+        from ..data.fingerprint import tokenizer_fingerprint
         from ..verifier.loading import load_tokenizer
 
-        tokenizer_fingerprint = fingerprint_of(load_tokenizer(verifier, revision=revision))
-    return ImportedFeatures(kind, target, verifier, tokenizer_fingerprint, aux_indices, dtype, revision, options)
+        fingerprint = tokenizer_fingerprint(load_tokenizer(request.verifier, revision=request.revision))
+    options = request.options if isinstance(request.options, ImportOptions) else ImportOptions()
+    return ImportedFeatures(request.kind, request.target, request.verifier, fingerprint, request.aux_indices,
+                            request.dtype, request.revision, options)
 
 
 # ---------------------------------------------------------------- import
@@ -330,8 +337,9 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_layer_ids:
         shift = 1 if args.format == "specforge" else 0  # SGLang ids name a layer's output
         aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
-    source = open_source(args.format, args.source, args.verifier, revision=args.revision, aux_indices=aux,
-                         dtype=args.features_dtype, options=ImportOptions(args.hidden_states))
+    source = open_source(SourceRequest(cast(FeatureKind, args.format), args.source, args.verifier, args.revision,
+                                       None if aux is None else tuple(aux), args.features_dtype,
+                                       options=ImportOptions(args.hidden_states)))
     summary = import_features(source, args.output, prepared=args.data, store=StoreOptions(args.samples_per_shard),
                               progress=not args.no_progress)
     print(json.dumps(summary.as_dict()))

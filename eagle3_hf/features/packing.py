@@ -21,7 +21,7 @@ from .reader import FeatureDataset, StoredFeatures
 
 class SampleSource(Protocol):
     """What `PackedDataset` packs: samples with their token counts (reader.FeatureDataset,
-    transformers_online.PreparedDataset)."""
+    data.prepared_samples.PreparedDataset)."""
 
     @property
     def lengths(self) -> Sequence[int]: ...
@@ -135,7 +135,6 @@ class PackedDataset(Dataset[dict[str, Any]]):
         position_ids: list[torch.Tensor] = []
         document_ids: list[torch.Tensor] = []
         pieces: list[tuple[str, int, int]] = []  # (sample id, start, end)
-        prefixes: list[torch.Tensor] = []
         shards: list[str | None] = []
         for d, (i, s, e) in enumerate(self.rows[r]):
             item = self._piece(i, s, e)
@@ -144,8 +143,6 @@ class PackedDataset(Dataset[dict[str, Any]]):
             document_ids.append(torch.full((e - s,), d, dtype=torch.long))
             pieces.append((item.get("sample_id", str(i)), s, e))
             shards.append(item.get("shard"))
-            if "aux_hidden_states" not in item:  # online mode needs the tokens before a split piece
-                prefixes.append(self.dataset[i]["input_ids"][:s] if s > 0 else torch.zeros(0, dtype=torch.long))
         row: dict[str, Any] = {}
         for k, v in parts[0].items():
             if torch.is_tensor(v):
@@ -154,8 +151,6 @@ class PackedDataset(Dataset[dict[str, Any]]):
                 row[k] = StoredFeatures([piece for p in parts for piece in p[k].pieces])
         row.update(position_ids=torch.cat(position_ids), document_ids=torch.cat(document_ids), pieces=pieces,
                    shards=shards, max_seq_len=self.max_seq_len)
-        if prefixes:
-            row["prefix_input_ids"] = prefixes
         return row
 
 

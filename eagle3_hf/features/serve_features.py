@@ -29,7 +29,8 @@ from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from
 from ..errors import debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .api_key import API_KEY_ENV, api_key, check_bind
-from .vllm_offline import checkpoint_dtype, vllm_layer_ids
+from .vllm_spec import checkpoint_dtype
+from .vllm_states import vllm_layer_ids
 
 if TYPE_CHECKING:
     from ..engines.vllm_feature_launcher import VllmFeatureServer

@@ -5,21 +5,21 @@ files written by speculators or SpecForge) is a `FeatureSource`: it names what i
 verifier, its widths, the aux layer indices, the tokenizer it was rendered with, the storage dtype, the capture
 path) and turns prepared samples into `SampleFeatures`. Everything downstream (the store's shards, the reader,
 training's identity check) sees only these two records, so the trainer never knows which route ran and a new
-engine is one more module beside the others:
+engine is one more module beside the others, opened from the table in `sources.py`:
 
-| route | module |
-|---|---|
-| transformers hooks, offline | `extract.py` (`TransformersFeatures`) |
-| transformers in the training process (online) | `transformers_online.py` |
-| transformers, answers and features in one pass | `transformers_generation.py` |
-| vLLM offline (`extract --engine vllm`) | `vllm_offline.py` (`VllmFeatures`) |
-| vLLM answers and features | `vllm_generation.py` |
-| vLLM's OpenAI server (`extract --engine vllm --endpoint`) | `vllm_server.py`, through `VllmFeatures` |
-| our feature server (online training) | `feature_server.py`, `serve_features.py`, `feature_cache.py` |
-| speculators / SpecForge files | `imports.py` |
+| route | module | offline (write_features) | online (FeatureCollator) |
+|---|---|---|---|
+| transformers hooks (`extract`, `train --features hf`) | `extract.py` (`TransformersFeatures`) | yes | yes |
+| vLLM offline (`extract --engine vllm`) | `vllm_offline.py` (`VllmFeatures`) | yes | no |
+| vLLM's OpenAI server (`extract --engine vllm --endpoint`) | `vllm_offline.py` over `vllm_server.py` | yes | no |
+| our feature server (`train --features http://...`) | `feature_server.py` (`ServerFeatures`) | no | yes |
+| a feature directory (`train --features DIR`) | `reader.py` (`DirectoryFeatures`) | no | read directly |
+| speculators / SpecForge files (`import-features`) | `imports.py` | yes | no |
+| answers and features in one pass | `transformers_generation.py`, `vllm_generation.py` | yes | no |
 
 The offline routes write through one loop (`write.write_features`); the store is `store.py`, its reader
-`reader.py`, packing into training rows `packing.py`.
+`reader.py`, packing into training rows `packing.py`; online, the one collator (`collator.FeatureCollator`) asks
+any source for a batch's samples and builds the batch offline would (`feature_cache.py` keeps them on disk).
 """
 
 from __future__ import annotations
@@ -73,6 +73,16 @@ class VerifierIdentity:
         hashes = teacher_hashes(str(files or name), revision) if (files or name) else {}
         return cls(str(name), revision, int(config.num_hidden_layers), int(config.hidden_size),
                    int(config.vocab_size), hashes.get("config_sha256"), hashes.get("head_sha256"))
+
+    @classmethod
+    def of_model(cls, model: Any, name: str | None = None, revision: str | None = None) -> VerifierIdentity:
+        """Of a loaded verifier (a transformers model): named `name`, else the path it was loaded from, else its
+        class; the hashes from the files it was loaded from."""
+        from ..verifier.family import text_config
+
+        loaded_from = getattr(model.config, "_name_or_path", None)  # the files its hashes are read from
+        name = name or loaded_from or type(model).__name__
+        return cls.of(text_config(model), str(name), revision, files=loaded_from or str(name))
 
     def differences(self, other: VerifierIdentity) -> list[str]:
         """What of `other` contradicts this record: the shapes, and each hash both hold ("config_sha256 ab12..
@@ -163,32 +173,3 @@ class FeatureSource(Protocol):
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]: ...
 
     def report(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """Where training reads its features (`train --features`): a feature directory, the verifier in the training
-    process, or a feature server."""
-
-    kind: str  # "directory", "transformers" or "server"
-    target: str  # the directory; the verifier ("" means --verifier); the server's URL
-
-    SYNTAX = ("a feature directory (from `eagle3-hf extract`), `hf` or `hf:VERIFIER` (the verifier in the "
-              "training process, nothing on disk; with --prepared-dir), or http://HOST:PORT (a feature server "
-              "started by `eagle3-hf serve-features`; with --prepared-dir)")
-
-    @classmethod
-    def parse(cls, value: str) -> FeatureSpec:
-        value = str(value).strip()
-        if not value:
-            raise ValueError(f"--features is empty: pass {cls.SYNTAX}")
-        if value.startswith(("http://", "https://")):
-            return cls("server", value.rstrip("/"))
-        if value == "hf" or value.startswith("hf:"):
-            return cls("transformers", value[3:])
-        return cls("directory", value)
-
-    @property
-    def online(self) -> bool:
-        """Computed while training (nothing on disk): the samples come from --prepared-dir."""
-        return self.kind != "directory"

@@ -53,10 +53,9 @@ from ..data.regenerate import (
 from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
-from .extract import verifier_info
 from .prepared_from_shards import write_prepared
 from .records import FeatureHeader, canonical_dtype, make_header
-from .source import PreparedSample, SampleFeatures
+from .source import PreparedSample, SampleFeatures, VerifierIdentity
 from .store import merge_manifests
 from .write import ExtractionSummary, FeatureSink, StoreOptions
 
@@ -319,7 +318,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     output, features_out = Path(outputs.conversations), Path(outputs.features)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.touch()
-    info = verifier_info(backend.model, backend.name, backend.spec.get("revision"))
+    info = VerifierIdentity.of_model(backend.model, backend.name, backend.spec.get("revision")).as_dict()
     aux = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]), info["num_hidden_layers"])
     fingerprint = tokenizer_fingerprint(backend.tokenizer)
     header = make_header(info, fingerprint, aux, canonical_dtype(dtype), **tokenizer_record(backend.tokenizer))

@@ -10,7 +10,7 @@ One runner process, one engine load (engines/vllm_extract_runner.py with a gener
    (prepare_conversations, build_meta) in this process: the prepared dataset is exactly what `prepare
    --input OUTPUT` makes, saved to --prepared-out.
 3. extract: those samples are prefilled through the same engine with the extraction connector and mapped
-   and written exactly as `extract --engine vllm` does (vllm_offline.VllmFeatureSpec: aux states at the aux
+   and written exactly as `extract --engine vllm` does (vllm_spec.VllmFeatureSpec: aux states at the aux
    ids, the verifier's final norm on vLLM's id N for `last_hidden_state`, its lm_head for `verifier_greedy`,
    the same checks, shards, manifest and source "vllm").
 
@@ -53,7 +53,7 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from .vllm_offline import VllmOptions
+from .vllm_spec import VllmOptions
 from .write import ExtractionSummary, StoreOptions
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
-    from .vllm_offline import VllmFeatureSpec, default_readers
+    from .vllm_spec import VllmFeatureSpec, default_readers
     from .write import FeatureSink, PreparedRows
 
     gen_options, options = generation or GenerationOptions(), options or VllmOptions()
@@ -264,7 +264,7 @@ def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: i
     ([(output ids, finish reason)], the runner's result)."""
     from ..engines.vllm_env import VllmExtraction
     from ..verifier.loading import load_tokenizer, resolve_verifier
-    from .vllm_offline import checkpoint_dtype
+    from .vllm_spec import checkpoint_dtype
 
     path = resolve_verifier(str(verifier))
     gen = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,

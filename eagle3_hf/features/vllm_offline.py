@@ -20,23 +20,14 @@ its own vLLM instance.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from ..errors import EndpointError, debug_requested
-from ..verifier.capture import greedy_tokens
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from ..verifier.head import load_verifier_head
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from .source import PreparedSample, SampleFeatures
+from .sources import FeatureKind, SourceRequest
+from .vllm_spec import VllmFeatureSpec, VllmOptions, default_readers
 from .write import ExtractionSummary, StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
@@ -44,261 +35,7 @@ if TYPE_CHECKING:
 
     from .vllm_server import EndpointExtraction
 
-SOURCE = "vllm"
 ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
-
-
-def vllm_layer_ids(aux_indices: Sequence[int], num_layers: int) -> list[int]:
-    """What vLLM is asked to capture: the aux indices (same numbers in vLLM) and N, ascending (vLLM sorts)."""
-    indices = check_aux_indices(aux_indices, num_layers)
-    return sorted(indices) + [num_layers]
-
-
-def checkpoint_dtype(path: str | Path) -> str:
-    """The dtype a checkpoint's config.json names ("auto" when none): what transformers' dtype="auto" loads.
-    vLLM's own "auto" runs a float32 checkpoint in bfloat16 on the CPU, so `--torch-dtype auto` is resolved
-    here to mean the same in both engines; pass bfloat16 to get what vLLM serves by default."""
-    import json
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return "auto"
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    for where in (config, config.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if isinstance(where.get(key), str):
-                return str(where[key])
-    return "auto"
-
-
-def read_states(path: str | Path, sample_id: str, input_ids: torch.Tensor, layer_ids: list[int],
-                hidden: int) -> torch.Tensor:
-    """One file vLLM's connector wrote -> its hidden_states [T, len(layer_ids), H] in the dtype vLLM wrote,
-    checked. The file is mapped, not copied (safetensors' own loader): its pages are read by the checks and
-    the copies that follow.
-
-    ValueError (one line naming the file and the sample) when its token_ids are not the sample's, its rows
-    differ from its token_ids (what prefix caching does, vLLM issue 44485), its layer or hidden size is not
-    the one asked for, or a state is NaN/Inf.
-    """
-    from safetensors.torch import load_file
-
-    try:
-        data = load_file(str(path))
-    except Exception as exc:  # a truncated or foreign file
-        raise ValueError(f"{path}: not a readable hidden-states file for sample {sample_id!r}: {exc}") from None
-    return check_states(data, str(path), sample_id, input_ids, layer_ids, hidden)
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value is finite, in one vectorised pass in `x`'s own dtype: the smallest and the largest
-    value are both finite exactly when all are (a NaN anywhere makes both NaN)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def check_states(data: dict[str, torch.Tensor], path: str, sample_id: str, input_ids: torch.Tensor,
-                 layer_ids: list[int], hidden: int) -> torch.Tensor:
-    """read_states' checks on tensors already loaded (`path` names where they came from: a file, a server)."""
-    for key in ("hidden_states", "token_ids"):
-        if key not in data:
-            raise ValueError(f"{path}: no {key!r} tensor (sample {sample_id!r}); found {sorted(data)}")
-    states, tokens = data["hidden_states"], data["token_ids"]
-    if not torch.equal(tokens.long(), input_ids.long()):
-        raise ValueError(f"{path}: its token_ids ({tokens.numel()}) are not sample {sample_id!r}'s input_ids "
-                         f"({input_ids.numel()})")
-    if states.dim() != 3 or states.shape[0] != tokens.shape[0]:
-        raise ValueError(f"{path}: hidden_states has shape {tuple(states.shape)} but token_ids has {tokens.shape[0]} "
-                         f"rows (sample {sample_id!r}); with prefix caching vLLM saves fewer rows: it must be off")
-    if states.shape[1:] != (len(layer_ids), hidden):
-        raise ValueError(f"{path}: hidden_states holds {states.shape[1]} layers x {states.shape[2]} for sample "
-                         f"{sample_id!r}, expected {len(layer_ids)} (vLLM ids {layer_ids}) x hidden {hidden}")
-    if not states.is_floating_point():
-        raise ValueError(f"{path}: hidden_states is {states.dtype}, not floating point (sample {sample_id!r})")
-    if not all_finite(states):  # only now, to name them: which layers
-        finite = torch.isfinite(states).all(dim=2).all(dim=0)  # [layers]
-        bad = [layer_ids[j] for j in range(len(layer_ids)) if not finite[j]]
-        raise ValueError(f"{path}: non-finite hidden states for sample {sample_id!r} at vLLM layer ids {bad}")
-    return states
-
-
-@torch.no_grad()
-def features_from_states(states: torch.Tensor, aux_indices: Sequence[int], layer_ids: list[int], norm: nn.Module,
-                         head: nn.Module, softcap: float | None, dtype: torch.dtype | None = None
-                         ) -> dict[str, torch.Tensor]:
-    """vLLM's [T, layers, H] -> our aux_hidden_states [T, 3H] (in aux order; in `dtype`, default the states' own,
-    one copy), last_hidden_state [T, H] float32 (the final norm applied once to vLLM's id N; only that layer
-    is converted to float32, on the norm's device) and verifier_greedy [T], all on `states`' device. The norm and
-    the head run where they live (load_verifier_head: the accelerator when there is one)."""
-    slot = {lid: j for j, lid in enumerate(layer_ids)}
-    t, _, h = states.shape
-    aux = torch.empty(t, len(aux_indices), h, dtype=dtype or states.dtype, device=states.device)  # [T, 3, H]
-    for j, i in enumerate(aux_indices):
-        aux[:, j].copy_(states[:, slot[int(i)]])  # converts, where the storage dtype differs, in the same pass
-    where = next(norm.parameters()).device
-    last = norm(states[:, slot[layer_ids[-1]]].to(where).float())  # vLLM's id N is before the final norm
-    greedy = greedy_tokens(head, last, softcap)
-    return {"aux_hidden_states": aux.view(t, -1), "last_hidden_state": last.to(states.device),
-            "verifier_greedy": greedy.to(states.device)}
-
-
-def default_readers() -> int:
-    """Reader threads per extraction process: min(4, the CPUs it may use)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))
-
-
-class VllmFeatureSpec:
-    """What an extraction through vLLM needs on this side, whoever drives the engine (`extract --engine vllm`,
-    `regenerate --engine vllm`): the verifier's path, its final norm and head, the aux indices and vLLM's layer
-    ids, the shard header (source "vllm", its provenance) and vLLM's dtype."""
-
-    def __init__(self, verifier: str, tokenizer_fingerprint: str, aux_indices: Sequence[int] | None = None,
-                 dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None,
-                 vllm_dtype: str = "auto"):
-        from ..verifier.loading import resolve_verifier
-
-        self.path = resolve_verifier(str(verifier))
-        self.revision = verifier_revision
-        self.norm, self.head, config = load_verifier_head(self.path, verifier_revision)
-        self.vllm_dtype = checkpoint_dtype(self.path) if vllm_dtype == "auto" else vllm_dtype
-        self.num_layers, self.hidden = int(config.num_hidden_layers), int(config.hidden_size)
-        self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.indices = check_aux_indices(aux_indices or default_aux_indices(self.num_layers), self.num_layers)
-        self.layer_ids = vllm_layer_ids(self.indices, self.num_layers)
-        self.softcap = logit_softcap(config)
-        who = VerifierIdentity.of(config, str(verifier_name or verifier), verifier_revision, files=self.path)
-        provenance = {"engine": "vllm", "vllm_layer_ids": self.layer_ids, "vllm_dtype": self.vllm_dtype,
-                      "last_hidden_state": f"the verifier's final norm applied to vLLM's id {self.num_layers} "
-                                           "(pre-norm)",
-                      "verifier_greedy": "argmax of the verifier's lm_head (with its soft-cap) on last_hidden_state"}
-        self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(self.indices), canonical_dtype(dtype),
-                                       SOURCE, provenance)
-        self.header = self.identity.header()
-        self.next_token_checks = self.next_token_agreements = 0  # a server's own tokens (check_next_token)
-
-    def request(self, max_model_len: int, batch_size: int = 8, max_pending: int | None = None,
-                engine: dict[str, Any] | None = None, connector: str = "auto") -> dict[str, Any]:
-        """The runner's request (vllm_extract_runner.py) for this verifier. `max_pending` (default 2 x batch): the
-        runner starts its next batch only while at most that many files wait for the readers, so the engine
-        keeps prefilling while the readers are less than two batches behind."""
-        max_pending = 2 * batch_size if max_pending is None else max_pending
-        return {"verifier": self.path, "verifier_revision": self.revision, "dtype": self.vllm_dtype,
-                "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,
-                "max_pending": max_pending, "engine": dict(engine or {}), "connector": connector}
-
-    def features(self, records: Iterable[dict[str, Any]], samples: Sequence[PreparedSample], readers: int = 1
-                 ) -> Iterator[SampleFeatures]:
-        """Each file vLLM reports -> read, checked, mapped, stored, hashed and deleted (`read_sample`) by one of
-        `readers` threads, yielded in the records' order (a kill before its shard's commit redoes it). A record's
-        key is its sample's place in `samples`. Records from a server carry its next token: the first samples are
-        held back until those tokens vouch for the layers (check_next_token, refuse_unvouched), so that a
-        misconfigured server never leaves a shard behind."""
-        from .ordered_pool import ordered_map
-
-        def drop(job: tuple[dict[str, Any], PreparedSample]) -> None:  # reported, never read: delete it as read
-            Path(job[0]["path"]).unlink(missing_ok=True)
-
-        def read(job: tuple[dict[str, Any], PreparedSample]) -> tuple[dict[str, Any], SampleFeatures]:
-            return job[0], self.read_sample(*job)
-
-        # the sample rows are read here, in this thread (a dataset's rows), the files by the readers
-        jobs = ((record, samples[int(record["key"])]) for record in records)
-        held: list[SampleFeatures] = []
-        for record, feats in ordered_map(read, jobs, readers, on_drop=drop):
-            held.append(feats)
-            if record.get("next_token") is not None and not self.vouched:
-                self.check_next_token(int(record["next_token"]), int(feats.verifier_greedy[-1]),
-                                      feats.sample.sample_id)
-                if not self.vouched:
-                    continue
-            yield from held
-            held.clear()
-        if held:  # fewer samples than PROBE from a server, none of whose next tokens agreed
-            self.refuse_unvouched(held[-1].sample.sample_id)
-
-    def read_sample(self, record: dict[str, Any], sample: PreparedSample) -> SampleFeatures:
-        """One connector file -> the sample as a shard stores it, with its checksum; the file is deleted once
-        read. Works in the file's dtype: the aux states are copied once into the storage dtype, only vLLM's id N
-        goes to float32 (for the norm and the greedy head)."""
-        from .records import DTYPES
-        from .store import sample_sha256, stored_sample
-
-        states = read_states(record["path"], sample.sample_id, sample.input_ids, self.layer_ids, self.hidden)
-        dtype = self.identity.dtype
-        feats = features_from_states(states, self.indices, self.layer_ids, self.norm, self.head, self.softcap,
-                                     dtype=None if dtype == "float8_e4m3fn" else DTYPES[dtype])
-        del states  # the file's mapping
-        os.unlink(record["path"])
-        out = SampleFeatures(sample, feats["aux_hidden_states"], feats["last_hidden_state"], feats["verifier_greedy"])
-        if not all_finite(feats["last_hidden_state"]):  # a broken norm: the writer skips it, counted, as before
-            return out
-        out.stored = stored_sample(sample.input_ids, sample.loss_mask, out.aux_hidden_states, out.last_hidden_state,
-                                   out.verifier_greedy, dtype)
-        out.stored_sha256 = sample_sha256(out.stored)
-        return out
-
-    @property
-    def vouched(self) -> bool:
-        """Whether a server's own next tokens have agreed with the captured states at least once."""
-        return self.next_token_agreements > 0
-
-    def check_next_token(self, served: int, greedy: int, sample_id: str) -> None:
-        """A server's own next token against the greedy token of the state it saved last (vLLM's id N, normed
-        here): they agree unless the server captures other layers or norms differently. All of the first
-        PROBE disagreeing stops the run, nothing written (a near-tie flips one, not four); with fewer samples
-        than PROBE, `refuse_unvouched` after the last."""
-        from .vllm_server import PROBE
-
-        self.next_token_checks += 1
-        self.next_token_agreements += int(served == greedy)
-        if self.next_token_checks == PROBE:
-            self.refuse_unvouched(sample_id)
-
-    def refuse_unvouched(self, sample_id: str) -> None:
-        """Stop the run (EndpointError, naming `sample_id`, the last sample checked) unless a server's next token
-        has agreed at least once: after PROBE checks, or when the records end with samples still held."""
-        if self.next_token_agreements == 0:
-            raise EndpointError(f"the server's next token differs from the verifier's greedy token on its last saved "
-                                f"state for all of the first {self.next_token_checks} samples (last {sample_id!r}): "
-                                f"it does not capture vLLM layer ids {self.layer_ids} of this verifier (start it with "
-                                "`eagle3-hf serve-vllm`)")
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """How vLLM runs (`extract --engine vllm`, `regenerate --engine vllm`): its compute dtype ("auto": the
-    checkpoint's, checkpoint_dtype), context, engine arguments (engines/vllm_args.py), requests per call and files
-    waiting at most, CPU threads, seconds per call, connector, the running server (`endpoint`, its `storage`
-    directory) instead of an engine of our own, reader threads, and whether it shows its logs (--debug)."""
-
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    engine: Mapping[str, Any] = field(default_factory=dict)
-    batch_size: int = 8
-    max_pending: int | None = None
-    threads: int = 1
-    timeout: float | None = None
-    connector: str = "auto"
-    endpoint: str | None = None
-    storage: str | None = None
-    readers: int | None = None
-    debug: bool = False
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> VllmOptions:
-        """From a command's arguments (engines/vllm_args.py's run and engine arguments; --endpoint where it has it)."""
-        from ..engines.vllm_args import engine_from_args
-
-        return cls(dtype=args.torch_dtype, max_model_len=args.max_model_len, engine=engine_from_args(args),
-                   batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, threads=args.threads,
-                   timeout=args.vllm_timeout, endpoint=getattr(args, "endpoint", None),
-                   storage=getattr(args, "vllm_storage", None), readers=args.vllm_readers, debug=debug_requested())
 
 
 class VllmFeatures:
@@ -366,18 +103,17 @@ class VllmFeatures:
         return out
 
 
-def open_source(verifier: str, tokenizer_fingerprint: str, *, revision: str | None = None,
-                aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
-                options: VllmOptions | None = None) -> VllmFeatures:
-    """vLLM's features of `verifier` (`extract --engine vllm`, with `options.endpoint` a running server's; then
-    no vLLM is needed here), stored in `dtype`."""
+def open_source(request: SourceRequest) -> VllmFeatures:
+    """The table's opener (sources.py) of `--engine vllm` and, with `options.endpoint`, of a running vLLM OpenAI
+    server (then no vLLM is needed here): `request.options` is a `VllmOptions` (None: its defaults)."""
     from ..engines.vllm_env import vllm_python
 
-    options = options or VllmOptions()
+    options = request.options if isinstance(request.options, VllmOptions) else VllmOptions()
     if options.endpoint is None:
         vllm_python()  # vLLM missing: one line, before anything is written
-    spec = VllmFeatureSpec(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier, revision, options.dtype)
-    return VllmFeatures(spec, options, verifier)
+    spec = VllmFeatureSpec(request.verifier, request.tokenizer_fingerprint, request.aux_indices, request.dtype,
+                           request.verifier, request.revision, options.dtype)
+    return VllmFeatures(spec, options, request.verifier)
 
 
 def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_dataset: datasets.Dataset | str | Path,
@@ -386,8 +122,10 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                           store: StoreOptions | None = None, progress: bool = True) -> ExtractionSummary:
     """Write vLLM's features for this rank's slice of `prepared_dataset` to `out_dir` (the rank from RANK /
     WORLD_SIZE, as `extract`)."""
-    source = open_source(verifier, tokenizer_fingerprint, revision=revision, aux_indices=aux_indices, dtype=dtype,
-                         options=options)
+    kind: FeatureKind = "vllm" if options is None or options.endpoint is None else "vllm-server"
+    source = open_source(SourceRequest(kind, verifier, verifier, revision,
+                                       None if aux_indices is None else tuple(aux_indices), dtype,
+                                       tokenizer_fingerprint=tokenizer_fingerprint, options=options))
     # as many shards written at once as samples read: one thread cannot hash and write what several read
     store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
     return write_features(source, prepared_dataset, out_dir, store=store, progress=progress, desc="extract vllm")

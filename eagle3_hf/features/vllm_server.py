@@ -5,7 +5,7 @@ engines/vllm_openai.py). Each sample is one completion request (its token ids as
 greedy, `return_token_ids`); vLLM answers with `kv_transfer_params.hidden_states_path`, the file its
 hidden-states connector writes. This client waits on the file's `.lock` (LOCK_SH: vLLM's worker holds
 LOCK_EX until the file is whole), hands the path to the same reader as the offline route
-(vllm_offline.VllmFeatureSpec.write: checked, mapped, into a shard, deleted) and removes the lock. The
+(vllm_spec.VllmFeatureSpec.features: checked, mapped, into a shard, deleted) and removes the lock. The
 client must see the server's storage: run it on the server's machine, or share that directory.
 
 What is checked against the server before anything is written: it serves the verifier given by
@@ -47,8 +47,6 @@ from typing import Any
 
 from ..errors import EndpointError
 from .api_key import api_key, auth_headers, refused_line
-
-PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
 
 
 def remove_file(path: str) -> None:

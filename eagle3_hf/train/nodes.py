@@ -95,7 +95,7 @@ def check_training_nodes(data_args: DataArguments, args: Eagle3TrainingArguments
 
 
 def feature_directory(features: str) -> bool:
-    from ..features.source import FeatureSpec
+    from ..features.sources import FeatureSpec
 
     return not FeatureSpec.parse(features).online
 

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_hf.data.prepared_samples import PreparedDataset
+from eagle3_hf.features.collator import FeatureCollator
 from eagle3_hf.features.feature_cache import FeatureCache
-from eagle3_hf.features.feature_server import EndpointFeatureCollator, FeatureClient
+from eagle3_hf.features.feature_server import FeatureClient
 from eagle3_hf.features.packing import PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.records import make_header
 from eagle3_hf.features.store import merge_manifests
-from eagle3_hf.features.transformers_online import PreparedDataset
-from eagle3_hf.verifier.capture import final_norm
 
-from tests.helpers.feature_stub import AUX, LAYER_IDS, Stub, identity, offline_features
+from tests.helpers.feature_stub import AUX, Stub, identity, offline_features, server_source
 from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, serveable_verifier, walk_prepared
 
 INFO = {"name": "stub", "revision": None, "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "vocab_size": VOCAB}
@@ -37,9 +37,8 @@ def model():
 def caching(url, prepared, model, fingerprint, dtype, cache_dir=None, max_seq_len=24):
     cache = None if cache_dir is None else FeatureCache(cache_dir, make_header(INFO, fingerprint, AUX, dtype,
                                                                                  source="vllm"))
-    return EndpointFeatureCollator(FeatureClient(url), PreparedDataset(prepared, "all", 0.2, fingerprint),
-                                   final_norm(model), model.lm_head, None, AUX, LAYER_IDS, HIDDEN,
-                                   max_seq_len=max_seq_len, storage_dtype=dtype, max_in_flight=4, cache=cache)
+    return FeatureCollator(server_source(FeatureClient(url), model, fingerprint, dtype),
+                           PreparedDataset(prepared, "all", 0.2, fingerprint), cache=cache, max_seq_len=max_seq_len)
 
 
 def batches(rows: PackedDataset, size: int = 2) -> list[list[dict]]:

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.errors import worker_message
-from eagle3_hf.features.feature_server import EndpointFeatureCollator, FeatureClient, FeatureServerError
+from eagle3_hf.features.collator import FeatureCollator
+from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.transformers_online import PreparedDataset
-from eagle3_hf.verifier.capture import final_norm
 
-from tests.helpers.feature_stub import AUX, LAYER_IDS, Stub, identity, offline_features, vllm_layout
+from tests.helpers.feature_stub import LAYER_IDS, Stub, identity, offline_features, server_source, vllm_layout
 from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, serveable_verifier, walk_prepared
 from tests.helpers.vllm import vllm_or_fail
 
@@ -42,9 +42,8 @@ def prepared(tmp_path, fingerprint):
 
 
 def collator(client, prepared, model, fingerprint, dtype, max_seq_len):
-    return EndpointFeatureCollator(client, PreparedDataset(prepared, "all", 0.2, fingerprint), final_norm(model),
-                                   model.lm_head, None, AUX, LAYER_IDS, HIDDEN, max_seq_len=max_seq_len,
-                                   storage_dtype=dtype, max_in_flight=4)
+    return FeatureCollator(server_source(client, model, fingerprint, dtype),
+                           PreparedDataset(prepared, "all", 0.2, fingerprint), max_seq_len=max_seq_len)
 
 
 @pytest.mark.parametrize("dtype, overlong", [("bfloat16", "truncate"), ("float8_e4m3fn", "split")])
@@ -57,7 +56,7 @@ def test_online_batches_equal_offline_bit_for_bit(tmp_path, model, prepared, fin
         client = FeatureClient(stub.url)
         client.check(identity(fingerprint))
         online = collator(client, prepared, model, fingerprint, dtype, max_seq_len)
-        exact = collator(client, prepared, model, fingerprint, None, max_seq_len)
+        exact = collator(client, prepared, model, fingerprint, "float32", max_seq_len)
         for split in ("train", "validation"):
             a = PackedDataset(FeatureDataset(offline, split, 0.2), max_seq_len, overlong=overlong)
             b = PackedDataset(PreparedDataset(prepared, split, 0.2, fingerprint), max_seq_len, overlong=overlong)

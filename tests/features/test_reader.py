@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from eagle3_hf.features.extract import extract_features
+from eagle3_hf.data.prepared_samples import PreparedDataset, in_validation, select_split
+from eagle3_hf.features.collator import FeatureCollator
+from eagle3_hf.features.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
-from eagle3_hf.features.reader import FeatureDataset, in_validation, select_split
-from eagle3_hf.features.transformers_online import OnlineFeatureCollator, PreparedDataset
+from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import make_prepared
@@ -163,31 +164,22 @@ def test_packing_plan_deterministic_and_overlong_error():
 
 
 def test_online_equals_offline(features, verifier, fingerprint):
+    """The verifier in the training process (FeatureCollator over TransformersFeatures) gives offline's batch bit
+    for bit, split pieces included: each sample runs whole, as extraction ran it, and is sliced after."""
     offline = PackedDataset(FeatureDataset(features / "f32", split="all"), 24, overlong="split", seed=1)
-    online = PackedDataset(PreparedDataset(features / "prep", split="all", tokenizer_fingerprint=fingerprint), 24,
-                           overlong="split", seed=1)
-    assert offline.rows == online.rows and offline.stats["split"] > 0  # split pieces need their prefix
+    every = PreparedDataset(features / "prep", split="all", tokenizer_fingerprint=fingerprint)
+    online = PackedDataset(every, 24, overlong="split", seed=1)
+    assert offline.rows == online.rows and offline.stats["split"] > 0
     rows = list(range(len(offline)))
     off = PackedCollator()([offline[r] for r in rows])
-    on = OnlineFeatureCollator(verifier, (2, 4, 5), max_seq_len=24)([online[r] for r in rows])
+    source = TransformersFeatures(verifier, fingerprint, (2, 4, 5), "float32")
+    on = FeatureCollator(source, every, max_seq_len=24)([online[r] for r in rows])
     assert off.keys() == on.keys()
     for key in off:
-        assert off[key].dtype == on[key].dtype and off[key].shape == on[key].shape, key
-        if key not in ("aux_hidden_states", "last_hidden_state"):
-            assert torch.equal(off[key], on[key]), key
-    # whole documents: bit-identical. A split piece runs the verifier on tokens [0, end) only (the tail beyond
-    # cannot change it in a causal model), so its floats differ by rounding from a full-length forward.
-    lengths = offline.dataset.lengths
-    for b, r in enumerate(rows):
-        for d, (i, s, e) in enumerate(offline.rows[r]):
-            sel = off["document_ids"][b] == d
-            for key in ("aux_hidden_states", "last_hidden_state"):
-                if (s, e) == (0, lengths[i]):
-                    assert torch.equal(off[key][b][sel], on[key][b][sel]), key
-                else:
-                    torch.testing.assert_close(off[key][b][sel], on[key][b][sel], rtol=1e-5, atol=1e-6)
-    rounded = OnlineFeatureCollator(verifier, (2, 4, 5), max_seq_len=24, storage_dtype="bf16")([online[0]])
-    assert torch.equal(rounded["aux_hidden_states"], off["aux_hidden_states"][:1].bfloat16().float())
+        assert off[key].dtype == on[key].dtype and torch.equal(off[key], on[key]), key
+    rounded = FeatureCollator(source, every, storage_dtype="bf16", max_seq_len=24)([online[0]])
+    assert rounded["aux_hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(rounded["aux_hidden_states"], off["aux_hidden_states"][:1].bfloat16())
 
 
 def test_max_tokens_takes_nested_stratified_subsets_and_leaves_validation_alone(features):

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
+from eagle3_hf.data.prepared_samples import PreparedDataset
+from eagle3_hf.features.feature_server import ServerFeatures, served_identity
 from eagle3_hf.features.records import make_header
 from eagle3_hf.features.shard_writer import ShardWriter
 from eagle3_hf.features.store import merge_manifests
-from eagle3_hf.features.transformers_online import PreparedDataset
-from eagle3_hf.features.vllm_offline import features_from_states, vllm_layer_ids
+from eagle3_hf.features.vllm_states import features_from_states, vllm_layer_ids
 from eagle3_hf.verifier.capture import final_norm
 from eagle3_hf.verifier.family import default_aux_indices
 
@@ -86,6 +87,13 @@ class Stub(LoopbackServer):
 def identity(fingerprint: str, hidden: int = HIDDEN, layers: int = LAYERS) -> dict:
     return {"verifier": "stub", "hidden_size": hidden, "num_hidden_layers": layers, "layer_ids": LAYER_IDS,
             "aux_layer_indices": AUX, "tokenizer_fingerprint": fingerprint, "vllm_version": "stub"}
+
+
+def server_source(client, model, fingerprint: str, dtype: str = "bfloat16", max_in_flight: int = 4):
+    """The feature server route (ServerFeatures) over `client`, mapping the stub's states with `model`'s head."""
+    served = identity(fingerprint)
+    return ServerFeatures(client, served, final_norm(model), model.lm_head, None,
+                          served_identity(client.url, served, dtype, fingerprint, VOCAB), max_in_flight)
 
 
 def offline_features(model, prepared: Path, out: Path, fingerprint: str, dtype: str) -> Path:

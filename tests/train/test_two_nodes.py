@@ -95,6 +95,6 @@ def test_two_nodes_without_a_shared_filesystem(tiny_verifier_dir, fingerprint, t
 
 
 def in_validation(sample_id: str) -> bool:
-    from eagle3_hf.features.reader import in_validation as split
+    from eagle3_hf.data.prepared_samples import in_validation as split
 
     return split(sample_id, 0.25)

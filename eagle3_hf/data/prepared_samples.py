@@ -1,0 +1,67 @@
+"""Prepared samples as training reads them: the split by sample id, and `PreparedDataset`, the one reader of a
+prepared directory's samples for the online routes (`train --features hf` / `http://...`).
+
+The split is the feature directory's too (reader.FeatureDataset calls `select_split`), so a sample lands in the same
+split whether its features were written to disk or are computed while training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    import datasets
+
+
+def in_validation(sample_id: str, validation_fraction: float) -> bool:
+    """Stable split: the first 8 bytes of sha256(id) as a fraction of 2^64, independent of order and machine."""
+    h = int.from_bytes(hashlib.sha256(sample_id.encode("utf-8")).digest()[:8], "big")
+    return h < validation_fraction * 2.0**64
+
+
+def select_split(ids: list[str], split: str, validation_fraction: float) -> list[int]:
+    """The positions of `ids` in `split` ("train", "validation" or "all")."""
+    if split not in ("train", "validation", "all"):
+        raise ValueError(f"split must be 'train', 'validation' or 'all', got {split!r}")
+    if split == "all":
+        return list(range(len(ids)))
+    want_val = split == "validation"
+    return [i for i, sid in enumerate(ids) if in_validation(sid, validation_fraction) == want_val]
+
+
+class PreparedDataset(Dataset[dict[str, Any]]):
+    """Prepared samples (input_ids, loss_mask, sample_id) with `.lengths`, split by sample id exactly like
+    FeatureDataset; `position(sample_id)` finds a sample of the split by its id."""
+
+    def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
+                 tokenizer_fingerprint: str | None = None) -> None:
+        from .prepared_format import open_prepared, prepared_lengths
+
+        ds = open_prepared(prepared, tokenizer_fingerprint)
+        ids = list(ds["id"])
+        keep = select_split(ids, split, validation_fraction)
+        all_lengths = prepared_lengths(ds)
+        self._rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+        self._index = keep
+        self.sample_ids = [ids[i] for i in keep]
+        self.lengths = [int(all_lengths[i]) for i in keep]
+        self._position = {sid: i for i, sid in enumerate(self.sample_ids)}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self._rows[self._index[index]]
+        return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].bool(),
+                "sample_id": self.sample_ids[index]}
+
+    def position(self, sample_id: str) -> int:
+        """The index of `sample_id` in this split; KeyError naming it when the split does not hold it."""
+        try:
+            return self._position[sample_id]
+        except KeyError:
+            raise KeyError(f"sample {sample_id!r} is not in this prepared split") from None
