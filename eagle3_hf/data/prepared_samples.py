@@ -7,6 +7,7 @@ split whether its features were written to disk or are computed while training.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,13 +43,24 @@ class PreparedDataset(Dataset[dict[str, Any]]):
         from .prepared_format import open_prepared, prepared_lengths
 
         ds = open_prepared(prepared, tokenizer_fingerprint)
-        ids = list(ds["id"])
-        keep = select_split(ids, split, validation_fraction)
-        all_lengths = prepared_lengths(ds)
         self._rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
-        self._index = keep
-        self.sample_ids = [ids[i] for i in keep]
-        self.lengths = [int(all_lengths[i]) for i in keep]
+        self._index = list(range(len(ds)))
+        self.sample_ids: list[str] = list(ds["id"])
+        self.lengths = [int(n) for n in prepared_lengths(ds)]
+        self._keep(split, validation_fraction)
+
+    def select(self, split: str, validation_fraction: float = 0.05) -> PreparedDataset:
+        """`split` of these samples, sharing the opened dataset: a directory opened once (split "all") gives the
+        collator's samples and both training splits."""
+        part = copy.copy(self)
+        part._keep(split, validation_fraction)
+        return part
+
+    def _keep(self, split: str, validation_fraction: float) -> None:
+        keep = select_split(self.sample_ids, split, validation_fraction)
+        self._index = [self._index[i] for i in keep]
+        self.sample_ids = [self.sample_ids[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
         self._position = {sid: i for i, sid in enumerate(self.sample_ids)}
 
     def __len__(self) -> int:

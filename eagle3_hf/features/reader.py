@@ -9,6 +9,7 @@ Packing those samples into the trainer's rows is `packing.py`.
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 from collections import OrderedDict
@@ -102,7 +103,7 @@ class FeatureDataset(Dataset[dict[str, Any]]):
             raise ValueError(f"verify must be 'once', 'shard', 'sample' or 'none', got {verify!r}")
         self.features_dir = Path(features_dir)
         self.manifest = load_manifest(self.features_dir, allow_partial, node_part)
-        self.verify, self.split = verify, split
+        self.verify = verify
         self.hashed_shards = 0  # shards whose sha256 this open computed (verify.py)
         verifier = self.manifest["verifier"]
         self.hidden_size = int(verifier["hidden_size"])
@@ -115,9 +116,20 @@ class FeatureDataset(Dataset[dict[str, Any]]):
             self._layout[shard["file"]] = self._check_layout(path, shard)
         if verify in ("once", "shard"):
             self.verify_checksums("once" if verify == "once" else "always", verify_threads)
-        samples = self.manifest["samples"]
-        keep = select_split([s["id"] for s in samples], split, validation_fraction)
-        self._samples = [samples[i] for i in keep]
+        self._samples: list[dict[str, Any]] = self.manifest["samples"]
+        self._keep(split, validation_fraction, max_tokens, subset_seed)
+
+    def select(self, split: str, validation_fraction: float = 0.05, max_tokens: int | None = None,
+               subset_seed: int = 0) -> FeatureDataset:
+        """`split` of this dataset's samples, sharing its manifest and checked shards: one directory opened once
+        gives both training splits (open it with split "all")."""
+        part = copy.copy(self)
+        part._keep(split, validation_fraction, max_tokens, subset_seed)
+        return part
+
+    def _keep(self, split: str, validation_fraction: float, max_tokens: int | None, subset_seed: int) -> None:
+        keep = select_split([s["id"] for s in self._samples], split, validation_fraction)
+        self.split, self._samples = split, [self._samples[i] for i in keep]
         if max_tokens is not None:  # nested, source-stratified, seeded subsets for data scaling (data/subsets.py)
             from ..data.subsets import token_subset
 
@@ -126,7 +138,7 @@ class FeatureDataset(Dataset[dict[str, Any]]):
             self._samples = [self._samples[i] for i in chosen]
         self.lengths: list[int] = [int(s["length"]) for s in self._samples]
         self.sample_ids: list[str] = [s["id"] for s in self._samples]
-        self._open: OrderedDict[str, np.memmap] = OrderedDict()
+        self._open: OrderedDict[str, np.memmap] = OrderedDict()  # this split's own maps
 
     def verify_checksums(self, mode: str = "once", threads: int | None = None) -> int:
         """Every shard of the directory (both splits) against the manifest's sha256 (verify.py: once, always,

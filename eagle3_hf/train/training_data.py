@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
     from ..features.collator import FeatureCollator
-    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.packing import PackedCollator, PackedDataset, SampleSource
     from ..features.reader import FeatureDataset
     from ..features.source import SourceIdentity
     from ..features.sources import FeatureSpec
@@ -95,18 +95,18 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifie
 def directory_datasets(directory: str, data_args: DataArguments, node_parts: bool) -> TrainingFeatures:
     """`--features DIR`: the shards `extract` wrote, read back (the manifest, sizes and safetensors headers only: the
     checksums come after the cheap checks, `verify_features`)."""
-    from ..features.packing import PackedCollator, PackedDataset
+    from ..features.packing import PackedCollator
     from ..features.reader import FeatureDataset
     from ..features.source import SourceIdentity
 
-    vf, partial = data_args.validation_fraction, data_args.allow_partial_features
-    train = FeatureDataset(directory, "train", vf, verify="none", max_tokens=data_args.max_train_tokens,
-                           allow_partial=partial, node_part=node_parts)
-    evals = FeatureDataset(directory, "validation", vf, verify="none", allow_partial=partial, node_part=node_parts)
-    return TrainingFeatures(PackedDataset(train, **packing(data_args)), PackedDataset(evals, **packing(data_args)),
-                            PackedCollator(max_seq_len=data_args.max_seq_len),
-                            SourceIdentity.from_header(train.manifest), directory,
-                            tokenizer=recorded_tokenizer(train.manifest), shards=train)
+    shards = FeatureDataset(directory, "all", verify="none", allow_partial=data_args.allow_partial_features,
+                            node_part=node_parts)  # opened once: the manifest and shard headers read once
+    vf = data_args.validation_fraction
+    train, evals = packed(shards.select("train", vf, max_tokens=data_args.max_train_tokens),
+                          shards.select("validation", vf), data_args)
+    return TrainingFeatures(train, evals, PackedCollator(max_seq_len=data_args.max_seq_len),
+                            SourceIdentity.from_header(shards.manifest), directory,
+                            tokenizer=recorded_tokenizer(shards.manifest), shards=shards)
 
 
 def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: ModelArguments) -> TrainingFeatures:
@@ -117,7 +117,6 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     from ..data.prepared_samples import PreparedDataset
     from ..features.collator import FeatureCollator
     from ..features.feature_cache import FeatureCache
-    from ..features.packing import PackedDataset
     from ..features.sources import SOURCES, OnlineOptions, SourceRequest, open_source
 
     if not data_args.prepared_dir:
@@ -135,23 +134,25 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     cache = None
     if data_args.cache_features:  # the route's own header: DIR is an ordinary feature directory
         cache = FeatureCache(data_args.cache_features, source.identity.header())
-    vf = data_args.validation_fraction
-    every = PreparedDataset(data_args.prepared_dir, "all", vf, fingerprint)  # both splits' samples, by id
+    every = PreparedDataset(data_args.prepared_dir, "all", tokenizer_fingerprint=fingerprint)  # opened once
     collator = FeatureCollator(source, every, cache=cache, max_seq_len=data_args.max_seq_len)
     logger.info("features from %s (%s), rounded to %s%s", spec.target or model_args.verifier,
                 ", ".join(f"{k} {v}" for k, v in (source.identity.provenance or {"source": spec.kind}).items()),
                 collator.storage_dtype, f", kept in {cache.dir}" if cache else "")
-    train = PreparedDataset(data_args.prepared_dir, "train", vf, fingerprint)
-    evals = PreparedDataset(data_args.prepared_dir, "validation", vf, fingerprint)
-    return TrainingFeatures(PackedDataset(train, **packing(data_args)), PackedDataset(evals, **packing(data_args)),
-                            collator, source.identity, data_args.prepared_dir,
+    vf = data_args.validation_fraction
+    train, evals = packed(every.select("train", vf), every.select("validation", vf), data_args)
+    return TrainingFeatures(train, evals, collator, source.identity, data_args.prepared_dir,
                             endpoint=spec.target if spec.kind == "server" else None, online=True,
                             tokenizer=recorded_tokenizer(meta))
 
 
-def packing(data_args: DataArguments) -> dict[str, Any]:
-    """PackedDataset's keywords: the same plan for every route."""
-    return dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing, overlong=data_args.overlong)
+def packed(train: SampleSource, evals: SampleSource, data_args: DataArguments) -> tuple[PackedDataset, PackedDataset]:
+    """Both splits packed by the same plan (--max-seq-len, --packing, --overlong), whatever the route."""
+    from ..features.packing import PackedDataset
+
+    plan: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
+                                overlong=data_args.overlong)
+    return PackedDataset(train, **plan), PackedDataset(evals, **plan)
 
 
 def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, source: str) -> str | None:
