@@ -40,9 +40,13 @@ class PreparedDataset(Dataset[dict[str, Any]]):
 
     def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None) -> None:
-        from .prepared_format import open_prepared, prepared_lengths
+        from .prepared_format import load_prepared, open_prepared, prepared_lengths
 
-        ds = open_prepared(prepared, tokenizer_fingerprint)
+        self.meta: dict[str, Any] = {}  # a directory's prepare meta (tokenizer, counts); {} for a Dataset object
+        if isinstance(prepared, (str, Path)):
+            ds, self.meta = load_prepared(prepared, tokenizer_fingerprint)
+        else:
+            ds = open_prepared(prepared)
         self._rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
         self._index = list(range(len(ds)))
         self.sample_ids: list[str] = list(ds["id"])

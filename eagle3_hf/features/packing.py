@@ -154,6 +154,13 @@ class PackedDataset(Dataset[dict[str, Any]]):
         return row
 
 
+def pack_splits(train: SampleSource, evals: SampleSource, max_seq_len: int, packing: bool = True,
+                overlong: str = "truncate") -> tuple[PackedDataset, PackedDataset]:
+    """The training and validation splits packed by one plan, the same for every route of `train --features`."""
+    return (PackedDataset(train, max_seq_len, packing=packing, overlong=overlong),
+            PackedDataset(evals, max_seq_len, packing=packing, overlong=overlong))
+
+
 class PackedCollator:
     """Rows -> one batch of [B, L] tensors, L = max_seq_len, padded (document_ids -1, loss_mask False).
 

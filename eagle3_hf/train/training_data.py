@@ -3,7 +3,8 @@ batches, and what the features are of, for every route alike.
 
 `--features DIR` reads the shards `extract` wrote; `--features hf[:VERIFIER]` runs the verifier in this process on
 the samples of `--prepared-dir`, nothing on disk; `--features http://HOST:PORT` asks a feature server (`eagle3-hf
-serve-features`) for each batch's states. The server is checked before anything is built: unreachable, or serving
+serve-features`) for each batch's states. The prepared dataset is opened (and checked) once, first; the server
+before anything else is built: unreachable, or serving
 another verifier than `--verifier` (hidden size, layer count) or another tokenizer than the prepared dataset's
 (fingerprint), it is refused with one line. With `--cache-features DIR` its features are kept in DIR
 (features/feature_cache.py) and read from there after. Whatever the route, the features' verifier is checked
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
     from ..features.collator import FeatureCollator
-    from ..features.packing import PackedCollator, PackedDataset, SampleSource
+    from ..features.packing import PackedCollator, PackedDataset
     from ..features.reader import FeatureDataset
     from ..features.source import SourceIdentity
     from ..features.sources import FeatureSpec
@@ -95,15 +96,16 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifie
 def directory_datasets(directory: str, data_args: DataArguments, node_parts: bool) -> TrainingFeatures:
     """`--features DIR`: the shards `extract` wrote, read back (the manifest, sizes and safetensors headers only: the
     checksums come after the cheap checks, `verify_features`)."""
-    from ..features.packing import PackedCollator
+    from ..features.packing import PackedCollator, pack_splits
     from ..features.reader import FeatureDataset
     from ..features.source import SourceIdentity
 
     shards = FeatureDataset(directory, "all", verify="none", allow_partial=data_args.allow_partial_features,
                             node_part=node_parts)  # opened once: the manifest and shard headers read once
     vf = data_args.validation_fraction
-    train, evals = packed(shards.select("train", vf, max_tokens=data_args.max_train_tokens),
-                          shards.select("validation", vf), data_args)
+    train, evals = pack_splits(shards.select("train", vf, max_tokens=data_args.max_train_tokens),
+                               shards.select("validation", vf), data_args.max_seq_len, data_args.packing,
+                               data_args.overlong)
     return TrainingFeatures(train, evals, PackedCollator(max_seq_len=data_args.max_seq_len),
                             SourceIdentity.from_header(shards.manifest), directory,
                             tokenizer=recorded_tokenizer(shards.manifest), shards=shards)
@@ -113,10 +115,10 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     """`--features hf[:VERIFIER]` or `http://HOST:PORT`: the samples of --prepared-dir, packed as a feature
     directory's would be, their features asked of the route the table opens, batch by batch (FeatureCollator),
     kept in `--cache-features DIR` when given."""
-    from ..data.prepared_format import read_prepared_meta
     from ..data.prepared_samples import PreparedDataset
     from ..features.collator import FeatureCollator
     from ..features.feature_cache import FeatureCache
+    from ..features.packing import pack_splits
     from ..features.sources import SOURCES, OnlineOptions, SourceRequest, open_source
 
     if not data_args.prepared_dir:
@@ -124,8 +126,8 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
                          "(the prepared dataset whose samples it reads)")
     if data_args.max_train_tokens is not None:
         raise UsageError("--max-train-tokens applies to a feature directory (--features DIR)")
-    meta = read_prepared_meta(data_args.prepared_dir)
-    fingerprint = meta["tokenizer_fingerprint"]
+    every = PreparedDataset(data_args.prepared_dir, "all")  # opened once: its meta, the samples of both splits
+    fingerprint = every.meta["tokenizer_fingerprint"]
     dtype = (data_args.features_dtype or "bfloat16") if SOURCES[spec.kind].online_rounding else "float32"
     source = open_source(SourceRequest(spec.kind, spec.target, str(model_args.verifier), model_args.verifier_revision,
                                        dtype=dtype, tokenizer_fingerprint=fingerprint,
@@ -134,25 +136,16 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     cache = None
     if data_args.cache_features:  # the route's own header: DIR is an ordinary feature directory
         cache = FeatureCache(data_args.cache_features, source.identity.header())
-    every = PreparedDataset(data_args.prepared_dir, "all", tokenizer_fingerprint=fingerprint)  # opened once
     collator = FeatureCollator(source, every, cache=cache, max_seq_len=data_args.max_seq_len)
     logger.info("features from %s (%s), rounded to %s%s", spec.target or model_args.verifier,
                 ", ".join(f"{k} {v}" for k, v in (source.identity.provenance or {"source": spec.kind}).items()),
                 collator.storage_dtype, f", kept in {cache.dir}" if cache else "")
     vf = data_args.validation_fraction
-    train, evals = packed(every.select("train", vf), every.select("validation", vf), data_args)
+    train, evals = pack_splits(every.select("train", vf), every.select("validation", vf), data_args.max_seq_len,
+                               data_args.packing, data_args.overlong)
     return TrainingFeatures(train, evals, collator, source.identity, data_args.prepared_dir,
                             endpoint=spec.target if spec.kind == "server" else None, online=True,
-                            tokenizer=recorded_tokenizer(meta))
-
-
-def packed(train: SampleSource, evals: SampleSource, data_args: DataArguments) -> tuple[PackedDataset, PackedDataset]:
-    """Both splits packed by the same plan (--max-seq-len, --packing, --overlong), whatever the route."""
-    from ..features.packing import PackedDataset
-
-    plan: dict[str, Any] = dict(max_seq_len=data_args.max_seq_len, packing=data_args.packing,
-                                overlong=data_args.overlong)
-    return PackedDataset(train, **plan), PackedDataset(evals, **plan)
+                            tokenizer=recorded_tokenizer(every.meta))
 
 
 def untrained_tails(stats: dict[str, float], max_seq_len: int, longest: int, source: str) -> str | None:
