@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from ..data.prepared_samples import select_split
 from .quantize import dequantize
-from .records import SAMPLE_KEYS, ShardRecord
+from .records import SAMPLE_KEYS, SampleRecord, ShardRecord
 from .source import PreparedSample, SampleFeatures, SourceIdentity
 from .store import load_manifest
 from .verify import verify_shards
@@ -116,7 +116,7 @@ class FeatureDataset(Dataset[dict[str, Any]]):
             self._layout[shard["file"]] = self._check_layout(path, shard)
         if verify in ("once", "shard"):
             self.verify_checksums("once" if verify == "once" else "always", verify_threads)
-        self._samples: list[dict[str, Any]] = self.manifest["samples"]
+        self._samples: list[SampleRecord] = self.manifest["samples"]
         self._keep(split, validation_fraction, max_tokens, subset_seed)
 
     def select(self, split: str, validation_fraction: float = 0.05, max_tokens: int | None = None,
