@@ -198,3 +198,23 @@ def test_max_tokens_takes_nested_stratified_subsets_and_leaves_validation_alone(
     assert val.sample_ids == FeatureDataset(features / "f32", split="validation", validation_fraction=0.3,
                                             max_tokens=budget).sample_ids  # validation unchanged
     assert not set(val.sample_ids) & set(small.sample_ids)
+
+
+def test_splits_selected_from_one_open_directory_equal_the_splits_opened_alone(features, fingerprint):
+    """Training opens a feature or prepared directory once and selects its splits from it: the same samples, in the
+    same order, as a directory opened for each split, and a feature directory's split is its prepared samples'."""
+    shards = FeatureDataset(features / "f32", split="all", verify="none")
+    every = PreparedDataset(features / "prep", split="all", tokenizer_fingerprint=fingerprint)
+    budget = sum(shards.lengths) // 3
+    for split, max_tokens in (("train", budget), ("train", None), ("validation", None)):
+        alone = FeatureDataset(features / "f32", split=split, validation_fraction=0.3, max_tokens=max_tokens)
+        part = shards.select(split, 0.3, max_tokens=max_tokens)
+        assert (part.sample_ids, part.lengths, part.split) == (alone.sample_ids, alone.lengths, split)
+        assert torch.equal(part[0]["aux_hidden_states"], alone[0]["aux_hidden_states"])
+        rows = every.select(split, 0.3)
+        assert rows.sample_ids == PreparedDataset(features / "prep", split, 0.3, fingerprint).sample_ids
+        if max_tokens is None:
+            assert (rows.sample_ids, rows.lengths) == (part.sample_ids, part.lengths)
+            assert torch.equal(rows[0]["input_ids"], part[0]["input_ids"])
+            assert rows.position(rows.sample_ids[-1]) == len(rows) - 1
+    assert len(shards) == len(every) == 14  # selecting leaves the opened directory whole
