@@ -114,8 +114,8 @@ def one_line(excinfo) -> str:
 
 
 @pytest.mark.parametrize("info, said", [
-    ({"return_aux_hidden_state_layer_ids": [2, 4, 5]}, r"captures SGLang layer ids \[2, 4, 5\]; this extraction "
-                                                        r"needs \[1, 3, 4\].*--return-aux-hidden-state-layer-ids 1 3 4"),
+    ({"return_aux_hidden_state_layer_ids": [2, 4, 5]},
+     r"captures SGLang layer ids \[2, 4, 5\]; this extraction needs \[1, 3, 4\].*layer-ids 1 3 4"),
     ({"enable_return_aux_hidden_states": False}, "does not return aux hidden states"),
     ({"disable_radix_cache": False}, "--disable-radix-cache"),
     ({"model_path": "/models/other"}, "serves /models/other, not the verifier"),
