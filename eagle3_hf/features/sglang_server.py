@@ -205,8 +205,9 @@ class SglangFeatures:
                                 "rows' states are not returned; start it with --disable-radix-cache")
         self.last_layer = LastLayer(self.path, self.revision, self.device, self.trust_remote_code)
         limit = sample_token_limit(self.options.max_model_len)
-        context = sample_token_limit(info.get("context_length"))
-        return context if limit is None or (context is not None and context < limit) else limit
+        served = info.get("max_req_input_len")  # the longest prompt it takes (its context less what it generates)
+        served = int(served) if served else sample_token_limit(info.get("context_length"))
+        return served if limit is None or (served is not None and served < limit) else limit
 
     # ---------------------------------------------------------------- the samples
 

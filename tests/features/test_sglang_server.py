@@ -154,9 +154,11 @@ def test_a_dropped_connection_is_retried(stub_for, serveable_dir):
 
 
 def test_the_context_bounds_the_samples(stub_for, serveable_dir):
-    stub = stub_for(context_length=64)
-    assert opened(stub.url, str(serveable_dir)).check([10]) == 63
+    stub = stub_for(max_req_input_len=64)
+    assert opened(stub.url, str(serveable_dir)).check([10]) == 64
     assert opened(stub.url, str(serveable_dir), max_model_len=32).check([10]) == 31
+    stub = stub_for(max_req_input_len=None, context_length=48)  # no longest prompt named: its context less one
+    assert opened(stub.url, str(serveable_dir)).check([10]) == 47
 
 
 def test_no_server_is_one_line():
