@@ -182,7 +182,7 @@ class SglangFeatures:
 
     def check(self, lengths: Sequence[int]) -> int | None:
         """The server fits this verifier and capture (one line each refusal); returns the most tokens a sample may
-        have: the server's context or --max-model-len, whichever is shorter, less the generated token."""
+        have: the server's longest prompt or --max-model-len less the generated token, whichever is shorter."""
         from ..verifier.last_layer import LastLayer
 
         info, url = self.info, self.client.url
@@ -205,9 +205,9 @@ class SglangFeatures:
                                 "rows' states are not returned; start it with --disable-radix-cache")
         self.last_layer = LastLayer(self.path, self.revision, self.device, self.trust_remote_code)
         limit = sample_token_limit(self.options.max_model_len)
-        served = info.get("max_req_input_len")  # the longest prompt it takes (its context less what it generates)
-        served = int(served) if served else sample_token_limit(info.get("context_length"))
-        return served if limit is None or (served is not None and served < limit) else limit
+        longest = info.get("max_req_input_len")  # the longest prompt it takes (its context less what it generates)
+        takes = int(longest) if longest else sample_token_limit(info.get("context_length"))
+        return takes if limit is None or (takes is not None and takes < limit) else limit
 
     # ---------------------------------------------------------------- the samples
 
@@ -280,7 +280,7 @@ def check_answer(answer: Any, url: str, sample_id: str, tokens: int, layers: int
     where = f"{url}/generate for sample {sample_id!r}"
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     states = meta.get("hidden_states") if isinstance(meta, dict) else None
-    if not isinstance(states, list) or not states:
+    if not isinstance(meta, dict) or not isinstance(states, list) or not states:
         raise EndpointError(f"{where} answered without meta_info.hidden_states: start the server with {LAUNCH} ...")
     try:
         rows = torch.tensor(states[0], dtype=torch.float32)
