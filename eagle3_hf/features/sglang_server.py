@@ -10,7 +10,7 @@ SGLang captures the residual stream *entering* a layer, so it can never return t
 asks it for one more index than the drafter's three, N-1 (what enters the last layer), and runs that one layer here
 (verifier/last_layer.py: transformers' own class, only its tensors read), then the verifier's final norm and head
 as every engine route does (vllm_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
-`output_hidden_states` bit for bit (docs/results/).
+`output_hidden_states` bit for bit at most prompt lengths, within fp32 rounding at the others (docs/contracts.md).
 
 The ids the server must be started with are the capture indices through the reader of the verifier's SGLang family
 and release (publish/aux_id_rules.py `sglang_ids_to_send`: Llama-family files add 1 to every id, DeepSeek-V3 /
