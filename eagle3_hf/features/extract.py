@@ -156,18 +156,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-mb", type=int, default=1024, help="a shard is closed at this size too")
     parser.add_argument("--no-progress", action="store_true")
     engine = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
-    engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+    engine.add_argument("--engine", choices=["transformers", "vllm", "sglang"], default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
-                             "its own venv, then the verifier's final norm and lm_head here (default: %(default)s)")
+                             "its own venv, then the verifier's final norm and lm_head here; sglang: a running "
+                             "SGLang server's aux hidden states (--endpoint), then the verifier's last layer, "
+                             "final norm and lm_head here (default: %(default)s)")
     add_run_arguments(engine, "prompts", "; with --endpoint, seconds per request and its file (default 600)")
     engine.add_argument("--endpoint", default=None, metavar="URL",
                         help="with --engine vllm: a running vLLM OpenAI server started with the extraction config "
                              "(`eagle3-hf serve-vllm`) computes the states, --vllm-batch-size requests at a time; "
-                             "this machine must see its storage directory")
+                             "this machine must see its storage directory. With --engine sglang (required): a "
+                             "running SGLang server started with aux capture (docs/guide.md)")
     engine.add_argument("--vllm-storage", default=None, metavar="DIR",
                         help="with --endpoint: the server's storage directory, the only place whose files are read "
                              "and deleted (default: the one `eagle3-hf serve-vllm` names)")
     add_engine_arguments(parser)
+    sglang = parser.add_argument_group("--engine sglang (a running SGLang server computes the states; --endpoint)")
+    sglang.add_argument("--sglang-requests", type=int, default=4, metavar="N",
+                        help="requests in flight, one sample each (default %(default)s)")
+    sglang.add_argument("--sglang-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds per request, its answer included (default %(default)s)")
 
 
 def data_fingerprint(args: argparse.Namespace) -> str:
@@ -203,7 +211,17 @@ def vllm_options(args: argparse.Namespace) -> tuple[Any, None]:
     return options_from_args("vllm-server" if args.endpoint else "vllm", args), None
 
 
-OPTIONS = {"transformers": transformers_options, "vllm": vllm_options, "vllm-server": vllm_options}
+def sglang_options(args: argparse.Namespace) -> tuple[Any, None]:
+    """`extract --engine sglang`'s options (sglang_server.SglangOptions, read through the table)."""
+    if args.device_map or args.max_memory or args.offload_folder:
+        raise UsageError("--engine sglang runs the verifier in its server: drop --device-map/--max-memory/"
+                         "--offload-folder (--device places the last layer, norm and head run here)")
+    return options_from_args("sglang-server", args), None
+
+
+OPTIONS = {"transformers": transformers_options, "vllm": vllm_options, "vllm-server": vllm_options,
+           "sglang-server": sglang_options}
+ENGINE_KINDS: dict[str, FeatureKind] = {"transformers": "transformers", "vllm": "vllm", "sglang": "sglang-server"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,9 +229,10 @@ def run(args: argparse.Namespace) -> int:
     write_features."""
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_output_shared(args.output, args.per_node_output)  # before a verifier is loaded
-    if args.endpoint and args.engine != "vllm":
-        raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`)")
-    kind: FeatureKind = "vllm-server" if args.endpoint else args.engine
+    if args.endpoint and args.engine == "transformers":
+        raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`) "
+                         "or --engine sglang (a SGLang server)")
+    kind: FeatureKind = "vllm-server" if args.endpoint and args.engine == "vllm" else ENGINE_KINDS[args.engine]
     options, offload_tmp = OPTIONS[kind](args)
     fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
     source = open_source_of(SourceRequest(kind, args.verifier, args.verifier, args.revision,
@@ -222,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     # as many shards written at once as a route reads samples at once (vLLM's readers)
     store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
     summary = write_features(source, args.data, args.output, store=store, progress=not args.no_progress,
-                             desc="extract" if kind == "transformers" else "extract vllm")
+                             desc="extract" if kind == "transformers" else f"extract {args.engine}")
     if offload_tmp is not None:
         offload_tmp.cleanup()
     print(json.dumps(summary.as_dict()))

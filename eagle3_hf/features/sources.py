@@ -21,7 +21,8 @@ from typing import Any, Literal, cast, get_args
 from ..errors import UsageError
 from .source import FeatureSource
 
-FeatureKind = Literal["transformers", "vllm", "vllm-server", "server", "directory", "speculators", "specforge"]
+FeatureKind = Literal["transformers", "vllm", "vllm-server", "sglang-server", "server", "directory", "speculators",
+                      "specforge"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
               selected_by="extract --engine vllm", options_from_args="VllmOptions.from_args"),
     SourceRow("vllm-server", "eagle3_hf.features.vllm_offline", offline=True, online=False,
               selected_by="extract --engine vllm --endpoint URL", options_from_args="VllmOptions.from_args"),
+    SourceRow("sglang-server", "eagle3_hf.features.sglang_server", offline=True, online=False,
+              selected_by="extract --engine sglang --endpoint URL", options_from_args="SglangOptions.from_args"),
     SourceRow("server", "eagle3_hf.features.feature_server", offline=False, online=True,
               selected_by="train --features http://HOST:PORT", names_verifier="served_verifier",
               online_rounding=True),

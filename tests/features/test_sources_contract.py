@@ -50,6 +50,21 @@ def vllm_server(ctx: dict) -> SourceRequest:
     return request(ctx, "vllm-server", options=VllmOptions(endpoint=stub.url, batch_size=3))
 
 
+def sglang_server(ctx: dict) -> SourceRequest:
+    """SGLang started with aux capture at the ids its Llama reader needs for the aux indices and N-1 (stood in:
+    tests/helpers/sglang_stub.py; the same client against a real SGLang's recorded answers:
+    tests/features/test_sglang_server.py)."""
+    from eagle3_hf.features.sglang_server import SglangOptions
+    from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
+
+    from tests.helpers.serveable import LAYERS
+    from tests.helpers.sglang_stub import SglangStub
+
+    ids = sglang_ids_to_send(sorted(set(AUX) | {LAYERS - 1}), "llama", LAYERS, "0.5.23")
+    stub = ctx["enter"](SglangStub(model=ctx["model"], model_path=str(ctx["verifier"]), layer_ids=ids))
+    return request(ctx, "sglang-server", options=SglangOptions(stub.url, requests=3))
+
+
 def server(ctx: dict) -> SourceRequest:
     stub = ctx["enter"](Stub(ctx["model"], identity(ctx["fingerprint"])))
     return request(ctx, "server", target=stub.url)
@@ -97,7 +112,8 @@ def specforge(ctx: dict) -> SourceRequest:
 
 
 HARNESSES: dict[str, Callable[[dict], SourceRequest]] = {
-    "transformers": transformers, "vllm": vllm, "vllm-server": vllm_server, "server": server,
+    "transformers": transformers, "vllm": vllm, "vllm-server": vllm_server, "sglang-server": sglang_server,
+    "server": server,
     "directory": directory, "speculators": speculators, "specforge": specforge}
 
 

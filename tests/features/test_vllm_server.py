@@ -163,7 +163,8 @@ def test_no_server_and_endpoint_without_vllm_engine_are_one_line(tmp_path, serve
     assert main(["extract", "--endpoint", "http://127.0.0.1:1", "--verifier", str(serveable_dir), "--data",
                  str(prepared), "--output", str(tmp_path / "g")]) == 1
     assert capsys.readouterr().err.strip() == ("error: --endpoint URL needs --engine vllm (a vLLM OpenAI server "
-                                               "started by `eagle3-hf serve-vllm`)")
+                                               "started by `eagle3-hf serve-vllm`) or --engine sglang (a SGLang "
+                                               "server)")
 
 
 def test_the_printed_server_command_is_the_extraction_config(serveable_dir, capsys):
