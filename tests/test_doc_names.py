@@ -28,7 +28,8 @@ EXTERNAL_FLAGS = {
     "--machine_rank", "--nproc-per-node", "--no-deps", "--durations", "--help", "--ipc", "--shm-size", "--nnodes",
     "--node-rank", "--master-addr", "--master-port", "--num_machines",
     "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "--disable-radix-cache",
-    "--disable-overlap-schedule", "--port",
+    "--disable-overlap-schedule", "--port", "--no-build-isolation", "--max-total-tokens", "--host", "--device",
+    "--dtype",
 }
 # files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers')
 EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",
