@@ -2,8 +2,9 @@
 
 `regenerate` -> `prepare` -> `extract` runs the verifier twice over every answer token. Here the generation's
 own hidden states are written (FeatureGenerator, eagle3_hf/verifier/generation.py): the same shards, journals,
-manifest, checksums and refusals as `extract` (ShardWriter), the conversations to --output as `regenerate` writes
-them, and with --prepared-out the dataset `prepare` would write (id, input_ids, loss_mask + its meta), for `vocab`.
+manifest, checksums and refusals as `extract` (through its one write loop, write.FeatureSink), the conversations
+to --output as `regenerate` writes them, and with --prepared-out the dataset `prepare` would write (id,
+input_ids, loss_mask + its meta), for `vocab`.
 
 A sample is prompt + generated answer + the template's tail after an answer, in the GENERATED token ids:
 decoding an answer and tokenizing it again can give other ids, and the features belong to these. Loss mask

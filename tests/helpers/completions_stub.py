@@ -46,17 +46,6 @@ class CompletionsStub(LoopbackServer):
         stub = self
 
         class Handler(QuietHandler):
-            def _send(self, status: int, payload: dict) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    self.wfile.write(body)
-                except BrokenPipeError:
-                    pass
-
             def _refused(self) -> bool:
                 if stub.api_key is None or self.headers.get("Authorization") == f"Bearer {stub.api_key}":
                     return False

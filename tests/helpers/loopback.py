@@ -5,6 +5,7 @@ The test Hub (hub_server.py) is not one of them: it runs as a subprocess, stoppe
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
 class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
+
+    def _send(self, status: int, payload: dict) -> None:
+        """`payload` as a JSON answer; a client that hung up first is not an error of the stand-in."""
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except BrokenPipeError:
+            pass
 
 
 class LoopbackServer:

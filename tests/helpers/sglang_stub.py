@@ -49,14 +49,6 @@ class SglangStub(LoopbackServer):
         stub = self
 
         class Handler(QuietHandler):
-            def _send(self, status: int, payload: dict) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
             def do_GET(self):
                 if self.path in ("/server_info", "/get_server_info"):
                     self._send(200, stub.info)

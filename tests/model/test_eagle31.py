@@ -30,6 +30,7 @@ from tests.helpers.drafters import (
     write_checkpoint,
     write_drafter,
 )
+from tests.helpers.findings import codes
 
 OPTIONS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
            {"norm_before_fc": True, "norm_output": True}, {"fc_norm": True, "norm_output": True}]
@@ -38,10 +39,6 @@ OPTIONS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
 def keys(path):
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         return set(f.keys())
-
-
-def codes(findings, level=None):
-    return {f.code for f in findings if level is None or f.level == level}
 
 
 def with_vocab(model):

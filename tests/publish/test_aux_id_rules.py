@@ -21,14 +21,7 @@ from tests.helpers.drafters import (
     write_drafter,
     write_verifier_config,
 )
-
-
-def codes(findings, level=None):
-    return {f.code for f in findings if level is None or f.level == level}
-
-
-def message(findings, code):
-    return next(f.message for f in findings if f.code == code)
+from tests.helpers.findings import codes, message
 
 
 def readings(top, nested, n=8):

@@ -27,10 +27,7 @@ from tests.helpers.drafters import (
     write_speculators_drafter,
     write_verifier_config,
 )
-
-
-def codes(findings, level=None):
-    return {f.code for f in findings if level is None or f.level == level}
+from tests.helpers.findings import codes
 
 
 def errors(findings):
