@@ -1,4 +1,5 @@
-"""`extract --engine sglang --endpoint URL`: the features of a prepared dataset from a running SGLang server.
+"""`extract --engine sglang --endpoint URL` and `train --features sglang:URL`: the features of a prepared dataset
+from a running SGLang server, written to shards or computed batch by batch while training (collator.py).
 
 SGLang returns EAGLE-3's aux hidden states with stock flags (no patch): started with
 `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS`
@@ -296,6 +297,12 @@ def check_answer(answer: Any, url: str, sample_id: str, tokens: int, layers: int
         bad = sorted({int(c) // hidden for c in torch.nonzero(~torch.isfinite(rows))[:, 1].tolist()})
         raise EndpointError(f"{where}: non-finite states in captured layers {bad} (0-based, in layer order)")
     return rows.view(tokens, layers, hidden)
+
+
+def served_model(target: str) -> tuple[str | None, str | None]:
+    """(name, revision) of the verifier `train --features sglang:URL` names: the server's --model-path."""
+    served = SglangClient(target, retries=0).server_info().get("model_path")
+    return (str(served) if served else None), None
 
 
 def open_source(request: SourceRequest) -> SglangFeatures:

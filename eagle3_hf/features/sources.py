@@ -66,6 +66,7 @@ class SourceRow:
     names_verifier: str | None = None
     options_from_args: str | None = None  # the route's typed options from a command's arguments (a dotted name)
     online_rounding: bool = False  # online batches rounded to --features-dtype (default bf16); else kept as computed
+    remote: bool = False  # another process computes them (a URL): its identity is checked, loader workers on a CPU
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -79,11 +80,13 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
               selected_by="extract --engine vllm", options_from_args="VllmOptions.from_args"),
     SourceRow("vllm-server", "eagle3_hf.features.vllm_offline", offline=True, online=False,
               selected_by="extract --engine vllm --endpoint URL", options_from_args="VllmOptions.from_args"),
-    SourceRow("sglang-server", "eagle3_hf.features.sglang_server", offline=True, online=False,
-              selected_by="extract --engine sglang --endpoint URL", options_from_args="SglangOptions.from_args"),
+    SourceRow("sglang-server", "eagle3_hf.features.sglang_server", offline=True, online=True,
+              selected_by="extract --engine sglang --endpoint URL; train --features sglang:http://HOST:PORT",
+              names_verifier="served_model", options_from_args="SglangOptions.from_args", online_rounding=True,
+              remote=True),
     SourceRow("server", "eagle3_hf.features.feature_server", offline=False, online=True,
               selected_by="train --features http://HOST:PORT", names_verifier="served_verifier",
-              online_rounding=True),
+              online_rounding=True, remote=True),
     SourceRow("directory", "eagle3_hf.features.reader", offline=False, online=False,
               selected_by="train --features DIR (its shards read directly)", names_verifier="recorded_verifier"),
     SourceRow("speculators", "eagle3_hf.features.imports", offline=True, online=False,
@@ -126,14 +129,15 @@ def options_from_args(kind: str, args: Any) -> Any:
 @dataclass(frozen=True)
 class FeatureSpec:
     """Where training reads its features (`train --features`): a feature directory, the verifier in the training
-    process, or a feature server."""
+    process, a feature server, or a running SGLang server."""
 
-    kind: FeatureKind  # "directory", "transformers" or "server"
+    kind: FeatureKind  # "directory", "transformers", "server" or "sglang-server"
     target: str  # the directory; the verifier ("" means --verifier); the server's URL
 
     SYNTAX = ("a feature directory (from `eagle3-hf extract`), `hf` or `hf:VERIFIER` (the verifier in the "
-              "training process, nothing on disk; with --prepared-dir), or http://HOST:PORT (a feature server "
-              "started by `eagle3-hf serve-features`; with --prepared-dir)")
+              "training process, nothing on disk; with --prepared-dir), http://HOST:PORT (a feature server "
+              "started by `eagle3-hf serve-features`; with --prepared-dir), or sglang:http://HOST:PORT (a running "
+              "SGLang server started with aux capture; with --prepared-dir)")
 
     @classmethod
     def parse(cls, value: str) -> FeatureSpec:
@@ -142,6 +146,11 @@ class FeatureSpec:
             raise ValueError(f"--features is empty: pass {cls.SYNTAX}")
         if value.startswith(("http://", "https://")):
             return cls("server", value.rstrip("/"))
+        if value.startswith("sglang:"):
+            url = value[len("sglang:"):].rstrip("/")
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--features {value}: sglang: takes the server's URL, sglang:http://HOST:PORT")
+            return cls("sglang-server", url)
         if value == "hf" or value.startswith("hf:"):
             return cls("transformers", value[3:])
         return cls("directory", value)
@@ -150,6 +159,11 @@ class FeatureSpec:
     def online(self) -> bool:
         """Computed while training (nothing on disk): the samples come from --prepared-dir."""
         return SOURCES[self.kind].online
+
+    @property
+    def remote(self) -> bool:
+        """Computed by another process behind a URL (a feature server, SGLang), not by this one."""
+        return SOURCES[self.kind].remote
 
     def named_verifier(self) -> tuple[str | None, str | None]:
         """(name, revision) of the verifier the target names; (None, None) where it names none."""

@@ -141,14 +141,16 @@ class ModelArguments:
 class DataArguments:
     features: str | None = field(
         default=None, metadata={"help": "where the features come from: a directory (from `eagle3-hf extract`), "
-                                        "`hf` / `hf:VERIFIER` (the verifier in this process, nothing on disk), or "
+                                        "`hf` / `hf:VERIFIER` (the verifier in this process, nothing on disk), "
                                         "http://HOST:PORT (a feature server, `eagle3-hf serve-features`, each "
-                                        "batch's states computed by vLLM on demand and used once); the last two "
-                                        "read the samples from --prepared-dir"})
+                                        "batch's states computed by vLLM on demand and used once), or "
+                                        "sglang:http://HOST:PORT (a running SGLang server with aux capture, as "
+                                        "`extract --engine sglang`); the last three read the samples from "
+                                        "--prepared-dir"})
     prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for online --features"})
     features_dtype: str | None = field(
-        default=None, metadata={"help": "with a feature server: features rounded as a shard of this dtype stores "
-                                        "them (bf16, fp8, fp32; default bf16, as `extract`)"})
+        default=None, metadata={"help": "with a server (ours or SGLang): features rounded as a shard of "
+                                        "this dtype stores them (bf16, fp8, fp32; default bf16, as `extract`)"})
     cache_features: str | None = field(
         default=None, metadata={"help": "with a feature server: keep the fetched features in this directory "
                                         "(extract's shard format) and read them from there in later epochs and "

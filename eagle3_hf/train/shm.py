@@ -150,7 +150,7 @@ def shm_plan_line(entry: dict[str, Any]) -> str:
 
 def loader_workers(features: str | None, requested: int, cuda: bool) -> int:
     """The data-loader workers `train` runs with for `--features` (scripts/train.py): the verifier in the training
-    process (`hf`) takes none; a feature server on a GPU none (its head runs in the main process), else
+    process (`hf`) takes none; a server (ours or SGLang) on a GPU none (its head runs in the main process), else
     `requested` or training_data.DEFAULT_WORKERS."""
     from ..features.sources import FeatureSpec
     from .training_data import DEFAULT_WORKERS
@@ -158,7 +158,7 @@ def loader_workers(features: str | None, requested: int, cuda: bool) -> int:
     spec = FeatureSpec.parse(features) if features else None
     if spec is None or not spec.online:
         return requested
-    if spec.kind == "server" and not cuda:
+    if spec.remote and not cuda:
         return requested or DEFAULT_WORKERS
     return 0
 

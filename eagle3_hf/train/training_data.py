@@ -69,7 +69,7 @@ class TrainingFeatures:
     collator: PackedCollator | FeatureCollator
     identity: SourceIdentity  # the verifier, tokenizer, aux layers and dtype the features are (or will be) of
     source: str  # the feature or prepared directory, for the summary and the messages
-    endpoint: str | None = None  # a feature server's URL
+    endpoint: str | None = None  # the URL of the server that computes them (a feature server, SGLang)
     online: bool = False  # computed while training, nothing on disk
     tokenizer: dict[str, Any] = field(default_factory=dict)  # the class that tokenized the data (data/fingerprint.py)
     shards: FeatureDataset | None = None  # a feature directory, its checksums not checked yet (`verify_features`)
@@ -88,8 +88,8 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifie
     if spec.online:
         return online_datasets(spec, data_args, model_args)
     if data_args.cache_features:
-        raise UsageError("--cache-features keeps what an online route computes: pass --features http://HOST:PORT or "
-                         "hf")
+        raise UsageError("--cache-features keeps what an online route computes: pass --features http://HOST:PORT, "
+                         "sglang:http://HOST:PORT or hf")
     return directory_datasets(spec.target, data_args, node_parts)
 
 
@@ -112,9 +112,9 @@ def directory_datasets(directory: str, data_args: DataArguments, node_parts: boo
 
 
 def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: ModelArguments) -> TrainingFeatures:
-    """`--features hf[:VERIFIER]` or `http://HOST:PORT`: the samples of --prepared-dir, packed as a feature
-    directory's would be, their features asked of the route the table opens, batch by batch (FeatureCollator),
-    kept in `--cache-features DIR` when given."""
+    """`--features hf[:VERIFIER]`, `http://HOST:PORT` or `sglang:http://HOST:PORT`: the samples of --prepared-dir,
+    packed as a feature directory's would be, their features asked of the route the table opens, batch by batch
+    (FeatureCollator), kept in `--cache-features DIR` when given."""
     from ..data.prepared_samples import PreparedDataset
     from ..features.collator import FeatureCollator
     from ..features.feature_cache import FeatureCache
@@ -144,7 +144,7 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     train, evals = pack_splits(every.select("train", vf), every.select("validation", vf), data_args.max_seq_len,
                                data_args.packing, data_args.overlong)
     return TrainingFeatures(train, evals, collator, source.identity, data_args.prepared_dir,
-                            endpoint=spec.target if spec.kind == "server" else None, online=True,
+                            endpoint=spec.target if spec.remote else None, online=True,
                             tokenizer=recorded_tokenizer(every.meta))
 
 

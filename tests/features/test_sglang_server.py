@@ -172,3 +172,70 @@ def test_extract_engine_sglang_needs_an_endpoint(tmp_path, capsys):
 
     assert main(["extract", "--engine", "sglang", "--data", str(tmp_path), "--output", str(tmp_path / "o")]) == 1
     assert "--engine sglang needs --endpoint URL" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- online: train --features sglang:URL
+
+def test_the_features_syntax_names_sglang():
+    from eagle3_hf.features.sources import FeatureSpec
+
+    spec = FeatureSpec.parse("sglang:http://127.0.0.1:31000/")
+    assert (spec.kind, spec.target, spec.online, spec.remote) == ("sglang-server", "http://127.0.0.1:31000", True,
+                                                                  True)
+    with pytest.raises(ValueError, match="sglang:http://HOST:PORT"):
+        FeatureSpec.parse("sglang:127.0.0.1:31000")
+
+
+def test_training_online_from_sglang_equals_training_on_its_extraction(stub_for, serveable_dir, tokenizer,
+                                                                       fingerprint, tmp_path):
+    """The same steps trained on `extract --engine sglang`'s shards and online from the same server, with no
+    --verifier (the server's --model-path names it): equal losses and equal weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
+    from eagle3_hf.features.reader import FeatureDataset
+    from eagle3_hf.features.write import write_features
+    from eagle3_hf.scripts.train import run_script
+
+    from tests.helpers.serveable import VOCAB, walk_prepared
+
+    stub = stub_for()
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=10)
+    source = open_source(SourceRequest("sglang-server", stub.url, str(serveable_dir), dtype="bfloat16",
+                                       tokenizer_fingerprint=fingerprint, options=SglangOptions(stub.url)))
+    write_features(source, prepared, tmp_path / "feats", progress=False)
+    every = FeatureDataset(tmp_path / "feats", split="all")
+    greedy = torch.cat([every[i]["verifier_greedy"] for i in range(len(every))]).unique()
+    save_vocab(tmp_path / "vocab.safetensors", *vocab_from_target_ids(greedy, VOCAB), fingerprint, coverage=1.0)
+    common = ["--vocab", str(tmp_path / "vocab.safetensors"), "--max-steps", "3", "--logging-steps", "1",
+              "--save-strategy", "no", "--eval-strategy", "no", "--max-seq-len", "48", "--learning-rate", "1e-2",
+              "--disable-tqdm", "true", "--seed", "7", "--validation-fraction", "0.2",
+              "--dataloader-num-workers", "0"]
+    assert run_script(common + ["--features", str(tmp_path / "feats"), "--output-dir", str(tmp_path / "off")]) == 0
+    posts = stub.posts
+    assert run_script(common + ["--features", f"sglang:{stub.url}", "--prepared-dir", str(prepared),
+                                "--output-dir", str(tmp_path / "on")]) == 0
+    assert stub.posts > posts
+    losses = {}
+    for name in ("off", "on"):
+        summary = json.loads((tmp_path / name / "eagle3_training.json").read_text())
+        losses[name] = [h["loss"] for h in summary["log_history"] if "loss" in h]
+    assert len(losses["off"]) == 3 and losses["on"] == losses["off"], losses
+    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_online_from_sglang_serving_another_model_is_one_line(stub_for, tmp_path, fingerprint, capsys,
+                                                                       tiny_verifier_dir):
+    from eagle3_hf.scripts.train import run_script
+
+    from tests.helpers.serveable import walk_prepared
+
+    stub = stub_for(model_path="/models/other")
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=4)
+    capsys.readouterr()
+    code = run_script(["--verifier", str(tiny_verifier_dir), "--features", f"sglang:{stub.url}", "--prepared-dir",
+                       str(prepared), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "serves /models/other" in err[0], err
+    assert stub.posts == 0
