@@ -152,7 +152,7 @@ class DataArguments:
         default=None, metadata={"help": "with a server (ours or SGLang): features rounded as a shard of "
                                         "this dtype stores them (bf16, fp8, fp32; default bf16, as `extract`)"})
     cache_features: str | None = field(
-        default=None, metadata={"help": "with a feature server: keep the fetched features in this directory "
+        default=None, metadata={"help": "with an online --features: keep the fetched features in this directory "
                                         "(extract's shard format) and read them from there in later epochs and "
                                         "reruns, instead of asking the server again"})
     online_timeout: float = field(default=600.0, metadata={"help": "seconds one feature request may take"})
