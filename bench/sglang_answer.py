@@ -1,16 +1,17 @@
 """What SGLang's JSON answers cost the `extract --engine sglang` client, against reading the same rows from a shard.
 
 SGLang returns the captured aux states as JSON floats (`meta_info.hidden_states[0]`, one list of L x H numbers
-per prompt token). The route's client reads each answer with `json.loads` and checks it into a tensor
+per prompt token). The route's client reads each answer with a JSON parser and checks it into a tensor
 (features/sglang_server.py `check_answer`); an offline shard holds the same rows as bf16 safetensors. This bench
 builds one answer of `--tokens` rows at each shape (SmolLM2-135M's 4 captured layers x 576, Llama-3.1-8B's
 4 x 4096, Kimi-K2.5's 4 x 7168; random states of a verifier's magnitude, as SGLang's own `json.dumps` writes
-them) and times, alternately in one process on one thread, (a) parsing and checking the answer, (b) loading
-the same rows from a bf16 safetensors file and (c) what SGLang's scheduler does to every answer before it leaves
-the process that drives the GPUs (`states.cpu().clone().tolist()`, scheduler_components/batch_result_processor.py
-in 0.5.23), best of `--repeats`. Per shape it prints the answer's bytes per token against the shard's, the tokens/s
-of each, the client's over the shard's, and, beside the prefill rate `eagle3-hf plan` gives a node of 8 GPUs for
-that verifier (2 x active FLOPs at --mfu), how many client cores keep up and what share of that rate the
+them) and times, alternately in one process on one thread: (a) parsing and checking the answer, with the standard
+library's `json` and, where installed, orjson (which the client then uses); (b) loading the same rows from a bf16
+safetensors file; (c) what SGLang's scheduler does to every answer before it leaves the process that drives the
+GPUs (`states.cpu().clone().tolist()`, scheduler_components/batch_result_processor.py in 0.5.23); best of
+`--repeats`. Per shape it prints the bytes per token of the answer and of the shard, the tokens/s of each, the
+client's (its faster parser) over the shard's, and, beside the prefill rate `eagle3-hf plan` gives a node of 8 GPUs
+for that verifier (2 x active FLOPs at --mfu), how many client cores keep up and what share of that rate the
 scheduler's `tolist` alone lets through.
 
     .venv/bin/python -m bench.sglang_answer [--tokens 256] [--repeats 3]
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_hf.features.sglang_server import check_answer
+from eagle3_hf.features.sglang_server import check_answer, json_parser
 from eagle3_hf.train.plan import verifier_params
 from eagle3_hf.train.plan_reader import node_prefill_tokens_per_s
 
@@ -66,22 +67,28 @@ def measure(name: str, tokens: int, repeats: int, mfu: float, peak_tflops: float
     parsed = check_answer(json.loads(body), "bench", "s0", tokens, layers, hidden)
     assert torch.equal(parsed, rows), "the answer reads back as written"
     # alternate the two, so both see the same load on a shared machine
-    json_s = shard_s = tolist_s = math.inf
+    json_s = orjson_s = shard_s = tolist_s = math.inf
     flat = rows.flatten(1)
+    parser, loads = json_parser()  # orjson where installed (the client's own choice)
     for _ in range(repeats):
         json_s = min(json_s, best(lambda: check_answer(json.loads(body), "bench", "s0", tokens, layers, hidden), 1))
+        if parser == "orjson":
+            orjson_s = min(orjson_s, best(lambda: check_answer(loads(body), "bench", "s0", tokens, layers, hidden), 1))
         shard_s = min(shard_s, best(lambda: load_file(str(shard))["aux_hidden_states"].float(), 1))
         tolist_s = min(tolist_s, best(lambda: flat.cpu().clone().tolist(), 1))
+    client_s = min(json_s, orjson_s)
     out = {"shape": f"{layers} x {hidden}", "tokens": tokens,
            "json_bytes_per_token": round(len(body) / tokens), "shard_bytes_per_token": layers * hidden * 2,
-           "json_tokens_per_s": round(tokens / json_s, 1), "shard_tokens_per_s": round(tokens / shard_s, 1),
-           "ratio_json_over_shard": round(shard_s / json_s, 4),
+           "json_tokens_per_s": round(tokens / json_s, 1),
+           "orjson_tokens_per_s": round(tokens / orjson_s, 1) if parser == "orjson" else None,
+           "shard_tokens_per_s": round(tokens / shard_s, 1),
+           "ratio_client_over_shard": round(shard_s / client_s, 4),
            "scheduler_tolist_tokens_per_s": round(tokens / tolist_s, 1)}
     if text_config is not None:
         active = verifier_params(json.loads(text_config.read_text(encoding="utf-8")))["active"]
         node = node_prefill_tokens_per_s(active, 8, mfu, peak_tflops)
         out |= {"plan_node_prefill_tokens_per_s": round(node),
-                "client_cores_to_keep_up": math.ceil(node / (tokens / json_s)),
+                "client_cores_to_keep_up": math.ceil(node / (tokens / client_s)),
                 "scheduler_tolist_share_of_prefill": round(tokens / tolist_s / node, 4)}
     return out
 

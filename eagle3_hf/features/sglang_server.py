@@ -31,7 +31,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,17 @@ class SglangOptions:
                    max_model_len=getattr(args, "max_model_len", None), device=getattr(args, "device", None))
 
 
+def json_parser() -> tuple[str, Callable[[bytes], Any]]:
+    """orjson's `loads` where it is installed (`pip install eagle3_hf[sglang]`), else the standard library's: an
+    answer holds tens of thousands of numbers per token, and parsing them is this route's own cost (orjson: 4.7x
+    at Kimi-K2.5's width, docs/results/sglang_features.md). Both parse a number to the same float."""
+    try:
+        import orjson
+    except ImportError:
+        return "json", json.loads
+    return "orjson", orjson.loads
+
+
 class SglangClient:
     """GET and POST JSON to one SGLang server: bounded bytes and time, 5xx and dropped connections retried with
     backoff, $EAGLE3_HF_API_KEY sent as a bearer token (SGLang's --api-key)."""
@@ -85,6 +96,7 @@ class SglangClient:
     def __init__(self, url: str, timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0):
         self.url, self.timeout, self.retries, self.backoff_s = url.rstrip("/"), timeout, retries, backoff_s
         self.key = api_key()
+        self.parser, self.loads = json_parser()
 
     def call(self, path: str, body: dict[str, Any] | None, limit: int, what: str) -> Any:
         from ..engines.vllm_openai import read_answer
@@ -95,7 +107,8 @@ class SglangClient:
                 "Content-Type": "application/json", **auth_headers(self.key)})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return read_answer(response, self.url + path, time.monotonic() + self.timeout, limit)
+                    return read_answer(response, self.url + path, time.monotonic() + self.timeout, limit,
+                                       self.loads)
             except urllib.error.HTTPError as exc:
                 if exc.code == 401:
                     raise EndpointError(refused_line(self.url, self.key)) from None
@@ -271,7 +284,7 @@ class SglangFeatures:
     def report(self) -> dict[str, Any]:
         return {"engine": "sglang", "endpoint": self.client.url, "sglang_version": self.version,
                 "sglang_layer_ids": self.layer_ids, "sglang_dtype": self.info.get("dtype"),
-                "prompt_tokens": self.tokens,
+                "prompt_tokens": self.tokens, "json_parser": self.client.parser,
                 "next_token_agreement": round(self.agreements / max(self.checks, 1), 4)}
 
 
@@ -286,6 +299,10 @@ def check_answer(answer: Any, url: str, sample_id: str, tokens: int, layers: int
     try:
         rows = torch.tensor(states[0], dtype=torch.float32)
     except (TypeError, ValueError):
+        nulls = null_layers(states[0], hidden)  # SGLang's orjson writes NaN and infinity as null
+        if nulls:
+            raise EndpointError(f"{where}: non-finite states in captured layers {nulls} (0-based, in layer order; "
+                                "sent as null)") from None
         raise EndpointError(f"{where}: meta_info.hidden_states[0] is not a table of numbers") from None
     prompt = meta.get("prompt_tokens")
     if rows.dim() != 2 or rows.shape[0] != tokens or (prompt is not None and prompt != tokens):
@@ -297,6 +314,12 @@ def check_answer(answer: Any, url: str, sample_id: str, tokens: int, layers: int
         bad = sorted({int(c) // hidden for c in torch.nonzero(~torch.isfinite(rows))[:, 1].tolist()})
         raise EndpointError(f"{where}: non-finite states in captured layers {bad} (0-based, in layer order)")
     return rows.view(tokens, layers, hidden)
+
+
+def null_layers(table: Any, hidden: int) -> list[int]:
+    """The captured layers (0-based, in layer order) where a row of `table` holds null."""
+    rows = table if isinstance(table, list) else []
+    return sorted({j // hidden for row in rows if isinstance(row, list) for j, v in enumerate(row) if v is None})
 
 
 def served_model(target: str) -> tuple[str | None, str | None]:

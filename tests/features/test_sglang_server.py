@@ -42,13 +42,20 @@ def recorded():
         yield recording, stub, "smollm2-135m-instruct", load_verifier(resolve_verifier("smollm2-135m-instruct"))
 
 
-def test_a_real_sglangs_states_are_transformers_states_bit_for_bit(recorded):
+@pytest.mark.parametrize("parser", ["orjson", "json"])
+def test_a_real_sglangs_states_are_transformers_states_bit_for_bit(recorded, parser, monkeypatch):
     """SGLang 0.5.23 on the CPU in fp32, SmolLM2-135M-Instruct, started with ids 1 14 26 28 (Llama reader: + 1):
     the aux states are transformers' output_hidden_states[2, 15, 27], and index 29 run through the last layer here,
     normed, is transformers' last state; the greedy tokens are transformers' argmax. Bit for bit on these recorded
-    prompts (2-4 tokens); at some other lengths SGLang's states differ from transformers' by fp32 rounding."""
+    prompts (2-4 tokens), with orjson (installed with the dev extra) and with the standard library's parser; at
+    some other lengths SGLang's states differ from transformers' by fp32 rounding."""
+    from eagle3_hf.features import sglang_server
+
+    if parser == "json":
+        monkeypatch.setattr(sglang_server, "json_parser", lambda: ("json", json.loads))
     recording, stub, path, model = recorded
     source = opened(stub.url, path, aux=(2, 15, 27))
+    assert source.client.parser == parser
     assert source.layer_ids == [1, 14, 26, 28] == sorted(recording["server_info"]["return_aux_hidden_state_layer_ids"])
     source.check([len(x["request"]["input_ids"]) for x in recording["exchanges"]])
     samples = [sample(x["request"]["input_ids"], f"r{i}") for i, x in enumerate(recording["exchanges"])]
@@ -63,6 +70,7 @@ def test_a_real_sglangs_states_are_transformers_states_bit_for_bit(recorded):
         assert torch.equal(feats.verifier_greedy, out.logits[0].argmax(-1))
     report = source.report()
     assert report["sglang_version"] == "0.5.23" and report["next_token_agreement"] == 1.0
+    assert report["json_parser"] == parser
     assert source.identity.provenance["sglang_layer_ids"] == [1, 14, 26, 28]
 
 

@@ -9,8 +9,9 @@ captured states, concatenated in layer order), `output_ids` (the greedy next tok
 - computed (`model`): SGLang's Llama-family reader on a transformers model, each server id k capturing
   `output_hidden_states[k + 1]`.
 
-behaviour: "ok"; "short" (one row fewer: a cached prefix); "nan" (a NaN in the second captured layer); "foreign" (the
-rows of another model); "fail:N" (500 from request N on, for good); "drop:N" (request N's connection dropped once)."""
+behaviour: "ok"; "short" (one row fewer: a cached prefix); "nan" (a NaN in the second captured layer, sent as null
+as SGLang's orjson writes it); "foreign" (the rows of another model); "fail:N" (500 from request N on, for good);
+"drop:N" (request N's connection dropped once)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ class SglangStub(LoopbackServer):
             answer["meta_info"]["hidden_states"][0] = rows[1:]
         elif kind == "nan":
             width = len(rows[0]) // 2
-            rows[0][width + 1] = float("nan")
+            rows[0][width + 1] = None  # SGLang answers through orjson, which writes NaN as null
         elif kind == "foreign":
             g = torch.Generator().manual_seed(number)
             answer["meta_info"]["hidden_states"][0] = torch.randn(len(rows), len(rows[0]), generator=g).tolist()
