@@ -79,9 +79,9 @@ class SglangOptions:
 
 
 def json_parser() -> tuple[str, Callable[[bytes], Any]]:
-    """orjson's `loads` where it is installed (`pip install eagle3_hf[sglang]`), else the standard library's: an
-    answer holds tens of thousands of numbers per token, and parsing them is this route's own cost (orjson: 4.7x
-    at Kimi-K2.5's width, docs/results/sglang_features.md). Both parse a number to the same float."""
+    """orjson's `loads` where it is installed (this project's `sglang` extra), else the standard library's: an
+    answer holds tens of thousands of numbers per token, and parsing them is this route's own cost
+    (bench/sglang_answer.py). Both parse a number to the same float."""
     try:
         import orjson
     except ImportError:
