@@ -4,8 +4,8 @@ SGLang returns the captured aux states as JSON floats (`meta_info.hidden_states[
 per prompt token). The route's client reads each answer with a JSON parser and checks it into a tensor
 (features/sglang_server.py `check_answer`); an offline shard holds the same rows as bf16 safetensors. This bench
 builds one answer of `--tokens` rows at each shape (SmolLM2-135M's 4 captured layers x 576, Llama-3.1-8B's
-4 x 4096, Kimi-K2.5's 4 x 7168; random states of a verifier's magnitude, as SGLang's own `json.dumps` writes
-them) and times, alternately in one process on one thread: (a) parsing and checking the answer, with the standard
+4 x 4096, Kimi-K2.5's 4 x 7168; random states of a verifier's magnitude, written as JSON numbers as SGLang
+writes them) and times, alternately in one process on one thread: (a) parsing and checking the answer, with the standard
 library's `json` and, where installed, orjson (which the client then uses); (b) loading the same rows from a bf16
 safetensors file; (c) what SGLang's scheduler does to every answer before it leaves the process that drives the
 GPUs (`states.cpu().clone().tolist()`, scheduler_components/batch_result_processor.py in 0.5.23); best of
@@ -48,13 +48,10 @@ def answer_bytes(rows: torch.Tensor) -> bytes:
                        "output_ids": [0]}).encode()
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def measure(name: str, tokens: int, repeats: int, mfu: float, peak_tflops: float, folder: Path) -> dict:
@@ -66,16 +63,16 @@ def measure(name: str, tokens: int, repeats: int, mfu: float, peak_tflops: float
     save_file({"aux_hidden_states": rows.to(torch.bfloat16).contiguous()}, str(shard))
     parsed = check_answer(json.loads(body), "bench", "s0", tokens, layers, hidden)
     assert torch.equal(parsed, rows), "the answer reads back as written"
-    # alternate the two, so both see the same load on a shared machine
+    # alternated, so that all see the same load on a shared machine; best of `repeats`
     json_s = orjson_s = shard_s = tolist_s = math.inf
     flat = rows.flatten(1)
     parser, loads = json_parser()  # orjson where installed (the client's own choice)
     for _ in range(repeats):
-        json_s = min(json_s, best(lambda: check_answer(json.loads(body), "bench", "s0", tokens, layers, hidden), 1))
+        json_s = min(json_s, seconds(lambda: check_answer(json.loads(body), "bench", "s0", tokens, layers, hidden)))
         if parser == "orjson":
-            orjson_s = min(orjson_s, best(lambda: check_answer(loads(body), "bench", "s0", tokens, layers, hidden), 1))
-        shard_s = min(shard_s, best(lambda: load_file(str(shard))["aux_hidden_states"].float(), 1))
-        tolist_s = min(tolist_s, best(lambda: flat.cpu().clone().tolist(), 1))
+            orjson_s = min(orjson_s, seconds(lambda: check_answer(loads(body), "bench", "s0", tokens, layers, hidden)))
+        shard_s = min(shard_s, seconds(lambda: load_file(str(shard))["aux_hidden_states"].float()))
+        tolist_s = min(tolist_s, seconds(lambda: flat.cpu().clone().tolist()))
     client_s = min(json_s, orjson_s)
     out = {"shape": f"{layers} x {hidden}", "tokens": tokens,
            "json_bytes_per_token": round(len(body) / tokens), "shard_bytes_per_token": layers * hidden * 2,
