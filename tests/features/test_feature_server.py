@@ -8,7 +8,6 @@ is skipped, saying so (EAGLE3_HF_SKIP_VLLM=1 skips it too)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
 
+from tests.helpers.assertions import assert_same_training
 from tests.helpers.feature_stub import LAYER_IDS, Stub, identity, offline_features, server_source, vllm_layout
 from tests.helpers.serveable import HIDDEN, LAYERS, VOCAB, serveable_verifier, walk_prepared
 from tests.helpers.vllm import vllm_or_fail
@@ -169,8 +169,6 @@ def _train(args: list[str], processes: int, env: dict) -> subprocess.CompletedPr
 def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer, fingerprint):
     """extract --engine vllm, then the same steps trained offline and online (2 processes over gloo, one
     server): equal losses and equal weights, bit for bit at the same bf16 rounding; no feature file left."""
-    from safetensors.torch import load_file
-
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
     from eagle3_hf.features.serve_features import start_feature_server
 
@@ -208,11 +206,5 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
         storage = Path(server.storage)
     assert not storage.exists()
     assert set(Path(tempfile.gettempdir()).glob("eagle3_feature_server_*")) <= before
-    losses = {}
-    for name in ("off", "on"):
-        summary = json.loads((tmp_path / name / "eagle3_training.json").read_text())
-        losses[name] = [h["loss"] for h in summary["log_history"] if "loss" in h]
-    assert len(losses["off"]) == 4 and losses["on"] == losses["off"], losses
-    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_training(tmp_path / "off", tmp_path / "on", steps=4)
 

@@ -15,6 +15,7 @@ from eagle3_hf.features.source import PreparedSample
 from eagle3_hf.features.sources import SourceRequest, open_source
 from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 
+from tests.helpers.assertions import assert_same_training
 from tests.helpers.serveable import LAYERS
 from tests.helpers.sglang_stub import SglangStub, load_recording
 
@@ -198,8 +199,6 @@ def test_training_online_from_sglang_equals_training_on_its_extraction(stub_for,
                                                                        fingerprint, tmp_path):
     """The same steps trained on `extract --engine sglang`'s shards and online from the same server, with no
     --verifier (the server's --model-path names it): equal losses and equal weights, bit for bit."""
-    from safetensors.torch import load_file
-
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.features.write import write_features
@@ -224,13 +223,7 @@ def test_training_online_from_sglang_equals_training_on_its_extraction(stub_for,
     assert run_script(common + ["--features", f"sglang:{stub.url}", "--prepared-dir", str(prepared),
                                 "--output-dir", str(tmp_path / "on")]) == 0
     assert stub.posts > posts
-    losses = {}
-    for name in ("off", "on"):
-        summary = json.loads((tmp_path / name / "eagle3_training.json").read_text())
-        losses[name] = [h["loss"] for h in summary["log_history"] if "loss" in h]
-    assert len(losses["off"]) == 3 and losses["on"] == losses["off"], losses
-    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_training(tmp_path / "off", tmp_path / "on", steps=3)
 
 
 def test_training_online_from_sglang_serving_another_model_is_one_line(stub_for, tmp_path, fingerprint, capsys,

@@ -1,9 +1,13 @@
-"""Assertions the decoding tests share: a speculative decoder's output equals plain greedy decoding, and a
-chi-square test of sampled counts against exact probabilities."""
+"""Assertions the tests share: a speculative decoder's output equals plain greedy decoding, a chi-square test of
+sampled counts against exact probabilities, and two training runs that took the same steps."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 
 from eagle3_hf.decoding import compare_to_greedy, greedy_generate
 
@@ -29,3 +33,14 @@ def assert_matches_greedy(verifier, prompt, max_new_tokens, spec, **greedy_kwarg
     torch.testing.assert_close(torch.tensor(spec.margins), torch.tensor(reference.margins), atol=1e-4, rtol=1e-4)
     assert len(spec.tokens) - 1 == sum(spec.accepted_per_step) + spec.num_verifier_forwards
     return spec
+
+
+def assert_same_training(off: Path, on: Path, steps: int) -> None:
+    """Two runs' `--output-dir`s logged `steps` equal losses and saved equal weights, bit for bit."""
+    losses = {}
+    for run in (off, on):
+        summary = json.loads((run / "eagle3_training.json").read_text())
+        losses[run.name] = [h["loss"] for h in summary["log_history"] if "loss" in h]
+    assert len(losses[off.name]) == steps and losses[on.name] == losses[off.name], losses
+    a, b = load_file(off / "model.safetensors"), load_file(on / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
