@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
 from .report import ENGINES, LEVELS, Finding, Report
+from .rope_rules import check_rope
 from .rules import (
     CheckpointWeights,
     check_config,
@@ -82,8 +84,10 @@ def check_drafter(
     verifier: str | None = None,
     engine: str = "all",
     revision: str | None = None,
+    engine_versions: dict[str, str | None] | None = None,
 ) -> list[Finding]:
-    """Every reason this checkpoint would serve badly in SGLang and/or vLLM, errors first."""
+    """Every reason this checkpoint would serve badly in SGLang and/or vLLM, errors first. `engine_versions`:
+    the release of each engine to check the version-dependent rules against (none: every release read)."""
     rep = Report(engine)
     try:
         root = _resolve(path_or_repo, revision, ["*.json", "*.safetensors"])
@@ -116,6 +120,7 @@ def check_drafter(
             rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
+    check_rope(cfg, rep, engine_versions or {})
     files = _weight_files(root)
     if not files:
         extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
@@ -139,12 +144,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
                         "embedding, and the SGLang aux-id reader of its family)")
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all", help="serving engine to check for")
+    parser.add_argument("--engine-version", default=None, metavar="VERSION", help="the --engine release to check "
+                        "against (e.g. 0.32.0 for vLLM, 0.5.23 for SGLang); default: the installed one (vLLM: the "
+                        "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "
+                        "read, whose differences are warnings")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
 
 
+def installed_version(engine: str) -> tuple[str, str] | None:
+    """(version, where) of the engine installed here: vLLM in the `make vllm` venv (its stamp records the pin),
+    else either engine in this environment; None when neither has it."""
+    import importlib.metadata
+
+    if engine == "vllm":
+        from ..engines.vllm_env import STAMP, vllm_venv
+
+        stamp = vllm_venv() / STAMP
+        pin = re.search(r"==(\S+)", stamp.read_text()) if stamp.is_file() else None
+        if pin:
+            return pin.group(1), str(vllm_venv())
+    try:
+        return importlib.metadata.version(engine), "this environment"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def engine_versions(engine: str, version: str | None) -> dict[str, str | None]:
+    """The release of each engine `check` judges against: `--engine-version` for the one `--engine`, else what is
+    installed. UsageError for a version without one engine to apply it to."""
+    if version is not None:
+        if engine not in ENGINES:
+            raise UsageError(f"--engine-version {version} needs one engine: pass --engine "
+                             f"{' or --engine '.join(ENGINES)}")
+        return {engine: version}
+    found = {e: installed_version(e) for e in ENGINES if engine in ("all", e)}
+    return {e: v[0] for e, v in found.items() if v}
+
+
 def run(args: argparse.Namespace) -> int:
-    findings = check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision)
+    versions = engine_versions(args.engine, args.engine_version)
+    findings = check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision,
+                             engine_versions=versions)
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
@@ -153,5 +194,6 @@ def run(args: argparse.Namespace) -> int:
             print(f)
         warnings = sum(f.level == "warning" for f in findings)
         verdict = "FAILED" if errors else "OK"
-        print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine} ({args.drafter})")
+        against = "".join(f", {e} {v}" for e, v in sorted(versions.items()))
+        print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})")
     return 1 if errors else 0
