@@ -102,7 +102,11 @@ def test_family_end_to_end(family, tmp_path, tokenizer):
         AutoConfig.from_pretrained(out / "export")  # what an engine parses
         Eagle3Config.from_pretrained(out / "export")
     assert logged == []
-    assert [str(f) for f in check_drafter(str(out / "export"), verifier=v)] == []
+    # against the releases the project pins: without a release, a YaRN export (DeepSeek-V3, Kimi) carries warnings
+    # naming the older releases that do not read its mscale keys (eagle3_hf/publish/rope_rules.py)
+    pinned = {"vllm": "0.32.0", "sglang": "0.5.23"}
+    found = check_drafter(str(out / "export"), verifier=v, engine_versions=pinned)
+    assert [str(f) for f in found if f.level != "info"] == []
     assert cli.main(["check", str(out / "export"), "--verifier", v, "--engine", "all"]) == 0
 
 
