@@ -133,15 +133,15 @@ def assert_same_rope(ours: Rope, theirs: Rope, what: str) -> None:
         assert bool((gap <= 4 * bound).all()), f"{what}: rotated {name} differs by up to {float(gap.max()):.3g}"
 
 
-def compare(engine: str, drafters: dict[str, Path]) -> dict[str, tuple[Rope, Rope]]:
-    """(transformers', the engine's) RoPE per drafter name, computed on the same q, k."""
+def compare(engine: str, drafters: dict[str, Path]) -> tuple[str, dict[str, tuple[Rope, Rope]]]:
+    """The engine's version, and (transformers', the engine's) RoPE per drafter name, computed on the same q, k."""
     result = engine_ropes(engine, drafters)
     out = {}
     for name, path in drafters.items():
         side = result["drafters"][name]
         q, k = torch.tensor(side["q"]), torch.tensor(side["k"])
         out[name] = (transformers_rope(path, side["positions"], q, k), _engine_side(side))
-    return out
+    return result["version"], out
 
 
 def assert_rope_equal(drafter_dir: str | Path, engines: tuple[str, ...] = ENGINES) -> None:
@@ -150,5 +150,6 @@ def assert_rope_equal(drafter_dir: str | Path, engines: tuple[str, ...] = ENGINE
     if skipping_vllm():
         pytest.skip("EAGLE3_HF_SKIP_VLLM is set: the engines' RoPE runs in the vLLM venv")
     for engine in engines:
-        ours, theirs = compare(engine, {"drafter": Path(drafter_dir)})["drafter"]
-        assert_same_rope(ours, theirs, f"{engine} on {drafter_dir}")
+        version, pairs = compare(engine, {"drafter": Path(drafter_dir)})
+        ours, theirs = pairs["drafter"]
+        assert_same_rope(ours, theirs, f"{engine} {version} on {drafter_dir}")
