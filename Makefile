@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 VLLM_SPEC ?=
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm sglang-rope vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -32,13 +32,19 @@ venv: $(VENV)/.installed
 vllm:
 	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
 
+# SGLang's rotary-embedding code beside the vLLM venv, for the RoPE equality tests (tests/publish/test_engine_rope.py);
+# idempotent like `vllm`
+sglang-rope: vllm
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" bash scripts/install_sglang_rope.sh
+
 # ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# the slow vLLM test (tests/evaluation/test_vllm_engine.py) needs vLLM; EAGLE3_HF_SKIP_VLLM=1 skips both, locally only
-test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm)
+# the slow vLLM test (tests/evaluation/test_vllm_engine.py) needs vLLM, the RoPE ones SGLang's code beside it too;
+# EAGLE3_HF_SKIP_VLLM=1 skips them and their installs, locally only
+test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm sglang-rope)
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv lint
