@@ -66,6 +66,7 @@ def _sglang_rope(path: str) -> tuple[Any, int]:
 
 def probe(engine: str, path: str, positions: list[int]) -> dict[str, Any]:
     rope, head_dim = (_vllm_rope if engine == "vllm" else _sglang_rope)(path)
+    positions = [p for p in positions if p < rope.cos_sin_cache.shape[0]]  # the positions its cache holds
     pos = torch.tensor(positions, dtype=torch.long)
     rows = rope.cos_sin_cache.index_select(0, pos).float()
     dims = torch.arange(head_dim, dtype=torch.float32)
