@@ -19,6 +19,7 @@ class's (a quantized checkpoint), and a last layer with a sliding window (its ma
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,13 +52,16 @@ def _meta_model(path: str, revision: str | None, trust_remote_code: bool) -> tup
     checkpoint's names convert as they do when the whole verifier loads."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    auto: Any = AutoModelForCausalLM
-    if (type(config) not in AutoModelForCausalLM._model_mapping
-            and type(config) in AutoModelForImageTextToText._model_mapping):
-        auto = AutoModelForImageTextToText
-    with torch.device("meta"):  # sdpa with mask None -> is_causal: the plain causal mask of one unpadded sample
-        model = auto.from_config(config, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    from .code_cache import one_loader_at_a_time
+
+    with one_loader_at_a_time() if trust_remote_code else nullcontext():  # the ranks of a launch, one at a time
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        auto: Any = AutoModelForCausalLM
+        if (type(config) not in AutoModelForCausalLM._model_mapping
+                and type(config) in AutoModelForImageTextToText._model_mapping):
+            auto = AutoModelForImageTextToText
+        with torch.device("meta"):  # sdpa with mask None -> is_causal: the plain causal mask of one unpadded sample
+            model = auto.from_config(config, trust_remote_code=trust_remote_code, attn_implementation="sdpa")
     decoder = model.get_decoder()
     text = decoder.config
     layer = decoder.layers[int(text.num_hidden_layers) - 1]
