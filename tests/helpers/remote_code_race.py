@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 CLASS = "TinyRemoteConfig"
-# the module is padded to the size of a real verifier's code (Kimi-K2.5's modeling file is some 50 KB), so that a
-# copy takes as long as one does
+# the module is padded to about 300 KB (a verifier's own modeling code is tens of KB), so that each copy lasts long
+# enough for the race to show within 20 repetitions of a launch on a small CPU machine
 PADDING_LINES = 4000
 
 
