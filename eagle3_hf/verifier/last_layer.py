@@ -74,7 +74,16 @@ def plan_last_layer(path: str, revision: str | None = None, trust_remote_code: b
     """The last layer's size from the verifier's config alone (its class built on the meta device, nothing read)."""
     text, _model, layer, _ = _meta_model(path, revision, trust_remote_code)
     return LayerPlan(name or path, int(text.num_hidden_layers) - 1, sum(p.numel() for p in layer.parameters()),
-                     int(getattr(text, "n_routed_experts", None) or getattr(text, "num_experts", None) or 0))
+                     _routed_experts(layer))
+
+
+def _routed_experts(layer: nn.Module) -> int:
+    """How many routed experts the layer holds (its `experts` module: fused, or a list), 0 for a dense layer."""
+    for name, module in layer.named_modules():
+        if name.split(".")[-1] == "experts":
+            count = getattr(module, "num_experts", None)
+            return int(count if count is not None else len(module) if isinstance(module, nn.ModuleList) else 0)
+    return 0
 
 
 def free_bytes(device: torch.device) -> int:

@@ -154,3 +154,11 @@ def test_the_budget_is_where_the_layer_runs(moe, monkeypatch):
     last_layer.check_fits(plan, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"more than the 0.0 GB free on cpu"):
         last_layer.check_fits(plan, torch.device("cpu"), free=1000)
+
+
+def test_a_dense_last_layer_counts_no_experts(tiny_verifier_dir):
+    plan = last_layer.plan_last_layer(str(tiny_verifier_dir))
+    assert plan.experts == 0 and plan.index == 5 and plan.parameters > 0
+    with pytest.raises(ValueError) as refused:
+        last_layer.check_fits(plan, torch.device("cpu"), free=1000)
+    assert "experts" not in one_line(refused)
