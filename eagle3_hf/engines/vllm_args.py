@@ -62,7 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = No
     group.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="fraction of each GPU vLLM may take (vLLM's default 0.9; leave room for the verifier's "
                             "head, 2.3 GB for Kimi-K2.5, which this process keeps on its GPU)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per engine step (vLLM's default by GPU; extraction prefills each sample in one "
+                            "step, chunked prefill off, so it must be at least --max-model-len)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="vLLM's context length (default: what the samples need offline: the longest sample "
                             "+ 1, or the longest conversation + answers; evaluate: the longest prompt + "
@@ -113,6 +115,17 @@ def check_offline(engine: dict[str, Any]) -> None:
         raise ValueError("--data-parallel-size is for vLLM's own server (serve-vllm): elsewhere, launch one "
                          "rank per replica (torchrun --nproc-per-node R eagle3-hf extract ...; each rank's vLLM gets "
                          "its GPUs from LOCAL_RANK)")
+
+
+def check_batched_tokens(engine: dict[str, Any], max_model_len: int) -> None:
+    """Extraction runs vLLM with chunked prefill off (every sample's prefill whole, in one step), where vLLM takes a
+    prompt only if one step holds it: --max-num-batched-tokens below the context is refused here, in one line,
+    before vLLM starts (vLLM's own SchedulerConfig check would refuse it after the launch)."""
+    tokens = engine.get("max_num_batched_tokens")
+    if tokens is not None and int(tokens) < int(max_model_len):
+        raise ValueError(f"--max-num-batched-tokens {tokens} is below vLLM's context of {max_model_len} tokens "
+                         "(--max-model-len, else the longest sample + 1): extraction prefills each sample in one "
+                         "step (chunked prefill off), so it must be at least that; raise it or lower --max-model-len")
 
 
 def llm_kwargs(engine: dict[str, Any], cpu: bool) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Eagle3Error
+from .child_env import engine_environment
 from .vllm_args import replica_environment
 from .vllm_extract_runner import process_alive
 
@@ -56,18 +57,23 @@ def vllm_environment(venv: Path, threads: int, offline: bool, debug: bool = Fals
     """What vLLM's CPU backend wants, set here so that users never have to: a small KV cache (GiB), no
     thread pinning on a shared machine (pinning to cores that other jobs use makes every thread wait), the
     engine in this process (both engines share it; metrics read directly), our thread count, quiet logs, and
-    Intel OpenMP preloaded as vLLM's CPU guide asks."""
-    env = dict(os.environ)
+    Intel OpenMP preloaded as vLLM's CPU guide asks.
+
+    It starts from the user's environment less the launcher's per-rank variables (child_env.py): a user's
+    setting of these defaults is kept; `offline` (every model is a local path) turns HF_HUB_OFFLINE on, and
+    nothing here turns a user's HF_HUB_OFFLINE=1 off."""
+    env = engine_environment()
     env.update({
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": str(threads),
-        "VLLM_LOGGING_LEVEL": "INFO" if debug else os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1" if offline else "0",
-        "PYTHONWARNINGS": "ignore",
+        "VLLM_LOGGING_LEVEL": "INFO" if debug else env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": env.get("TOKENIZERS_PARALLELISM", "false"),
+        "PYTHONWARNINGS": env.get("PYTHONWARNINGS", "ignore"),
     })
+    if offline:  # local paths only: the child never needs the Hub (a user's own setting stands otherwise)
+        env["HF_HUB_OFFLINE"] = "1"
     env.pop("PYTHONPATH", None)  # the runner imports only vllm and the standard library
     iomp = venv / "lib" / "libiomp5.so"  # vLLM warns that CPU speculative decoding is much slower without it
     if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):

@@ -89,11 +89,12 @@ def server_arguments(verifier: str, layer_ids: list[int], storage: str, *, dtype
     """The API server's arguments for extraction at `layer_ids` (vLLM's ids: aux indices + N, ascending),
     served under the verifier's name and under layers_name(layer_ids). `engine` is vllm_args' dict (TP, PP, DP,
     expert parallel, memory, remote code, device): `--enforce-eager` and our CPU connector only on the CPU."""
-    from .vllm_args import on_cpu, server_flags
+    from .vllm_args import check_batched_tokens, on_cpu, server_flags
 
     if layer_ids != sorted(set(layer_ids)):
         raise ValueError(f"layer ids must be distinct and ascending (vLLM stores them sorted): {layer_ids}")
     engine = dict(engine or {})
+    check_batched_tokens(engine, max_model_len)
     cpu = on_cpu(str(engine.get("device", "auto")))
     if connector == "auto":
         connector = "cpu" if cpu else "stock"

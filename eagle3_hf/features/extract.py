@@ -25,6 +25,7 @@ import torch
 from ..engines.vllm_args import (
     add_engine_arguments,
     add_run_arguments,
+    check_batched_tokens,
     check_offline,
     check_run_arguments,
     engine_from_args,
@@ -208,6 +209,8 @@ def vllm_options(args: argparse.Namespace) -> tuple[Any, None]:
                          "--device (use --tensor-parallel-size)")
     check_offline(engine_from_args(args))
     check_run_arguments(args)
+    if args.max_model_len and not args.endpoint:  # else checked once the longest sample is known (vllm_spec.py)
+        check_batched_tokens(engine_from_args(args), args.max_model_len)
     return options_from_args("vllm-server" if args.endpoint else "vllm", args), None
 
 

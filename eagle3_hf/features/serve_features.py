@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engines.vllm_args import add_engine_arguments, check_offline, engine_from_args
+from ..engines.vllm_args import add_engine_arguments, check_batched_tokens, check_offline, engine_from_args
 from ..errors import debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .api_key import API_KEY_ENV, api_key, check_bind
@@ -60,9 +60,11 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
         fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
     if dtype == "auto":
         dtype = checkpoint_dtype(path)
+    max_model_len = int(max_model_len or config.get("max_position_embeddings") or 4096)
+    check_batched_tokens(dict(engine or {}), max_model_len)
     return {"verifier": path, "name": str(verifier), "verifier_revision": revision,
             "verifier_identity": teacher_hashes(str(verifier), revision), "dtype": dtype,
-            "max_model_len": int(max_model_len or config.get("max_position_embeddings") or 4096),
+            "max_model_len": max_model_len,
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
             "engine": dict(engine or {}), "batch_size": int(batch_size), "connector": connector,

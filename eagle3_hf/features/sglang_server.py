@@ -12,6 +12,9 @@ asks it for one more index than the drafter's three, N-1 (what enters the last l
 (verifier/last_layer.py: transformers' own class, only its tensors read), then the verifier's final norm and head
 as every engine route does (vllm_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
 `output_hidden_states` bit for bit at most prompt lengths, within fp32 rounding at the others (docs/contracts.md).
+A mixture-of-experts last layer is loaded from its per-expert tensors by transformers' own conversion; one larger
+than the memory free where it would run (Kimi-K2.5's: 17 B parameters, 68 GB in fp32) is refused in one line
+before the server is asked anything: such verifiers go through `extract --engine vllm`.
 
 The ids the server must be started with are the capture indices through the reader of the verifier's SGLang family
 and release (publish/aux_id_rules.py `sglang_ids_to_send`: Llama-family files add 1 to every id, DeepSeek-V3 /
@@ -162,14 +165,18 @@ class SglangFeatures:
         from ..verifier.checkpoint_files import CheckpointFiles
         from ..verifier.greedy import head_device
         from ..verifier.head import load_verifier_head
+        from ..verifier.last_layer import check_fits, plan_last_layer
         from ..verifier.loading import resolve_verifier
 
         self.options, self.verifier = options, request.verifier
+        self.path = resolve_verifier(request.verifier)
+        self.device = torch.device(options.device) if options.device else head_device()
+        # the last layer runs here: one that cannot fit is refused before the server is asked anything
+        check_fits(plan_last_layer(self.path, request.revision, request.trust_remote_code, request.verifier),
+                   self.device)
         self.client = SglangClient(options.endpoint, options.timeout, options.retries, options.backoff_s)
         self.info = self.client.server_info()
         self.version = str(self.info.get("version") or "") or None
-        self.path = resolve_verifier(request.verifier)
-        self.device = torch.device(options.device) if options.device else head_device()
         self.norm, self.head, config = load_verifier_head(self.path, request.revision, device=self.device)
         self.num_layers, self.hidden = int(config.num_hidden_layers), int(config.hidden_size)
         self.softcap = logit_softcap(config)

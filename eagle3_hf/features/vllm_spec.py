@@ -106,6 +106,9 @@ class VllmFeatureSpec:
         """The runner's request (vllm_extract_runner.py) for this verifier. `max_pending` (default 2 x batch): the
         runner starts its next batch only while at most that many files wait for the readers, so the engine
         keeps prefilling while the readers are less than two batches behind."""
+        from ..engines.vllm_args import check_batched_tokens
+
+        check_batched_tokens(dict(engine or {}), max_model_len)
         max_pending = 2 * batch_size if max_pending is None else max_pending
         return {"verifier": self.path, "verifier_revision": self.revision, "dtype": self.vllm_dtype,
                 "max_model_len": int(max_model_len), "layer_ids": self.layer_ids, "batch_size": batch_size,

@@ -80,6 +80,22 @@ class CheckpointFiles:
         with safe_open(str(path), framework="pt") as st:
             return st.get_tensor(key)
 
+    def tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors by name, in their stored dtypes, each file opened once (a layer's hundreds of experts)."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map()[key], []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for filename, names in by_file.items():
+            path = self.fetch(filename)
+            if path is None:
+                raise FileNotFoundError(f"{self.name}: {filename} (holding {names[0]!r}, says {INDEX_FILE}) is missing")
+            with safe_open(str(path), framework="pt") as st:
+                out.update((name, st.get_tensor(name)) for name in names)
+        return out
+
     def where(self) -> str:
         """The file the weight map came from, for messages."""
         self.weight_map()

@@ -5,7 +5,8 @@ DeepSeek's older releases) runs that code when loaded. Never by default: the com
 process (`set_trusted`, called by the CLI and the training script), transformers gets it explicitly (never its
 interactive prompt), and vLLM gets it through the engine options (engines/vllm_args.py). Without it, such a model
 fails in one line naming the flag; with it, code that imports a package this environment lacks (Kimi-K2.5's
-tokenizer imports `tiktoken`) fails in one line naming the package and how to install it.
+tokenizer imports `tiktoken`) fails in one line naming the package and how to install it. Ranks of one launch load
+that code one at a time, local rank 0 first (code_cache.py: a cold modules cache is otherwise a copy race).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import Eagle3Error
+from .code_cache import one_loader_at_a_time
 
 FLAG = "--trust-remote-code"
 _TRUSTED = {"value": False}
@@ -93,6 +95,10 @@ def missing_package(name_or_path: str, what: str, exc: ImportError) -> RemoteCod
 
 
 def load_with_trust(loader: Callable[..., T], name_or_path: str, what: str, **kwargs: object) -> T:
-    """`loader(name_or_path, trust_remote_code=trusted(), **kwargs)`, its remote-code failure in one line."""
+    """`loader(name_or_path, trust_remote_code=trusted(), **kwargs)`, its remote-code failure in one line. Trusted,
+    the load holds the modules cache's lock, local rank 0 first (code_cache.py)."""
     with opening(name_or_path, what):
-        return loader(name_or_path, trust_remote_code=trusted(), **kwargs)
+        if not trusted():
+            return loader(name_or_path, trust_remote_code=False, **kwargs)
+        with one_loader_at_a_time():
+            return loader(name_or_path, trust_remote_code=True, **kwargs)

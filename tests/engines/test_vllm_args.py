@@ -85,3 +85,43 @@ def test_print_command_is_what_vllm_parses(tiny_verifier_dir, capsys):
                       "enable_expert_parallel": True, "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 16384,
                       "max_model_len": 8192, "enforce_eager": False, "trust_remote_code": True,
                       "enable_prefix_caching": False}
+
+
+def test_max_num_batched_tokens_below_the_context_is_one_line_before_vllm_starts():
+    """Chunked prefill is off on every extraction route: vLLM needs one step to hold the whole context."""
+    vllm_args.check_batched_tokens({"max_num_batched_tokens": 4096}, 4096)
+    vllm_args.check_batched_tokens({}, 1 << 20)  # unset: vLLM raises its default to the context itself
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens 2048 is below vLLM's context of 4096 tokens"):
+        vllm_args.check_batched_tokens({"max_num_batched_tokens": 2048}, 4096)
+
+
+@pytest.mark.parametrize("command", ["serve-vllm", "extract"])
+def test_each_extraction_route_refuses_too_few_batched_tokens(command, tiny_verifier_dir, tmp_path, capsys):
+    argv = [command, "--verifier", str(tiny_verifier_dir), "--max-num-batched-tokens", "1024", "--max-model-len",
+            "4096", "--vllm-device", "cpu"]
+    extract = ["--engine", "vllm", "--data", str(tmp_path / "prepared"), "--output", str(tmp_path / "o")]
+    argv += ["--print-command"] if command == "serve-vllm" else extract
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-num-batched-tokens 1024 is below vLLM's context of 4096 tokens" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_offline_request_is_checked_against_the_longest_sample():
+    """Without --max-model-len the context is the longest sample + 1, known once the samples are read."""
+    from eagle3_hf.features.vllm_spec import VllmFeatureSpec
+
+    spec = VllmFeatureSpec.__new__(VllmFeatureSpec)  # only `request` is exercised: no verifier needed
+    spec.path, spec.revision, spec.vllm_dtype, spec.layer_ids = "v", None, "bfloat16", [1, 2, 3, 4]
+    assert spec.request(2049, engine={"max_num_batched_tokens": 4096})["engine"]["max_num_batched_tokens"] == 4096
+    with pytest.raises(ValueError, match="below vLLM's context of 2049"):
+        spec.request(2049, engine={"max_num_batched_tokens": 2048})
+
+
+def test_the_feature_servers_request_is_checked(tiny_verifier_dir):
+    from eagle3_hf.features.serve_features import server_request
+
+    ok = server_request(str(tiny_verifier_dir), max_model_len=512, engine={"max_num_batched_tokens": 512})
+    assert ok["engine"]["max_num_batched_tokens"] == 512 and ok["max_model_len"] == 512
+    with pytest.raises(ValueError, match="below vLLM's context of 2048"):  # the verifier's max_position_embeddings
+        server_request(str(tiny_verifier_dir), engine={"max_num_batched_tokens": 1024})

@@ -6,7 +6,8 @@ vocabulary, so the vocabulary is large relative to the hidden size as in Gemma):
 - deepseek_v3: multi-head latent attention (q/kv LoRA ranks), MoE layers after one dense layer, YaRN RoPE;
 - kimi_k25: that DeepSeek-V3 model nested as `text_config` of a multimodal (Kimi-K2.5) config with a vision
   tower, as the reference verifier is published;
-- qwen3: q/k norms, GQA, untied embeddings;
+- qwen3: q/k norms, GQA, untied embeddings (qwen3_moe: the same with every layer a mixture of experts; not in
+  FAMILIES, used where MoE checkpoints matter);
 - gemma3: sliding-window and full-attention layers with their own RoPE (nested per-layer-type
   `rope_parameters`), a window shorter than the prompts, sqrt(hidden)-scaled embeddings, soft-capped logits.
 
@@ -24,6 +25,7 @@ NUM_LAYERS = 5  # default aux indices (2, 3, 4): three distinct layers need at l
 VOCAB = 49152
 HIDDEN = 64
 FAMILIES = ("deepseek_v3", "kimi_k25", "qwen3", "gemma3")
+MOE_FAMILIES = ("deepseek_v3", "kimi_k25", "qwen3_moe")  # their last layer a mixture of experts, stored per expert
 LIVELY_SCALE = 8.0
 
 
@@ -71,6 +73,13 @@ def family_model(family: str, seed: int = 0, **overrides):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    elif family == "qwen3_moe":  # every layer sparse, the last one included
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2, pad_token_id=2))
     elif family == "gemma3":
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
@@ -81,7 +90,7 @@ def family_model(family: str, seed: int = 0, **overrides):
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=2))
     else:
-        raise ValueError(f"unknown family {family!r} (known: {FAMILIES})")
+        raise ValueError(f"unknown family {family!r} (known: {FAMILIES + ('qwen3_moe',)})")
     with torch.no_grad():  # at the default init every position predicts the same token, hiding cache bugs
         for name, param in model.named_parameters():
             if "norm" not in name and "embed" not in name:
