@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from array import array
 from collections import Counter, defaultdict
@@ -33,6 +32,13 @@ from typing import TYPE_CHECKING, cast
 
 from ..constants import PREPARE_META
 from ..errors import UsageError
+from .chat_render import (  # noqa: F401 (also imported from here)
+    NoLossTokens,
+    apply_policies,
+    assistant_spans,
+    chat_template_source,
+    turn_end,
+)
 from .prepared_format import save_prepared, skipped_text
 from .token_boundaries import BoundaryInsideToken, span_mask
 
@@ -41,7 +47,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 FORMAT = "eagle3_hf.prepare/1"
-_THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 _BATCH_ROWS = 1024
 
 
@@ -51,20 +56,6 @@ BUILTIN_TEMPLATES = {
                "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                "{% endif %}"),
 }
-
-
-class NoLossTokens(ValueError):
-    """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
-
-
-def chat_template_source(tokenizer: PreTrainedTokenizerBase, tools: list | None = None,
-                         template_kwargs: dict | None = None) -> str:
-    """The template text actually used (a `chat_template` in template_kwargs overrides the tokenizer's)."""
-    try:
-        return tokenizer.get_chat_template((template_kwargs or {}).get("chat_template"), tools)
-    except ValueError as e:
-        name = getattr(tokenizer, "name_or_path", "tokenizer")
-        raise ValueError(f"{name}: no chat template ({e})") from None
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str) -> str:
@@ -96,85 +87,6 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str | None) -> P
     if spec:
         tokenizer.chat_template = resolve_chat_template(tokenizer, spec)
     return tokenizer
-
-
-def apply_policies(messages: list[dict], reasoning: str = "keep", tool_calls: str = "keep",
-                   renders_reasoning: bool = False) -> list[dict]:
-    """Keep or drop reasoning and tool calls. Kept reasoning goes to `reasoning_content` when the
-    template renders that field, else inline as `<think>…</think>` (what the model actually emitted)."""
-    if reasoning not in ("keep", "drop") or tool_calls not in ("keep", "drop"):
-        raise ValueError(f"reasoning/tool_calls must be 'keep' or 'drop', got {reasoning!r}/{tool_calls!r}")
-    out = []
-    for msg in messages:
-        msg = dict(msg)
-        if tool_calls == "drop" and msg["role"] == "tool":
-            continue
-        if msg["role"] == "assistant":
-            thought = msg.pop("reasoning_content", None)
-            if reasoning == "drop":
-                msg["content"] = _THINK_RE.sub("", msg["content"])
-            elif thought:
-                if renders_reasoning:
-                    msg["reasoning_content"] = thought
-                else:
-                    msg["content"] = f"<think>\n{thought}\n</think>\n\n{msg['content']}"
-            if tool_calls == "drop":
-                had_calls = msg.pop("tool_calls", None)
-                if had_calls and not msg["content"].strip():
-                    continue  # the turn was only a tool call
-        out.append(msg)
-    return out
-
-
-def turn_end(rendered_turn: str) -> int:
-    """Where an assistant turn's loss ends in its rendered text: before the template's trailing whitespace (the
-    end token, e.g. ChatML's `<|im_end|>`, carries loss; the newline after it does not). The one rule, shared by
-    `prepare` and `regenerate --features-out`."""
-    return len(rendered_turn.rstrip())
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools: list | None,
-            template_kwargs: dict) -> str:
-    return cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                                   tokenize=False, **template_kwargs))  # tokenize=False: the text
-
-
-def assistant_spans(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
-                    last_turn_only: bool = False, template_kwargs: dict | None = None,
-                    sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the character spans [start, end) that carry loss."""
-    kw = template_kwargs or {}
-    # an assistant message before any user/tool message answers nothing (a canned greeting): context only
-    first_ask = next((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), len(messages))
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_ask]
-    if not turns:
-        raise NoLossTokens("no assistant turn")
-    messages = messages[: turns[-1] + 1]  # trailing user turns carry no loss
-    if last_turn_only:
-        turns = turns[-1:]
-    text = _render(tokenizer, messages, False, tools, kw)
-    spans = []
-    for i in turns:
-        prompt = _render(tokenizer, messages[:i], True, tools, kw)
-        upto = _render(tokenizer, messages[: i + 1], False, tools, kw)
-        if not upto.startswith(prompt):
-            raise ValueError(
-                f"sample {sample_id}: assistant message {i}: the chat template's generation prompt is not a prefix "
-                f"of the rendered turn ({_diff(prompt, upto)}); try --template-kwargs (e.g. thinking flags)")
-        end = turn_end(upto)
-        if not text.startswith(upto[:end]):
-            raise ValueError(
-                f"sample {sample_id}: assistant message {i} renders differently once later messages follow "
-                f"({_diff(upto[:end], text)}); the template rewrites history (e.g. drops reasoning): "
-                f"use --split-turns, --last-turn-only or --reasoning drop")
-        if end > len(prompt):
-            spans.append((len(prompt), end))
-    return text, spans
-
-
-def _diff(a: str, b: str) -> str:
-    n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"first difference at character {n}: {a[n:n + 30]!r} vs {b[n:n + 30]!r}"
 
 
 def render_samples(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .prepare import NoLossTokens, _render, apply_policies, assistant_spans, chat_template_source, turn_end
+from .chat_render import NoLossTokens, apply_policies, assistant_spans, chat_template_source, render_chat, turn_end
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -142,8 +142,8 @@ def _one_turn(unit: str, messages: list[dict], policed: list[dict], tokenizer: P
     answer = apply_policies(messages[-1:], "drop", tool_calls, renders)
     if not answer:  # a turn that was only a tool call, its calls dropped
         raise NoLossTokens("no assistant turn")
-    prompt = _render(tokenizer, policed[:-1], True, tools, template_kwargs or {})
-    blank = _render(tokenizer, policed[:-1] + answer, False, tools, template_kwargs or {})
+    prompt = render_chat(tokenizer, policed[:-1], True, tools, template_kwargs or {})
+    blank = render_chat(tokenizer, policed[:-1] + answer, False, tools, template_kwargs or {})
     return _emitted(unit, len(messages) - 1, prompt, blank, thought)
 
 
