@@ -86,9 +86,12 @@ def _thought(msg: dict) -> str:
     return (msg.get("reasoning_content") or "") if msg["role"] == "assistant" else ""
 
 
-def _kept(text: str, spans: list[tuple[int, int]], thoughts: list[str]) -> bool:
+def _kept(text: str, spans: list[tuple[int, int]], thoughts: list[str], answers: list[str]) -> bool:
+    """Every thought is in the trained text, more often than the answers alone hold it (a thought that is a piece of
+    an answer does not count as kept)."""
     trained = "\0".join(text[a:b] for a, b in spans)
-    return all(t.strip() in trained for t in thoughts)
+    said = "\0".join(answers)
+    return all(trained.count(t.strip()) > said.count(t.strip()) for t in thoughts)
 
 
 def render_reasoning(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, sample_id: str,
@@ -110,7 +113,7 @@ def render_reasoning(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *
     try:  # 1. the template's own rendering, when it keeps every trained turn's reasoning
         text, spans = assistant_spans(policed, tokenizer, tools=tools, last_turn_only=last_turn_only,
                                       template_kwargs=template_kwargs, sample_id=sample_id)
-        if _kept(text, spans, [t for t in thoughts if t.strip()]):
+        if _kept(text, spans, [t for t in thoughts if t.strip()], [messages[i].get("content") or "" for i in turns]):
             return [Rendered(sample_id, text, spans, sum(1 for t in thoughts if t.strip()))]
     except NoLossTokens:
         raise
@@ -132,7 +135,7 @@ def _one_turn(unit: str, messages: list[dict], policed: list[dict], tokenizer: P
     try:
         text, spans = assistant_spans(policed, tokenizer, tools=tools, last_turn_only=True,
                                       template_kwargs=template_kwargs, sample_id=unit)
-        if not thought.strip() or _kept(text, spans, [thought]):
+        if not thought.strip() or _kept(text, spans, [thought], [messages[-1].get("content") or ""]):
             return Rendered(unit, text, spans, int(bool(thought.strip())))
     except NoLossTokens:
         raise
@@ -142,18 +145,32 @@ def _one_turn(unit: str, messages: list[dict], policed: list[dict], tokenizer: P
     answer = apply_policies(messages[-1:], "drop", tool_calls, renders)
     if not answer:  # a turn that was only a tool call, its calls dropped
         raise NoLossTokens("no assistant turn")
+    history = render_chat(tokenizer, policed[:-1], False, tools, template_kwargs or {})
     prompt = render_chat(tokenizer, policed[:-1], True, tools, template_kwargs or {})
     blank = render_chat(tokenizer, policed[:-1] + answer, False, tools, template_kwargs or {})
-    return _emitted(unit, len(messages) - 1, prompt, blank, thought)
+    tail, body = _turn(history, prompt, blank)
+    return _emitted(unit, len(messages) - 1, prompt, tail, body, thought)
 
 
-def _emitted(unit: str, index: int, prompt: str, blank: str, thought: str) -> Rendered:
-    """prompt + the turn as emitted, from the template's rendering of the turn without its reasoning (`blank`)."""
+def _turn(history: str, prompt: str, blank: str) -> tuple[str, str]:
+    """(tail, body): what the generation prompt holds beyond the turn's header as rendered (R1's `<think>\\n`), and
+    the turn after that header as the template renders it (without its reasoning) at the end of `blank`. Found
+    after the last header in `blank`, for the earlier turns may render otherwise once it follows (Kimi's tool
+    loop: reasoning kept while the loop runs, blanked once an answer closes it)."""
+    if prompt.startswith(history) and len(prompt) > len(history):
+        header = prompt[len(history):]
+        opened = header.rfind(OPEN)
+        if opened >= 0 and not header[opened + len(OPEN):].strip(" \n"):
+            header = header[:opened]
+        at = blank.rfind(header) if header else -1
+        if at >= 0:
+            return prompt[len(history) + len(header):], blank[at + len(header):]
     k = next((j for j, (a, b) in enumerate(zip(prompt, blank)) if a != b), min(len(prompt), len(blank)))
-    opened = prompt.rfind(OPEN)
-    if prompt.rstrip(" \n").endswith(OPEN) and blank.startswith(prompt[:opened]):
-        k = min(k, opened)  # the answer may begin like the opener: the prompt's block starts at the opener
-    tail, body = prompt[k:], blank[k:]
+    return prompt[k:], blank[k:]
+
+
+def _emitted(unit: str, index: int, prompt: str, tail: str, body: str, thought: str) -> Rendered:
+    """prompt + the turn as emitted, from the turn as the template renders it without its reasoning (`body`)."""
     o = body.find(OPEN)
     c = body.find(CLOSE, o + len(OPEN)) if o >= 0 else -1
     if not tail and o >= 0 and c >= 0 and not body[:o].strip() and not body[o + len(OPEN):c].strip():

@@ -44,8 +44,9 @@ OPTIONS = {
     "last-turn-only": {"last_turn_only": True},
     "split-turns": {"split_turns": True},
 }
-# sha256 (first 16 hex) of prepare's output on NON_THINKING before reasoning was trained through the template's
-# blanks, computed with the code of that time; "refused": it raised a ValueError then and must still.
+# sha256 (first 16 hex) of prepare's output (ids, input_ids, loss_mask) on NON_THINKING with the SmolLM2 tokenizer in
+# each template, computed with prepare as it was before reasoning was trained through the templates' blanks (the
+# same function, the same data, these templates); "refused": it raised a ValueError then and must still.
 BEFORE = {
     "chatml/default": "093a90d911b7f300", "chatml/drop": "9d7a9ede1afdad98",
     "chatml/last-turn-only": "c5dbf0823425e51f", "chatml/split-turns": "7e2cc51cfead3d56",
@@ -55,8 +56,8 @@ BEFORE = {
     "deepseek/last-turn-only": "664ed7cfcbd7f278", "deepseek/split-turns": "13ae57b1c9dcbec9",
     "kimi/default": "caa4af036a513554", "kimi/drop": "dfbdbe2ef50feb83",
     "kimi/last-turn-only": "8b307f964d058261", "kimi/split-turns": "49e8c8d53d97706b",
-    "k25/default": "3419e955fb0b7896", "k25/drop": "f5ddf83c35677117",
-    "k25/last-turn-only": "4fcc366db9fb4290", "k25/split-turns": "e811379d5949b803",
+    "k25/default": "06173f92de7ea6fd", "k25/drop": "c0d040a812f3a61a",
+    "k25/last-turn-only": "7eb434afcdeaee8e", "k25/split-turns": "397ec4245310245a",
     "qwen3/default": "refused", "qwen3/drop": "refused",
     "qwen3/last-turn-only": "c33c8aca349c805d", "qwen3/split-turns": "1d8f230bddd6694d",
     "r1/default": "refused", "r1/drop": "refused", "r1/last-turn-only": "refused", "r1/split-turns": "refused",
@@ -198,3 +199,29 @@ def test_cli_records_the_policy_and_reads_the_servers_reasoning_key(tmp_path, fa
     assert out["keep"][1]["options"]["reasoning"] == "train"  # the earlier name of the policy
     assert out["keep"][0].to_dict() == ds.to_dict()
     assert "2 assistant turns trained with their reasoning" in capsys.readouterr().err
+
+
+def test_kimis_tool_loop_keeps_the_reasoning_it_showed_the_model(families):
+    """Kimi-K2.5 keeps reasoning while a tool loop runs and blanks it once an answer closes the loop: the final
+    answer's sample starts from the history the model saw (the call's reasoning in it), then its own reasoning."""
+    tok = families["k25"]
+    convo = [U("Weather in Paris?"), A("", tool_calls=[CALL], reasoning_content="look it up"),
+             {"role": "tool", "content": '{"sky": "sunny"}'}, A("Sunny.", reasoning_content="read the result")]
+    stats = new_stats()
+    ds = prepare_conversations([{"id": "loop", "messages": convo}], tok, stats=stats)
+    assert ds["id"] == ["loop#turn0", "loop#turn1"] and stats["reasoning_turns"] == 2
+    call, answer = (segments(tok, i, m) for i, m in zip(ds["input_ids"], ds["loss_mask"]))
+    assert call == ['<think>look it up</think><|tool_calls_section_begin|><|tool_call_begin|>get_weather'
+                    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+                    '<|im_end|>']
+    assert answer == ["<think>read the result</think>Sunny.<|im_end|>"]
+    seen = tok.apply_chat_template(convo[:3], add_generation_prompt=True, tokenize=False)
+    assert "<think>look it up</think>" in seen  # the loop's reasoning, as the model saw it
+    assert tok.decode(ds["input_ids"][1]) == seen + answer[0]
+    assert "look it up" not in tok.apply_chat_template(convo, tokenize=False)  # what rendering whole would lose
+
+
+def test_a_thought_the_answer_repeats_is_not_taken_for_kept(families):
+    tok = families["k25"]
+    [(_, ids, mask, turns)] = render_samples(ASK + [A("Four.", reasoning_content="Four")], tok)
+    assert turns == 1 and segments(tok, ids, mask) == ["<think>Four</think>Four.<|im_end|>"]

@@ -4,7 +4,8 @@ dressed in each (that family's special tokens, `<think>` and `</think>` as added
 
 - `k25`: Kimi-K2.5's behaviour. Every assistant turn up to the last one without tool calls is history and gets an
   empty `<think></think>` before its answer (the last turn of a finished conversation included: its reasoning is
-  dropped); only the turns after it (a tool-call loop in progress) keep `<think>REASONING</think>`. The generation
+  dropped); only the turns after it (a tool-call loop in progress) keep `<think>REASONING</think>`; tool calls in
+  its section tokens after the content, tool results as `tool` system turns. The generation
   prompt is the bare assistant header; the model emits `<think>REASONING</think>ANSWER<|im_end|>`.
 - `qwen3`: Qwen3's behaviour. ChatML; assistant turns after the last user query render
   `<think>\\nREASONING\\n</think>\\n\\nANSWER` (the final one always, an empty block when it has no reasoning),
@@ -27,7 +28,10 @@ K25_TEMPLATE = (
     "{%- if m['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
     "{%- if loop.index0 <= ns.history_end -%}<think></think>"
     "{%- else -%}<think>{{ m.get('reasoning_content') or '' }}</think>{%- endif -%}"
-    "{{ m['content'] }}<|im_end|>"
+    "{{ m['content'] }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>{%- for c in m['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ c['function']['name'] }}<|tool_call_argument_begin|>{{ c['function']['arguments'] }}"
+    "<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>"
     "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
     "{%- else -%}<|im_system|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
     "{%- endif -%}{%- endfor -%}"
@@ -71,7 +75,9 @@ R1_TEMPLATE = (
 
 THINK_TOKENS = ["<think>", "</think>"]
 _SPECIAL = {
-    "k25": ("[BOS]", "<|im_end|>", ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]),
+    "k25": ("[BOS]", "<|im_end|>", ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                                    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                                    "<|tool_call_argument_begin|>", "<|tool_call_end|>"]),
     "qwen3": (None, "<|im_end|>", []),
     "r1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<｜User｜>", "<｜Assistant｜>"]),
 }
