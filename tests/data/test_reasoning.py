@@ -164,9 +164,9 @@ def test_reasoning_only_tokens_enter_the_draft_vocabulary(families):
     assert trained.sum() > dropped.sum()
 
 
-def test_a_template_that_drops_reasoning_with_no_block_to_put_it_in_is_refused(families):
+def test_a_template_that_drops_reasoning_with_no_block_to_put_it_in_is_refused(families, tmp_path, capsys):
     """A thinking template (it splits at `</think>`) that shows no block for the answer and opens none in its
-    generation prompt: where the reasoning goes would be a guess, so the sample is refused by name."""
+    generation prompt: where the reasoning goes would be a guess, so the sample is refused by name, in one line."""
     tok = families["qwen3"]
     blind = QWEN3_TEMPLATE.replace("(loop.last or thought)", "false")
     assert blind != QWEN3_TEMPLATE
@@ -177,6 +177,16 @@ def test_a_template_that_drops_reasoning_with_no_block_to_put_it_in_is_refused(f
         prepare_conversations([{"id": "s7", "messages": convo}], tok, **kw)
     ds = prepare_conversations([{"id": "s7", "messages": convo}], tok, reasoning="drop", **kw)
     assert segments(tok, ds["input_ids"][0], ds["loss_mask"][0]) == ["Four.<|im_end|>"]
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "blind.jinja").write_text(blind)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "s7", "messages": convo}])
+    argv = ["prepare", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "out"), "--chat-template", str(tmp_path / "blind.jinja")]
+    capsys.readouterr()
+    assert cli.main(argv) == 1
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("prepare: ")]
+    assert len(err) == 1 and err[0].startswith("error: sample s7: assistant message 1 has reasoning that the chat")
+    assert cli.main(argv + ["--reasoning", "drop"]) == 0
 
 
 def test_cli_records_the_policy_and_reads_the_servers_reasoning_key(tmp_path, families, capsys):
