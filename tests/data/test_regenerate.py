@@ -340,3 +340,19 @@ def test_reasoning_from_the_servers_parser_is_kept_and_trained(tmp_path, default
     assert ds["id"] == ["t0", "t1#turn0", "t1#turn1"]
     trained = tok.decode([i for i, m in zip(ds["input_ids"][0], ds["loss_mask"][0]) if m])
     assert trained == f"<think>think about q0</think>{reply_for(convs[0]['messages'])}<|im_end|>"
+
+
+def test_a_server_that_rejects_everything_stops_the_run(tmp_path):
+    """Every sample rejected (a --max-new-tokens over the server's context, a wrong chat format): the settings are
+    wrong, not the samples; the run stops after the first ABORT_AFTER_REJECTED instead of skipping them all."""
+    import json
+
+    from eagle3_hf.data.regenerate_summary import ABORT_AFTER_REJECTED
+
+    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(ABORT_AFTER_REJECTED + 10)]
+    with OpenAIStub(reject=lambda m: True) as stub:
+        with pytest.raises(EndpointError, match=rf"rejected the first {ABORT_AFTER_REJECTED} conversations and "
+                                                r"answered none .*HTTP 400: .*check --model and --max-new-tokens"):
+            regenerate(convs, tmp_path / "o.jsonl", EndpointBackend(stub.url, "m"), concurrency=1, progress=False)
+        assert ABORT_AFTER_REJECTED <= len(stub.requests) <= ABORT_AFTER_REJECTED + 1
+    assert len(json.loads((tmp_path / "o.summary.json").read_text())["skipped"]) == len(stub.requests)
