@@ -119,12 +119,15 @@ def render_reasoning(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *
         raise
     except ValueError:  # it rewrites history: one sample per turn below
         pass
+    kept = [i for i in turns if apply_policies(messages[i:i + 1], "keep", tool_calls, renders)]  # not dropped
     out = []
-    for i in turns:  # 2. each turn after the history it was generated from
+    for i in kept:  # 2. each turn after the history it was generated from
         k = sum(1 for m in messages[:i] if m["role"] == "assistant")
-        unit = sample_id if len(turns) == 1 else f"{sample_id}#turn{k}"
-        out.append(_one_turn(unit, messages[: i + 1], policed[: i + 1], tokenizer, tool_calls, renders, tools,
-                             template_kwargs))
+        unit = sample_id if len(kept) == 1 else f"{sample_id}#turn{k}"
+        upto = apply_policies(messages[: i + 1], "keep", tool_calls, renders)
+        out.append(_one_turn(unit, messages[: i + 1], upto, tokenizer, tool_calls, renders, tools, template_kwargs))
+    if not out:
+        raise NoLossTokens("no assistant turn")
     return out
 
 

@@ -229,6 +229,12 @@ def test_kimis_tool_loop_keeps_the_reasoning_it_showed_the_model(families):
     assert "<think>look it up</think>" in seen  # the loop's reasoning, as the model saw it
     assert tok.decode(ds["input_ids"][1]) == seen + answer[0]
     assert "look it up" not in tok.apply_chat_template(convo, tokenize=False)  # what rendering whole would lose
+    # --tool-calls drop: the call and its result leave the conversation; the answer's sample is all that is left
+    stats = new_stats()
+    ds = prepare_conversations([{"id": "loop", "messages": convo}], tok, stats=stats, tool_calls="drop")
+    assert ds["id"] == ["loop"] and stats["reasoning_turns"] == 1
+    assert tok.decode(ds["input_ids"][0]) == tok.apply_chat_template(convo[:1], add_generation_prompt=True,
+                                                                     tokenize=False) + answer[0]
 
 
 def test_a_thought_the_answer_repeats_is_not_taken_for_kept(families):
