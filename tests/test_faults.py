@@ -107,7 +107,7 @@ def test_endpoint_that_stays_down_ends_with_one_clear_line(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [{"id": "q0", "messages": [{"role": "user", "content": "hello"}]}])
     rc = cli.main(["regenerate", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--endpoint",
-                   f"http://127.0.0.1:{port}", "--model", "m", "--max-retries", "1"])
+                   f"http://127.0.0.1:{port}", "--model", "m", "--max-retries", "1", "--wait-for-server", "0"])
     assert rc != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)

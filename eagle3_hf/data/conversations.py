@@ -4,7 +4,8 @@ Plain text for base verifiers (`prepare --text`) goes through the same readers a
 `{"id", "prompt", "completion"}` (`normalize_text_row`).
 
 Accepted inputs: JSONL in ShareGPT form (`{"conversations": [{"from", "value"}]}`) or OpenAI form
-(`{"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}]}`), a `datasets` dataset saved
+(`{"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}]}`; `reasoning`, the name newer servers
+give the reasoning, is read as `reasoning_content`), a `datasets` dataset saved
 with `save_to_disk`, or a Hub dataset id. Every later stage (prepare, regenerate) reads this one shape, so
 a malformed row is refused here with its file and line rather than turning into a wrong loss mask later.
 """
@@ -108,6 +109,10 @@ def normalize_conversation(row: Any, where: str, index: int) -> dict:
             elif not isinstance(value, str):
                 raise ValueError(f"{at}: {key} must be a string")
             out[key] = value
+        if "reasoning_content" not in out and msg.get("reasoning") is not None:  # newer servers' name for it
+            if not isinstance(msg["reasoning"], str):
+                raise ValueError(f"{at}: reasoning must be a string")
+            out["reasoning_content"] = msg["reasoning"]
         messages.append(out)
     conv_id = row.get("id")
     conv = {"id": str(conv_id) if conv_id is not None else f"row-{index}", "messages": messages}

@@ -9,6 +9,10 @@ generated), is the turn; the tokens that start inside it carry loss (token_bound
 offsets, or by encoding where a slow tokenizer has none). A template for which the prefixes don't line up (e.g.
 one that drops reasoning from earlier turns) is refused by sample name.
 
+Reasoning (`reasoning_content` / `reasoning`, or an inline `<think>…</think>`) is trained by default, each turn as
+the model emitted it, also where the template blanks it (Kimi-K2.5, Qwen3, DeepSeek-R1): reasoning.py says how;
+`--reasoning drop` trains on the answers only.
+
 A verifier without a template (a base model), or one whose template should not be used, gets one with
 `--chat-template FILE|NAME`; its sha256 is recorded like any template's. `--text` prepares plain text
 instead (`{"prompt", "completion"}` or `{"text"}` rows): loss on the completion, the prompt as context.
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from array import array
 from collections import Counter, defaultdict
@@ -29,6 +32,13 @@ from typing import TYPE_CHECKING, cast
 
 from ..constants import PREPARE_META
 from ..errors import UsageError
+from .chat_render import (  # noqa: F401 (also imported from here)
+    NoLossTokens,
+    apply_policies,
+    assistant_spans,
+    chat_template_source,
+    turn_end,
+)
 from .prepared_format import save_prepared, skipped_text
 from .token_boundaries import BoundaryInsideToken, span_mask
 
@@ -37,7 +47,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 FORMAT = "eagle3_hf.prepare/1"
-_THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 _BATCH_ROWS = 1024
 
 
@@ -47,20 +56,6 @@ BUILTIN_TEMPLATES = {
                "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                "{% endif %}"),
 }
-
-
-class NoLossTokens(ValueError):
-    """A sample with nothing to learn from (no assistant turn); counted and skipped, not an error."""
-
-
-def chat_template_source(tokenizer: PreTrainedTokenizerBase, tools: list | None = None,
-                         template_kwargs: dict | None = None) -> str:
-    """The template text actually used (a `chat_template` in template_kwargs overrides the tokenizer's)."""
-    try:
-        return tokenizer.get_chat_template((template_kwargs or {}).get("chat_template"), tools)
-    except ValueError as e:
-        name = getattr(tokenizer, "name_or_path", "tokenizer")
-        raise ValueError(f"{name}: no chat template ({e})") from None
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str) -> str:
@@ -94,96 +89,41 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str | None) -> P
     return tokenizer
 
 
-def apply_policies(messages: list[dict], reasoning: str = "keep", tool_calls: str = "keep",
-                   renders_reasoning: bool = False) -> list[dict]:
-    """Keep or drop reasoning and tool calls. Kept reasoning goes to `reasoning_content` when the
-    template renders that field, else inline as `<think>…</think>` (what the model actually emitted)."""
-    if reasoning not in ("keep", "drop") or tool_calls not in ("keep", "drop"):
-        raise ValueError(f"reasoning/tool_calls must be 'keep' or 'drop', got {reasoning!r}/{tool_calls!r}")
-    out = []
-    for msg in messages:
-        msg = dict(msg)
-        if tool_calls == "drop" and msg["role"] == "tool":
-            continue
-        if msg["role"] == "assistant":
-            thought = msg.pop("reasoning_content", None)
-            if reasoning == "drop":
-                msg["content"] = _THINK_RE.sub("", msg["content"])
-            elif thought:
-                if renders_reasoning:
-                    msg["reasoning_content"] = thought
-                else:
-                    msg["content"] = f"<think>\n{thought}\n</think>\n\n{msg['content']}"
-            if tool_calls == "drop":
-                had_calls = msg.pop("tool_calls", None)
-                if had_calls and not msg["content"].strip():
-                    continue  # the turn was only a tool call
-        out.append(msg)
-    return out
+def render_samples(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
+                   last_turn_only: bool = False, reasoning: str = "train", tool_calls: str = "keep",
+                   template_kwargs: dict | None = None, sample_id: str = "sample",
+                   use_offsets: bool | None = None) -> list[tuple[str, list[int], list[int], int]]:
+    """(sample id, input_ids, loss_mask, turns trained with their reasoning) of one conversation: one sample, or
+    one per turn where the template blanks reasoning that is trained (reasoning.py). Tokenized exactly as
+    `apply_chat_template` would; the mask by token offsets or, for a tokenizer without them, by encoding
+    (token_boundaries.py)."""
+    from .reasoning import policy, render_reasoning
 
-
-def turn_end(rendered_turn: str) -> int:
-    """Where an assistant turn's loss ends in its rendered text: before the template's trailing whitespace (the
-    end token, e.g. ChatML's `<|im_end|>`, carries loss; the newline after it does not). The one rule, shared by
-    `prepare` and `regenerate --features-out`."""
-    return len(rendered_turn.rstrip())
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, tools: list | None,
-            template_kwargs: dict) -> str:
-    return cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                                   tokenize=False, **template_kwargs))  # tokenize=False: the text
-
-
-def assistant_spans(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
-                    last_turn_only: bool = False, template_kwargs: dict | None = None,
-                    sample_id: str = "sample") -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the character spans [start, end) that carry loss."""
-    kw = template_kwargs or {}
-    # an assistant message before any user/tool message answers nothing (a canned greeting): context only
-    first_ask = next((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), len(messages))
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_ask]
-    if not turns:
-        raise NoLossTokens("no assistant turn")
-    messages = messages[: turns[-1] + 1]  # trailing user turns carry no loss
-    if last_turn_only:
-        turns = turns[-1:]
-    text = _render(tokenizer, messages, False, tools, kw)
-    spans = []
-    for i in turns:
-        prompt = _render(tokenizer, messages[:i], True, tools, kw)
-        upto = _render(tokenizer, messages[: i + 1], False, tools, kw)
-        if not upto.startswith(prompt):
-            raise ValueError(
-                f"sample {sample_id}: assistant message {i}: the chat template's generation prompt is not a prefix "
-                f"of the rendered turn ({_diff(prompt, upto)}); try --template-kwargs (e.g. thinking flags)")
-        end = turn_end(upto)
-        if not text.startswith(upto[:end]):
-            raise ValueError(
-                f"sample {sample_id}: assistant message {i} renders differently once later messages follow "
-                f"({_diff(upto[:end], text)}); the template rewrites history (e.g. drops reasoning): "
-                f"use --split-turns, --last-turn-only or --reasoning drop")
-        if end > len(prompt):
-            spans.append((len(prompt), end))
-    return text, spans
-
-
-def _diff(a: str, b: str) -> str:
-    n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"first difference at character {n}: {a[n:n + 30]!r} vs {b[n:n + 30]!r}"
+    keep = policy(reasoning) == "train"
+    rendered = render_reasoning(messages, tokenizer, sample_id=sample_id, tools=tools, last_turn_only=last_turn_only,
+                                tool_calls=tool_calls, template_kwargs=template_kwargs) if keep else None
+    if rendered is None:  # no reasoning to train: rendered as it always was
+        renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools, template_kwargs)
+        messages = apply_policies(messages, "keep" if keep else "drop", tool_calls, renders_reasoning)
+        text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
+                                      template_kwargs=template_kwargs, sample_id=sample_id)
+        return [(sample_id, *span_mask(tokenizer, text, spans, sample_id, use_offsets), 0)]
+    return [(r.sample_id, *span_mask(tokenizer, r.text, r.spans, r.sample_id, use_offsets), r.reasoning_turns)
+            for r in rendered]
 
 
 def render_with_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
                      last_turn_only: bool = False,
-                     reasoning: str = "keep", tool_calls: str = "keep", template_kwargs: dict | None = None,
+                     reasoning: str = "train", tool_calls: str = "keep", template_kwargs: dict | None = None,
                      sample_id: str = "sample", use_offsets: bool | None = None) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation, tokenized exactly as `apply_chat_template` would; the mask by
-    token offsets or, for a tokenizer without them, by encoding (token_boundaries.py)."""
-    renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools, template_kwargs)
-    messages = apply_policies(messages, reasoning, tool_calls, renders_reasoning)
-    text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
-                                  template_kwargs=template_kwargs, sample_id=sample_id)
-    return span_mask(tokenizer, text, spans, sample_id, use_offsets)
+    """(input_ids, loss_mask) of a conversation that makes one sample (`render_samples`)."""
+    samples = render_samples(messages, tokenizer, tools=tools, last_turn_only=last_turn_only, reasoning=reasoning,
+                             tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sample_id,
+                             use_offsets=use_offsets)
+    if len(samples) != 1:
+        raise ValueError(f"sample {sample_id}: the template drops its earlier turns' reasoning: it makes "
+                         f"{len(samples)} samples, one per turn (render_samples)")
+    return samples[0][1], samples[0][2]
 
 
 def render_completion(prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase,
@@ -205,13 +145,13 @@ def render_completion(prompt: str, completion: str, tokenizer: PreTrainedTokeniz
 
 
 def new_stats() -> dict:
-    return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": Counter(),
-            "skipped_ids": defaultdict(list)}
+    return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "reasoning_turns": 0,
+            "skipped": Counter(), "skipped_ids": defaultdict(list)}
 
 
 def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *,
                           max_seq_len: int | None = None,
-                          overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "keep",
+                          overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "train",
                           tool_calls: str = "keep", template_kwargs: dict | None = None, split_turns: bool = False,
                           stats: dict | None = None, progress: bool = False, text: bool = False) -> datasets.Dataset:
     """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
@@ -219,7 +159,9 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
     `text=True`: the rows are plain text (`{"id", "prompt", "completion"}`), rendered by `render_completion`.
     Samples without loss tokens are skipped and counted in `stats["skipped"]`; over-long ones are
     truncated, skipped or refused (`overlong`) and counted. `split_turns` makes one sample per assistant
-    turn (id `ID#turnK`, history as the template renders it), for templates that rewrite history.
+    turn (id `ID#turnK`, history as the template renders it), for templates that rewrite history; so does
+    `reasoning="train"` (the default) for a conversation whose reasoning the template drops from history
+    (reasoning.py). `stats["reasoning_turns"]` counts the turns trained with their reasoning.
     """
     import datasets
     import pyarrow as pa
@@ -260,9 +202,9 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
         try:
             if text:  # the row itself
                 row = cast(dict, messages)
-                input_ids, loss_mask = render_completion(row["prompt"], row["completion"], tokenizer, sid)
+                samples = [(sid, *render_completion(row["prompt"], row["completion"], tokenizer, sid), 0)]
             else:  # its messages
-                input_ids, loss_mask = render_with_mask(
+                samples = render_samples(
                     cast(list, messages), tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
                     reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
         except NoLossTokens as e:
@@ -271,6 +213,14 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
         except BoundaryInsideToken:  # rare: a slow tokenizer and a token across a loss edge it cannot place
             skip(sid, "a loss boundary inside a token the tokenizer gives no offsets for")
             return
+        for unit, input_ids, loss_mask, thought_turns in samples:
+            if unit != sid:
+                if unit in seen:
+                    raise ValueError(f"sample {unit}: id appears more than once; ids must be unique")
+                seen.add(unit)
+            add_one(unit, input_ids, loss_mask, thought_turns)
+
+    def add_one(sid: str, input_ids: list[int], loss_mask: list[int], thought_turns: int) -> None:
         if max_seq_len is not None and len(input_ids) > max_seq_len:
             if overlong == "error":
                 raise ValueError(f"sample {sid}: {len(input_ids)} tokens > max_seq_len {max_seq_len} "
@@ -291,6 +241,7 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
         stats["samples"] += 1
         stats["tokens"] += len(input_ids)
         stats["loss_tokens"] += n_loss
+        stats["reasoning_turns"] += thought_turns
         if len(ids) >= _BATCH_ROWS:
             flush()
 
@@ -343,7 +294,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-turns", action="store_true",
                         help="one sample per assistant turn (for templates that rewrite earlier turns, e.g. drop "
                              "their reasoning)")
-    parser.add_argument("--reasoning", choices=("keep", "drop"), default="keep")
+    parser.add_argument("--reasoning", choices=("train", "drop"), default="train",
+                        type=lambda s: "train" if s == "keep" else s,
+                        help="train: reasoning carries loss, each turn as the model emitted it, also where the chat "
+                             "template blanks it (one sample per turn then); refused by sample where the template "
+                             "shows no <think> block to put it in. drop: train on the answers only")
     parser.add_argument("--tool-calls", choices=("keep", "drop"), default="keep")
     parser.add_argument("--template-kwargs", type=json.loads, default=None,
                         help='JSON passed to the chat template, e.g. \'{"enable_thinking": true}\'')
@@ -385,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"prepare: truncated {c['truncated']} samples to {args.max_seq_len} tokens", file=sys.stderr)
     for reason, n in c["skipped"].items():
         print(f"prepare: skipped {n} samples: {reason} (ids in {Path(out) / PREPARE_META})", file=sys.stderr)
+    if c.get("reasoning_turns"):
+        print(f"prepare: {c['reasoning_turns']} assistant turns trained with their reasoning (--reasoning "
+              f"{args.reasoning})", file=sys.stderr)
     if c["skipped"].get("no assistant turn"):
         print("prepare: prompts without an answer need `eagle3-hf regenerate` first", file=sys.stderr)
     return 0

@@ -7,7 +7,10 @@ depend on them). Two backends: in-process transformers (batched, left padding) o
 `/v1/chat/completions` endpoint (SGLang, vLLM) with concurrent requests and retries.
 
 Output is JSONL, one finished conversation per line, flushed and fsync'd; a restart skips the ids
-already there, so a killed run resumes with nothing lost or duplicated.
+already there, so a killed run resumes with nothing lost or duplicated. A conversation the server rejects for
+good (HTTP 400/413/422) is skipped and recorded by id beside the output (regenerate_summary.py), and the run
+waits for a server still loading (server_wait.py). Reasoning a server's reasoning parser returns
+(`reasoning_content` / `reasoning`) is kept on the answer, for `prepare` to train.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import EndpointError
+from .answers_file import ConversationWriter, completed_ids  # noqa: F401 (their home for other importers)
+from .regenerate_summary import ABORT_AFTER_REJECTED, REJECTED_HTTP, RegenerateSummary, RejectedRequest, summary_path
+from .server_wait import DEFAULT_WAIT_S, wait_for_server
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -207,6 +213,8 @@ class EndpointBackend:
                 problem = f"HTTP {e.code}: {detail}"
                 if e.code in _RETRY_HTTP:
                     continue
+                if e.code in REJECTED_HTTP:  # this sample, for good: skipped by the caller
+                    raise RejectedRequest(self.url, e.code, detail) from None
                 raise EndpointError(f"{self.url}: {problem}") from None
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut off
                 problem = str(getattr(e, "reason", e))
@@ -216,6 +224,10 @@ class EndpointBackend:
             except json.JSONDecodeError:
                 raise EndpointError(f"{self.url}: response is not JSON: {body[:200]!r}") from None
         raise EndpointError(f"{self.url}: gave up after {self.max_retries + 1} attempts; last error: {problem}")
+
+    def wait_for_server(self, seconds: float = DEFAULT_WAIT_S, **kwargs: Any) -> float:
+        """Block until the server answers /health or /v1/models (server_wait.py); the seconds waited."""
+        return wait_for_server(self._opener, self.url, self._headers, seconds, **kwargs)
 
     def complete(self, messages: list[dict], tools: list | None = None) -> Completion:
         keep = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -235,55 +247,10 @@ class EndpointBackend:
         return (msg.get("content") or "", reasoning, msg.get("tool_calls"), choice.get("finish_reason") or "?", tokens)
 
 
-# ---------------------------------------------------------------- resumable output
-
-def completed_ids(path: str | Path) -> set[str]:
-    """Ids already in the output. A torn last line (killed mid-write) is cut off; other damage is refused."""
-    path = Path(path)
-    if not path.exists():
-        return set()
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1  # a line is written with its newline last: anything after it is torn
-    ids: set[str] = set()
-    for line_no, line in enumerate(raw[:end].split(b"\n")[:-1], 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg}); fix or remove the file") from None
-        if not isinstance(row, dict) or "id" not in row:
-            raise ValueError(f"{path}:{line_no}: not a regenerated conversation (no id)")
-        if str(row["id"]) in ids:
-            raise ValueError(f"{path}:{line_no}: duplicate id {row['id']!r}")
-        ids.add(str(row["id"]))
-    if end < len(raw):
-        print(f"regenerate: {path}: dropping an unfinished last line ({len(raw) - end} bytes)", file=sys.stderr)
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    return ids
-
-
-class ConversationWriter:
-    """Appends finished conversations to the answers file, one JSON line each, flushed and fsync'd: a kill
-    loses at most the line being written (the reader drops an unfinished last line)."""
-
-    def __init__(self, path: str | Path):
-        self.f = open(path, "a", encoding="utf-8")
-
-    def __call__(self, row: dict) -> None:
-        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-
-    def close(self) -> None:
-        self.f.close()
-
-
 # ---------------------------------------------------------------- drivers
 
 def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable,
-                  max_turns: int | None) -> None:
+                  max_turns: int | None, skip: Callable[[str, str], None]) -> None:
     def one(conv: dict) -> tuple[dict, int]:
         state, tokens = ConversationTurns(conv, max_turns), 0
         while (prompt := state.next_prompt()) is not None:
@@ -295,21 +262,33 @@ def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, c
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = {pool.submit(one, conv): conv["id"] for conv in todo}
         try:
-            _collect(futures, write, tick)
+            _collect(futures, write, tick, skip)
         except BaseException:  # Ctrl-C: don't wait for the queue, only for requests already in flight
             for fut in futures:
                 fut.cancel()
             raise
 
 
-def _collect(futures: dict, write: Callable, tick: Callable) -> None:
-    """Write conversations as they finish; on the first failure cancel the queue, keep what finished."""
+def _collect(futures: dict, write: Callable, tick: Callable, skip: Callable[[str, str], None]) -> None:
+    """Write conversations as they finish; skip those the server rejects (recorded by `skip`); on the first other
+    failure, or when the first ABORT_AFTER_REJECTED are all rejected, cancel the queue, keep what finished."""
     failed: tuple[str, BaseException] | None = None
+    answered = rejected = 0
     for fut in as_completed(futures):
         if fut.cancelled():
             continue
         try:
             row, tokens = fut.result()
+        except RejectedRequest as e:
+            skip(futures[fut], e.reason)
+            rejected += 1
+            if failed is None and not answered and rejected >= ABORT_AFTER_REJECTED:
+                failed = (futures[fut], EndpointError(
+                    f"the server rejected the first {rejected} conversations and answered none ({e}): check "
+                    f"--model and --max-new-tokens against its context length"))
+                for other in futures:
+                    other.cancel()
+            continue
         except Exception as e:
             if failed is None:
                 failed = (futures[fut], e)
@@ -318,6 +297,7 @@ def _collect(futures: dict, write: Callable, tick: Callable) -> None:
             continue
         write(row)
         tick(row, tokens)
+        answered += 1
     if failed is not None:
         raise EndpointError(f"conversation {failed[0]}: {failed[1]} (finished ones are saved; rerun to resume)")
 
@@ -357,10 +337,12 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
 
 def regenerate(conversations: Iterable[dict], output: str | Path, backend: TransformersBackend | EndpointBackend, *,
                concurrency: int = 16,
-               batch_size: int = 8, max_turns: int | None = None, progress: bool = True) -> dict:
+               batch_size: int = 8, max_turns: int | None = None, progress: bool = True,
+               retry_skipped: bool = False) -> dict:
     """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts.
 
-    `max_turns` keeps at most that many assistant turns per conversation (the rest is cut off).
+    `max_turns` keeps at most that many assistant turns per conversation (the rest is cut off). Conversations the
+    server rejected in an earlier run (the summary beside `output`) are not asked again unless `retry_skipped`.
     """
     from tqdm.auto import tqdm
 
@@ -371,9 +353,12 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
             raise ValueError(f"input: duplicate conversation id {conv['id']!r}; ids must be unique to resume")
         seen.add(conv["id"])
     done = completed_ids(output)
-    todo = [c for c in conversations if c["id"] not in done]
-    stats: dict[str, Any] = {"input": len(conversations), "already_done": len(conversations) - len(todo),
-                             "written": 0, "turns": 0, "tokens": 0, "finish_reasons": Counter()}
+    summary = RegenerateSummary(output)
+    earlier = set() if retry_skipped else set(summary.skipped) - done
+    todo = [c for c in conversations if c["id"] not in done and c["id"] not in earlier]
+    stats: dict[str, Any] = {"input": len(conversations), "already_done": len(done & seen),
+                             "skipped_before": len(earlier & seen), "written": 0, "turns": 0, "tokens": 0,
+                             "finish_reasons": Counter(), "skipped": {}, "summary": str(summary_path(output))}
     start = time.monotonic()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
 
@@ -382,19 +367,33 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
         stats["turns"] += len(row["regenerated"]["finish_reasons"])
         stats["tokens"] += tokens
         stats["finish_reasons"].update(row["regenerated"]["finish_reasons"])
+        summary.answered(str(row["id"]), row["regenerated"]["finish_reasons"])
         bar.update(1)
         bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.monotonic() - start, 1e-9):.1f}", refresh=False)
+
+    def skip(conv_id: str, reason: str) -> None:
+        stats["skipped"][conv_id] = reason
+        summary.skip(conv_id, reason)
+        bar.update(1)
 
     write = ConversationWriter(output)
     try:
         if isinstance(backend, TransformersBackend):
             _run_batched(todo, backend, write, batch_size, tick, max_turns)
         else:
-            _run_endpoint(todo, backend, write, concurrency, tick, max_turns)
+            _run_endpoint(todo, backend, write, concurrency, tick, max_turns, skip)
     finally:
         write.close()
         bar.close()
-    stats["seconds"] = time.monotonic() - start
+        stats["seconds"] = time.monotonic() - start
+        stats["cut_at_max_new_tokens"] = stats["finish_reasons"].get("length", 0)
+        summary.save(model=backend.name, max_new_tokens=backend.max_new_tokens,
+                     last_run={k: stats[k] for k in ("input", "already_done", "skipped_before", "written", "turns",
+                                                     "tokens", "finish_reasons", "seconds")})
+    if todo and stats["skipped"] and not stats["written"]:
+        first = next(iter(stats["skipped"].items()))
+        raise EndpointError(f"the server rejected every conversation asked ({len(stats['skipped'])}; e.g. "
+                            f"conversation {first[0]}: {first[1]}); ids and errors in {summary.path}")
     return stats
 
 
@@ -415,12 +414,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="parallel requests (--endpoint)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (--endpoint)")
     parser.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
+    parser.add_argument("--wait-for-server", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                        help="wait this long for a server still loading (GET /health or /v1/models) before the "
+                             "first request (--endpoint; 0: do not wait)")
+    parser.add_argument("--retry-skipped", action="store_true",
+                        help="ask again the conversations the server rejected (HTTP 400/413/422) in an earlier run "
+                             "(they are listed in the summary beside --output)")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--torch-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the verifier's compute dtype (auto: the checkpoint's)")
     parser.add_argument("--batch-size", type=int, default=8, help="conversations per batch (--verifier)")
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=1024,
+                        help="token budget per answer; a thinking model's reasoning counts: give it room (e.g. "
+                             "32768); answers cut at it are counted and listed in the summary")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -437,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         backend = EndpointBackend(args.endpoint, args.model, api_key=os.environ.get(args.api_key_env),
                                   timeout=args.timeout, max_retries=args.max_retries, **gen)
+        backend.wait_for_server(args.wait_for_server)
     else:
         import torch
 
@@ -445,12 +453,18 @@ def run(args: argparse.Namespace) -> int:
                                       **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
-                       max_turns=args.max_turns)
+                       max_turns=args.max_turns, retry_skipped=args.retry_skipped)
     print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
           f"{stats['turns']} turns, {stats['tokens']} tokens in {stats['seconds']:.1f}s "
           f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)
-    cut = stats["finish_reasons"].get("length", 0)
+    cut = stats["cut_at_max_new_tokens"]
     if cut:
-        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short",
-              file=sys.stderr)
+        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short (ids in "
+              f"{stats['summary']}; a thinking model needs room for its reasoning)", file=sys.stderr)
+    if stats["skipped"]:
+        print(f"regenerate: skipped {len(stats['skipped'])} conversations the server rejected (ids and errors in "
+              f"{stats['summary']}; --retry-skipped asks them again)", file=sys.stderr)
+    if stats["skipped_before"]:
+        print(f"regenerate: {stats['skipped_before']} conversations rejected in an earlier run not asked again "
+              f"(--retry-skipped)", file=sys.stderr)
     return 0

@@ -129,8 +129,14 @@ def test_reasoning_rendered_by_template(kimi):
              {"role": "assistant", "content": "4.", "reasoning_content": "add"}]
     ids, mask = render_with_mask(convo, kimi, last_turn_only=True)
     assert segments(kimi, ids, mask) == ["<think>add</think>4.<|im_end|>"]
-    with pytest.raises(ValueError, match=r"sample conv-7: assistant message 1 renders differently.*--last-turn-only"):
+    with pytest.raises(ValueError, match=r"sample conv-7: the template drops its earlier turns' reasoning: it makes "
+                                         r"2 samples, one per turn"):
         render_with_mask(convo, kimi, sample_id="conv-7")  # history reasoning is dropped by the template
+    # prepare trains every turn's reasoning: one sample per turn, each after the history the template renders
+    ds = prepare_conversations([{"id": "k", "messages": convo}], kimi)
+    assert ds["id"] == ["k#turn0", "k#turn1"]
+    assert [segments(kimi, i, m) for i, m in zip(ds["input_ids"], ds["loss_mask"])] == [
+        ["<think>greet</think>Hello.<|im_end|>"], ["<think>add</think>4.<|im_end|>"]]
     ids, mask = render_with_mask(convo, kimi, reasoning="drop")
     assert segments(kimi, ids, mask) == ["<think></think>Hello.<|im_end|>", "<think></think>4.<|im_end|>"]
     # one sample per turn: every turn keeps its reasoning, rendered as the template renders the latest turn

@@ -3,6 +3,7 @@ OpenAI-compatible server on loopback, in-process with the tiny verifier, and (op
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -19,15 +20,15 @@ from eagle3_hf.data.regenerate import EndpointBackend, TransformersBackend, rege
 from eagle3_hf.errors import EndpointError
 
 from tests.helpers.data import rows
-from tests.helpers.openai_stub import OpenAIStub, reply_for
+from tests.helpers.openai_stub import OpenAIStub, late_server, reply_for
 
 
 def U(text):
     return {"role": "user", "content": text}
 
 
-def A(text):
-    return {"role": "assistant", "content": text}
+def A(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
 
 
 def free_port() -> int:
@@ -82,7 +83,8 @@ def test_retries_and_clear_errors(tmp_path):
 
     with OpenAIStub(reject=lambda messages: True) as stub:
         backend = EndpointBackend(stub.url, "m", max_retries=3, retry_backoff=0.01)
-        with pytest.raises(EndpointError, match=r"conversation single: .*HTTP 400: .*rejected by test"):
+        with pytest.raises(EndpointError, match=r"rejected every conversation asked \(1; e.g. conversation single: "
+                                                r"HTTP 400: .*rejected by test"):
             regenerate(CONVS[1:2], tmp_path / "b.jsonl", backend, progress=False)
         assert len(stub.requests) == 1  # a 400 is not retried
 
@@ -101,9 +103,9 @@ def test_retries_and_clear_errors(tmp_path):
 def test_resume_after_failure_and_torn_line(tmp_path):
     convs = [{"id": f"r{i}", "messages": [U("poison" if i == 3 else f"q{i}")]} for i in range(8)]
     out = tmp_path / "out.jsonl"
-    with OpenAIStub(delay=0.02, reject=lambda m: m[-1]["content"] == "poison") as stub:
+    with OpenAIStub(delay=0.02, crash=lambda m: m[-1]["content"] == "poison") as stub:  # 500, no retries left
         backend = EndpointBackend(stub.url, "m", max_retries=0)
-        with pytest.raises(EndpointError, match="conversation r3: .*rerun to resume"):
+        with pytest.raises(EndpointError, match="conversation r3: .*HTTP 500.*rerun to resume"):
             regenerate(convs, out, backend, concurrency=2, progress=False)
     first = rows(out)
     assert "r3" not in first and 0 < len(first) < 8
@@ -241,3 +243,116 @@ def test_llama_cpp_server(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_late_server_and_a_rejected_sample(tmp_path, capsys):
+    """`vllm serve … &` then `regenerate` at once: nothing listens for a while, then the server loads (503), then
+    answers, and rejects one sample for good (400, a prompt over its context length). The run waits (no request
+    retries: --max-retries 0), skips that sample, records its id and the error beside the output (never the
+    conversation's text), finishes the others, and a rerun does not ask it again unless --retry-skipped."""
+    import json
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "answers.jsonl"
+    convs = [{"id": f"s{i}", "messages": [U("too long a prompt" if i == 2 else f"q{i}")]} for i in range(6)]
+    write_jsonl(src, convs)
+    reject = lambda m: m[-1]["content"] == "too long a prompt"  # noqa: E731
+    port = free_port()
+    argv = ["regenerate", "--input", str(src), "--output", str(out), "--endpoint", f"http://127.0.0.1:{port}",
+            "--model", "m", "--max-retries", "0", "--wait-for-server", "60", "--concurrency", "3"]
+    started = time.monotonic()
+    with late_server(port, 2.0, reject=reject, loading_s=1.0) as late:
+        assert cli.main(argv[:-4] + ["--wait-for-server", "0"]) == 1  # not waiting: the first request finds no one
+        assert "gave up after 1 attempts" in capsys.readouterr().err
+        assert cli.main(argv) == 0
+        waited = time.monotonic() - started
+        stub = late["stub"]
+        assert waited >= 3.0 and "/health" in stub.gets  # closed port, then loading, then up
+        assert sorted(r["messages"][-1]["content"] for r in stub.requests) == sorted(
+            c["messages"][0]["content"] for c in convs)
+        err = capsys.readouterr().err
+        assert "the server is up after" in err and "skipped 1 conversations the server rejected" in err
+        assert set(rows(out)) == {f"s{i}" for i in range(6)} - {"s2"}
+        summary_file = tmp_path / "answers.summary.json"
+        summary = json.loads(summary_file.read_text())
+        assert list(summary["skipped"]) == ["s2"] and summary["skipped"]["s2"].startswith("HTTP 400: ")
+        assert "rejected by test" in summary["skipped"]["s2"] and "too long a prompt" not in summary_file.read_text()
+        assert summary["last_run"]["written"] == 5
+
+        asked = len(stub.requests)
+        assert cli.main(argv) == 0  # resumed: nothing left to ask, the skipped one not asked again
+        assert len(stub.requests) == asked
+        assert "1 conversations rejected in an earlier run not asked again" in capsys.readouterr().err
+        assert cli.main(argv + ["--retry-skipped"]) == 1  # asked again, rejected again: the only one asked
+        assert len(stub.requests) == asked + 1
+        assert "error: the server rejected every conversation asked (1; e.g. conversation s2: HTTP 400" in \
+            capsys.readouterr().err
+        stub.reject = None  # the server restarted with a longer context
+        assert cli.main(argv + ["--retry-skipped"]) == 0
+    assert set(rows(out)) == {f"s{i}" for i in range(6)}
+    assert json.loads(summary_file.read_text())["skipped"] == {}
+
+
+def test_waiting_is_bounded_and_long_enough_for_a_big_model(tmp_path):
+    from eagle3_hf.data.regenerate import add_arguments
+    from eagle3_hf.data.server_wait import DEFAULT_WAIT_S
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--input", "x", "--output", "y", "--endpoint", "http://h:1", "--model", "m"])
+    assert args.wait_for_server == DEFAULT_WAIT_S >= 1800  # a Kimi-size verifier loads for tens of minutes
+    assert args.retry_skipped is False
+    lines: list[str] = []
+    backend = EndpointBackend(f"http://127.0.0.1:{free_port()}", "m")
+    start = time.monotonic()
+    with pytest.raises(EndpointError, match=r"/v1/chat/completions: no server ready within 2 s \(--wait-for-server\)"
+                                            r"; last seen .*/health: .*is it running"):
+        backend.wait_for_server(1.5, interval=0.2, progress_every=0.5, log=lines.append)
+    assert 1.5 <= time.monotonic() - start < 10
+    assert lines and all(line.startswith("regenerate: waiting for the server (") for line in lines)
+    assert backend.wait_for_server(0) == 0.0  # --wait-for-server 0: no look at all
+
+
+def test_reasoning_from_the_servers_parser_is_kept_and_trained(tmp_path, default_verifier_dir):
+    """A thinking model served with its reasoning parser: the reasoning arrives beside the answer (under either name
+    servers give it), is kept on the regenerated turn, counted when an answer is cut at the token budget, and
+    `prepare` trains it as the model emitted it."""
+    import json
+
+    from eagle3_hf.data.prepare import prepare_conversations
+
+    from tests.helpers.thinking_templates import thinking_tokenizer
+
+    convs = [{"id": "t0", "messages": [U("q0")]}, {"id": "t1", "messages": [U("q1"), A("old"), U("long one")]}]
+    for key in ("reasoning_content", "reasoning"):
+        out = tmp_path / f"{key}.jsonl"
+        with OpenAIStub(reasoning_for=lambda m: f"think about {m[-1]['content']}", reasoning_key=key,
+                        cut=lambda m: m[-1]["content"] == "long one") as stub:
+            stats = regenerate(convs, out, EndpointBackend(stub.url, "m", max_new_tokens=32768), progress=False)
+            assert {r["max_tokens"] for r in stub.requests} == {32768}
+        got = rows(out)
+        assert got["t0"]["messages"][-1] == A(reply_for(convs[0]["messages"]), reasoning_content="think about q0")
+        assert got["t1"]["messages"][1]["reasoning_content"] == "think about q1"
+        assert stats["cut_at_max_new_tokens"] == 1
+        summary = json.loads((tmp_path / f"{key}.summary.json").read_text())
+        assert summary["cut_at_max_new_tokens"] == ["t1"] and summary["max_new_tokens"] == 32768
+    tok = thinking_tokenizer(default_verifier_dir, "k25")
+    ds = prepare_conversations(load_conversations(str(out)), tok)
+    assert ds["id"] == ["t0", "t1#turn0", "t1#turn1"]
+    trained = tok.decode([i for i, m in zip(ds["input_ids"][0], ds["loss_mask"][0]) if m])
+    assert trained == f"<think>think about q0</think>{reply_for(convs[0]['messages'])}<|im_end|>"
+
+
+def test_a_server_that_rejects_everything_stops_the_run(tmp_path):
+    """Every sample rejected (a --max-new-tokens over the server's context, a wrong chat format): the settings are
+    wrong, not the samples; the run stops after the first ABORT_AFTER_REJECTED instead of skipping them all."""
+    import json
+
+    from eagle3_hf.data.regenerate_summary import ABORT_AFTER_REJECTED
+
+    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(ABORT_AFTER_REJECTED + 10)]
+    with OpenAIStub(reject=lambda m: True) as stub:
+        with pytest.raises(EndpointError, match=rf"rejected the first {ABORT_AFTER_REJECTED} conversations and "
+                                                r"answered none .*HTTP 400: .*check --model and --max-new-tokens"):
+            regenerate(convs, tmp_path / "o.jsonl", EndpointBackend(stub.url, "m"), concurrency=1, progress=False)
+        assert ABORT_AFTER_REJECTED <= len(stub.requests) <= ABORT_AFTER_REJECTED + 1
+    assert len(json.loads((tmp_path / "o.summary.json").read_text())["skipped"]) == len(stub.requests)

@@ -2,8 +2,13 @@
 
 Replies are a deterministic function of the request (`reply_for`), so a test can recompute what a
 correct regeneration must contain. Knobs: a delay per request (to observe concurrency), a number of
-initial 503s (to exercise retries), a predicate that rejects requests with 400, a required API key, request
-numbers whose connection drops halfway through the reply body, and a fixed port (to restart a killed server).
+initial 503s (to exercise retries), predicates that reject requests with 400 or fail them with 500, a required
+API key, request numbers whose connection drops halfway through the reply body, and a fixed port (to restart a
+killed server).
+A thinking model's server: `reasoning_for(messages)` gives the reasoning its parser returns (under `reasoning_key`,
+`reasoning_content` or vLLM's newer `reasoning`), `cut(messages)` answers finish_reason "length". A server still
+loading: `loading_s` seconds of 503 from /health and the chat route after it starts (`late_server` starts one
+only after a delay: nothing listens before).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from tests.helpers.loopback import LoopbackServer, QuietHandler
 
@@ -23,8 +29,14 @@ def reply_for(messages: list[dict]) -> str:
 
 class OpenAIStub(LoopbackServer):
     def __init__(self, delay: float = 0.0, fail_first: int = 0, reject: Callable[[list[dict]], bool] | None = None,
-                 api_key: str | None = None, model: str = "stub-model", drop: set[int] = frozenset(), port: int = 0):
+                 api_key: str | None = None, model: str = "stub-model", drop: set[int] = frozenset(), port: int = 0,
+                 reasoning_for: Callable[[list[dict]], str | None] | None = None,
+                 reasoning_key: str = "reasoning_content", cut: Callable[[list[dict]], bool] | None = None,
+                 loading_s: float = 0.0, crash: Callable[[list[dict]], bool] | None = None):
         self.delay, self.fail_first, self.reject, self.api_key, self.model = delay, fail_first, reject, api_key, model
+        self.reasoning_for, self.reasoning_key, self.cut, self.crash = reasoning_for, reasoning_key, cut, crash
+        self.ready_at = time.monotonic() + loading_s
+        self.gets: list[str] = []
         self.drop = set(drop)
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -46,7 +58,10 @@ class OpenAIStub(LoopbackServer):
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path.rstrip("/") == "/v1/models":
+                stub.gets.append(self.path)
+                if self.path == "/health":
+                    self._send(200 if time.monotonic() >= stub.ready_at else 503, {})
+                elif self.path.rstrip("/") == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
                 else:
                     self._send(404, {"error": {"message": "not found"}})
@@ -55,6 +70,8 @@ class OpenAIStub(LoopbackServer):
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if time.monotonic() < stub.ready_at:
+                    return self._send(503, {"error": {"message": "loading"}})
                 if stub.api_key is not None and self.headers.get("Authorization") != f"Bearer {stub.api_key}":
                     return self._send(401, {"error": {"message": "bad api key"}})
                 with stub.lock:
@@ -67,13 +84,18 @@ class OpenAIStub(LoopbackServer):
                     if n <= stub.fail_first:
                         return self._send(503, {"error": {"message": "overloaded"}})
                     messages = payload["messages"]
+                    if stub.crash is not None and stub.crash(messages):
+                        return self._send(500, {"error": {"message": "engine error"}})
                     if stub.reject is not None and stub.reject(messages):
                         return self._send(400, {"error": {"message": "rejected by test"}})
                     content = reply_for(messages)
+                    message = {"role": "assistant", "content": content}
+                    if stub.reasoning_for is not None and (thought := stub.reasoning_for(messages)):
+                        message[stub.reasoning_key] = thought
+                    finish = "length" if stub.cut is not None and stub.cut(messages) else "stop"
                     self._send(200, drop=n in stub.drop, payload={
                         "id": f"chatcmpl-{n}", "object": "chat.completion", "model": payload["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": content}}],
+                        "choices": [{"index": 0, "finish_reason": finish, "message": message}],
                         "usage": {"prompt_tokens": 1, "completion_tokens": len(content.split()),
                                   "total_tokens": 1 + len(content.split())},
                     })
@@ -82,3 +104,23 @@ class OpenAIStub(LoopbackServer):
                         stub.in_flight -= 1
 
         super().__init__(Handler, port)
+
+
+@contextmanager
+def late_server(port: int, delay: float, **kwargs) -> Iterator[dict]:
+    """An OpenAIStub on `port` that starts listening only `delay` seconds from now (`kwargs` as OpenAIStub's);
+    yields a dict whose "stub" is the server once started."""
+    holder: dict = {}
+
+    def start() -> None:
+        holder["stub"] = OpenAIStub(port=port, **kwargs).__enter__()
+
+    timer = threading.Timer(delay, start)
+    timer.start()
+    try:
+        yield holder
+    finally:
+        timer.cancel()
+        timer.join()
+        if "stub" in holder:
+            holder["stub"].stop()
