@@ -59,8 +59,9 @@ def _size(value: Any) -> int:
 def memory_given(device_map: Any, max_memory: dict[Any, Any] | None, device: str | None) -> tuple[int, str] | None:
     """(bytes, what they are) of the memory the verifier may occupy, or None where it is not known."""
     if max_memory:
-        held = {k: v for k, v in max_memory.items() if str(k) != "disk"}
-        return sum(_size(v) for v in held.values()), f"--max-memory {','.join(f'{k}={v}' for k, v in held.items())}"
+        budget = {k: v for k, v in max_memory.items() if str(k) != "disk"}
+        return (sum(_size(v) for v in budget.values()),
+                f"--max-memory {','.join(f'{k}={v}' for k, v in budget.items())}")
     if isinstance(device_map, dict):
         devices = sorted({str(d) for d in device_map.values() if str(d) != "disk"})
         sizes = [device_bytes(d) for d in devices]
