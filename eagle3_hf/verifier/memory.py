@@ -19,6 +19,9 @@ from ..errors import UsageError
 from .footprint import Footprint, checkpoint_footprint
 
 GIB = 2**30
+# the package transformers needs to load each quantization method's checkpoint as stored
+QUANTIZATION_PACKAGES = {"compressed-tensors": "compressed-tensors", "bitsandbytes": "bitsandbytes",
+                         "gptq": "gptqmodel", "awq": "autoawq"}
 
 
 def ram_bytes() -> int:
@@ -88,24 +91,35 @@ def weights_problem(weights: Footprint, memory: int, where: str) -> str | None:
     return (f"its weights take {weights.describe()}, more than the {memory / GIB:,.1f} GiB of {where}{quantized}")
 
 
+def quantization_problem(weights: Footprint) -> str | None:
+    """One line when the checkpoint is quantized by a method whose package is not installed here."""
+    import importlib.util
+
+    package = QUANTIZATION_PACKAGES.get(weights.quantized or "")
+    module = {"autoawq": "awq"}.get(package or "", (package or "").replace("-", "_"))
+    if not package or importlib.util.find_spec(module):
+        return None
+    return (f"its weights are stored quantized ({weights.describe()}), which transformers loads only with the "
+            f"`{package}` package, not installed here")
+
+
 def require_memory(verifier: str, revision: str | None, dtype: str, device_map: Any,
                    max_memory: dict[Any, Any] | None, device: str | None, offload_folder: str | None,
                    hint: str) -> Footprint | None:
-    """Refuse (UsageError, one line) a verifier whose weights in `dtype` exceed the memory it is given, before any
-    weight is read; with an explicit `offload_folder` only warn. A verifier that cannot be sized (no config, no
-    network) passes: loading it says why."""
-    given = memory_given(device_map, max_memory, device)
-    if given is None:
-        return None
+    """Refuse (UsageError, one line) a verifier whose weights in `dtype` exceed the memory it is given (with an
+    explicit `offload_folder`: a warning), or that is stored quantized by a method whose package is missing, before
+    any weight is read. A verifier that cannot be sized (no config, no network) passes: loading it says why."""
     try:
         weights = checkpoint_footprint(verifier, dtype, revision)
     except Exception:  # noqa: BLE001 - unsized: the load that follows reports what is wrong with it
         return None
-    problem = weights_problem(weights, *given)
+    given = memory_given(device_map, max_memory, device)
+    problem = weights_problem(weights, *given) if given else None
     if problem and device_map and offload_folder:
         print(f"WARNING: --verifier {verifier}: {problem}; the rest goes to --offload-folder {offload_folder} and is "
               "read from disk at every forward", file=sys.stderr)
-        return weights
+        problem = None
+    problem = problem or quantization_problem(weights)
     if problem:
         raise UsageError(f"--verifier {verifier}: {problem}: {hint}")
     return weights

@@ -96,3 +96,26 @@ def test_bf16_kimi_is_2_tb_and_its_int4_checkpoint_a_third_of_that():
     plain.pop("quantization_config")
     bf16 = footprint(plain, "bfloat16").bytes
     assert bf16 / 1e9 == pytest.approx(2053, rel=0.01) and bf16 > 8 * 141 * 2**30
+
+
+def test_a_checkpoint_quantized_by_a_method_whose_package_is_missing_is_refused_before_loading(
+        tmp_path, tiny_verifier_dir, fingerprint, capsys, no_loading):
+    """Kimi-K2.5's INT4 experts (compressed-tensors) on the transformers route: its package is not installed, so
+    the load could only fail later (or dequantize); refused first, naming the package and the vLLM route."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("compressed_tensors"):
+        pytest.skip("compressed-tensors is installed here")
+    path = tmp_path / "int4"
+    shutil.copytree(tiny_verifier_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "group_size": 32}}}, "ignore": ["lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=3)
+    capsys.readouterr()
+    assert extract(path, prepared, tmp_path / "out", "--device", "cpu") != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stored quantized" in err and "`compressed-tensors` package" in err, err
+    assert "--engine vllm" in err
