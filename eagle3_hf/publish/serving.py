@@ -93,16 +93,19 @@ def stage_in_dtype(folder: Path, out: Path, dtype: str, allow: list[str], ignore
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {"format": "pt"}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-            save_file({k: t.to(target) if t.is_floating_point() else t for k, t in tensors.items()},
-                      str(out / name), metadata=metadata)
+            if any(t.is_floating_point() and t.dtype != target for t in tensors.values()):
+                save_file({k: t.to(target) if t.is_floating_point() else t for k, t in tensors.items()},
+                          str(out / name), metadata=metadata)
+                continue
         elif name == "config.json":
             config = json.loads(path.read_text(encoding="utf-8"))
-            config["dtype"] = PUSH_DTYPES[dtype]
-            if "torch_dtype" in config:
-                config["torch_dtype"] = PUSH_DTYPES[dtype]
-            (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        else:
-            shutil.copy2(path, out / name)
+            if str(config.get("dtype") or config.get("torch_dtype") or "float32") != PUSH_DTYPES[dtype]:
+                config["dtype"] = PUSH_DTYPES[dtype]
+                if "torch_dtype" in config:
+                    config["torch_dtype"] = PUSH_DTYPES[dtype]
+                (out / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+                continue
+        shutil.copy2(path, out / name)  # already in the dtype: the very bytes
     return out
 
 
