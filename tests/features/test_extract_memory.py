@@ -119,3 +119,15 @@ def test_a_checkpoint_quantized_by_a_method_whose_package_is_missing_is_refused_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "stored quantized" in err and "`compressed-tensors` package" in err, err
     assert "--engine vllm" in err
+
+
+def test_evaluate_refuses_the_same_verifier_before_loading(tmp_path, claims_8b, capsys, no_loading):
+    """`evaluate` loads the verifier in this process too: the same check, before the drafter or the verifier."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q1", "prompt": "Hi!"}\n')
+    rc = main(["evaluate", "--drafter", str(tmp_path / "no-drafter"), "--verifier", str(claims_8b), "--prompts",
+               str(prompts), "--output", str(tmp_path / "eval"), "--device-map", "auto", "--max-memory", "cpu=2GiB",
+               "--torch-dtype", "bfloat16", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err.splitlines()[-1].startswith(f"error: --verifier {claims_8b}: its weights take 16.1 GB")
+    assert "--engine vllm" in err.splitlines()[-1]
