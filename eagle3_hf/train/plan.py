@@ -346,7 +346,11 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
     lines += [f"              weights {v['weights']}",
               f"              an extraction engine spans {v['gpus_per_engine']} GPU(s) of {m['gpu_memory_gib']:g} GiB: "
               f"the weights take {v['weight_share']:.0%} of them"
-              + (" (--extract-gpus-per-engine)" if not v["derived"] else " (the fewest holding them at 80 %)")]
+              + (" (--extract-gpus-per-engine)" if not v["derived"] else " (the fewest holding them at 80 %)"
+                 if v["gpus_at_80"] <= v["gpus_per_engine"] else f" (a node's; {v['gpus_at_80']} would hold them at "
+                 "80 %)")
+              + ("; little room is left for the KV cache (larger GPUs, or a lower --vllm-batch-size)"
+                 if v["weight_share"] > 0.8 and not v.get("problem") else "")]
     if v.get("problem"):
         lines.append(f"  verdict     DOES NOT FIT: {v['problem']}")
     lines += reader_lines(plan["reader"]) if "reader" in plan else []

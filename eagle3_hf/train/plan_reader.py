@@ -73,4 +73,4 @@ def engine_size(weight_bytes: float, what: str, gpu_gib: float, gpus_per_node: i
                        f"{gpu_gib:g} GiB of a node (--extract-gpus, --gpu-memory-gib) hold: no engine of one node "
                        "can load them")
     return {"gpus_per_engine": gpus, "derived": given is None, "weight_share": weight_bytes / (gpus * gpu_bytes),
-            "problem": problem}
+            "gpus_at_80": engine_gpus(weight_bytes, gpu_bytes), "problem": problem}
