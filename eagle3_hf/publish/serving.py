@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 PUSH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_PUSH_DTYPE = "bf16"
 DEFAULT_GPU_GIB = 80.0
+NODE_GPUS = 8
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ def verifier_serving(verifier: str | None, tensor_parallel: int | None = None,
         tensor_parallel = engine_gpus(weights.bytes, gpu_gib * 2**30)
         basis = (f"the fewest GPUs of {gpu_gib:g} GiB whose memory at 80 % holds the verifier's weights, "
                  f"{weights.describe()}")
+        if tensor_parallel > NODE_GPUS:
+            basis += (f"; more than one {NODE_GPUS}-GPU node: larger GPUs (`push --gpu-memory-gib`), or the engines' "
+                      "multi-node launch")
     return ServingFacts(tensor_parallel, basis, bool(code), tuple(code))
 
 

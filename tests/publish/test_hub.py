@@ -205,7 +205,8 @@ def test_the_card_serves_a_remote_code_verifier_over_the_gpus_that_hold_it(clien
     facts = verifier_serving(str(verifier), gpu_gib=141)
     assert facts.tensor_parallel == 8 and facts.trust_remote_code
     assert facts.remote_code_files == ("config.json", "tokenizer_config.json")
-    assert verifier_serving(str(verifier), gpu_gib=80).tensor_parallel == 16  # 594 GB > 80 % of 8 x 80 GiB
+    on_h100 = verifier_serving(str(verifier), gpu_gib=80)  # 594 GB > 80 % of 8 x 80 GiB
+    assert on_h100.tensor_parallel == 16 and "more than one 8-GPU node" in on_h100.tp_basis
     assert verifier_serving(str(verifier), tensor_parallel=4).tensor_parallel == 4
     src = drafter(tmp_path, training=dict(TRAINING, verifier=str(verifier)))
     push_drafter(src, "tester/kimi-tp", gpu_memory_gib=141, run_check=False)
