@@ -137,7 +137,8 @@ def test_sigkill_during_push_then_rerun_leaves_the_repo_complete_and_consistent(
     weights = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
     with HubServer(tmp_path / "hub", orgs=TEST_ORGS, tokens=TEST_TOKENS, verify_delay=30.0) as hub:
         env = dict(hub.client_env(WRITE_TOKEN), PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "eagle3_hf.cli", "push", str(src), "--repo-id", "tester/killed"]
+        cmd = [sys.executable, "-m", "eagle3_hf.cli", "push", str(src), "--repo-id", "tester/killed", "--dtype",
+               "fp32"]  # the checkpoint's own dtype: the files go up byte for byte
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
         blob = tmp_path / "hub" / "blobs" / weights
         deadline = time.monotonic() + 120

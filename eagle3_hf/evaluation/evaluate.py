@@ -289,16 +289,22 @@ def place_verifier(args: argparse.Namespace, dtype: str):
     decoders bring each captured aux state to the input's device), else it goes whole to --device (cuda if
     available)."""
     from ..verifier.loading import load_verifier
+    from ..verifier.memory import require_memory
 
     if args.device_map and args.device:
         raise UsageError("--device-map places the verifier itself: drop --device")
     kwargs, offload = placement_kwargs(args)
+    device = None if kwargs else torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    require_memory(args.verifier, args.verifier_revision, dtype, kwargs.get("device_map"), kwargs.get("max_memory"),
+                   None if device is None else str(device), args.offload_folder,
+                   "evaluate it with --engine vllm over the GPUs that hold it (--tensor-parallel-size, with "
+                   "--skip-transformers), or give it more memory (--device-map auto, --max-memory)")
     if kwargs:
         verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=dtype, **kwargs)
         if offload is not None:  # the offloaded weights are read while the verifier lives
             weakref.finalize(verifier, offload.cleanup)
         return verifier, verifier.device  # the first parameter's device, where the decoders put their inputs
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    assert device is not None
     verifier = load_verifier(args.verifier, revision=args.verifier_revision, dtype=dtype)
     return verifier.to(device), device  # type: ignore[arg-type]  # transformers' wrapped `to` reads as taking self
 

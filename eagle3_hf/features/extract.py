@@ -191,12 +191,26 @@ def data_fingerprint(args: argparse.Namespace) -> str:
     return tokenizer_fingerprint(tokenizer)
 
 
+MEMORY_HINT = ("extract it with --engine vllm over the GPUs that hold it (--tensor-parallel-size; `eagle3-hf plan` "
+               "sizes the engine), give it more memory (--device-map auto, --max-memory), or pass --offload-folder "
+               "DIR to spill the rest to disk, read back at every forward")
+
+
 def transformers_options(args: argparse.Namespace) -> tuple[TransformersOptions, Any]:
     """`extract`'s transformers options, and the temporary offload folder to remove once written (or None)."""
+    from ..verifier.memory import require_memory
+
     placed, offload_tmp = placement_kwargs(args)
     device = None
     if not args.device_map:
         device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    try:  # before a weight is read: a verifier its memory cannot hold is refused (verifier/memory.py)
+        require_memory(args.verifier, args.revision, args.torch_dtype, placed.get("device_map"),
+                       placed.get("max_memory"), device, args.offload_folder, MEMORY_HINT)
+    except UsageError:
+        if offload_tmp is not None:
+            offload_tmp.cleanup()
+        raise
     return TransformersOptions(load_kwargs={"dtype": args.torch_dtype, **placed}, device=device,
                                max_model_len=args.max_model_len), offload_tmp
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
+from .serving import PUSH_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-embed-tokens", action="store_true",
                         help="standard layout: also write embed_tokens (engines normally take the verifier's)")
     parser.add_argument("--revision", default=None)
-    parser.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=None, choices=[*PUSH_DTYPES, *PUSH_DTYPES.values()],
+                        help="the floating weights' dtype, as `push --dtype` (bf16 is what `push` uploads by "
+                             "default; d2t and t2d keep theirs); default: the checkpoint's")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     verifier = load_verifier(args.verifier) if args.verifier else None
     model = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, verifier=verifier,
-                                             dtype=args.dtype)
+                                             dtype=PUSH_DTYPES.get(args.dtype, args.dtype))
     if args.format == "speculators":
         if verifier is None and not model.embed_tokens_loaded:
             raise UsageError("--format speculators needs --verifier (the layout carries the verifier's embedding)")

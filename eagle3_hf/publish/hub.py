@@ -24,6 +24,7 @@ from typing import Any
 from ..constants import EVALUATION_FILE, TRAINING_FILE
 from .check import Finding, check_drafter
 from .model_card import write_model_card
+from .serving import DEFAULT_GPU_GIB, DEFAULT_PUSH_DTYPE, PUSH_DTYPES, stage_in_dtype, verifier_serving
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,20 @@ def _stage_model(model: Any, directory: Path) -> Path:
     return directory
 
 
-def _local_verifier(folder: Path) -> str | None:
-    """The verifier recorded with the checkpoint, when it is a local directory (checked without network)."""
+def _recorded_verifier(folder: Path) -> str | None:
+    """The verifier recorded with the checkpoint (its training record, else its config)."""
     name = None
     for file, key in ((TRAINING_FILE, "verifier"), ("config.json", "verifier_name_or_path")):
         try:
             name = name or json.loads((folder / file).read_text()).get(key)
         except (OSError, json.JSONDecodeError):
             continue
+    return str(name) if name else None
+
+
+def _local_verifier(folder: Path) -> str | None:
+    """The verifier recorded with the checkpoint, when it is a local directory (checked without network)."""
+    name = _recorded_verifier(folder)
     return name if name and Path(name).is_dir() else None
 
 
@@ -134,15 +141,22 @@ def push_drafter(
     commit_description: str | None = None,
     create_pr: bool = False,
     tags: list[str] | None = None,
+    dtype: str = DEFAULT_PUSH_DTYPE,
+    tensor_parallel: int | None = None,
+    gpu_memory_gib: float = DEFAULT_GPU_GIB,
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
     Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when
-    missing. `tags` are added to the card's own. Raises `DrafterCheckError` when the checkpoint would not serve,
-    `HubError` for auth / network / conflicts.
+    missing. `tags` are added to the card's own. The floating weights are uploaded in `dtype` (bf16, fp16, fp32;
+    d2t and t2d as stored); the serve commands carry the verifier's tensor-parallel size (`tensor_parallel`, else
+    derived for GPUs of `gpu_memory_gib`) and its remote code (publish/serving.py). Raises `DrafterCheckError` when
+    the checkpoint would not serve, `HubError` for auth / network / conflicts.
     """
     from huggingface_hub import HfApi, get_token
 
+    if dtype not in PUSH_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: one of {', '.join(PUSH_DTYPES)}")
     token = token if isinstance(token, str) and token else get_token()  # True: the stored token, as transformers
     if not token:
         raise HubError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token with write access)")
@@ -152,7 +166,9 @@ def push_drafter(
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(f"{folder} is not a drafter checkpoint directory (no config.json)")
         else:
-            folder = _stage_model(model_or_dir, Path(tmp))
+            folder = _stage_model(model_or_dir, Path(tmp) / "model")
+        source = folder
+        folder = stage_in_dtype(folder, Path(tmp) / "upload", dtype, ALLOW_PATTERNS, IGNORE_PATTERNS)
         if run_check:
             findings = check_drafter(folder, verifier=_local_verifier(folder), engine="all")
             if any(f.level == "error" for f in findings):
@@ -166,7 +182,8 @@ def push_drafter(
         if revision not in (None, "main"):
             with hub_errors(f"create branch {revision!r} in", repo_id, token):
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-        card = write_model_card(folder, repo_id)
+        serving = verifier_serving(_recorded_verifier(source), tensor_parallel, gpu_memory_gib)
+        card = write_model_card(folder, repo_id, serving=serving)
         if tags:
             _add_tags(card, tags)
         with hub_errors("upload to", repo_id, token):
@@ -196,13 +213,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="branch to push to (created from main if missing)")
     parser.add_argument("--commit-message", default=None)
     parser.add_argument("--no-check", action="store_true", help="push even if `eagle3-hf check` finds errors")
+    parser.add_argument("--dtype", choices=list(PUSH_DTYPES), default=DEFAULT_PUSH_DTYPE,
+                        help="the floating weights' dtype on the Hub (default %(default)s, what the engines run the "
+                             "drafter in; d2t and t2d keep theirs); the card states it")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="the verifier's tensor-parallel size in the card's serve commands (default: the fewest "
+                             "GPUs of --gpu-memory-gib whose memory at 80 %% holds the verifier's weights, read from "
+                             "its config and safetensors index)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_GIB,
+                        help="memory of one serving GPU, for the derived tensor-parallel size (H100 80, H200 141)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Token from HF_TOKEN or `hf auth login`; never from the command line, so it stays out of shell history."""
     try:
         url = push_drafter(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
-                           commit_message=args.commit_message, run_check=not args.no_check)
+                           commit_message=args.commit_message, run_check=not args.no_check, dtype=args.dtype,
+                           tensor_parallel=args.tensor_parallel_size, gpu_memory_gib=args.gpu_memory_gib)
     except (HubError, DrafterCheckError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

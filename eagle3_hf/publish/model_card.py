@@ -28,6 +28,7 @@ from typing import Any, TypeGuard
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..constants import EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE, VLLM_EVALUATION_FILE
+from .serving import ServingFacts, weights_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +42,39 @@ DEFAULT_SGLANG_FLAGS = ("--speculative-algorithm EAGLE3 --speculative-num-steps 
 DEFAULT_VLLM_TOKENS = 3
 
 
-def serve_commands(verifier: str, drafter: str, sweep: dict[str, Any] | None = None) -> dict[str, str]:
+def serve_commands(verifier: str, drafter: str, sweep: dict[str, Any] | None = None,
+                   serving: ServingFacts | None = None) -> dict[str, str]:
     """The exact SGLang and vLLM commands (the algorithm is EAGLE3, not EAGLE). With the sweep's JSON
     (`eagle3_sweep.json`), SGLang gets the flags of its recommendation (a tree's include an attention backend that
     serves trees) and vLLM, which drafts chains, the sweep's best chain; without one, chain drafting with 3 steps
-    (SGLang: 3 steps, top-1, 4 draft tokens including the root)."""
+    (SGLang: 3 steps, top-1, 4 draft tokens including the root). `serving` adds the verifier's tensor-parallel size
+    (above 1) and `--trust-remote-code` where its files name code of their own (publish/serving.py)."""
     sweep = sweep or {}
     flags = sweep.get("sglang_flags") or DEFAULT_SGLANG_FLAGS
     tokens = sweep.get("vllm_num_speculative_tokens") or DEFAULT_VLLM_TOKENS
     vllm_config = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": tokens})
+    tp = serving.tensor_parallel if serving and serving.tensor_parallel and serving.tensor_parallel > 1 else None
+    code = " --trust-remote-code" if serving and serving.trust_remote_code else ""
     return {
-        "sglang": f"python -m sglang.launch_server --model {verifier} --speculative-draft-model-path {drafter} "
-        f"{flags}",
-        "vllm": f"vllm serve {verifier} --speculative-config '{vllm_config}'",
+        "sglang": f"python -m sglang.launch_server --model {verifier}{f' --tp {tp}' if tp else ''}{code} "
+        f"--speculative-draft-model-path {drafter} {flags}",
+        "vllm": f"vllm serve {verifier}{f' --tensor-parallel-size {tp}' if tp else ''}{code} "
+        f"--speculative-config '{vllm_config}'",
     }
+
+
+def _serving_facts(serving: ServingFacts | None, weights: str | None) -> str:
+    """The card's paragraph on what the serve commands carry for the verifier, and the drafter's weights."""
+    lines = [f"Drafter weights: {weights or NOT_RECORDED} (the engines run the drafter in the verifier's dtype)."]
+    if serving is None:
+        lines.append("Tensor parallel: not derived (a verifier that does not fit one GPU needs SGLang's `--tp N` / "
+                     "vLLM's `--tensor-parallel-size N`).")
+        return " ".join(lines)
+    lines.append(f"Tensor parallel {serving.tensor_parallel or NOT_RECORDED}: {serving.tp_basis}.")
+    if serving.trust_remote_code:
+        lines.append(f"`--trust-remote-code`: the verifier's {' and '.join(serving.remote_code_files)} name code of "
+                     "its own (`auto_map`), which both engines run only with this flag; review that code first.")
+    return " ".join(lines)
 
 
 def _serve_note(sweep: dict[str, Any]) -> str:
@@ -246,8 +266,10 @@ def _layer_facts(config: dict[str, Any]) -> list[str]:
     return facts
 
 
-def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = None) -> ModelCard:
-    """The card for the checkpoint in `checkpoint_dir`, to be published as `repo_id`."""
+def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = None,
+                     serving: ServingFacts | None = None) -> ModelCard:
+    """The card for the checkpoint in `checkpoint_dir`, to be published as `repo_id`; `serving`: what the serve
+    commands carry for the verifier (publish/serving.py; `push` reads it from the verifier)."""
     root = Path(checkpoint_dir)
     config = _read_json(root / "config.json")
     training, evaluation = _read_json(root / TRAINING_FILE), _read_json(root / EVALUATION_FILE)
@@ -264,7 +286,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         license=training.get("license"),
     )
     serve_verifier = verifier if _is_repo_id(verifier) else "VERIFIER"
-    cmds = serve_commands(serve_verifier, drafter, sweep)
+    cmds = serve_commands(serve_verifier, drafter, sweep, serving)
     top = config.get("eagle_aux_hidden_state_layer_ids")
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     facts = [
@@ -293,6 +315,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         f"```bash\n{cmds['vllm']}\n```",
         "The algorithm must be `EAGLE3` (SGLang) / `eagle3` (vLLM): `EAGLE` / `eagle` expect a different "
         "(EAGLE-1/2) draft model.",
+        _serving_facts(serving, weights_dtype(root)),
         _evaluation_section(evaluation),
         *([_vllm_section(served)] if served else []),
         *([sweep_section(sweep)] if sweep else []),
@@ -302,12 +325,13 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}\n")
 
 
-def write_model_card(save_dir: str | os.PathLike, repo_id: str | None = None, overwrite: bool = False) -> Path:
+def write_model_card(save_dir: str | os.PathLike, repo_id: str | None = None, overwrite: bool = False,
+                     serving: ServingFacts | None = None) -> Path:
     """Write README.md into `save_dir`; a README we did not generate is kept unless `overwrite`."""
     path = Path(save_dir) / "README.md"
     if path.exists() and not overwrite and CARD_MARKER not in path.read_text(encoding="utf-8", errors="replace"):
         logger.info("keeping the existing %s (not generated by eagle3_hf)", path.name)
         return path
-    card = build_model_card(save_dir, repo_id)
+    card = build_model_card(save_dir, repo_id, serving)
     path.write_text(str(card), encoding="utf-8")
     return path

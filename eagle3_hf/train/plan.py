@@ -14,6 +14,10 @@ through its DeepSpeed file the ZeRO stage and offload). The verifier's sizes com
   logits and the teacher's probabilities (at the positions the loss reads), plus what the largest of three
   moments adds: the end of the loss forward, the loss's backward, the last TTT step's layer backward.
   Validated against measured peaks by `bench/plan_memory.py` (docs/results/plan.md).
+
+Time is the longer of the training's compute and its feature reads (plan_disk.py); the extraction engine spans the
+GPUs that hold the verifier's weights (verifier/footprint.py), and a verifier no engine of a node can hold is a
+DOES NOT FIT verdict.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import UsageError
+from ..verifier.footprint import Footprint, footprint, verifier_params
+from .plan_disk import extraction_budget, extraction_lines, stored_dtype, training_read_lines, training_reads
 from .plan_inputs import (
     Launch,
     dataset_from_features,
@@ -32,9 +38,10 @@ from .plan_inputs import (
     load_yaml_or_json,
     read_launch,
     verifier_text_config,
+    verifier_weights,
 )
-from .plan_reader import READER_GBPS, node_prefill_tokens_per_s, reader_lines, reader_plan
-from .shm import shm_plan, shm_plan_line
+from .plan_reader import READER_GBPS, engine_size, node_prefill_tokens_per_s, reader_lines, reader_plan
+from .shm import feature_dtype, shm_plan, shm_plan_line
 
 if TYPE_CHECKING:
     from ..model.configuration_eagle3 import Eagle3Config
@@ -136,38 +143,6 @@ def train_flops_per_token(config: Eagle3Config, ttt_steps: int, mean_document: f
 # ---------------------------------------------------------------------------------------------- verifier, features
 
 
-def verifier_params(cfg: dict[str, Any]) -> dict[str, float]:
-    """Total and per-token active parameters of a decoder LM (dense or MoE; MLA or GQA attention). Active =
-    attention + dense FFN layers + for MoE layers the shared and top-k routed experts and the router, + lm_head;
-    the embedding lookup does no FLOPs and is counted in total only."""
-    h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    nh = int(cfg["num_attention_heads"])
-    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V3, Kimi-K2)
-        qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-        q_lora = cfg.get("q_lora_rank")
-        q = h * int(q_lora) + int(q_lora) * nh * qk if q_lora else h * nh * qk
-        kv_lora = int(cfg["kv_lora_rank"])
-        attn = (q + h * (kv_lora + int(cfg["qk_rope_head_dim"])) + kv_lora * nh * (int(cfg["qk_nope_head_dim"])
-                + int(cfg["v_head_dim"])) + nh * int(cfg["v_head_dim"]) * h)
-    else:
-        hd = int(cfg.get("head_dim") or h // nh)
-        attn = 2 * h * nh * hd + 2 * h * int(cfg.get("num_key_value_heads") or nh) * hd
-    dense_ffn = 3 * h * int(cfg["intermediate_size"])
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if experts:
-        moe_i = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        shared, topk = int(cfg.get("n_shared_experts") or 0), int(cfg["num_experts_per_tok"])
-        dense_layers = int(cfg.get("first_k_dense_replace") or 0)
-        moe_layers = layers - dense_layers
-        ffn_total = dense_layers * dense_ffn + moe_layers * ((experts + shared) * 3 * h * moe_i + h * experts)
-        ffn_active = dense_layers * dense_ffn + moe_layers * ((topk + shared) * 3 * h * moe_i + h * experts)
-    else:
-        ffn_total = ffn_active = layers * dense_ffn
-    head = vocab * h
-    embed = 0 if cfg.get("tie_word_embeddings") else vocab * h
-    return {"total": layers * attn + ffn_total + head + embed, "active": layers * attn + ffn_active + head}
-
-
 def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
     """Bytes the shard writer stores per token: input_ids and verifier_greedy int32, loss_mask uint8, three
     aux states and the last hidden state, and for fp8 one fp32 scale per hidden-size row (features/quantize.py)."""
@@ -176,6 +151,8 @@ def feature_bytes_per_token(target_hidden: int, dtype: str) -> int:
         return ids + 4 * target_hidden * 2
     if dtype == "fp8":
         return ids + 4 * target_hidden + 4 * 4
+    if dtype == "fp32":
+        return ids + 4 * target_hidden * 4
     raise ValueError(f"unknown feature dtype {dtype!r}")
 
 
@@ -234,10 +211,12 @@ def zero3_gathered_bytes(config: Eagle3Config, ttt_steps: int, freeze_lm_head: b
 
 def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any], dataset_tokens: float | None, *,
                draft_vocab: int = 32000, gpu_memory_gib: float = 80.0, reserve_gib: float = 2.0, mfu: float = 0.35,
-               peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int = 8,
-               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0, gpus_per_engine: int = 1,
-               reader_gbps: float = READER_GBPS) -> dict[str, Any]:
-    """Everything `eagle3-hf plan` prints, as a dict (the command formats it)."""
+               peak_tflops: float = 989.0, mean_document: float | None = None, extract_gpus: int | None = None,
+               extract_tokens_per_s: float | None = None, disk_gbps: float = 2.0, gpus_per_engine: int | None = None,
+               reader_gbps: float = READER_GBPS, verifier_weights: Footprint | None = None) -> dict[str, Any]:
+    """Everything `eagle3-hf plan` prints, as a dict (the command formats it). `extract_gpus`: every node's (default
+    8 per machine of the launch); `gpus_per_engine`: derived from the verifier's weights (`verifier_weights`, else
+    its text config in bf16) when not given."""
     from ..model.configuration_eagle3 import Eagle3Config
 
     steps = int(recipe.get("ttt_steps", 3))
@@ -282,10 +261,17 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
     ranks = max(1, launch.num_processes // max(1, launch.num_machines))
     plan["shm"] = shm_plan(recipe, ranks, _sizes(config)[2])
     verifier = verifier_params(text_cfg)
+    nodes = max(1, launch.num_machines)
+    extract_gpus = extract_gpus or 8 * nodes
+    weights = verifier_weights or footprint(text_cfg, "bfloat16")
+    engine = engine_size(weights.bytes, weights.describe(), gpu_memory_gib, max(1, extract_gpus // nodes),
+                         gpus_per_engine)
     node_tps = extract_tokens_per_s or node_prefill_tokens_per_s(verifier["active"], extract_gpus, mfu, peak_tflops)
-    plan["reader"] = reader_plan(int(text_cfg["hidden_size"]), node_tps, extract_gpus, gpus_per_engine, reader_gbps)
+    plan["reader"] = reader_plan(int(text_cfg["hidden_size"]), node_tps, extract_gpus, engine["gpus_per_engine"],
+                                 reader_gbps, nodes)
     plan["verifier"] = {"layers": int(text_cfg["num_hidden_layers"]), "hidden_size": int(text_cfg["hidden_size"]),
-                        "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()}}
+                        "vocab_size": int(text_cfg["vocab_size"]), **{f"params_{k}": v for k, v in verifier.items()},
+                        "weights_bytes": weights.bytes, "weights": weights.describe(), **engine}
     if dataset_tokens:
         doc = min(mean_document or micro_tokens, int(recipe.get("max_seq_len", 2048)))
         train_tokens = dataset_tokens * (1 - float(recipe.get("validation_fraction", 0.0)))
@@ -294,16 +280,12 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
         rate = peak_tflops * 1e12 * mfu
         epochs = float(recipe.get("num_train_epochs", 1))
         per_token = feature_bytes_per_token(_sizes(config)[2], "bf16")
-        # the extraction's budget: prefill tokens/s (given, or the FLOPs at MFU on extract_gpus) against the disk
-        tps = node_tps
-        disk_tps = disk_gbps * 1e9 / per_token
-        plan["extraction"] = {
-            "tokens_per_s": tps, "tokens_per_s_from": "assumed, --extract-tokens-per-s" if extract_tokens_per_s
-            else f"2 x active FLOPs at {mfu:.0%} MFU on {extract_gpus} GPUs",
-            "write_gbps": tps * per_token / 1e9, "disk_gbps": disk_gbps,
-            "bound": "disk" if disk_tps < tps else "verifier",
-            "hours": dataset_tokens / min(tps, disk_tps) / 3600, "bytes": per_token * dataset_tokens,
-        }
+        # the extraction's budget: prefill tokens/s (given, or the FLOPs at MFU on extract_gpus) against the disks
+        plan["extraction"] = extraction_budget(
+            dataset_tokens, node_tps, "assumed, --extract-tokens-per-s" if extract_tokens_per_s
+            else f"2 x active FLOPs at {mfu:.0%} MFU on {extract_gpus} GPUs", per_token, disk_gbps, nodes)
+        compute_hours = epochs * epoch_flops / rate / 3600 / launch.num_processes
+        stored = stored_dtype(feature_dtype(recipe.get("features")))
         plan["data"] = {
             "tokens": dataset_tokens, "mean_document_tokens": doc,
             "disk_bf16": feature_bytes_per_token(_sizes(config)[2], "bf16") * dataset_tokens,
@@ -311,8 +293,9 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
             "extract_flops": extract_flops, "extract_gpu_hours": extract_flops / rate / 3600,
             "extract_hours": extract_flops / rate / 3600 / extract_gpus, "extract_gpus": extract_gpus,
             "epoch_flops": epoch_flops, "epoch_hours": epoch_flops / rate / 3600 / launch.num_processes,
-            "epochs": epochs, "run_hours": epochs * epoch_flops / rate / 3600 / launch.num_processes,
-            "mfu": mfu, "peak_tflops": peak_tflops,
+            "epochs": epochs, "mfu": mfu, "peak_tflops": peak_tflops, "features_dtype": stored,
+            **training_reads(recipe, launch, dataset_tokens, feature_bytes_per_token(_sizes(config)[2], stored),
+                             epochs, disk_gbps, compute_hours),
         }
         plan["data"].update(feature_read_rate(config, steps, doc, rate, launch, not frozen_head))
     return plan
@@ -327,16 +310,6 @@ def feature_read_rate(config: Eagle3Config, ttt_steps: int, mean_document: float
     tokens = per_gpu * gpus_per_node
     return {"read_tokens_per_s_per_node": tokens,
             "read_bytes_per_s_per_node": tokens * feature_bytes_per_token(_sizes(config)[2], "bf16")}
-
-
-def extraction_lines(plan: dict[str, Any]) -> list[str]:
-    """The extraction's time and disk budget, printed beside the training's."""
-    e = plan.get("extraction")
-    if not e:
-        return []
-    return [f"  extract at  {e['tokens_per_s']:,.0f} tokens/s ({e['tokens_per_s_from']})",
-            f"              writes {e['write_gbps']:.2f} GB/s of bf16 features: {e['bytes'] / 1e9:,.0f} GB in "
-            f"{e['hours']:.2f} h ({e['bound']}-bound; disk {e['disk_gbps']:g} GB/s)"]
 
 
 def format_plan(plan: dict[str, Any], title: str) -> str:
@@ -370,6 +343,16 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
     v = plan["verifier"]
     lines.append(f"  verifier    {v['layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}: "
                  f"{v['params_total'] / 1e9:.1f} B parameters, {v['params_active'] / 1e9:.1f} B active per token")
+    lines += [f"              weights {v['weights']}",
+              f"              an extraction engine spans {v['gpus_per_engine']} GPU(s) of {m['gpu_memory_gib']:g} GiB: "
+              f"the weights take {v['weight_share']:.0%} of them"
+              + (" (--extract-gpus-per-engine)" if not v["derived"] else " (the fewest holding them at 80 %)"
+                 if v["gpus_at_80"] <= v["gpus_per_engine"] else f" (a node's; {v['gpus_at_80']} would hold them at "
+                 "80 %)")
+              + ("; little room is left for the KV cache (larger GPUs, or a lower --vllm-batch-size)"
+                 if v["weight_share"] > 0.8 and not v.get("problem") else "")]
+    if v.get("problem"):
+        lines.append(f"  verdict     DOES NOT FIT: {v['problem']}")
     lines += reader_lines(plan["reader"]) if "reader" in plan else []
     if "data" in plan:
         x = plan["data"]
@@ -380,11 +363,12 @@ def format_plan(plan: dict[str, Any], title: str) -> str:
             f"GPU-hours, {x['extract_hours']:.2f} h on {x['extract_gpus']} GPUs",
             *extraction_lines(plan),
             f"  training    {x['epoch_flops']:.2e} FLOPs/epoch (documents ~{x['mean_document_tokens']:.0f} tokens): "
-            f"{x['epoch_hours']:.2f} h/epoch, {x['run_hours']:.1f} h for {x['epochs']:g} epochs on "
-            f"{lc['num_processes']} GPU(s)",
+            f"{x['epoch_hours']:.2f} h/epoch, {x['compute_hours']:.2f} h of compute for {x['epochs']:g} epochs "
+            f"on {lc['num_processes']} GPU(s)",
             f"              at {x['mfu']:.0%} MFU of {x['peak_tflops']:g} TFLOP/s bf16 per GPU",
             f"  reading     {x['read_tokens_per_s_per_node'] / 1e3:,.0f} k tokens/s per node = "
             f"{x['read_bytes_per_s_per_node'] / 1e9:.2f} GB/s of bf16 features, for the GPUs never to wait",
+            *training_read_lines(x),
         ]
     if "shm" in plan:
         lines.append(shm_plan_line(plan["shm"]))
@@ -407,10 +391,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gib", type=float, default=2.0, help="kept back for the CUDA context, NCCL")
     parser.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 989)")
-    parser.add_argument("--extract-gpus", type=int, default=8, help="GPUs running the verifier for extraction")
-    parser.add_argument("--extract-gpus-per-engine", type=int, default=1,
+    parser.add_argument("--extract-gpus", type=int, default=None,
+                        help="GPUs running the verifier for extraction, every node's (default: 8 per machine of the "
+                             "accelerate config)")
+    parser.add_argument("--extract-gpus-per-engine", type=int, default=None,
                         help="GPUs per vLLM engine (its tensor x pipeline parallel size: 8 for Kimi-K2.5, 1 for an "
-                             "8B model run as 8 replicas), for the readers each engine needs")
+                             "8B model run as 8 replicas), for the readers each engine needs (default: the fewest, a "
+                             "power of two, whose --gpu-memory-gib at 80 %% holds the verifier's weights; refused "
+                             "when the weights exceed the engine's GPUs)")
+    parser.add_argument("--verifier-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                        help="dtype the engines load the verifier in (default auto: the checkpoint's, bf16 for an "
+                             "fp32 one; a quantized checkpoint is sized as stored)")
     parser.add_argument("--reader-gbps", type=float, default=READER_GBPS,
                         help="GB/s of vLLM's connector files one reader thread of `extract --engine vllm` takes "
                              "(default: bench/vllm_reader.py's measurement, docs/results/vllm_reader.md)")
@@ -418,7 +409,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill tokens/s the extraction reaches, all its GPUs together (default: 2 x active "
                              "FLOPs per token at --mfu on --extract-gpus)")
     parser.add_argument("--disk-gbps", type=float, default=2.0,
-                        help="GB/s the feature disk sustains for writing (default 2)")
+                        help="GB/s one node's feature disk sustains, written by the extraction and read by every "
+                             "epoch of training (default 2; a shared filesystem: its total over the nodes)")
     parser.add_argument("--json", default=None, help="also write the plan to this file")
 
 
@@ -428,13 +420,15 @@ def run(args: argparse.Namespace) -> int:
     tokens, mean_document = args.dataset_tokens, args.mean_document_tokens
     if tokens is None and (found := dataset_from_features(recipe)):
         tokens, mean_document = found[0], mean_document or found[1]
-    plan = build_plan(recipe, launch, verifier_text_config(recipe, args.verifier_config), tokens,
+    text_cfg = verifier_text_config(recipe, args.verifier_config)
+    plan = build_plan(recipe, launch, text_cfg, tokens,
                       draft_vocab=args.draft_vocab or draft_vocab_from_features(recipe) or 32000,
                       gpu_memory_gib=args.gpu_memory_gib, reserve_gib=args.reserve_gib,
                       mfu=args.mfu, peak_tflops=args.peak_tflops, mean_document=mean_document,
                       extract_gpus=args.extract_gpus, extract_tokens_per_s=args.extract_tokens_per_s,
                       disk_gbps=args.disk_gbps, gpus_per_engine=args.extract_gpus_per_engine,
-                      reader_gbps=args.reader_gbps)
+                      reader_gbps=args.reader_gbps,
+                      verifier_weights=verifier_weights(recipe, args.verifier_config, args.verifier_dtype, text_cfg))
     title = f"{args.recipe}" + (f" with {args.accelerate_config}" if args.accelerate_config else "")
     print(format_plan(plan, title))
     if tokens is None:
@@ -442,4 +436,4 @@ def run(args: argparse.Namespace) -> int:
               "for disk, FLOPs and time)")
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1), encoding="utf-8")
-    return 0 if plan["memory"]["fits"] else 1
+    return 0 if plan["memory"]["fits"] and not plan["verifier"].get("problem") else 1

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..verifier.footprint import Footprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,3 +105,27 @@ def draft_vocab_from_features(recipe: dict[str, Any]) -> int | None:
         return None
     with safe_open(str(path), framework="pt") as f:
         return int(f.get_slice("d2t").get_shape()[0])
+
+
+def verifier_weights(recipe: dict[str, Any], verifier_config: str | None, dtype: str,
+                     text_cfg: dict[str, Any]) -> Footprint:
+    """The verifier's weights as an engine loads them (verifier/footprint.py): `--verifier-config`'s file, else the
+    recipe's verifier's config.json and safetensors index (never a weight), else its text config. `dtype` auto: the
+    checkpoint's, bf16 where that is fp32 (vLLM serves an fp32 checkpoint in 16 bits)."""
+    from ..verifier.footprint import checkpoint_footprint, config_dtype, footprint
+
+    def chosen(config: dict[str, Any]) -> str:
+        if dtype != "auto":
+            return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+        return "bfloat16" if config_dtype(config) == "float32" else config_dtype(config)
+
+    if verifier_config:
+        config = load_yaml_or_json(verifier_config)
+        return footprint(config, chosen(config))
+    try:
+        from ..verifier.checkpoint_files import CheckpointFiles
+
+        config = CheckpointFiles(str(recipe["verifier"])).config()
+        return checkpoint_footprint(str(recipe["verifier"]), chosen(config))
+    except Exception:  # noqa: BLE001 - offline or gated: the text config's sizes still give the weights
+        return footprint(text_cfg, chosen(text_cfg))

@@ -25,23 +25,52 @@ def node_prefill_tokens_per_s(active_params: float, gpus: int, mfu: float, peak_
 
 
 def reader_plan(hidden: int, node_tokens_per_s: float, extract_gpus: int = 8, gpus_per_engine: int = 1,
-                reader_gbps: float = READER_GBPS) -> dict[str, Any]:
+                reader_gbps: float = READER_GBPS, nodes: int = 1) -> dict[str, Any]:
     """Each engine's tokens/s against one reader's, and the readers that keep up: per engine (`--vllm-readers`)
-    and per node (all ranks' threads together)."""
+    and per node (the threads of the node's own engines: `extract_gpus` and `node_tokens_per_s` count every
+    node's)."""
     file_bytes = CAPTURED_STATES * hidden * FILE_ELEMENT_BYTES
     per_reader = reader_gbps * 1e9 / file_bytes
     engines = max(1, extract_gpus // max(1, gpus_per_engine))
     per_engine = node_tokens_per_s / engines
     readers = max(1, math.ceil(per_engine / per_reader))
+    engines_per_node = math.ceil(engines / max(1, min(nodes, engines)))
     return {"file_bytes_per_token": file_bytes, "reader_gbps": reader_gbps, "tokens_per_s_per_reader": per_reader,
             "engines": engines, "gpus_per_engine": max(1, gpus_per_engine), "tokens_per_s_per_engine": per_engine,
-            "readers_per_engine": readers, "readers_per_node": engines * readers}
+            "readers_per_engine": readers, "nodes": max(1, nodes), "engines_per_node": engines_per_node,
+            "readers_per_node": engines_per_node * readers}
 
 
 def reader_lines(r: dict[str, Any]) -> list[str]:
     """The reader's two lines of `eagle3-hf plan`."""
     return [f"  vLLM reader {r['file_bytes_per_token']:,} B/token of vLLM's files; one reader thread: "
             f"{r['tokens_per_s_per_reader']:,.0f} tokens/s (--reader-gbps {r['reader_gbps']:g})",
-            f"              {r['engines']} engine(s) x {r['gpus_per_engine']} GPU(s) at "
-            f"{r['tokens_per_s_per_engine']:,.0f} tokens/s each: --vllm-readers {r['readers_per_engine']} per "
+            f"              {r['engines']} engine(s) x {r['gpus_per_engine']} GPU(s)"
+            + (f" on {r['nodes']} nodes" if r.get("nodes", 1) > 1 else "")
+            + f" at {r['tokens_per_s_per_engine']:,.0f} tokens/s each: --vllm-readers {r['readers_per_engine']} per "
             f"engine ({r['readers_per_node']} per node)"]
+
+
+def engine_size(weight_bytes: float, what: str, gpu_gib: float, gpus_per_node: int,
+                given: int | None = None) -> dict[str, Any]:
+    """The GPUs one extraction engine spans: `given` (--extract-gpus-per-engine), else the fewest (a power of two)
+    whose memory at 80 % holds the verifier's weights, at most the node's. `problem`: one line when the weights
+    alone exceed the engine's GPUs (`what` describes the weights: footprint.Footprint.describe), else None."""
+    from ..verifier.footprint import engine_gpus
+
+    gpu_bytes = gpu_gib * 2**30
+    problem = None
+    if given is not None:
+        gpus = given
+        if given * gpu_bytes < weight_bytes:
+            problem = (f"the verifier's weights take {what}, more than --extract-gpus-per-engine {given} x "
+                       f"--gpu-memory-gib {gpu_gib:g} hold: an engine needs at least "
+                       f"{math.ceil(weight_bytes / gpu_bytes)} such GPUs")
+    else:
+        gpus = min(engine_gpus(weight_bytes, gpu_bytes), max(1, gpus_per_node))
+        if engine_gpus(weight_bytes, gpu_bytes, 1.0) > gpus_per_node:
+            problem = (f"the verifier's weights take {what}, more than the {gpus_per_node} GPU(s) of "
+                       f"{gpu_gib:g} GiB of a node (--extract-gpus, --gpu-memory-gib) hold: no engine of one node "
+                       "can load them")
+    return {"gpus_per_engine": gpus, "derived": given is None, "weight_share": weight_bytes / (gpus * gpu_bytes),
+            "gpus_at_80": engine_gpus(weight_bytes, gpu_bytes), "problem": problem}

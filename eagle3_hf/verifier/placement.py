@@ -26,7 +26,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser, budget_example: str
     parser.add_argument("--max-memory", default=None,
                         help=f"with --device-map: per-device budget, e.g. {budget_example}")
     parser.add_argument("--offload-folder", default=None,
-                        help="with --device-map: where weights that fit no device go (default: a temporary folder)")
+                        help="with --device-map: where weights that fit no device go, read back from disk at every "
+                             "forward (default: a temporary folder; `extract` refuses a verifier its memory cannot "
+                             "hold unless this is given)")
 
 
 def placement_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], tempfile.TemporaryDirectory | None]:

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from tests.helpers.drafters import write_drafter
 from tests.helpers.hub_server import READ_TOKEN as READ
 from tests.helpers.hub_server import WRITE_TOKEN as WRITE
 from tests.helpers.hub_server import client_pointed_at
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAINING = {
     "verifier": "moonshotai/Kimi-K2.5",
@@ -63,7 +66,12 @@ def test_push_download_round_trip_with_card_and_revision(client, tmp_path):
     assert next(f for f in api.list_repo_tree("tester/kimi-eagle3") if f.path == "model.safetensors").lfs is not None
     local = snapshot_download("tester/kimi-eagle3")
     expected, got = load_file(src / "model.safetensors"), load_file(os.path.join(local, "model.safetensors"))
-    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert expected.keys() == got.keys()  # bf16 on the Hub (push's default); d2t and t2d as stored
+    assert all(torch.equal(expected[k].to(torch.bfloat16) if expected[k].is_floating_point() else expected[k], got[k])
+               for k in expected)
+    assert got["d2t"].dtype == torch.int64 and got["t2d"].dtype == torch.bool
+    assert got["fc.weight"].dtype == torch.bfloat16
+    assert json.load(open(os.path.join(local, "config.json")))["dtype"] == "bfloat16"
 
     card = ModelCard.load("tester/kimi-eagle3")
     assert card.data.base_model == "moonshotai/Kimi-K2.5" and card.data.library_name == "transformers"
@@ -168,8 +176,49 @@ def test_push_a_model_object_and_load_it_back(client, tmp_path):
     push_drafter(model, "tester/from-model", revision="v1")
     loaded = Eagle3DraftModel.from_pretrained("tester/from-model", revision="v1")
     state, back = model.state_dict(), loaded.state_dict()
-    for name in ("lm_head.weight", "fc.weight", "d2t", "t2d"):
-        assert torch.equal(state[name], back[name])
+    assert set(back) == set(state) - {"embed_tokens.weight"} or set(back) == set(state)
+    for name, tensor in back.items():  # the pushed weights are the fp32 ones within bf16 rounding
+        if not state[name].is_floating_point():
+            assert torch.equal(state[name], tensor) and tensor.dtype == state[name].dtype, name  # d2t, t2d
+        elif name != "embed_tokens.weight":  # loaded in fp32 here: the bf16 values, exactly
+            torch.testing.assert_close(tensor.float(), state[name], rtol=2**-8, atol=0, msg=name)
+            assert torch.equal(tensor, state[name].to(torch.bfloat16).to(tensor.dtype)), name
+    push_drafter(model, "tester/from-model-fp32", dtype="fp32")  # told: the weights as trained, bit for bit
+    exact = Eagle3DraftModel.from_pretrained("tester/from-model-fp32").state_dict()
+    assert all(torch.equal(state[k], exact[k]) for k in ("lm_head.weight", "fc.weight", "d2t", "t2d"))
+
+
+def test_the_card_serves_a_remote_code_verifier_over_the_gpus_that_hold_it(client, tmp_path):
+    """A Kimi-K2.5-shaped verifier (its config sizes, INT4 experts, auto_map in config and tokenizer config, no
+    weights): the serve commands carry --tp 8 / --tensor-parallel-size 8 on 141 GiB GPUs and --trust-remote-code;
+    the card says why, and the drafter's dtype."""
+    from huggingface_hub import ModelCard
+
+    from eagle3_hf.publish.serving import verifier_serving
+
+    verifier = tmp_path / "kimi"
+    verifier.mkdir()
+    config = json.loads((ROOT / "examples/recipes/kimi_k25_text_config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_kimi.KimiConfig"}
+    (verifier / "config.json").write_text(json.dumps(config))
+    (verifier / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.T", None]}}))
+    facts = verifier_serving(str(verifier), gpu_gib=141)
+    assert facts.tensor_parallel == 8 and facts.trust_remote_code
+    assert facts.remote_code_files == ("config.json", "tokenizer_config.json")
+    on_h100 = verifier_serving(str(verifier), gpu_gib=80)  # 594 GB > 80 % of 8 x 80 GiB
+    assert on_h100.tensor_parallel == 16 and "more than one 8-GPU node" in on_h100.tp_basis
+    assert verifier_serving(str(verifier), tensor_parallel=4).tensor_parallel == 4
+    src = drafter(tmp_path, training=dict(TRAINING, verifier=str(verifier)))
+    push_drafter(src, "tester/kimi-tp", gpu_memory_gib=141, run_check=False)
+    text = ModelCard.load("tester/kimi-tp").text
+    assert "python -m sglang.launch_server --model VERIFIER --tp 8 --trust-remote-code" in text
+    assert "vllm serve VERIFIER --tensor-parallel-size 8 --trust-remote-code --speculative-config" in text
+    assert "Tensor parallel 8: the fewest GPUs of 141 GiB" in text and "Drafter weights: bfloat16" in text
+    assert "config.json and tokenizer_config.json name code of its own" in text
+    # a verifier that cannot be read: no flags, and the card says the size was not derived
+    plain = serve_commands("org/verifier", "org/drafter")
+    assert "--tp" not in plain["sglang"] and "--tensor-parallel-size" not in plain["vllm"]
+    assert "Tensor parallel: not derived" in build_model_card(drafter(tmp_path, "d3")).text
 
 
 # -- the card alone ----------------------------------------------------------------------------------------
@@ -222,3 +271,18 @@ def test_push_to_hub_refuses_an_argument_it_would_drop_and_takes_transformers_on
     model.push_to_hub("tester/args", tags=["my-tag"], commit_description="first drafter")
     card = ModelCard.load(hf_hub_download("tester/args", "README.md"))
     assert "my-tag" in card.data.tags and "eagle3" in " ".join(card.data.tags)
+
+
+def test_export_takes_push_dtypes_and_keeps_the_vocabulary_maps(tmp_path):
+    """`export --dtype bf16` writes what `push` uploads by default; d2t stays int64 and t2d bool."""
+    from eagle3_hf.cli import main
+
+    src = drafter(tmp_path)
+    assert main(["export", str(src), "--output", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    got, before = load_file(tmp_path / "bf16" / "model.safetensors"), load_file(src / "model.safetensors")
+    assert got["fc.weight"].dtype == torch.bfloat16 and torch.equal(got["fc.weight"],
+                                                                    before["fc.weight"].to(torch.bfloat16))
+    assert got["d2t"].dtype == torch.int64 and got["t2d"].dtype == torch.bool
+    assert torch.equal(got["d2t"], before["d2t"]) and torch.equal(got["t2d"], before["t2d"])
+    assert main(["export", str(src), "--output", str(tmp_path / "same")]) == 0
+    assert load_file(tmp_path / "same" / "model.safetensors")["fc.weight"].dtype == before["fc.weight"].dtype

@@ -37,7 +37,9 @@ def test_kimi_recipes_fit_on_80_gib_and_say_plainly_when_they_do_not(capsys, tmp
     assert rc == 0 and eight["launch"]["zero_stage"] == 3 and eight["launch"]["num_processes"] == 8
     assert eight["memory"]["model_states"] < one["memory"]["model_states"] / 2  # ZeRO-3 partitions the states
     rc, text, small = plan(capsys, tmp_path, "kimi_k25_1gpu.yaml", "1gpu.yaml", "--gpu-memory-gib", "16")
-    assert rc == 1 and "DOES NOT FIT" in text and not small["memory"]["fits"]
+    assert rc == 1 and "DOES NOT FIT: needs" in text and not small["memory"]["fits"]
+    # and 8 such GPUs cannot hold the verifier's 594 GB for the extraction either: said in the same verdict form
+    assert "DOES NOT FIT: the verifier's weights take 594" in text and small["verifier"]["problem"]
 
 
 def test_feature_disk_is_what_the_shard_writer_stores(tmp_path):
@@ -147,6 +149,61 @@ def test_extraction_budget_beside_training(capsys, tmp_path):
     assert slow["extraction"]["hours"] == pytest.approx(17.3e6 * per_token / 0.5e9 / 3600)
 
 
+def test_the_run_takes_as_long_as_its_disk_reads_when_they_are_slower_than_the_gpus(capsys, tmp_path):
+    """5 epochs of Kimi-K2.5's 924 GiB of bf16 features at 2 GB/s take at least 0.64 h, far longer than the GPUs'
+    compute: the run is disk-bound and says so; a small verifier's features keep up with its GPUs."""
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--disk-gbps", "2",
+                       "--mean-document-tokens", "1730")
+    x = p["data"]
+    assert rc == 0 and x["bound"] == "disk" and x["run_hours"] >= 5 * 924e9 / 2e9 / 3600 >= 0.64
+    assert x["run_hours"] == x["read_hours"] > x["compute_hours"]
+    per_token = feature_bytes_per_token(7168, "bf16")
+    assert x["evaluations"] == 11  # of the 5 % split: every 500 of 5,020 steps, and the final one
+    assert x["read_bytes_per_node"] == pytest.approx(17.3e6 * per_token * (5 * 0.95 + 11 * 0.05))
+    assert f"run         {x['run_hours']:.2f} h (bound: disk;" in text
+    # on a fast disk the same run is bound by its compute
+    _, text, fast = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--disk-gbps", "100",
+                         "--mean-document-tokens", "1730")
+    assert fast["data"]["bound"] == "compute" and fast["data"]["run_hours"] == fast["data"]["compute_hours"]
+    assert "(bound: compute;" in text
+
+
+def test_a_small_recipe_is_compute_bound(capsys, tmp_path):
+    """One GPU reads what it trains on well within the disk: the Kimi-K2.5 1-GPU recipe (1.3 GB/s of features at
+    2 GB/s), and the demo's CPU recipe on its tiny verifier."""
+    from tests.helpers.data import save_verifier
+
+    rc, text, one = plan(capsys, tmp_path, "kimi_k25_1gpu.yaml", "1gpu.yaml", "--mean-document-tokens", "1730")
+    x = one["data"]
+    assert rc == 0 and x["bound"] == "compute" and x["run_hours"] == x["compute_hours"] > x["read_hours"]
+    assert "(bound: compute;" in text
+    save_verifier(tmp_path / "verifier")
+    out = tmp_path / "small.json"
+    assert cli_main(["plan", str(ROOT / "examples/recipes/small_cpu.yaml"), "--accelerate-config",
+                     str(ROOT / "accelerate_configs/cpu_2proc.yaml"), "--verifier-config",
+                     str(tmp_path / "verifier" / "config.json"), "--dataset-tokens", "1e5", "--draft-vocab", "128",
+                     "--peak-tflops", "0.2", "--json", str(out)]) == 0
+    x = json.loads(out.read_text())["data"]
+    assert x["bound"] == "compute" and x["run_hours"] == x["compute_hours"] > x["read_hours"]
+    assert x["evaluations"] == 7  # every one of 6 epochs + the final one
+
+
+def test_two_nodes_read_half_each_and_need_the_readers_of_their_own_engines(capsys, tmp_path):
+    """Two nodes: each node's engines, readers and disk carry half of the run; per node nothing doubles."""
+    args = ("--extract-tokens-per-s", "40000", "--mean-document-tokens", "1730")
+    _, _, one = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", *args)
+    rc, text, two = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "multinode_ddp_template.yaml",
+                         "--extract-tokens-per-s", "80000", "--mean-document-tokens", "1730")
+    assert rc == 0 and one["verifier"]["gpus_per_engine"] == two["verifier"]["gpus_per_engine"] == 8
+    r1, r2 = one["reader"], two["reader"]
+    assert r2["engines"] == 2 * r1["engines"] == 2 and r2["engines_per_node"] == r1["engines_per_node"] == 1
+    assert r2["readers_per_node"] == r1["readers_per_node"] == r1["readers_per_engine"]
+    assert f"({r1['readers_per_node']} per node)" in text
+    assert two["data"]["read_bytes_per_node"] < 0.55 * one["data"]["read_bytes_per_node"]  # half, fewer evaluations
+    assert two["extraction"]["hours"] == pytest.approx(one["extraction"]["hours"] / 2)
+    assert two["extraction"]["write_gbps"] == pytest.approx(one["extraction"]["write_gbps"])  # per node
+
+
 def test_the_vllm_readers_a_node_needs(capsys, tmp_path):
     """One engine over 8 GPUs (Kimi) takes all the node's prefill through one process; 8 replicas split it."""
     from eagle3_hf.train.plan_reader import reader_plan
@@ -163,3 +220,28 @@ def test_the_vllm_readers_a_node_needs(capsys, tmp_path):
     replicas = reader_plan(4096, 160000, extract_gpus=8, gpus_per_engine=1, reader_gbps=0.5)
     assert replicas["engines"] == 8 and replicas["tokens_per_s_per_engine"] == 20000
     assert replicas["readers_per_engine"] == 2 and replicas["readers_per_node"] == 16  # 15,259 tokens/s per reader
+    # 16 replicas over two nodes at twice the rate: each node still runs 8 of them, 16 readers
+    two = reader_plan(4096, 320000, extract_gpus=16, gpus_per_engine=1, reader_gbps=0.5, nodes=2)
+    assert two["engines"] == 16 and two["engines_per_node"] == 8 and two["readers_per_node"] == 16
+
+
+def test_the_extraction_engine_spans_the_gpus_that_hold_the_verifiers_weights(capsys, tmp_path):
+    """Kimi-K2.5's INT4 experts make 594 GB: 8 H200s by default; one GPU per engine is refused in the verdict;
+    an 8B verifier in bf16 is one GPU per engine (8 replicas)."""
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--gpu-memory-gib", "141")
+    v = p["verifier"]
+    assert rc == 0 and v["gpus_per_engine"] == 8 and v["derived"] and v["problem"] is None
+    assert v["weights_bytes"] / 1e9 == pytest.approx(594, rel=0.01) and "INT4" in v["weights"]
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--gpu-memory-gib", "141",
+                       "--extract-gpus-per-engine", "1")
+    assert rc == 1 and "DOES NOT FIT: the verifier's weights take 594" in text and "at least 4 such GPUs" in text
+    rc, text, p = plan(capsys, tmp_path, "kimi_k25_8gpu_ddp.yaml", "8gpu_ddp.yaml", "--gpu-memory-gib", "141",
+                       "--verifier-dtype", "bf16")
+    assert rc == 0 and p["verifier"]["gpus_per_engine"] == 8  # the quantized checkpoint is sized as stored
+    out = tmp_path / "llama.json"
+    assert cli_main(["plan", str(ROOT / "examples/recipes/llama31_8b_8gpu_ddp.yaml"), "--accelerate-config",
+                     str(ROOT / "accelerate_configs/8gpu_ddp.yaml"), "--verifier-config",
+                     str(ROOT / "examples/recipes/llama31_8b_text_config.json"), "--json", str(out)]) == 0
+    llama = json.loads(out.read_text())
+    assert llama["verifier"]["gpus_per_engine"] == 1 and llama["reader"]["engines"] == 8
+    assert llama["verifier"]["weights_bytes"] / 1e9 == pytest.approx(16.1, rel=0.01)  # 8.03 B x 2 bytes

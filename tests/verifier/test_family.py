@@ -182,8 +182,11 @@ def test_device_map_extraction_over_two_devices_equals_one_device(tmp_path, toke
     common = ["extract", "--verifier", v, "--data", str(tmp_path / "prepared"), "--features-dtype", "fp32",
               "--no-progress"]
     assert cli.main(common + ["--output", str(tmp_path / "one")]) == 0
+    # a budget below the weights is refused unless the spill to disk is asked for (--offload-folder)
     assert cli.main(common + ["--output", str(tmp_path / "two"), "--device-map", "auto", "--max-memory",
-                              f"cpu={budget}"]) == 0
+                              f"cpu={budget}"]) != 0
+    assert cli.main(common + ["--output", str(tmp_path / "two"), "--device-map", "auto", "--max-memory",
+                              f"cpu={budget}", "--offload-folder", str(tmp_path / "spill")]) == 0
     one_manifest = json.loads((tmp_path / "one" / "manifest.json").read_text())
     two_manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert [s["id"] for s in one_manifest["samples"]] == [s["id"] for s in two_manifest["samples"]]
