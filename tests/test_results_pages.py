@@ -24,7 +24,8 @@ PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)+[\w.-]+\.(?:py|sh|yaml|json)|[\w-]
 MODULE = re.compile(r"(?:python\S*|^|\s)-m\s+([\w.]+)")
 FILE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:md|py|sh|yaml))(?![\w/])")
 PACKAGE = "eagle3_hf/"
-# commits of the history that changed one file each: docs/cli.md; bench/first_launch.py; docs/tree_drafting.md
+# commits of the history that changed one file each: docs/cli.md; bench/first_launch.py; the tree-drafting page
+# under its name before it moved into docs/results/
 DOCS_ONLY, BENCH_ONLY, PAGE_ONLY = "d93c091", "4f462fd", "c0b7503"
 
 
