@@ -18,8 +18,8 @@ VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 # speculators 0.9.0 in its own venv outside the clone too (its own transformers pin), for the round trip of
 # tests/model/test_speculators_roundtrip.py (and bench/, experiments/ when pointed at it), installed once
 SPECULATORS_VENV ?= $(or $(EAGLE3_HF_SPECULATORS_VENV),$(HOME)/.cache/eagle3_hf/speculators-venv)
-# two workers, one per core; heavy end-to-end tests share an xdist_group so two of them never run at once
-# (tests/conftest.py); --durations prints the slowest in CI's log
+# two workers, one per core; the tests that keep both cores busy are one group, so two of them never run at once
+# (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log; PYTEST_ARGS="-n 0" runs serially
 PYTEST_XDIST := -n 2 --dist loadgroup --durations=25
 
 .PHONY: venv vllm speculators vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
