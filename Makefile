@@ -15,7 +15,14 @@ PYTEST_ARGS ?=
 VLLM_SPEC ?=
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm sglang-rope vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
+# speculators 0.9.0 in its own venv outside the clone too (its own transformers pin), for the round trip of
+# tests/model/test_speculators_roundtrip.py (and bench/, experiments/ when pointed at it), installed once
+SPECULATORS_VENV ?= $(or $(EAGLE3_HF_SPECULATORS_VENV),$(HOME)/.cache/eagle3_hf/speculators-venv)
+# two workers, one per core; the tests that keep both cores busy are one group, so two of them never run at once
+# (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log; PYTEST_ARGS="-n 0" runs serially
+PYTEST_XDIST := -n 2 --dist loadgroup --durations=25
+
+.PHONY: venv vllm sglang-rope speculators vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,18 +44,23 @@ vllm:
 sglang-rope: vllm
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" bash scripts/install_sglang_rope.sh
 
+# idempotent as `make vllm` is: a stamp in the venv records the set installed
+speculators: venv
+	EAGLE3_HF_SPECULATORS_VENV="$(SPECULATORS_VENV)" TORCH_SPEC="$(TORCH_SPEC)" $(PY) -m bench.train_step --setup-speculators
+
 # ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# the slow vLLM test (tests/evaluation/test_vllm_engine.py) needs vLLM, the RoPE ones SGLang's code beside it too;
-# EAGLE3_HF_SKIP_VLLM=1 skips them and their installs, locally only
-test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm sglang-rope)
-	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" $(PY) -m pytest -q $(PYTEST_ARGS)
+# the slow vLLM tests need vLLM, the RoPE ones SGLang's code beside it too; EAGLE3_HF_SKIP_VLLM=1 skips them and
+# their installs, locally only. The speculators round trip needs its venv (make speculators)
+test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm sglang-rope) speculators
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" EAGLE3_HF_SPECULATORS_VENV="$(SPECULATORS_VENV)" \
+	  $(PY) -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-fast: venv lint
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # DEMO_ENGINE=vllm make demo: vLLM (installed first) answers and extracts instead of the in-process verifier
 demo: venv $(if $(filter vllm,$(DEMO_ENGINE)),vllm)

@@ -56,8 +56,11 @@ from eagle3_hf import Eagle3Config
 from bench.step_timing import measure_steps, rss_mib
 
 REPO = Path(__file__).resolve().parent.parent
-SPEC_VENV = REPO / ".bench-venv" / "speculators"
+# EAGLE3_HF_SPECULATORS_VENV moves it (`make speculators` builds it outside the clone, cached, for the tests)
+SPEC_VENV = Path(os.environ.get("EAGLE3_HF_SPECULATORS_VENV") or REPO / ".bench-venv" / "speculators")
 SPEC_PYTHON = SPEC_VENV / "bin" / "python"
+SPEC_PIN = "speculators==0.9.0"
+SPEC_STAMP = SPEC_VENV / ".eagle3_hf_speculators"  # holds what was installed: a second setup with it is instant
 SPEC_DRIVER = "bench.speculators_step"  # run as a module by the speculators venv, with the repository on PYTHONPATH
 
 CONFIGS = {
@@ -82,26 +85,37 @@ SPEC_DEPS = ["transformers>=5.0.0,<=5.19.0", "numpy>=2.0.0,<=2.5.4", "pydantic>=
 
 
 def setup_speculators() -> None:
-    """Create .bench-venv/speculators: torch 2.13.0 (the CPU wheel on disk), speculators 0.9.0 --no-deps, deps."""
+    """Create SPEC_VENV: torch (TORCH_SPEC, default the CPU 2.13.0, found as scripts/torch_index.py finds it),
+    speculators 0.9.0 --no-deps, its deps. Once: the stamp records the set, so a second run costs nothing."""
+    torch_spec = os.environ.get("TORCH_SPEC") or "torch==2.13.0+cpu"
+    want = " ".join([torch_spec, SPEC_PIN, *SPEC_DEPS])
+    if SPEC_STAMP.is_file() and SPEC_STAMP.read_text() == want:
+        print(f"speculators ({SPEC_PIN}) already installed in {SPEC_VENV}")
+        return
+    start = time.time()
     if not SPEC_PYTHON.exists():
         subprocess.run([sys.executable, "-m", "venv", str(SPEC_VENV)], check=True)
     pip = [str(SPEC_PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True)
-    subprocess.run(pip + ["--no-deps", "speculators==0.9.0"], check=True)
+    index = subprocess.run([str(SPEC_PYTHON), str(REPO / "scripts" / "torch_index.py"), torch_spec],
+                           capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run(pip + [torch_spec, *index], check=True)
+    subprocess.run(pip + ["--no-deps", SPEC_PIN], check=True)
     subprocess.run(pip + SPEC_DEPS, check=True)
     probe = ("import speculators.models.eagle3, speculators.losses, speculators.train.optimizers, torch; "
              "print('speculators ready, torch', torch.__version__)")
     subprocess.run([str(SPEC_PYTHON), "-c", probe], check=True)
+    SPEC_STAMP.write_text(want)
+    print(f"speculators installed in {SPEC_VENV} in {time.time() - start:.0f} s")
 
 
 def speculators_available() -> str | None:
     """None when the comparison can run, else why not."""
     if not SPEC_PYTHON.exists():
-        return (f"{SPEC_VENV.relative_to(REPO)} is absent: run `bench/train_step.py --setup-speculators` "
+        return (f"{SPEC_VENV} is absent: run `make speculators` or `bench/train_step.py --setup-speculators` "
                 "to add the speculators 0.9.0 comparison")
     probe = subprocess.run([str(SPEC_PYTHON), "-c", "import speculators.models.eagle3"], capture_output=True)
     if probe.returncode:
-        return f"{SPEC_VENV.relative_to(REPO)} cannot import speculators; rerun --setup-speculators"
+        return f"{SPEC_VENV} cannot import speculators; rerun `make speculators` (or --setup-speculators)"
     return None
 
 

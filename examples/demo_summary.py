@@ -148,12 +148,19 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores ({simd}), {platform.system()}"
 
 
+MEASURED = ("eagle3_hf", "examples", "Makefile")  # the code `make demo` runs
+
+
 def commit() -> str:
+    """The last commit that changed the code the demo runs (a later docs-only HEAD measured the same code):
+    tests/test_results_pages.py requires the page's commit to touch it."""
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    code = git("log", "-1", "--format=%h", "HEAD", "--", *MEASURED) or "unknown"
+    later = code != "unknown" and code != git("rev-parse", "--short", "HEAD")
+    at = " (the code measured: the checkout run changed only other files after it)" if later else ""
+    return code + at + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def results_page(table: str, size: str) -> str:

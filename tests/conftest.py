@@ -17,6 +17,32 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: a venv without it runs serially
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadgroup` (`make test`) by tests/helpers/xdist_groups.py's groups: xdist's scope scheduler, its
+    scopes those groups, taken in the workers' order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.helpers.xdist_groups import group
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group(nodeid)
+
+    config.option.loadscopereorder = False  # FIRST's order (below), not the largest test count first
+    return Groups(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the scheduler takes the groups in this order
+        from tests.helpers.xdist_groups import FIRST, group
+
+        rank = {name: i for i, name in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(group(item.nodeid), len(FIRST)))
+
+
 @pytest.fixture(scope="session")
 def default_verifier_dir():
     """The embedded default verifier, converted from its GGUF once and cached (about 35 s the first time)."""

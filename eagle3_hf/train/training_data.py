@@ -111,6 +111,15 @@ def directory_datasets(directory: str, data_args: DataArguments, node_parts: boo
                             tokenizer=recorded_tokenizer(shards.manifest), shards=shards)
 
 
+def online_dtype(kind: str, features_dtype: str | None) -> str:
+    """The dtype an online route's batches are rounded to: `--features-dtype` (default bf16) where its row rounds
+    them (`online_rounding`: another process computes them, as a shard would store them), else float32, as the
+    route computed them (the contract test holds each row to it against the verifier's own forward)."""
+    from ..features.sources import SOURCES
+
+    return (features_dtype or "bfloat16") if SOURCES[kind].online_rounding else "float32"
+
+
 def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: ModelArguments) -> TrainingFeatures:
     """`--features hf[:VERIFIER]`, `http://HOST:PORT` or `sglang:http://HOST:PORT`: the samples of --prepared-dir,
     packed as a feature directory's would be, their features asked of the route the table opens, batch by batch
@@ -119,7 +128,7 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     from ..features.collator import FeatureCollator
     from ..features.feature_cache import FeatureCache
     from ..features.packing import pack_splits
-    from ..features.sources import SOURCES, OnlineOptions, SourceRequest, open_source
+    from ..features.sources import OnlineOptions, SourceRequest, open_source
 
     if not data_args.prepared_dir:
         raise UsageError(f"--features {data_args.features} computes features while training: pass --prepared-dir "
@@ -128,7 +137,7 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
         raise UsageError("--max-train-tokens applies to a feature directory (--features DIR)")
     every = PreparedDataset(data_args.prepared_dir, "all")  # opened once: its meta, the samples of both splits
     fingerprint = every.meta["tokenizer_fingerprint"]
-    dtype = (data_args.features_dtype or "bfloat16") if SOURCES[spec.kind].online_rounding else "float32"
+    dtype = online_dtype(spec.kind, data_args.features_dtype)
     source = open_source(SourceRequest(spec.kind, spec.target, str(model_args.verifier), model_args.verifier_revision,
                                        dtype=dtype, tokenizer_fingerprint=fingerprint,
                                        options=OnlineOptions(data_args.prepared_dir, data_args.online_timeout,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,10 +92,15 @@ def default_verifier_dir() -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: two first uses at once do not mix
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a killed conversion never leaves a half-written cache
+    try:
+        tmp.rename(out)  # atomic: a killed conversion never leaves a half-written cache
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first: the same files
     return out
 
 

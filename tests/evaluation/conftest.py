@@ -12,9 +12,10 @@ from eagle3_hf.engines.vllm_env import STAMP
 from tests.helpers.served_pair import chain_verifier, trained_drafter
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served_pair(tmp_path_factory, tokenizer):
-    """(verifier dir with the SmolLM2 tokenizer, trained drafter dir in the standard layout)."""
+    """(verifier dir with the SmolLM2 tokenizer, trained drafter dir in the standard layout): trained once for the
+    session, its users in one xdist group (tests/conftest.py SHARED_FIXTURES). Read-only to them."""
     root = tmp_path_factory.mktemp("vllm_pair")
     verifier = chain_verifier()
     verifier.save_pretrained(root / "verifier")

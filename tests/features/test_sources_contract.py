@@ -12,6 +12,7 @@ missing file) is recorded so by the writer and refused by the collator, never tr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,10 @@ from eagle3_hf.features.sources import SOURCES, SourceRequest, open_source
 from eagle3_hf.features.write import StoreOptions, write_features
 
 from tests.helpers.feature_stub import AUX, Stub, identity, vllm_layout
-from tests.helpers.serveable import walk_prepared
+from tests.helpers.serveable import BF16_STEP, walk_prepared
 
 MAX_SEQ_LEN, DTYPE = 24, "bfloat16"  # short rows: samples are split into pieces, the pieces packed together
+DTYPE_OF = {"bfloat16": torch.bfloat16}
 
 
 def transformers(ctx: dict) -> SourceRequest:
@@ -172,6 +174,79 @@ def test_a_skipped_sample_is_recorded_offline_and_refused_online(tmp_path, serve
     with pytest.raises(Eagle3Error, match=r"skipped sample 'w002' \(missing_file\)") as refused:
         collate([rows[r] for r in range(len(rows))])
     assert "\n" not in str(refused.value)
+
+
+@torch.no_grad()
+def reference(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The verifier's own forward in fp32 through transformers: `output_hidden_states` at the aux indices, the last
+    one (after the final norm), and the argmax of its logits; with the top-2 logit margin of each position."""
+    out = model.float()(input_ids.long()[None], output_hidden_states=True)
+    top = out.logits[0].float().topk(2, dim=-1).values
+    return {"aux_hidden_states": torch.cat([out.hidden_states[k][0] for k in AUX], dim=-1),
+            "last_hidden_state": out.hidden_states[-1][0], "verifier_greedy": out.logits[0].argmax(-1),
+            "margin": top[:, 0] - top[:, 1]}
+
+
+# Each row against the reference, rounded as the row stores its features: shards in DTYPE (every row writes them),
+# and online (the rows training computes batches with) in the dtype its batches carry. A route that computes the
+# states itself in fp32 (transformers, on this model) gives them as the reference does, within fp32 noise; a route
+# that maps an engine's states (the aux ids, the final norm applied here to the state before it) may land one
+# bf16 step from the rounded reference where its fp32 arithmetic differs in the last bit. Adjacent layers of the
+# serveable verifier differ by far more than either (tests/helpers/serveable.py), so a wrong slice, layer or
+# rounding in any one route fails.
+FP32_NOISE = {"atol": 1e-5, "rtol": 1e-5}
+ONE_BF16_STEP = {"atol": 1e-5, "rtol": BF16_STEP}
+ONLINE_DTYPE = {"transformers": torch.float32, "sglang-server": torch.bfloat16, "server": torch.bfloat16}
+TOLERANCE = {"transformers": FP32_NOISE, "vllm-server": ONE_BF16_STEP, "sglang-server": ONE_BF16_STEP,
+             "server": ONE_BF16_STEP, "directory": FP32_NOISE, "speculators": ONE_BF16_STEP,
+             "specforge": FP32_NOISE}
+GREEDY_TIE = 1e-3  # a greedy token may differ from the reference's only where its top two logits are this close
+
+
+def assert_reference(kind: str, half: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                     dtype: torch.dtype, sample: str) -> None:
+    """`got` (one sample's features from the route) equals the reference rounded to `dtype`, within the row's
+    tolerance; its greedy tokens equal the reference's except at near-ties."""
+    where = f"{kind} ({half}), sample {sample}"
+    for key in ("aux_hidden_states", "last_hidden_state"):
+        rounded = want[key].to(dtype).float()
+        assert got[key].shape == rounded.shape, (where, key, got[key].shape, rounded.shape)
+        torch.testing.assert_close(got[key].float(), rounded, **TOLERANCE[kind],
+                                   msg=lambda m, key=key: f"{where}, {key}: {m}")
+    clear = want["margin"] > GREEDY_TIE
+    assert clear.float().mean() > 0.9, (where, "the reference has too many near-ties to test greedy tokens")
+    assert torch.equal(got["verifier_greedy"].long()[clear], want["verifier_greedy"][clear]), (where, "greedy")
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_every_row_gives_the_verifiers_own_features(kind, tmp_path, serveable_model, serveable_dir, fingerprint):
+    """The same samples through each row, written to shards and (for the rows training computes online) collated
+    as `train --features` rounds them (train.training_data.online_dtype), against `reference`, one for all rows."""
+    from eagle3_hf.train.training_data import online_dtype
+
+    row = SOURCES[kind]
+    prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=6)
+    every = PreparedDataset(prepared, "all", 0.0, fingerprint)
+    want = {sid: reference(serveable_model, every[i]["input_ids"]) for i, sid in enumerate(every.sample_ids)}
+    with _Stack() as stack:
+        ctx = {"model": serveable_model, "verifier": serveable_dir, "fingerprint": fingerprint,
+               "prepared": prepared, "tmp": tmp_path, "enter": stack.enter}
+        req = HARNESSES[kind](ctx)  # the contract test above requires one per row
+        assert kind in TOLERANCE and (kind in ONLINE_DTYPE) == row.online, (
+            f"the table's row {kind!r} needs its tolerance here (TOLERANCE) and, online, the dtype its batches "
+            "carry (ONLINE_DTYPE)")
+        write_features(open_source(req), prepared, tmp_path / "written", store=StoreOptions(4), progress=False)
+        written = FeatureDataset(tmp_path / "written", "all")
+        assert sorted(written.sample_ids) == sorted(want)
+        for i, sid in enumerate(written.sample_ids):
+            assert_reference(kind, "written", written[i], want[sid], DTYPE_OF[DTYPE], sid)
+        if row.online:
+            dtype = online_dtype(kind, DTYPE)
+            collate = FeatureCollator(open_source(replace(req, dtype=dtype)), every, max_seq_len=MAX_SEQ_LEN)
+            for sid, got in collate.features(every.sample_ids).items():
+                assert got["aux_hidden_states"].dtype == got["last_hidden_state"].dtype == ONLINE_DTYPE[kind], (
+                    kind, sid, got["aux_hidden_states"].dtype)
+                assert_reference(kind, "online", got, want[sid], ONLINE_DTYPE[kind], sid)
 
 
 class _Stack:

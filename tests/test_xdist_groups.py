@@ -1,0 +1,36 @@
+"""The groups `make test` runs its two workers by (tests/conftest.py): every test named as keeping both cores busy
+exists (a renamed one would silently leave the group and run beside another), and the grouping keeps what it must
+together (tests/helpers/xdist_groups.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers.xdist_groups import FIRST, SHARED, TWO_CORES, group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def defined_tests(module: Path) -> set[str]:
+    return {node.name for node in ast.parse(module.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
+def test_every_two_core_test_and_shared_module_exists():
+    for nodeid in TWO_CORES:
+        module, _, name = nodeid.partition("::")
+        assert name in defined_tests(ROOT / module), f"{nodeid} is no test: update TWO_CORES in tests/conftest.py"
+    for module, name in SHARED.items():
+        assert (ROOT / module).is_file() and name in (ROOT / module).read_text(encoding="utf-8"), (module, name)
+    assert set(FIRST) >= {"two_cores"}
+
+
+def test_groups():
+    assert group("tests/train/test_trainer.py::test_accelerate_launch_two_cpu_processes[zero3-29613]") == "two_cores"
+    assert group("tests/train/test_trainer.py::test_sigkill_and_resume_matches_uninterrupted_run") == \
+        "tests/train/test_trainer.py"  # one process: beside anything
+    assert group("tests/evaluation/test_engine_layout.py::test_x") == group(
+        "tests/evaluation/test_vllm_engine.py::test_y") == "served_pair"
+    assert group("tests/a.py::test_b[x@y]") == "tests/a.py"  # an @ inside a parameter is no group
+    assert group("tests/a.py::test_b@heavy") == "heavy"  # a mark's group, where xdist passes it on
