@@ -3,11 +3,16 @@ user runs them (`python -m eagle3_hf.cli ...`, `torchrun`, `accelerate launch ex
 each checked for exit 0 and the counts it prints or records. Each stage has tests of its own; this one is about the
 commands working together, with the reference run's quirks all at once:
 
-- Kimi route: a tiny DeepSeek-V3 verifier (MLA, MoE, YaRN) whose tokenizer is slow remote code (Kimi-K2.5's kind,
-  `--trust-remote-code` at every stage), a few conversations longer than extraction's `--max-model-len` (truncated by
+- Kimi route: a tiny DeepSeek-V3 verifier (MLA, MoE, Kimi-K2.5's own YaRN: factor 64 with `mscale`/`mscale_all_dim`)
+  whose tokenizer is slow remote code (Kimi-K2.5's kind, `--trust-remote-code` at every stage) with a thinking chat
+  template that renders every completed turn with an empty think block, as Kimi-K2.5's does; `regenerate` against a
+  thinking server that starts late, answers with reasoning (its reasoning parser's `reasoning_content`) and rejects one
+  conversation (skipped, its id in the summary, the others answered); the reasoning trained (loss on it, its tokens in
+  the draft vocabulary); a few answers longer than extraction's `--max-model-len` (truncated by
   `prepare --max-seq-len`, then skipped and counted by `extract`), vLLM's CPU build extracting on two "nodes" over
   loopback with node-local directories (`--per-node-output`), training there by the Kimi 8-GPU recipe under the
-  multi-node DDP template (`--per-node-features --save_on_each_node`), then `check` and `evaluate`.
+  multi-node DDP template (`--per-node-features --save_on_each_node`), then `check`, the drafter's RoPE computed by
+  transformers, vLLM and SGLang (equal), and `evaluate`.
 - Quickstart: a tiny Llama answering the prompts (`regenerate`), `extract --engine vllm` under torchrun, the Llama
   8-GPU recipe, `evaluate --engine vllm` (τ and the lossless check from vLLM's own speculative decoding beside ours,
   each held to the τ the drafter's validation figures predict), `check --engine all`.
@@ -32,6 +37,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import yaml
 
@@ -58,6 +64,31 @@ def conversations(path: Path) -> Path:
                         {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(answer))}]
             f.write(json.dumps({"id": f"c{i:02d}", "messages": messages}) + "\n")
     return path
+
+
+REJECTED = "c07"  # the thinking server answers 400 to this conversation: regenerate skips it and says so
+KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # Kimi-K2.5's text config
+THOUGHT_WORD = "Hmmmzx"  # a word only the reasoning has: trained, it must carry loss and enter the vocabulary
+
+
+def prompts(path: Path) -> Path:
+    """NUM_CONVS OpenAI-format prompts, each naming its id (the thinking server's answers depend on it)."""
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(NUM_CONVS):
+            text = f"c{i:02d} " + " ".join(rng.choice(WORDS) for _ in range(8))
+            f.write(json.dumps({"id": f"c{i:02d}", "messages": [{"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+def thinking_reasoning(messages: list[dict]) -> str:
+    """What the stub's reasoning parser returns: 200 words for every LONG_EVERY-th conversation (longer than
+    MAX_SEQ_LEN tokens once trained with its reasoning), 10-40 otherwise."""
+    i = int(messages[-1]["content"][1:3])
+    rng = random.Random(i)
+    n = 200 if i % LONG_EVERY == LONG_EVERY - 1 else rng.randint(10, 40)
+    return " ".join([THOUGHT_WORD] + [rng.choice(WORDS) for _ in range(n)])
 
 
 def cli(*args: str, timeout: float = 300) -> str:
@@ -93,9 +124,9 @@ def tiny_recipe(recipe: str, path: Path, **overrides) -> Path:
     return path
 
 
-def assert_prepared(log: str) -> None:
+def assert_prepared(log: str, conversations: int = NUM_CONVS) -> None:
     long = len(range(LONG_EVERY - 1, NUM_CONVS, LONG_EVERY))
-    assert f"prepare: {NUM_CONVS} samples from {NUM_CONVS} conversations" in log, log[-2000:]
+    assert f"prepare: {conversations} samples from {conversations} conversations" in log, log[-2000:]
     assert f"prepare: truncated {long} samples to {MAX_SEQ_LEN} tokens" in log, log[-2000:]
 
 
@@ -124,20 +155,58 @@ def assert_tau_as_recorded(result: dict, drafter: Path) -> float:
 @pytest.mark.timeout(600)  # 100 s measured on 2 shared cores
 def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
     vllm_or_fail()
+    from eagle3_hf.data.regenerate_summary import summary_path
+    from eagle3_hf.data.vocab import load_vocab
+
+    from tests.helpers.engine_rope import assert_rope_equal
     from tests.helpers.families import VLLM_CPU_MLA, save_family_verifier
+    from tests.helpers.openai_stub import late_server
     from tests.helpers.slow_tokenizer import install_slow_tokenizer
+    from tests.helpers.thinking_templates import thinking_tokenizer
+    from tests.helpers.two_nodes import free_port
 
+    # Kimi's tokenizer: its thinking template (an empty think block in every completed turn) and special tokens
+    fast = tmp_path / "kimi-fast-tokenizer"
+    thinking = thinking_tokenizer(default_verifier_dir, "k25")
+    thinking.save_pretrained(fast)
     verifier = tmp_path / "kimi-tiny"
-    save_family_verifier("deepseek_v3", verifier, tokenizer, **VLLM_CPU_MLA)
-    install_slow_tokenizer(default_verifier_dir, verifier)  # loads only with --trust-remote-code
-    v, convs = str(verifier), conversations(tmp_path / "regen.jsonl")
+    padded_vocab = -(-len(thinking) // 64) * 64  # the embedding padded beyond the tokenizer, as Kimi's and Qwen's are
+    save_family_verifier("deepseek_v3", verifier, thinking, rope_parameters=KIMI_YARN, max_position_embeddings=262144,
+                         vocab_size=padded_vocab, **VLLM_CPU_MLA)
+    install_slow_tokenizer(fast, verifier)  # loads only with --trust-remote-code
+    v = str(verifier)
 
-    # prepare at the recipe's length, the tokenizer's own code trusted
+    # regenerate as the guide writes it: the server still loading when the command starts (nothing listens for 3 s,
+    # then /health says 503 for 2 s), one conversation rejected with 400, the others answered with reasoning
+    port, regen = free_port(), tmp_path / "regen.jsonl"
+    with late_server(port, delay=3.0, loading_s=2.0, reasoning_for=thinking_reasoning,
+                     reject=lambda messages: messages[-1]["content"].startswith(REJECTED)) as late:
+        log = cli("regenerate", "--endpoint", f"http://127.0.0.1:{port}", "--model", "stub-model", "--input",
+                  str(prompts(tmp_path / "prompts.jsonl")), "--output", str(regen), "--wait-for-server", "120",
+                  "--concurrency", "4")
+        assert len(late["stub"].requests) == NUM_CONVS
+    summary = json.loads(summary_path(regen).read_text())
+    assert list(summary["skipped"]) == [REJECTED] and "HTTP 400" in summary["skipped"][REJECTED], summary
+    assert "skipped 1 conversations the server rejected" in log and "server is up after" in log, log[-2000:]
+    answered = [json.loads(line) for line in regen.read_text().splitlines()]
+    assert sorted(c["id"] for c in answered) == [f"c{i:02d}" for i in range(NUM_CONVS) if f"c{i:02d}" != REJECTED]
+
+    # prepare at the recipe's length, the tokenizer's own code trusted, the reasoning trained
     prepared = tmp_path / "prepared"
-    assert_prepared(cli("prepare", "--tokenizer", v, "--trust-remote-code", "--input", str(convs), "--output",
-                        str(prepared), "--max-seq-len", str(MAX_SEQ_LEN)))
-    cli("vocab", "--data", str(prepared), "--draft-vocab-size", "512", "--output",
-              str(prepared / "vocab.safetensors"))
+    assert_prepared(cli("prepare", "--tokenizer", v, "--trust-remote-code", "--input", str(regen), "--output",
+                        str(prepared), "--max-seq-len", str(MAX_SEQ_LEN)), NUM_CONVS - 1)
+    counts = json.loads((prepared / "eagle3_prepare.json").read_text())["counts"]
+    assert counts["reasoning_turns"] == NUM_CONVS - 1, counts
+    cli("vocab", "--data", str(prepared), "--draft-vocab-size", "512", "--vocab-size", str(padded_vocab), "--output",
+        str(prepared / "vocab.safetensors"))
+    ds = datasets.load_from_disk(str(prepared))
+    with_loss = [[t for t, m in zip(ids, mask, strict=True) if m]
+                 for ids, mask in zip(ds["input_ids"], ds["loss_mask"], strict=True)]
+    assert all(THOUGHT_WORD in thinking.decode(ids) for ids in with_loss)  # every sample's reasoning carries loss,
+    thought_ids = thinking(THOUGHT_WORD, add_special_tokens=False)["input_ids"]  # tokenized as it follows <think>
+    assert set(thought_ids) <= {t for ids in with_loss for t in ids}
+    _, t2d, _ = load_vocab(prepared / "vocab.safetensors")
+    assert all(bool(t2d[t]) for t in thought_ids)  # ... and its tokens are drafted
 
     # both nodes: the prepared dataset and vocabulary copied to a local path; one rank per node, its vLLM engine
     node = [tmp_path / f"node{n}" for n in (0, 1)]
@@ -153,9 +222,9 @@ def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
     summaries = [last_json(log) for _, log in runs]
     manifests = [json.loads((node[n] / "features" / "manifest.json").read_text()) for n in (0, 1)]
     assert [s["written_samples"] for s in summaries] == [len(m["samples"]) for m in manifests]
-    assert sum(s["written_samples"] for s in summaries) == NUM_CONVS - 3
+    assert sum(s["written_samples"] for s in summaries) == NUM_CONVS - 1 - 3
     assert sum(s["skipped"].get("overlong", 0) for s in summaries) == 3  # counted, the ranks finished
-    assert sorted(i for m in manifests for i in m["skipped_ids"]["overlong"]) == ["c04", "c09", "c14"]
+    assert sorted(i for m in manifests for i in m["skipped_ids"].get("overlong", [])) == ["c04", "c09", "c14"]
     assert all(m["source"] == "vllm" and m["node_part"]["nodes"] == 2 for m in manifests)
     for n, m in enumerate(manifests):  # samples-per-shard 2: every node's shards on its own disk
         assert len(m["shards"]) == -(-len(m["samples"]) // 2)
@@ -180,6 +249,9 @@ def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
 
     log = cli("check", str(drafter), "--verifier", v, "--engine", "all")
     assert re.search(r"^OK: 0 error\(s\)", log, re.M), log[-2000:]
+    # Kimi's YaRN as trained, served: the same attention scaling, frequencies and cos/sin in vLLM and SGLang
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["mscale_all_dim"] == 1.0
+    assert_rope_equal(drafter)
 
     # τ and the lossless check, in-process (vLLM's CPU build cannot serve a drafter beside MLA: module docstring)
     log = cli("evaluate", "--drafter", str(drafter), "--verifier", v, "--trust-remote-code", "--prompts", "mt-bench",
