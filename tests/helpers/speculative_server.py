@@ -1,0 +1,93 @@
+"""vLLM's OpenAI server serving a verifier with an EAGLE-3 drafter, as a user serves one (`--speculative-config`
+method eagle3), on vLLM's CPU build; and the validation accuracies a drafter records at training, measured the way
+the trainer measures them, for drafters trained by a test's own loop (tests/helpers/served_pair.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import torch
+
+from eagle3_hf.constants import TRAINING_FILE
+from eagle3_hf.engines.server_process import ServerProcess
+from eagle3_hf.engines.vllm_args import server_flags
+from eagle3_hf.engines.vllm_env import VllmError, vllm_environment, vllm_python, vllm_venv
+from eagle3_hf.engines.vllm_openai import API_SERVER, server_models
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SpeculativeServer(ServerProcess):
+    """`python -m vllm.entrypoints.openai.api_server --model VERIFIER --speculative-config {eagle3, DRAFTER, k}` on
+    the CPU (fp32, eager), in its own process group; ready when /v1/models answers."""
+
+    def __init__(self, verifier: Path, drafter: Path, log: Path, k: int = 3, timeout: float = 600.0):
+        super().__init__(timeout)
+        self.verifier, self.drafter, self.k, self.port = verifier, drafter, k, free_port()
+        self._log_path = log
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start(self) -> None:
+        speculative = {"method": "eagle3", "model": str(self.drafter), "num_speculative_tokens": self.k}
+        argv = [str(vllm_python()), "-m", API_SERVER, "--model", str(self.verifier), "--dtype", "float32",
+                "--max-model-len", "1024", "--seed", "0", *server_flags({}, cpu=True), "--host", "127.0.0.1",
+                "--port", str(self.port), "--speculative-config", json.dumps(speculative)]
+        env = vllm_environment(vllm_venv(), threads=1, offline=True)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
+        self._launch(argv, env)
+
+    def _ready(self) -> bool:
+        try:
+            return bool(server_models(self.url, timeout=2.0))
+        except (OSError, ValueError):
+            return False
+
+    def _exit_error(self, status: int) -> VllmError:
+        return VllmError(f"vLLM serving {self.drafter} exited: {self._last_line(self._log_text(), status)}")
+
+    def _timeout_error(self) -> VllmError:
+        return VllmError(f"vLLM serving {self.drafter} did not answer within {self.timeout:.0f} s")
+
+
+@torch.no_grad()
+def record_validation(drafter, verifier, out: Path, steps: int = 3, samples: int = 8, draft_vocab_size: int = 4096,
+                      seed: int = 1) -> dict:
+    """The trainer's validation metrics (train/metrics.py, the same StepStats) of `drafter` on held-out sequences
+    like its training data (served_pair.trained_drafter: a random prompt, then the verifier's greedy answer),
+    written into `out`/eagle3_training.json as training_summary writes them."""
+    from eagle3_hf.train.metrics import drafter_step_accuracies
+
+    g = torch.Generator().manual_seed(seed)
+    aux = drafter.config.aux_hidden_state_indices
+    rows = []
+    for _ in range(samples):
+        ids = torch.randint(0, draft_vocab_size - 128, (40,), generator=g)
+        for _step in range(56):  # the verifier's own greedy answer, as a regenerated sample holds
+            logits = verifier(ids[None]).logits[0, -1]
+            ids = torch.cat([ids, logits.argmax().view(1)])
+        out_v = verifier(ids[None], output_hidden_states=True)
+        rows.append({"input_ids": ids, "aux_hidden_states": torch.cat([out_v.hidden_states[i][0] for i in aux], -1),
+                     "last_hidden_state": out_v.hidden_states[-1][0], "verifier_greedy": out_v.logits[0].argmax(-1),
+                     "loss_mask": torch.arange(len(ids)) >= 40})
+
+    class Rows:
+        lengths = [len(r["input_ids"]) for r in rows]
+
+        def __getitem__(self, i: int) -> dict:
+            return rows[i]
+
+        def __len__(self) -> int:
+            return len(rows)
+
+    metrics = drafter_step_accuracies(drafter, Rows(), max_seq_len=128, batch_size=4, ttt_steps=steps)
+    summary = {"metrics": {"step_accuracy": [metrics[f"acc_{i}"] for i in range(steps)],
+                           "step_conditional_accuracy": [metrics[f"cond_acc_{i}"] for i in range(steps)],
+                           "simulated_acceptance_length": metrics["simulated_acceptance_length"]}}
+    (Path(out) / TRAINING_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
