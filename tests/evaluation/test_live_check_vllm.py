@@ -55,6 +55,41 @@ def test_evaluate_skip_transformers_compares_with_what_training_recorded(
 
 # ---------------------------------------------------------------- slow: a real vLLM CPU server
 
+# The broken exports: the trained weights with config.json keys replaced (static `check` finds nothing wrong with
+# them; only what the engine serves shows it)
+BROKEN = {
+    # every aux-layer id one layer early, consistently in both keys: what vLLM captures when it reads SGLang-form
+    # ids (eagle_config's) as its own, or a converter that subtracts the 1 twice
+    "aux-ids-1": lambda cfg: {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in _aux(cfg)],
+                              "eagle_config": {**cfg["eagle_config"],
+                                               "eagle_aux_hidden_state_layer_ids": [i - 2 for i in _aux(cfg)]}},
+    "rope-theta": lambda cfg: {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    "rope-yarn": lambda cfg: {"rope_scaling": YARN, "rope_parameters": YARN},
+}
+def _aux(cfg: dict) -> list[int]:
+    return list(cfg["eagle_aux_hidden_state_layer_ids"])
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1e8, "original_max_position_embeddings": 2048}
+
+
+@pytest.fixture(scope="module")
+def live_pair(tmp_path_factory, tokenizer):
+    """(verifier dir, trained drafter dir with the validation metrics training records, broken config overrides)."""
+    from tests.helpers.served_pair import trained_drafter
+    from tests.helpers.speculative_server import layered_chain_verifier, record_validation
+
+    root = tmp_path_factory.mktemp("live_pair")
+    verifier = layered_chain_verifier()
+    verifier.save_pretrained(root / "verifier")
+    tokenizer.save_pretrained(root / "verifier")
+    drafter = trained_drafter(verifier)
+    drafter.save_pretrained(root / "drafter")
+    record_validation(drafter, verifier, root / "drafter")
+    cfg = json.loads((root / "drafter" / "config.json").read_text())
+    return root / "verifier", root / "drafter", {name: change(cfg) for name, change in BROKEN.items()}
+
+
 
 def _variant(drafter: Path, where: Path, **config: object) -> Path:
     """A copy of the export with config.json keys replaced: the broken exports served below."""
