@@ -55,44 +55,44 @@ def test_evaluate_skip_transformers_compares_with_what_training_recorded(
 
 # ---------------------------------------------------------------- slow: a real vLLM CPU server
 
-# The broken exports: the trained weights with config.json keys replaced (static `check` finds nothing wrong with
-# them; only what the engine serves shows it)
-BROKEN = {
-    # every aux-layer id one layer early, consistently in both keys: what vLLM captures when it reads SGLang-form
-    # ids (eagle_config's) as its own, or a converter that subtracts the 1 twice
-    "aux-ids-1": lambda cfg: {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in _aux(cfg)],
-                              "eagle_config": {**cfg["eagle_config"],
-                                               "eagle_aux_hidden_state_layer_ids": [i - 2 for i in _aux(cfg)]}},
-    "rope-theta": lambda cfg: {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
-    "rope-yarn": lambda cfg: {"rope_scaling": YARN, "rope_parameters": YARN},
-}
-def _aux(cfg: dict) -> list[int]:
-    return list(cfg["eagle_aux_hidden_state_layer_ids"])
-
-
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1e8, "original_max_position_embeddings": 2048}
+# The broken export: the trained weights with every aux-layer id one layer early, consistently in both keys (what
+# vLLM captures when it reads SGLang-form ids, eagle_config's, as its own, or a converter that subtracts the 1
+# twice). Static `check` finds nothing wrong with it; only what the engine serves shows it. (RoPE alterations serve
+# this toy drafter unchanged, measured: docs/results/live_check.md.)
+def shifted_aux_ids(cfg: dict) -> dict:
+    ids = list(cfg["eagle_aux_hidden_state_layer_ids"])
+    return {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+            "eagle_config": {**cfg["eagle_config"], "eagle_aux_hidden_state_layer_ids": [i - 2 for i in ids]}}
 
 
 @pytest.fixture(scope="module")
 def live_pair(tmp_path_factory, tokenizer):
-    """(verifier dir, trained drafter dir with the validation metrics training records, broken config overrides)."""
-    from tests.helpers.served_pair import trained_drafter
-    from tests.helpers.speculative_server import layered_chain_verifier, record_validation
+    """(verifier dir, drafter dir with the validation metrics training records, broken config overrides): a drafter
+    trained on the verifier's greedy answers to 32 MT-bench questions (as `regenerate` makes them), validated on 8
+    others; `check` then asks the dev prompts."""
+    from eagle3_hf.evaluation.evaluate import load_prompts
+
+    from tests.helpers.speculative_server import (
+        chat_samples,
+        layered_chain_verifier,
+        record_validation,
+        train_on_samples,
+    )
 
     root = tmp_path_factory.mktemp("live_pair")
     verifier = layered_chain_verifier()
     verifier.save_pretrained(root / "verifier")
     tokenizer.save_pretrained(root / "verifier")
-    drafter = trained_drafter(verifier)
+    questions = [row["turns"][0] for row in load_prompts("mt-bench")[0]]
+    drafter = train_on_samples(verifier, chat_samples(verifier, tokenizer, questions[8:40]), steps=120)
     drafter.save_pretrained(root / "drafter")
-    record_validation(drafter, verifier, root / "drafter")
+    record_validation(drafter, verifier, root / "drafter", chat_samples(verifier, tokenizer, questions[:8]))
     cfg = json.loads((root / "drafter" / "config.json").read_text())
-    return root / "verifier", root / "drafter", {name: change(cfg) for name, change in BROKEN.items()}
-
+    return root / "verifier", root / "drafter", {"aux-ids-1": shifted_aux_ids(cfg)}
 
 
 def _variant(drafter: Path, where: Path, **config: object) -> Path:
-    """A copy of the export with config.json keys replaced: the broken exports served below."""
+    """A copy of the export with config.json keys replaced."""
     where.mkdir()
     for f in drafter.iterdir():
         (where / f.name).write_bytes(f.read_bytes())
@@ -111,7 +111,8 @@ def _check(drafter: Path, url: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(1800)
 def test_check_endpoint_against_vllm_passes_the_export_and_fails_broken_ones(live_pair, tmp_path):
     """One vLLM server per export (the drafter is fixed at start): the export as trained passes with its numbers;
-    the same weights served with other aux-layer ids, and with other RoPE parameters, fail in one line."""
+    the same weights served with other aux-layer ids fail in one line, while the static check passes both (the
+    verdict line: the live finding is the one error)."""
     from tests.helpers.speculative_server import SpeculativeServer
 
     vllm_or_fail()
@@ -124,11 +125,11 @@ def test_check_endpoint_against_vllm_passes_the_export_and_fails_broken_ones(liv
             result = _check(path, server.url)
         found = [ln for ln in result.stdout.splitlines() if "served-acceptance" in ln]
         assert len(found) == 1, result.stdout[-3000:] + result.stderr[-3000:]
-        lines[name] = (result.returncode, found[0])
-    print(f"\n{time.monotonic() - started:.0f} s for {len(exports)} servers")
-    for name, (code, line) in lines.items():
-        print(name, code, line)
-    code, line = lines.pop("as-trained")
+        lines[name] = (result.returncode, found[0], result.stdout.strip().splitlines()[-1])
+        print(f"\n{name} ({time.monotonic() - started:.0f} s): exit {result.returncode}, {result.stdout.strip()}")
+    code, line, verdict = lines.pop("as-trained")
     assert code == 0 and line.startswith("INFO") and "within 0.15 of it at every position" in line
-    for name, (code, line) in lines.items():
+    assert verdict.startswith("OK: 0 error(s)")
+    for name, (code, line, verdict) in lines.items():
         assert code == 1 and line.startswith("ERROR") and "likely causes: aux-layer ids" in line, (name, line)
+        assert verdict.startswith("FAILED: 1 error(s)"), (name, verdict)

@@ -56,25 +56,62 @@ class SpeculativeServer(ServerProcess):
 
 
 @torch.no_grad()
-def record_validation(drafter, verifier, out: Path, steps: int = 3, samples: int = 8, draft_vocab_size: int = 4096,
-                      seed: int = 1) -> dict:
-    """The trainer's validation metrics (train/metrics.py, the same StepStats) of `drafter` on held-out sequences
-    like its training data (served_pair.trained_drafter: a random prompt, then the verifier's greedy answer),
-    written into `out`/eagle3_training.json as training_summary writes them."""
+def chat_samples(verifier, tokenizer, prompts: list[str], answer_tokens: int = 48) -> list[tuple[torch.Tensor, int]]:
+    """(token ids, prompt length) per prompt: the prompt rendered with the chat template as a server renders it, then
+    the verifier's greedy answer: the regenerated samples a drafter trains on, shaped like what a server is asked."""
+    from eagle3_hf.evaluation.evaluate import render_prompt
+
+    samples = []
+    for prompt in prompts:
+        ids = torch.tensor(render_prompt(tokenizer, [{"role": "user", "content": prompt}]))
+        answer = verifier.generate(ids[None], max_new_tokens=answer_tokens, min_new_tokens=answer_tokens,
+                                   do_sample=False)
+        samples.append((answer[0], len(ids)))
+    return samples
+
+
+def train_on_samples(verifier, samples: list[tuple[torch.Tensor, int]], draft_vocab_size: int = 4096,
+                     steps: int = 120, ttt_steps: int = 3, seed: int = 0):
+    """Adam steps of the TTT objective on the answers of `samples` (loss where the verifier's greedy token is in the
+    draft vocabulary, the first `draft_vocab_size` ids), one sample per step."""
+    from tests.helpers.drafters import random_drafter
+
+    drafter = random_drafter(verifier, draft_vocab_size=draft_vocab_size, seed=seed).train()
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    aux = drafter.config.aux_hidden_state_indices
+    for step in range(steps):
+        ids, prompt_len = samples[step % len(samples)]
+        with torch.no_grad():
+            out = verifier(ids[None], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in aux], dim=-1)
+        greedy = out.logits.argmax(-1)
+        answer = torch.arange(len(ids))[None] >= prompt_len - 1
+        result = drafter(ids[None], features, ttt_steps=ttt_steps)
+        loss = torch.zeros(())
+        for i, (logits, valid) in enumerate(zip(result.logits, result.step_valid)):
+            target = torch.roll(greedy, -(1 + i), 1)
+            keep = valid & torch.roll(answer, -(1 + i), 1) & (target < draft_vocab_size)
+            if keep.any():
+                loss = loss + 0.8**i * torch.nn.functional.cross_entropy(logits[keep], target[keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@torch.no_grad()
+def record_validation(drafter, verifier, out: Path, samples: list[tuple[torch.Tensor, int]], steps: int = 3) -> dict:
+    """The trainer's validation metrics (train/metrics.py, the same StepStats) of `drafter` on held-out `samples`
+    (loss on the answers), written into `out`/eagle3_training.json as training_summary writes them."""
     from eagle3_hf.train.metrics import drafter_step_accuracies
 
-    g = torch.Generator().manual_seed(seed)
     aux = drafter.config.aux_hidden_state_indices
     rows = []
-    for _ in range(samples):
-        ids = torch.randint(0, draft_vocab_size - 128, (40,), generator=g)
-        for _step in range(56):  # the verifier's own greedy answer, as a regenerated sample holds
-            logits = verifier(ids[None]).logits[0, -1]
-            ids = torch.cat([ids, logits.argmax().view(1)])
-        out_v = verifier(ids[None], output_hidden_states=True)
-        rows.append({"input_ids": ids, "aux_hidden_states": torch.cat([out_v.hidden_states[i][0] for i in aux], -1),
-                     "last_hidden_state": out_v.hidden_states[-1][0], "verifier_greedy": out_v.logits[0].argmax(-1),
-                     "loss_mask": torch.arange(len(ids)) >= 40})
+    for ids, prompt_len in samples:
+        states = verifier(ids[None], output_hidden_states=True)
+        rows.append({"input_ids": ids, "aux_hidden_states": torch.cat([states.hidden_states[i][0] for i in aux], -1),
+                     "last_hidden_state": states.hidden_states[-1][0], "verifier_greedy": states.logits[0].argmax(-1),
+                     "loss_mask": torch.arange(len(ids)) >= prompt_len})
 
     class Rows:
         lengths = [len(r["input_ids"]) for r in rows]
@@ -85,7 +122,7 @@ def record_validation(drafter, verifier, out: Path, steps: int = 3, samples: int
         def __len__(self) -> int:
             return len(rows)
 
-    metrics = drafter_step_accuracies(drafter, Rows(), max_seq_len=128, batch_size=4, ttt_steps=steps)
+    metrics = drafter_step_accuracies(drafter, Rows(), max_seq_len=max(Rows.lengths), batch_size=4, ttt_steps=steps)
     summary = {"metrics": {"step_accuracy": [metrics[f"acc_{i}"] for i in range(steps)],
                            "step_conditional_accuracy": [metrics[f"cond_acc_{i}"] for i in range(steps)],
                            "simulated_acceptance_length": metrics["simulated_acceptance_length"]}}
@@ -105,7 +142,7 @@ def layered_chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: i
     greedy token stays token + 1. A drafter trained on the first and served the second (its ids one layer early, as
     vLLM reads SGLang-form ids) reads its features negated: what capturing the wrong layers does to a real model,
     whose layers differ as much. chain_verifier's damped layers all hold about e: a shifted capture there serves the
-    same acceptance (measured: 35 / 11 / 0 accepted of 82 drafts either way)."""
+    same acceptance (measured in vLLM: 35 / 11 / 0 of 82 drafts accepted either way)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
