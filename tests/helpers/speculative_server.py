@@ -93,6 +93,8 @@ def train_on_samples(verifier, samples: list[tuple[torch.Tensor, int]], draft_vo
             keep = valid & torch.roll(answer, -(1 + i), 1) & (target < draft_vocab_size)
             if keep.any():
                 loss = loss + 0.8**i * torch.nn.functional.cross_entropy(logits[keep], target[keep])
+        if not loss.requires_grad:  # an answer wholly outside the draft vocabulary: nothing to learn
+            continue
         opt.zero_grad()
         loss.backward()
         opt.step()
