@@ -196,6 +196,29 @@ def layout_line(layout: str, engine: dict[str, Any], cpu: bool) -> str:
             f"every GPU's memory")
 
 
+def served_against_training(summary: dict[str, Any], drafter: str, revision: str | None) -> str | None:
+    """`--skip-transformers`: vLLM's per-position acceptance against the validation accuracies the drafter recorded
+    at training (publish/served_acceptance.py), into the summary as "served_vs_training"; the line to print (a
+    WARNING on a gap beyond the margin, a NOTE when nothing was recorded), None when nothing was drafted."""
+    from ..publish.live_check import resolve_drafter
+    from ..publish.served_acceptance import ServedCounts, compare, recorded_accuracies
+
+    try:
+        recorded = recorded_accuracies(resolve_drafter(drafter, revision), drafter)
+    except (OSError, ValueError) as exc:
+        return f"NOTE: the train/serve gap is not checked: {exc}"
+    rows = summary["per_prompt"]
+    per_pos = tuple(sum((r["accepted_per_pos"] + [0] * summary["k"])[j] for r in rows) for j in range(summary["k"]))
+    served = ServedCounts(f"vLLM {summary.get('vllm_version')}", summary["num_drafts"], per_pos, len(rows))
+    if not served.drafts:
+        return None
+    comparison = compare(served, recorded)
+    summary["served_vs_training"] = {"ok": comparison.ok, "recorded_conditional_accuracy": recorded,
+                                     "served_conditional_acceptance": [p.served for p in comparison.positions],
+                                     "tolerance": comparison.tolerance, "line": comparison.line(served.engine)}
+    return f"{'served as trained' if comparison.ok else 'WARNING'}: {comparison.line(served.engine)}"
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """`eagle3-hf evaluate --engine vllm`."""
     import torch
@@ -271,6 +294,10 @@ def run_engine(args: argparse.Namespace) -> int:
         ours.update(verifier=args.verifier, drafter=args.drafter)
         written += list(write_outputs(out, ours))
         summary.update(compare_engines(summary, ours))
+    else:  # nothing in-process to compare with: compare with what training recorded instead
+        against = served_against_training(summary, args.drafter, args.revision)
+        if against:
+            print(against, file=sys.stderr)
     json_path = out / VLLM_EVALUATION_FILE
     json_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     written.append(json_path)

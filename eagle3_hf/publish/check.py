@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..features.api_key import api_key
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
 from .report import ENGINES, LEVELS, Finding, Report
@@ -28,6 +30,7 @@ from .rules import (
     check_verifier,
     check_vocab_mapping,
 )
+from .served_acceptance import TOLERANCE
 
 __all__ = ["Finding", "check_drafter"]
 
@@ -150,6 +153,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "read, whose differences are warnings")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    live = parser.add_argument_group("live check: a running server that serves the drafter (live_check.py)")
+    live.add_argument("--endpoint", default=None, metavar="URL",
+                      help="a vLLM or SGLang server serving this drafter (e.g. http://127.0.0.1:8000): send it "
+                           "prompts and compare its per-position acceptance with the validation accuracies training "
+                           "recorded; a gap beyond the margin is an error. --engine names its engine (all: detect)")
+    live.add_argument("--prompts", default="dev", help="--endpoint: mt-bench, dev or a JSONL file, as evaluate "
+                      "takes them (default: %(default)s)")
+    live.add_argument("--num-prompts", type=int, default=8, help="--endpoint: prompts sent (default: %(default)s)")
+    live.add_argument("--max-new-tokens", type=int, default=64, help="--endpoint: tokens per answer (default: "
+                      "%(default)s)")
+    live.add_argument("--tolerance", type=float, default=TOLERANCE,
+                      help="--endpoint: how far below the recorded conditional accuracy a served position may be, "
+                           "beyond chance, for train/serve prompt differences (default: %(default)s)")
 
 
 def installed_version(engine: str) -> tuple[str, str] | None:
@@ -186,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
     versions = engine_versions(args.engine, args.engine_version)
     findings = check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision,
                              engine_versions=versions)
+    if args.endpoint:
+        findings = sorted(findings + [live_finding(args)], key=lambda f: LEVELS.index(f.level))
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
@@ -197,3 +215,21 @@ def run(args: argparse.Namespace) -> int:
         against = "".join(f", {e} {v}" for e, v in sorted(versions.items()))
         print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})")
     return 1 if errors else 0
+
+
+def live_finding(args: argparse.Namespace) -> Finding:
+    """`--endpoint`: the served acceptance against the recorded one, as a finding (an error beyond the margin)."""
+    from ..evaluation.evaluate import load_prompts, prompt_turns
+    from .live_check import measure, resolve_drafter
+    from .served_acceptance import compare, recorded_accuracies
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    recorded = recorded_accuracies(resolve_drafter(args.drafter, args.revision), args.drafter)
+    rows, _name = load_prompts(args.prompts, args.num_prompts)
+    prompts = [(prompt_turns(row) or [""])[0] for row in rows]
+    print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy) to {args.endpoint} ...",
+          file=sys.stderr)
+    served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key())
+    comparison = compare(served, recorded, tolerance=args.tolerance)
+    return Finding("info" if comparison.ok else "error", "served-acceptance", comparison.line(served.engine))

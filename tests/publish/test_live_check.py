@@ -1,0 +1,131 @@
+"""`eagle3-hf check DRAFTER --endpoint URL`: the served per-position acceptance against the validation accuracies
+the drafter recorded at training. Fast here: the comparison on recorded counters, and the command against a stand-in
+server (tests/helpers/engine_stub.py) that reports as vLLM or SGLang do. Against a real vLLM CPU server:
+tests/evaluation/test_live_check_vllm.py (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_hf.cli import main
+from eagle3_hf.publish.live_check import parse_vllm_counters, sglang_counts, vllm_difference
+from eagle3_hf.publish.served_acceptance import (
+    ServedCounts,
+    compare,
+    implied_tau,
+    recorded_accuracies,
+    wilson_upper,
+)
+
+from tests.helpers.drafters import write_drafter
+from tests.helpers.engine_stub import EngineStub, vllm_metrics
+
+RECORDED = [0.8, 0.7, 0.6]
+# ten verify steps per answer, accepted drafts each: conditional 8/10, 6/8, 4/6 (about what training recorded)
+SERVED_WELL = [3, 3, 3, 3, 2, 2, 1, 1, 0, 0]
+SERVED_BROKEN = [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]  # what a drafter fed other layers' states accepts
+
+
+@pytest.fixture
+def drafter(tmp_path):
+    path = write_drafter(tmp_path / "drafter")
+    (path / "eagle3_training.json").write_text(json.dumps({"metrics": {
+        "step_accuracy": [0.8, 0.56, 0.34], "step_conditional_accuracy": RECORDED,
+        "simulated_acceptance_length": implied_tau(RECORDED)}}))
+    return path
+
+
+def test_vllm_counters_are_read_from_its_metrics_text_and_differenced():
+    before = parse_vllm_counters(vllm_metrics(11, [7, 4, 2], k=3, engines=2))
+    assert before["num_drafts"] == 11 and before["per_pos"] == [7, 4, 2] and before["num_draft_tokens"] == 33
+    after = parse_vllm_counters(vllm_metrics(91, [71, 52, 34], k=3, engines=2))
+    served = vllm_difference(before, after, prompts=8, engine="vLLM")
+    assert served == ServedCounts("vLLM", 80, (64, 48, 32), 8)
+    assert served.conditional(0) == 0.8 and served.conditional(1) == 0.75 and served.tau() == pytest.approx(2.8)
+    empty = parse_vllm_counters("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n")
+    with pytest.raises(Exception, match="serves no drafter"):
+        vllm_difference(empty, empty, 1, "vLLM at http://x")
+
+
+def test_sglang_histograms_become_per_position_counts():
+    details = [{"spec_verify_ct": 4, "spec_num_proposed_drafts": 12, "spec_correct_drafts_histogram": [1, 1, 0, 2]},
+               {"spec_verify_ct": 2, "spec_num_proposed_drafts": 6, "spec_accept_histogram": [0, 2]}]  # older name
+    served = sglang_counts(details, k=None, prompts=2, engine="SGLang")
+    assert served.drafts == 6 and served.accepted_per_pos == (5, 2, 2)  # steps that accepted more than j drafts
+
+
+def test_the_wilson_bound_is_the_textbook_one():
+    # no success in 100 tries, one-sided 99%: z^2 / (n + z^2) with z = 2.3263
+    assert wilson_upper(0, 100, 0.99) == pytest.approx(2.3263**2 / (100 + 2.3263**2), rel=1e-4)
+    assert wilson_upper(50, 100, 0.99) == pytest.approx(0.6132, abs=1e-3)
+    assert wilson_upper(0, 0, 0.99) == 1.0
+
+
+def test_a_served_gap_beyond_the_margin_fails_and_names_the_likely_causes():
+    good = compare(ServedCounts("vLLM at u", 80, (64, 48, 32), 8), RECORDED)
+    assert good.ok and good.recorded_tau == pytest.approx(1 + 0.8 + 0.56 + 0.336)
+    assert "within 0.15 of it at every position" in good.line("vLLM at u")
+    broken = compare(ServedCounts("vLLM at u", 80, (8, 0, 0), 8), RECORDED)
+    assert not broken.ok and [p.below for p in broken.positions] == [True, True, False]  # position 3: no tries
+    line = broken.line("vLLM at u")
+    assert "position 1 serves 0.10" in line and "aux-layer ids" in line and "RoPE" in line and "d2t" in line
+    assert "\n" not in line
+    # a small gap, or few tries, is not evidence: 4 of 10 against 0.8 - 0.15 has an upper bound above 0.65
+    assert compare(ServedCounts("e", 10, (4, 3, 2), 1), RECORDED).positions[0].upper > 0.65
+    assert compare(ServedCounts("e", 10, (4, 3, 2), 1), RECORDED).ok
+    # serving better than validation is never a failure; positions past those recorded are not compared
+    better = compare(ServedCounts("e", 80, (80, 80, 80, 80, 80), 8), RECORDED)
+    assert better.ok and len(better.positions) == 3 and "positions 4-5 not compared" in better.line("e")
+
+
+def test_the_tolerance_moves_the_margin():
+    served = ServedCounts("e", 400, (240, 160, 90), 8)  # 0.60 / 0.67 / 0.56 against 0.8 / 0.7 / 0.6
+    assert compare(served, RECORDED, tolerance=0.15).ok
+    assert not compare(served, RECORDED, tolerance=0.05).ok
+    with pytest.raises(ValueError, match="--tolerance"):
+        compare(served, RECORDED, tolerance=1.5)
+
+
+def test_a_drafter_without_recorded_validation_is_one_line(tmp_path):
+    path = write_drafter(tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="has no eagle3_training.json"):
+        recorded_accuracies(path)
+    (path / "eagle3_training.json").write_text(json.dumps({"metrics": {"step_conditional_accuracy": [None, None]}}))
+    with pytest.raises(ValueError, match="recorded no validation metrics"):
+        recorded_accuracies(path)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_check_endpoint_passes_what_is_served_as_trained_and_fails_a_gap(engine, drafter, capsys):
+    with EngineStub(engine, [SERVED_WELL]) as stub:
+        code = main(["check", str(drafter), "--endpoint", stub.url, "--num-prompts", "8", "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (line,) = [ln for ln in out.splitlines() if "served-acceptance" in ln]
+    name = "vLLM" if engine == "vllm" else "SGLang"
+    assert line.startswith("INFO") and f"{name} at {stub.url} accepts 0.80 / 0.75 / 0.67" in line
+    assert "80 verify steps, 8 prompts" in line and "validation recorded 0.80 / 0.70 / 0.60" in line
+    assert len(stub.requests) == 8 and all(r["temperature"] == 0 and r["max_tokens"] == 16 for r in stub.requests)
+
+    with EngineStub(engine, [SERVED_BROKEN]) as stub:
+        code = main(["check", str(drafter), "--endpoint", stub.url, "--engine", engine, "--num-prompts", "8"])
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if "served-acceptance" in ln]
+    assert code == 1 and line.startswith("ERROR") and "likely causes: aux-layer ids" in line
+    assert out.strip().splitlines()[-1].startswith("FAILED: 1 error(s)")
+
+
+def test_a_server_without_a_drafter_or_no_server_is_one_line(drafter, capsys, tmp_path):
+    with EngineStub("vllm", [SERVED_WELL], vllm_drafts=False) as stub:
+        code = main(["check", str(drafter), "--endpoint", stub.url, "--num-prompts", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith(f"error: vLLM at {stub.url} reports no speculative-decoding counters")
+    url = stub.url  # stopped: nothing listens there now
+    code = main(["check", str(drafter), "--endpoint", url, "--engine", "vllm", "--num-prompts", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith(f"error: no server answers at {url}")
+    (drafter / "eagle3_training.json").unlink()
+    code = main(["check", str(drafter), "--endpoint", url, "--num-prompts", "1"])
+    assert code == 1 and "has no eagle3_training.json" in capsys.readouterr().err
