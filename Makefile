@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 VLLM_SPEC ?=
 VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 
-.PHONY: venv vllm vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm llamacpp vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ venv: $(VENV)/.installed
 # idempotent: a stamp in the venv records the pin, so a second run (and CI on the same machine) costs nothing
 vllm:
 	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
+
+# llama.cpp's llama-server and GGUF converter from the llama-cpp-python source distribution on PyPI, built once
+# into the user cache (CPU native; CUDA where nvidia-smi lists a GPU); `evaluate --engine llamacpp` finds it there
+LLAMACPP_DIR ?= $(or $(EAGLE3_HF_LLAMACPP_DIR),$(HOME)/.cache/eagle3_hf/llamacpp/0.3.36)
+llamacpp:
+	EAGLE3_HF_LLAMACPP_DIR="$(LLAMACPP_DIR)" PYTHON="$(PYTHON)" bash scripts/install_llamacpp.sh
 
 # ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
 lint: venv

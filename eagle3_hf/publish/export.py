@@ -1,25 +1,78 @@
-"""`eagle3-hf export`: rewrite a drafter (any supported layout, local or on the Hub) in the standard or
-the speculators layout. The layouts themselves are defined in `eagle3_hf/model/checkpoint.py`."""
+"""`eagle3-hf export`: rewrite a drafter (any supported layout, local or on the Hub) in the standard or the
+speculators layout, or as a GGUF for llama.cpp. The layouts themselves are defined in
+`eagle3_hf/model/checkpoint.py`; the GGUF is written by llama.cpp's own converter (`make llamacpp`), after
+`check --engine llamacpp`'s rules (`llamacpp_rules.py`) found nothing it would refuse or serve wrongly."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from ..errors import UsageError
+
+GGUF_DRAFTER = "eagle3-drafter-{outtype}.gguf"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="drafter directory or Hub repo id (any supported layout)")
     parser.add_argument("--output", required=True, help="directory to write")
-    parser.add_argument("--format", choices=["standard", "speculators"], default="standard")
-    parser.add_argument("--verifier", help="verifier (name or path): its embedding fills embed_tokens")
+    parser.add_argument("--format", choices=["standard", "speculators", "gguf"], default="standard",
+                        help="gguf: llama.cpp's drafter file (`make llamacpp` first; needs --verifier), and the "
+                             "verifier's GGUF when it has none")
+    parser.add_argument("--verifier", help="verifier (name or path): its embedding fills embed_tokens; --format "
+                                           "gguf: its directory gives the converter the layers and the tokenizer")
     parser.add_argument("--include-embed-tokens", action="store_true",
                         help="standard layout: also write embed_tokens (engines normally take the verifier's)")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
+    parser.add_argument("--gguf-type", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
+                        help="--format gguf: the drafter's (and a converted verifier's) tensor type (default: "
+                             "%(default)s)")
+    parser.add_argument("--verifier-gguf", default=None,
+                        help="--format gguf: the verifier's GGUF, printed in the serve line; default: the embedded "
+                             "default's own file, else the verifier's directory converted into --output; "
+                             "'convert' converts even the embedded default")
+
+
+def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(drafter GGUF, verifier GGUF), after llama.cpp's rules passed: each error they find is printed as its own
+    line and the export refused before any conversion."""
+    from ..engines.llamacpp_convert import convert_drafter, verifier_gguf
+    from ..engines.llamacpp_env import find_llamacpp
+    from ..verifier.loading import resolve_verifier
+    from .check import check_drafter
+
+    if not args.verifier:
+        raise UsageError("--format gguf needs --verifier: llama.cpp's converter reads the verifier's config and "
+                         "tokenizer (--target-model-dir)")
+    build = find_llamacpp(need_server=False)
+    verifier_dir = Path(resolve_verifier(args.verifier))
+    if not (verifier_dir / "config.json").is_file():
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "tokenizer.model", "*.txt", "*.tiktoken"]  # what the converter reads, no weights
+        verifier_dir = Path(snapshot_download(args.verifier, allow_patterns=patterns))
+    errors = [f for f in check_drafter(args.drafter, verifier=str(verifier_dir), engine="llamacpp",
+                                       revision=args.revision) if f.level == "error"]
+    if errors:
+        for finding in errors:
+            print(f"  {finding}", file=sys.stderr)
+        raise UsageError(f"{args.drafter} would not convert or serve correctly in llama.cpp ({len(errors)} "
+                         "error(s) above, `eagle3-hf check --engine llamacpp`); nothing was converted")
+    out = Path(args.output)
+    drafter = convert_drafter(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
+                              args.gguf_type, revision=args.revision)
+    verifier = verifier_gguf(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type, out)
+    return drafter, verifier
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.format == "gguf":
+        drafter_file, verifier_file = export_gguf(args)
+        print(f"wrote {drafter_file} (verifier: {verifier_file}); serve it with\n  llama-server -m {verifier_file} "
+              f"-md {drafter_file} --spec-type draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0")
+        return 0
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_verifier
 

@@ -24,11 +24,12 @@ from typing import Any
 from ..constants import EVALUATION_FILE, TRAINING_FILE
 from .check import Finding, check_drafter
 from .model_card import write_model_card
+from .report import SERVERS
 
 logger = logging.getLogger(__name__)
 
 # what a drafter repo holds; Trainer leftovers (optimizer.pt, rng_state_*.pth, trainer_state.json) stay local
-ALLOW_PATTERNS = ["*.safetensors", "*.json", "README.md"]
+ALLOW_PATTERNS = ["*.safetensors", "*.json", "README.md", "*.gguf"]  # a GGUF only when push --gguf staged one
 IGNORE_PATTERNS = ["trainer_state.json", "training_args*", "checkpoint-*/**", ".*"]
 _TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")  # a user access token, whoever's it is
 
@@ -112,6 +113,21 @@ def _stage_model(model: Any, directory: Path) -> Path:
     return directory
 
 
+def _stage_with(folder: Path, extra: Path, stage: Path) -> Path:
+    """`folder`'s files and `extra` side by side in `stage`, as links (only the card is copied: it is rewritten
+    there, never through a link into the user's folder)."""
+    if not extra.is_file():
+        raise FileNotFoundError(f"--gguf {extra}: no such file (write it with `eagle3-hf export --format gguf`)")
+    stage.mkdir(parents=True)
+    for file in folder.iterdir():
+        if file.name == "README.md":
+            shutil.copy2(file, stage / file.name)
+        elif file.is_file():
+            (stage / file.name).symlink_to(file.resolve())
+    (stage / extra.name).symlink_to(extra.resolve())
+    return stage
+
+
 def _local_verifier(folder: Path) -> str | None:
     """The verifier recorded with the checkpoint, when it is a local directory (checked without network)."""
     name = None
@@ -134,12 +150,14 @@ def push_drafter(
     commit_description: str | None = None,
     create_pr: bool = False,
     tags: list[str] | None = None,
+    gguf: str | os.PathLike | None = None,
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
     Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when
-    missing. `tags` are added to the card's own. Raises `DrafterCheckError` when the checkpoint would not serve,
-    `HubError` for auth / network / conflicts.
+    missing. `tags` are added to the card's own. `gguf`: the drafter's llama.cpp file (`eagle3-hf export --format
+    gguf`), uploaded beside the standard layout, and llama.cpp's rules checked too. Raises `DrafterCheckError` when
+    the checkpoint would not serve, `HubError` for auth / network / conflicts.
     """
     from huggingface_hub import HfApi, get_token
 
@@ -153,8 +171,12 @@ def push_drafter(
                 raise FileNotFoundError(f"{folder} is not a drafter checkpoint directory (no config.json)")
         else:
             folder = _stage_model(model_or_dir, Path(tmp))
+        if gguf is not None:
+            folder = _stage_with(folder, Path(gguf), Path(tmp) / "with_gguf")
         if run_check:
-            findings = check_drafter(folder, verifier=_local_verifier(folder), engine="all")
+            # the engines that load what is uploaded: the standard layout's, and llama.cpp with a GGUF beside it
+            engines = SERVERS + (("llamacpp",) if gguf else ())
+            findings = check_drafter(folder, verifier=_local_verifier(folder), engine=engines)
             if any(f.level == "error" for f in findings):
                 raise DrafterCheckError(findings)
             for f in findings:
@@ -196,13 +218,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="branch to push to (created from main if missing)")
     parser.add_argument("--commit-message", default=None)
     parser.add_argument("--no-check", action="store_true", help="push even if `eagle3-hf check` finds errors")
+    parser.add_argument("--gguf", default=None, help="the drafter's GGUF (`eagle3-hf export --format gguf`), uploaded "
+                        "beside the standard layout for llama.cpp; checked for llama.cpp too")
 
 
 def run(args: argparse.Namespace) -> int:
     """Token from HF_TOKEN or `hf auth login`; never from the command line, so it stays out of shell history."""
     try:
         url = push_drafter(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
-                           commit_message=args.commit_message, run_check=not args.no_check)
+                           commit_message=args.commit_message, run_check=not args.no_check, gguf=args.gguf)
     except (HubError, DrafterCheckError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
