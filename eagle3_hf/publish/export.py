@@ -46,7 +46,6 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     if not args.verifier:
         raise UsageError("--format gguf needs --verifier: llama.cpp's converter reads the verifier's config and "
                          "tokenizer (--target-model-dir)")
-    build = find_llamacpp(need_server=False)
     verifier_dir = Path(resolve_verifier(args.verifier))
     if not (verifier_dir / "config.json").is_file():
         from huggingface_hub import snapshot_download
@@ -60,6 +59,7 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
             print(f"  {finding}", file=sys.stderr)
         raise UsageError(f"{args.drafter} would not convert or serve correctly in llama.cpp ({len(errors)} "
                          "error(s) above, `eagle3-hf check --engine llamacpp`); nothing was converted")
+    build = find_llamacpp(need_server=False)  # after the rules: they need no build
     out = Path(args.output)
     drafter = convert_drafter(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
                               args.gguf_type, revision=args.revision)
