@@ -33,10 +33,10 @@ vllm:
 	VLLM_SPEC="$(VLLM_SPEC)" EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PYTHON="$(PYTHON)" bash scripts/install_vllm.sh
 
 # llama.cpp's llama-server and GGUF converter from the llama-cpp-python source distribution on PyPI, built once
-# into the user cache (CPU native; CUDA where nvidia-smi lists a GPU); `evaluate --engine llamacpp` finds it there
-LLAMACPP_DIR ?= $(or $(EAGLE3_HF_LLAMACPP_DIR),$(HOME)/.cache/eagle3_hf/llamacpp/0.3.36)
+# into the user cache (CPU native; CUDA where nvidia-smi lists a GPU); `evaluate --engine llamacpp` and `export
+# --format gguf` find it there (EAGLE3_HF_LLAMACPP_DIR elsewhere). The converter runs with the venv's python.
 llamacpp:
-	EAGLE3_HF_LLAMACPP_DIR="$(LLAMACPP_DIR)" PYTHON="$(PYTHON)" bash scripts/install_llamacpp.sh
+	PYTHON="$(PYTHON)" CONVERTER_PYTHON="$(if $(wildcard $(PY)),$(abspath $(PY)),$(PYTHON))" bash scripts/install_llamacpp.sh
 
 # ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
 lint: venv
