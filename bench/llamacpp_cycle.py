@@ -16,6 +16,11 @@ server's own generation timings and its streamed draft counters (eagle3_hf/engin
 
 Each --verifier-gguf is a file, `default` (the embedded default's own Q4_1 file) or `convert` (the verifier's
 directory converted at --gguf-type). `make llamacpp` first. Prints one row per verifier file and writes JSON.
+
+Larger verifiers: `--synthetic smollm2-360m smollm2-1.7b` builds Llamas of those published shapes with random
+weights around the SmolLM2 tokenizer, and a random drafter for each (what a cycle costs does not depend on the
+weights' values: with p-min 0 every cycle drafts k tokens whatever they are), converted at --synthetic-type. Their
+τ is meaningless (≈ 1); their c, the break-even τ, is the measurement.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def measure(build, model: Path, drafter: Path, ids: list[list[int]], k: int, max
             pair = {}
             order = [("plain", plain), ("spec", spec)]
             for name, server in order if i % 2 == 0 else order[::-1]:
-                pair[name] = server.complete(prompt, max_new)
+                pair[name] = server.complete(prompt, max_new, probs=False, ignore_eos=True)
             rows.append(pair)
     tokens_plain = sum(len(r["plain"].tokens) for r in rows)
     seconds_plain = sum(r["plain"].seconds for r in rows)
@@ -61,6 +66,44 @@ def measure(build, model: Path, drafter: Path, ids: list[list[int]], k: int, max
             "cycles": cycles, "prompts": len(rows)}
 
 
+# the published SmolLM2 shapes (config.json of HuggingFaceTB/SmolLM2-360M-Instruct and -1.7B-Instruct)
+SHAPES = {"smollm2-360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                               num_key_value_heads=5),
+          "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                               num_key_value_heads=32)}
+
+
+def synthetic_pair(name: str, tokenizer_dir: Path, root: Path) -> tuple[Path, Path]:
+    """(verifier dir, drafter dir): a random Llama of shape `name` with the SmolLM2 tokenizer, a random drafter."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from eagle3_hf import Eagle3Config, Eagle3DraftModel
+
+    verifier_dir, drafter_dir = root / name, root / f"{name}-drafter"
+    if not (drafter_dir / "config.json").is_file():
+        config = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+                             bos_token_id=1, eos_token_id=2, rope_theta=100000.0, **SHAPES[name])
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            verifier = LlamaForCausalLM(config)
+        verifier = verifier.to_empty(device="cpu").to(torch.bfloat16)
+        with torch.no_grad():
+            for p in verifier.parameters():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        verifier.save_pretrained(verifier_dir)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(verifier_dir)
+        drafter_config = Eagle3Config.from_verifier(config, draft_vocab_size=4096)
+        drafter = Eagle3DraftModel(drafter_config).eval()
+        d2t = torch.zeros(4096, dtype=torch.long)  # the first 4,096 ids
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[:4096] = True
+        drafter.set_vocab_mapping(d2t, t2d)
+        drafter.save_pretrained(drafter_dir)
+        del verifier
+    return verifier_dir, drafter_dir
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter", required=True, help="drafter directory (standard layout)")
@@ -72,6 +115,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     p.add_argument("--output", default="bench_out/llamacpp")
+    p.add_argument("--synthetic", nargs="*", default=[], choices=sorted(SHAPES),
+                   help="also random verifiers of these shapes, each with a random drafter (break-even τ only)")
+    p.add_argument("--synthetic-type", default="q8_0", help="their GGUF type (default: %(default)s)")
     args = p.parse_args()
 
     from eagle3_hf.evaluation.evaluate import load_prompts, prompt_turns, render_prompt
@@ -96,6 +142,16 @@ def main() -> None:
               f"{row['cycle_ms']:.1f} ms = {row['cycle_over_forward']:.2f} forwards -> break-even tau "
               f"{row['break_even_tau']:.2f}; tau {row['tau']:.3f}, speedup {row['speedup_measured']:.2f}x "
               f"(tau / c predicts {row['speedup_predicted']:.2f}x)", flush=True)
+    for name in args.synthetic:
+        v_dir, d_dir = synthetic_pair(name, verifier_dir, cache_dir() / "synthetic")
+        d_gguf = convert_drafter(build, str(d_dir), v_dir, out / f"{name}-drafter.gguf", args.synthetic_type)
+        model = verifier_gguf(build, name, v_dir, "convert", args.synthetic_type, cache_dir() / "gguf")
+        row = measure(build, model, d_gguf, ids, args.k, args.max_new_tokens, args.threads, out)
+        row["synthetic"] = name
+        results.append(row)
+        print(f"{name} (random weights, {model.name}, {row['size_mib']:.0f} MiB): forward {row['forward_ms']:.1f} ms,"
+              f" cycle {row['cycle_ms']:.1f} ms = {row['cycle_over_forward']:.2f} forwards -> break-even tau "
+              f"{row['break_even_tau']:.2f}", flush=True)
     record = {"llamacpp": build.version(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "threads": args.threads, "k": args.k, "drafter": args.drafter,
               "results": results}

@@ -119,11 +119,12 @@ class LlamaServer(ServerProcess):
         return UsageError(f"llama-server did not serve within {self.timeout:.0f} s (log: {self._log_path})")
 
     def complete(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 probs: bool = True) -> Completion:
-        """Decode `ids` (the rendered prompt); streamed, so that the cycles can be told apart."""
+                 probs: bool = True, ignore_eos: bool = False) -> Completion:
+        """Decode `ids` (the rendered prompt); streamed, so that the cycles can be told apart. `ignore_eos`: always
+        `max_new_tokens` (a bench's fixed length)."""
         body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": temperature, "seed": seed,
                 "stream": True, "timings_per_token": True, "return_tokens": True, "cache_prompt": False,
-                "n_probs": 2 if probs else 0}
+                "n_probs": 2 if probs else 0, "ignore_eos": ignore_eos}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
         try:
             conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
