@@ -7,6 +7,8 @@
 set -euo pipefail
 
 LLAMACPP_PY_VERSION=0.3.36
+# the Llama converter imports sentencepiece even for a BPE tokenizer; installed into the build's own folder
+SENTENCEPIECE_SPEC=sentencepiece==0.2.3
 ROOT="${EAGLE3_HF_LLAMACPP_DIR:-$HOME/.cache/eagle3_hf/llamacpp/$LLAMACPP_PY_VERSION}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${LLAMACPP_JOBS:-$(nproc 2>/dev/null || echo 2)}"
@@ -21,9 +23,15 @@ if [[ -z "${LLAMACPP_CUDA:-}" ]]; then
         LLAMACPP_CUDA=1
     fi
 fi
-WANT="llama-cpp-python==$LLAMACPP_PY_VERSION cuda=$LLAMACPP_CUDA"
+WANT="llama-cpp-python==$LLAMACPP_PY_VERSION cuda=$LLAMACPP_CUDA $SENTENCEPIECE_SPEC"
 
-# the server stays in the cache: this line puts it on PATH; eagle3-hf finds it there without (EAGLE3_HF_LLAMACPP_DIR)
+# the converter's one import our venv lacks, for the Python that runs it (CONVERTER_PYTHON: the venv's, from make)
+converter_deps() {
+    "${CONVERTER_PYTHON:-$PYTHON}" -m pip install -q --no-deps --upgrade --target "$ROOT/python" "$SENTENCEPIECE_SPEC" 2>&1 \
+        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
+# the server stays in the cache: this line puts it on PATH; eagle3-hf finds it there without it
 path_line() {
     echo "llama.cpp: $BUILD/bin/llama-server; converter: $TREE/convert_hf_to_gguf.py;" \
         "to run \`llama-server\` by name: export PATH=\"\$PATH:$BUILD/bin\""
@@ -68,7 +76,8 @@ echo "building llama-server (cuda=$LLAMACPP_CUDA, $JOBS jobs) in $BUILD"
 cmake -S "$TREE" -B "$BUILD" "${CMAKE_ARGS[@]}" > "$ROOT/cmake.log" 2>&1 || { tail -20 "$ROOT/cmake.log" >&2; exit 1; }
 cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-server > "$ROOT/build.log" 2>&1 \
     || { tail -30 "$ROOT/build.log" >&2; exit 1; }
-"$BUILD/bin/llama-server" --version 2>&1 | head -2
+"$BUILD/bin/llama-server" --version 2>&1 | grep -E "^(version|built with)" || true
+converter_deps
 echo "$WANT" > "$STAMP"
 echo "llama.cpp built in $ROOT in $(( $(date +%s) - start )) s"
 path_line
