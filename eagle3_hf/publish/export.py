@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 
@@ -35,10 +37,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'convert' converts even the embedded default")
 
 
+def drafter_gguf(build: Any, drafter: str, verifier_dir: Path, outfile: Path, outtype: str,
+                 revision: str | None = None) -> Path:
+    """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first."""
+    from ..engines.llamacpp_convert import convert_drafter
+    from ..model.modeling_eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(drafter, revision=revision, dtype="float32")
+    with tempfile.TemporaryDirectory(prefix="eagle3_gguf_") as tmp:
+        model.save_pretrained(tmp)
+        return convert_drafter(build, Path(tmp), verifier_dir, outfile, outtype)
+
+
+def verifier_gguf_of(build: Any, verifier: str, verifier_dir: Path, given: str | None, outtype: str,
+                     cache: Path) -> Path:
+    """The verifier's GGUF (`engines/llamacpp_convert.py verifier_gguf`), the embedded default's own file its own."""
+    from ..engines.llamacpp_convert import verifier_gguf
+    from ..verifier.loading import DEFAULT_VERIFIER, default_verifier_gguf
+
+    own = default_verifier_gguf() if verifier in (DEFAULT_VERIFIER, "default") else None
+    return verifier_gguf(build, verifier_dir, given, outtype, cache, own)
+
+
 def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     """(drafter GGUF, verifier GGUF), after llama.cpp's rules passed: each error they find is printed as its own
     line and the export refused before any conversion."""
-    from ..engines.llamacpp_convert import convert_drafter, verifier_gguf
     from ..engines.llamacpp_env import find_llamacpp
     from ..verifier.loading import resolve_verifier
     from .check import check_drafter
@@ -61,9 +84,9 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
                          "error(s) above, `eagle3-hf check --engine llamacpp`); nothing was converted")
     build = find_llamacpp(need_server=False)  # after the rules: they need no build
     out = Path(args.output)
-    drafter = convert_drafter(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
-                              args.gguf_type, revision=args.revision)
-    verifier = verifier_gguf(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type, out)
+    drafter = drafter_gguf(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
+                           args.gguf_type, revision=args.revision)
+    verifier = verifier_gguf_of(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type, out)
     return drafter, verifier
 
 
