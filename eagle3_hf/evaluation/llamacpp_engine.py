@@ -139,8 +139,8 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
     from ..publish.check import check_drafter
-    from ..publish.export import drafter_gguf, verifier_gguf_of
-    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ..publish.export import drafter_gguf, local_verifier_dir, verifier_gguf_of
+    from ..verifier.loading import cache_dir, load_tokenizer
     from .evaluate import copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
@@ -152,7 +152,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         raise UsageError(f"--spec-draft-p-min {args.spec_draft_p_min}: each must be within 0..1")
     build = find_llamacpp()  # fail first, in one line, when llama.cpp is not built
     prompts, name = load_prompts(args.prompts, args.num_prompts)
-    verifier_dir = Path(resolve_verifier(args.verifier))
+    verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
     refused = [f for f in check_drafter(args.drafter, verifier=str(verifier_dir), engine="llamacpp",
                                         revision=args.revision) if f.level == "error"]
     if refused:
@@ -166,8 +166,6 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
     draft_file = drafter_gguf(build, args.drafter, verifier_dir, out / f"drafter-{args.gguf_type}.gguf",
                               args.gguf_type, revision=args.revision)
-    from ..verifier.loading import cache_dir
-
     model_gguf = verifier_gguf_of(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type,
                                   cache_dir() / "gguf")
     threads = args.llamacpp_threads or torch.get_num_threads()

@@ -37,6 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'convert' converts even the embedded default")
 
 
+def local_verifier_dir(verifier: str, given_gguf: str | None) -> Path:
+    """The verifier's directory for llama.cpp's converter: the embedded default's cache, a local path, or a Hub
+    repo's config and tokenizer files, with its weights only when its own GGUF is to be converted (a drafter's
+    conversion reads none of them)."""
+    from ..verifier.loading import DEFAULT_VERIFIER, resolve_verifier
+
+    path = Path(resolve_verifier(verifier))
+    if (path / "config.json").is_file():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "tokenizer.model", "*.txt", "*.tiktoken"]
+    if given_gguf == "convert" or (given_gguf is None and verifier not in (DEFAULT_VERIFIER, "default")):
+        patterns.append("*.safetensors")
+    return Path(snapshot_download(verifier, allow_patterns=patterns))
+
+
 def drafter_gguf(build: Any, drafter: str, verifier_dir: Path, outfile: Path, outtype: str,
                  revision: str | None = None) -> Path:
     """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first."""
@@ -63,18 +80,12 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     """(drafter GGUF, verifier GGUF), after llama.cpp's rules passed: each error they find is printed as its own
     line and the export refused before any conversion."""
     from ..engines.llamacpp_env import find_llamacpp
-    from ..verifier.loading import resolve_verifier
     from .check import check_drafter
 
     if not args.verifier:
         raise UsageError("--format gguf needs --verifier: llama.cpp's converter reads the verifier's config and "
                          "tokenizer (--target-model-dir)")
-    verifier_dir = Path(resolve_verifier(args.verifier))
-    if not (verifier_dir / "config.json").is_file():
-        from huggingface_hub import snapshot_download
-
-        patterns = ["*.json", "tokenizer.model", "*.txt", "*.tiktoken"]  # what the converter reads, no weights
-        verifier_dir = Path(snapshot_download(args.verifier, allow_patterns=patterns))
+    verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
     errors = [f for f in check_drafter(args.drafter, verifier=str(verifier_dir), engine="llamacpp",
                                        revision=args.revision) if f.level == "error"]
     if errors:
