@@ -92,7 +92,7 @@ wait "$CHAIN" || { cat "$OUT/evaluate.log" >&2; echo "demo: the chain's evaluati
 echo; echo "--- the chain's evaluation ($OUT/evaluate.log)"; cat "$OUT/evaluate.log"
 cp "$OUT/sweep/eagle3_sweep.json" "$OUT/drafter/"
 
-stage "export the standard layout and check it for SGLang and vLLM"
+stage "export the standard layout and check it for SGLang, vLLM and llama.cpp"
 timed export eagle3-hf export "$OUT/drafter" --output "$OUT/export" --format standard
 cp "$OUT/drafter/eagle3_training.json" "$OUT/drafter/eagle3_evaluation.json" "$OUT/drafter/eagle3_sweep.json" "$OUT/export/"
 timed check eagle3-hf check "$OUT/export" --verifier "$VERIFIER" --engine all
