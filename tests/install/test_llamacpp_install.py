@@ -36,7 +36,8 @@ def test_no_cmake_is_one_line(tmp_path):
 
 def test_a_finished_build_is_not_rebuilt(tmp_path):
     root = tmp_path / "build"
-    server = root / f"llama_cpp_python-{LLAMACPP_PY_VERSION}" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+    tree = root / f"llama_cpp_python-{LLAMACPP_PY_VERSION}" / "vendor" / "llama.cpp"
+    server = tree / "build" / "bin" / "llama-server"
     server.parent.mkdir(parents=True)
     server.write_text("#!/bin/sh\n")
     server.chmod(0o755)
