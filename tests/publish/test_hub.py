@@ -236,6 +236,8 @@ def test_push_gguf_beside_the_standard_layout_checks_llamacpp_too(client, tmp_pa
     assert {"eagle3-drafter-f16.gguf", "model.safetensors", "config.json", "README.md"} <= files
     assert open(hf_hub_download("tester/with-gguf", "eagle3-drafter-f16.gguf"), "rb").read() == gguf.read_bytes()
     assert not (src / "README.md").exists()  # the card is written in the staging folder, not the user's
+    card = open(hf_hub_download("tester/with-gguf", "README.md"), encoding="utf-8").read()
+    assert "llama-server -m VERIFIER.gguf -md eagle3-drafter-f16.gguf --spec-type draft-eagle3" in card
     # an EAGLE 3.1 drafter serves in vLLM and SGLang: pushed alone, it goes; with a GGUF, llama.cpp's rules refuse it
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(dict(config, norm_output=True)))
