@@ -22,7 +22,7 @@ SPECULATORS_VENV ?= $(or $(EAGLE3_HF_SPECULATORS_VENV),$(HOME)/.cache/eagle3_hf/
 # (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log; PYTEST_ARGS="-n 0" runs serially
 PYTEST_XDIST := -n 2 --dist loadgroup --durations=25
 
-.PHONY: venv vllm sglang-rope speculators vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm sglang-rope speculators llamacpp vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -48,14 +48,21 @@ sglang-rope: vllm
 speculators: venv
 	EAGLE3_HF_SPECULATORS_VENV="$(SPECULATORS_VENV)" TORCH_SPEC="$(TORCH_SPEC)" $(PY) -m bench.train_step --setup-speculators
 
+# llama.cpp's llama-server and GGUF converter from the llama-cpp-python source distribution on PyPI, built once
+# into the user cache (CPU native; CUDA where nvidia-smi lists a GPU); `evaluate --engine llamacpp` and `export
+# --format gguf` find it there (EAGLE3_HF_LLAMACPP_DIR elsewhere). The converter runs with the venv's python.
+llamacpp:
+	PYTHON="$(PYTHON)" CONVERTER_PYTHON="$(if $(wildcard $(PY)),$(abspath $(PY)),$(PYTHON))" bash scripts/install_llamacpp.sh
+
 # ruff (lint + import order) on the whole tree and mypy on the package, configured in pyproject.toml; make test runs it
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 # the slow vLLM tests need vLLM, the RoPE ones SGLang's code beside it too; EAGLE3_HF_SKIP_VLLM=1 skips them and
-# their installs, locally only. The speculators round trip needs its venv (make speculators)
-test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm sglang-rope) speculators
+# their installs, locally only. The speculators round trip needs its venv (make speculators), the llama.cpp tests
+# its build (make llamacpp: about 6 min of two idle cores, once)
+test: venv lint $(if $(filter 1,$(EAGLE3_HF_SKIP_VLLM)),,vllm sglang-rope) speculators llamacpp
 	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" EAGLE3_HF_SPECULATORS_VENV="$(SPECULATORS_VENV)" \
 	  $(PY) -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 

@@ -19,6 +19,7 @@ ACCEPTANCE_FILE = "acceptance.csv"  # `eagle3-hf evaluate`: one row per prompt a
 PAD_DOCUMENT = -1  # document id of padding positions in a packed row
 
 VLLM_EVALUATION_FILE = "eagle3_evaluation_vllm.json"  # `evaluate --engine vllm`, beside eagle3_evaluation.json
+LLAMACPP_EVALUATION_FILE = "eagle3_evaluation_llamacpp.json"  # `evaluate --engine llamacpp`, beside it too
 
 # ---------------------------------------------------------------- servers
 # The API key of `serve-features` / `serve-vllm` and their clients (features/api_key.py). The feature server

@@ -3,6 +3,7 @@
 # regenerate (answers + features in one pass) -> vocab -> train (accelerate launch) -> evaluate (chain speculative
 # decoding on MT-bench) -> tree (a short SGLang-style sweep on development prompts, the fastest tree on the same
 # MT-bench questions) -> export -> check [-> vllm: the export served by vLLM, when `make vllm` installed it]
+# [-> llamacpp: the export as a GGUF served by llama-server, when `make llamacpp` built it]
 # -> summary [-> push when HF_REPO_ID is set].
 #
 #   make demo                      # small: the time of the last run is in docs/results/demo.md
@@ -91,7 +92,7 @@ wait "$CHAIN" || { cat "$OUT/evaluate.log" >&2; echo "demo: the chain's evaluati
 echo; echo "--- the chain's evaluation ($OUT/evaluate.log)"; cat "$OUT/evaluate.log"
 cp "$OUT/sweep/eagle3_sweep.json" "$OUT/drafter/"
 
-stage "export the standard layout and check it for SGLang and vLLM"
+stage "export the standard layout and check it for SGLang, vLLM and llama.cpp"
 timed export eagle3-hf export "$OUT/drafter" --output "$OUT/export" --format standard
 cp "$OUT/drafter/eagle3_training.json" "$OUT/drafter/eagle3_evaluation.json" "$OUT/drafter/eagle3_sweep.json" "$OUT/export/"
 timed check eagle3-hf check "$OUT/export" --verifier "$VERIFIER" --engine all
@@ -105,6 +106,18 @@ if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm_env impo
     --output "$OUT/eval_vllm" --write-to-drafter --no-progress
 else
   echo; echo "(vLLM not installed: \`make vllm\` adds a stage that serves the drafter in vLLM)"
+fi
+
+# llama.cpp: the export converted to GGUF by llama.cpp's own converter and served by llama-server beside the
+# embedded verifier's own GGUF (token-identical to plain llama-server, τ from its draft counters). Runs when
+# `make llamacpp` built it (DEMO_LLAMACPP=0 skips it).
+if [ "${DEMO_LLAMACPP:-1}" != 0 ] && python -c "from eagle3_hf.engines.llamacpp_env import find_llamacpp; find_llamacpp()" 2>/dev/null; then
+  stage "llama.cpp: the export as a GGUF, served by llama-server on the same $EVAL_Q MT-bench questions (k=3, greedy)"
+  timed llamacpp eagle3-hf evaluate --engine llamacpp --skip-transformers --drafter "$OUT/export" --verifier "$VERIFIER" \
+    --prompts mt-bench --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 \
+    --output "$OUT/eval_llamacpp" --no-progress
+else
+  echo; echo "(llama.cpp not built: \`make llamacpp\` adds a stage that serves the drafter in llama.cpp)"
 fi
 
 if [ -n "${HF_REPO_ID:-}" ]; then

@@ -60,6 +60,7 @@ def summarize(out: Path, seconds: int | None = None) -> dict:
         "eval": {k: evaluation[k] for k in ("engine", "k", "temperature", "prompts", "num_prompts")},
         "tree": _tree(out),
         "vllm": _vllm(out),
+        "llamacpp": _llamacpp(out),
     }
 
 
@@ -84,6 +85,14 @@ def _vllm(out: Path) -> dict | None:
         return None
     return {k: ev.get(k) for k in ("acceptance_length", "acceptance_length_as_evaluate_counts",
                                    "per_position_acceptance", "speedup", "lossless", "vllm_version")}
+
+
+def _llamacpp(out: Path) -> dict | None:
+    ev = _optional_json(out / "eval_llamacpp" / "eagle3_evaluation_llamacpp.json")
+    if not ev:
+        return None
+    return {k: ev.get(k) for k in ("acceptance_length", "acceptance_length_as_evaluate_counts", "speedup",
+                                   "speedup_interval", "lossless", "llamacpp_version", "spec_draft_p_min")}
 
 
 def as_markdown(s: dict) -> str:
@@ -130,6 +139,17 @@ def as_markdown(s: dict) -> str:
                                   f"{gap:+.3f} against transformers)"),
             ("vLLM speedup, lossless",
              f"{served['speedup']:.2f}x over plain vLLM, token-identical {served['lossless']}"),
+        ]
+    cpp = s.get("llamacpp")
+    if cpp and cpp["acceptance_length"] is not None:
+        low, high = cpp.get("speedup_interval") or [float("nan"), float("nan")]
+        rows += [
+            ("τ served by llama.cpp", f"{cpp['acceptance_length']:.3f}  (llama-server {cpp['llamacpp_version']}, "
+                                       f"draft-eagle3 k=3, p-min {cpp['spec_draft_p_min']:g}, the embedded Q4_1 GGUF; "
+                                       "counted as evaluate counts: "
+                                       f"{cpp['acceptance_length_as_evaluate_counts']:.3f})"),
+            ("llama.cpp speedup, lossless", f"{cpp['speedup']:.2f}x [{low:.2f}, {high:.2f}] over plain llama-server, "
+                                             f"token-identical {cpp['lossless']}"),
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| what | value |", "|---|---|"] + [f"| {k:<{width}} | {v} |" for k, v in rows])

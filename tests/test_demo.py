@@ -119,3 +119,20 @@ def test_demo_pipeline_tiny(demo):
 @pytest.mark.slow
 def test_demo_serves_the_export_in_vllm(vllm, demo):
     check_vllm(demo)
+
+
+@pytest.mark.slow
+def test_demo_serves_the_export_in_llamacpp(demo):
+    """With `make llamacpp` built, the demo's llama.cpp stage served the export as a GGUF on the chain's questions,
+    token-identical to plain llama-server."""
+    from eagle3_hf.engines.llamacpp_env import STAMP, llamacpp_dir
+
+    if not (llamacpp_dir() / STAMP).is_file():
+        pytest.skip(f"llama.cpp is not built in {llamacpp_dir()}: `make llamacpp` adds the demo's llama.cpp stage")
+    path = demo / "eval_llamacpp" / "eagle3_evaluation_llamacpp.json"
+    assert path.is_file(), "llama.cpp is built but the demo skipped its llama.cpp stage"
+    served = json.loads(path.read_text())
+    chain = json.loads((demo / "eval" / "eagle3_evaluation.json").read_text())
+    assert (served["prompts"], served["num_prompts"], served["max_new_tokens"], served["k"]) == (
+        chain["prompts"], chain["num_prompts"], chain["max_new_tokens"], chain["k"])
+    assert served["lossless"] is True and served["counters_agree"] and served["num_cycles"] > 0

@@ -31,9 +31,9 @@ EXTERNAL_FLAGS = {
     "--disable-overlap-schedule", "--port", "--no-build-isolation", "--max-total-tokens", "--host", "--device",
     "--dtype", "--reasoning-parser", "--tp-size", "--tp",
 }
-# files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers')
+# files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers', llama.cpp's)
 EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",
-                  "configuration_llama.py", "arg_utils.py", "cli_args.py"}
+                  "configuration_llama.py", "arg_utils.py", "cli_args.py", "convert_hf_to_gguf.py"}
 COMMAND = re.compile(r"eagle3-hf\s+(?:--debug\s+)?([a-z][\w-]*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*[\w]")
 PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)+(?:[\w.-]+)?)")

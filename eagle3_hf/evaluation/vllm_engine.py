@@ -34,12 +34,13 @@ ENGINE_LAYOUTS = ("auto", "sequential", "together")
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `evaluate` takes for engines other than its own decoder: vLLM's shared engine group and how its
     plain and speculative engines share the machine."""
-    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
-                        help="transformers: our in-process decoder; vllm: serve the drafter in vLLM (`make vllm`) "
-                             "and print our decoder's τ beside it (default: %(default)s)")
+    parser.add_argument("--engine", choices=["transformers", "vllm", "llamacpp"], default="transformers",
+                        help="transformers: our in-process decoder; vllm: serve the drafter in vLLM (`make vllm`), "
+                             "llamacpp: in llama.cpp's llama-server (`make llamacpp`), and print our decoder's τ "
+                             "beside it (default: %(default)s)")
     parser.add_argument("--skip-transformers", action="store_true",
-                        help="--engine vllm: measure vLLM only (no train/serve gap; a verifier that only vLLM's "
-                             "tensor parallelism fits)")
+                        help="--engine vllm/llamacpp: measure the engine only (no train/serve gap; a verifier that "
+                             "only vLLM's tensor parallelism fits)")
     group = vllm_args.add_engine_arguments(parser, "--engine vllm: vLLM's engine (passed to vLLM as named; "
                                                    "vllm/engine/arg_utils.py)")
     group.add_argument("--vllm-engines", choices=ENGINE_LAYOUTS, default="auto",

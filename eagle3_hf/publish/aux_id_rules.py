@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..verifier.family import aux_indices_problem
-from .report import Report
+from .report import ENGINES, SERVERS, Report
 
 Ids = list[int] | None
 Read = Callable[[Ids, Ids, int | None], list[int] | str]
@@ -214,15 +214,15 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None, family: str | None = No
     agreed = next(iter(sglang.values())) if len(sglang) == 1 else None  # what SGLang captures, if its readers agree
     reader = f"SGLang's {family} reader" if family else "SGLang (every family's reader)"
     if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state") is False:
-        rep.add("error", "use-aux-hidden-state", "eagle_config.use_aux_hidden_state is false: engines then skip "
-                "fc and feed a single hidden state (EAGLE-1 style)")
+        rep.add("error", "use-aux-hidden-state", "eagle_config.use_aux_hidden_state is false: SGLang and vLLM then "
+                "skip fc and feed a single hidden state (EAGLE-1 style)", SERVERS)
     if top and nested:
         if top not in sglang.values():  # no reader captures what vLLM does (readers that disagree: *-versions too)
             hint = " (the same numbers in both: off by one for one engine)" if top == nested else ""
             rep.add("error", "aux-ids-mismatch", f"vLLM reads top-level eagle_aux_hidden_state_layer_ids {top} as "
                     f"hidden-state indices, {reader} reads eagle_config's {nested} as "
                     f"{' or '.join(map(str, sglang.values()))}: the engines feed different layers{hint}; for "
-                    f"training indices {top}, {_send_hint(top, family, n)}")
+                    f"training indices {top}, {_send_hint(top, family, n)}", SERVERS)
     elif nested and not top:
         used = agreed if isinstance(agreed, list) else [i + 1 for i in nested]
         level = "warning" if not n else ("error" if used != default else "info")
@@ -236,11 +236,13 @@ def check_aux_ids(cfg: dict, rep: Report, n: int | None, family: str | None = No
                 f"true, {_send_hint(top, family, n)}", ("sglang",))
     else:
         rep.add("warning", "aux-ids-missing", f"no aux layer ids at all: both engines capture {default_txt}; right "
-                "only if the drafter was trained on exactly those hidden-state indices")
+                "only if the drafter was trained on exactly those hidden-state indices", SERVERS)
     ids = top or (agreed if isinstance(agreed, list) else [i + 1 for i in nested] if nested else [])
     problem = aux_indices_problem(ids, n) if ids else None  # the rule extraction and training apply
     if problem:
         kind, why = problem
         why += " (EAGLE-3's fc reads three layers: 3 x target_hidden_size)" if kind == "count" else ""
-        rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}")
+        # llama.cpp's own count rule names its loader (llamacpp_rules.py)
+        rep.add("error", f"aux-ids-{kind}", f"the config's aux hidden-state ids: {why}",
+                SERVERS if kind == "count" else ENGINES)
     check_aux_id_versions(cfg, rep, n, family)

@@ -2,8 +2,8 @@
 
 Reads `config.json` and the safetensors headers (tensor values only for the few checks that need them);
 it never builds a model. This module reads the checkpoint (local or on the Hub) and reports; the rules,
-and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py` and `attention_rules.py`; the
-findings in `report.py`.
+and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py`, `attention_rules.py` and
+`llamacpp_rules.py` (llama.cpp's converter and loader); the findings in `report.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +86,13 @@ def _verifier_embedding(root: Path) -> tuple[Any, str] | None:
 def check_drafter(
     path_or_repo: str | os.PathLike,
     verifier: str | None = None,
-    engine: str = "all",
+    engine: str | Iterable[str] = "all",
     revision: str | None = None,
     engine_versions: dict[str, str | None] | None = None,
 ) -> list[Finding]:
-    """Every reason this checkpoint would serve badly in SGLang and/or vLLM, errors first. `engine_versions`:
-    the release of each engine to check the version-dependent rules against (none: every release read)."""
+    """Every reason this checkpoint would serve badly in the engines asked about (SGLang, vLLM, llama.cpp; "all" or
+    one name or several), errors first. `engine_versions`: the release of each engine to check the
+    version-dependent rules against (none: every release read)."""
     rep = Report(engine)
     try:
         root = _resolve(path_or_repo, revision, ["*.json", "*.safetensors"])
@@ -146,7 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
     parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
                         "embedding, and the SGLang aux-id reader of its family)")
-    parser.add_argument("--engine", choices=("all",) + ENGINES, default="all", help="serving engine to check for")
+    parser.add_argument("--engine", choices=("all",) + ENGINES, default="all",
+                        help="serving engine to check for (llamacpp: llama.cpp's GGUF converter and EAGLE-3 loader; "
+                             "all: every one)")
     parser.add_argument("--engine-version", default=None, metavar="VERSION", help="the --engine release to check "
                         "against (e.g. 0.32.0 for vLLM, 0.5.23 for SGLang); default: the installed one (vLLM: the "
                         "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "

@@ -24,12 +24,13 @@ from typing import Any
 from ..constants import EVALUATION_FILE, TRAINING_FILE
 from .check import Finding, check_drafter
 from .model_card import write_model_card
+from .report import SERVERS
 from .serving import DEFAULT_GPU_GIB, DEFAULT_PUSH_DTYPE, PUSH_DTYPES, stage_in_dtype, verifier_serving
 
 logger = logging.getLogger(__name__)
 
 # what a drafter repo holds; Trainer leftovers (optimizer.pt, rng_state_*.pth, trainer_state.json) stay local
-ALLOW_PATTERNS = ["*.safetensors", "*.json", "README.md"]
+ALLOW_PATTERNS = ["*.safetensors", "*.json", "README.md", "*.gguf"]  # a GGUF only when push --gguf staged one
 IGNORE_PATTERNS = ["trainer_state.json", "training_args*", "checkpoint-*/**", ".*"]
 _TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")  # a user access token, whoever's it is
 
@@ -113,6 +114,21 @@ def _stage_model(model: Any, directory: Path) -> Path:
     return directory
 
 
+def _stage_with(folder: Path, extra: Path, stage: Path) -> Path:
+    """`folder`'s files and `extra` side by side in `stage`, as links (only the card is copied: it is rewritten
+    there, never through a link into the user's folder)."""
+    if not extra.is_file():
+        raise FileNotFoundError(f"--gguf {extra}: no such file (write it with `eagle3-hf export --format gguf`)")
+    stage.mkdir(parents=True)
+    for file in folder.iterdir():
+        if file.name == "README.md":
+            shutil.copy2(file, stage / file.name)
+        elif file.is_file():
+            (stage / file.name).symlink_to(file.resolve())
+    (stage / extra.name).symlink_to(extra.resolve())
+    return stage
+
+
 def _recorded_verifier(folder: Path) -> str | None:
     """The verifier recorded with the checkpoint (its training record, else its config)."""
     name = None
@@ -144,13 +160,16 @@ def push_drafter(
     dtype: str = DEFAULT_PUSH_DTYPE,
     tensor_parallel: int | None = None,
     gpu_memory_gib: float = DEFAULT_GPU_GIB,
+    gguf: str | os.PathLike | None = None,
 ) -> str:
     """Check, card and upload a drafter (a model with `save_pretrained` or a checkpoint directory).
 
     Returns the commit URL (a `CommitInfo`, which is a str). `revision` names a branch, created from main when
     missing. `tags` are added to the card's own. The floating weights are uploaded in `dtype` (bf16, fp16, fp32;
     d2t and t2d as stored); the serve commands carry the verifier's tensor-parallel size (`tensor_parallel`, else
-    derived for GPUs of `gpu_memory_gib`) and its remote code (publish/serving.py). Raises `DrafterCheckError` when
+    derived for GPUs of `gpu_memory_gib`) and its remote code (publish/serving.py). `gguf`: the drafter's
+    llama.cpp file (`eagle3-hf export --format gguf`), uploaded beside the standard layout, and llama.cpp's rules
+    checked too. Raises `DrafterCheckError` when
     the checkpoint would not serve, `HubError` for auth / network / conflicts.
     """
     from huggingface_hub import HfApi, get_token
@@ -169,8 +188,12 @@ def push_drafter(
             folder = _stage_model(model_or_dir, Path(tmp) / "model")
         source = folder
         folder = stage_in_dtype(folder, Path(tmp) / "upload", dtype, ALLOW_PATTERNS, IGNORE_PATTERNS)
+        if gguf is not None:
+            folder = _stage_with(folder, Path(gguf), Path(tmp) / "with_gguf")
         if run_check:
-            findings = check_drafter(folder, verifier=_local_verifier(folder), engine="all")
+            # the engines that load what is uploaded: the standard layout's, and llama.cpp with a GGUF beside it
+            engines = SERVERS + (("llamacpp",) if gguf else ())
+            findings = check_drafter(folder, verifier=_local_verifier(folder), engine=engines)
             if any(f.level == "error" for f in findings):
                 raise DrafterCheckError(findings)
             for f in findings:
@@ -222,6 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its config and safetensors index)")
     parser.add_argument("--gpu-memory-gib", type=float, default=DEFAULT_GPU_GIB,
                         help="memory of one serving GPU, for the derived tensor-parallel size (H100 80, H200 141)")
+    parser.add_argument("--gguf", default=None, help="the drafter's GGUF (`eagle3-hf export --format gguf`), uploaded "
+                        "beside the standard layout for llama.cpp; checked for llama.cpp too")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = push_drafter(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
                            commit_message=args.commit_message, run_check=not args.no_check, dtype=args.dtype,
-                           tensor_parallel=args.tensor_parallel_size, gpu_memory_gib=args.gpu_memory_gib)
+                           tensor_parallel=args.tensor_parallel_size, gpu_memory_gib=args.gpu_memory_gib,
+                           gguf=args.gguf)
     except (HubError, DrafterCheckError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

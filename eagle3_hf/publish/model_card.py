@@ -27,7 +27,7 @@ from typing import Any, TypeGuard
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..constants import EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE, VLLM_EVALUATION_FILE
+from ..constants import EVALUATION_FILE, LLAMACPP_EVALUATION_FILE, SWEEP_FILE, TRAINING_FILE, VLLM_EVALUATION_FILE
 from .serving import ServingFacts, weights_dtype
 
 logger = logging.getLogger(__name__)
@@ -200,6 +200,26 @@ def _vllm_section(ev: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _llamacpp_section(ev: dict[str, Any]) -> str:
+    """τ as llama.cpp's llama-server served this drafter's GGUF (its draft counters), beside our decoder's τ."""
+    prompts = ev.get("prompts") or NOT_RECORDED
+    if ev.get("num_prompts") is not None:
+        prompts = f"{prompts} ({ev['num_prompts']} prompts x {ev.get('max_new_tokens', '?')} tokens)"
+    lossless = ev.get("lossless")
+    lines = ["## Served by llama.cpp", "",
+             f"In llama.cpp {ev.get('llamacpp_version') or NOT_RECORDED} (`--spec-type draft-eagle3`, "
+             f"`--spec-draft-n-max {ev.get('k', '?')}`, `--spec-draft-p-min {ev.get('spec_draft_p_min', '?')}`, "
+             f"greedy; prompts: {prompts}): τ = **{_num(ev.get('acceptance_length_as_evaluate_counts'))}** per verify "
+             f"cycle from llama-server's draft counters, speedup {_num(ev.get('speedup'))}× over plain "
+             "llama-server on the same machine, token-identical to plain llama-server: "
+             f"{'yes' if lossless else NOT_MEASURED if lossless is None else 'NO'}."]
+    if ev.get("gap") is not None:
+        lines += ["", "eagle3_hf's own decoder on the same prompts: "
+                  f"τ = {_num(ev.get('transformers_acceptance_length'))}; train/serve gap (llama.cpp − ours) "
+                  f"{ev['gap']:+.3f}."]
+    return "\n".join(lines)
+
+
 def _training_section(training: dict[str, Any]) -> str:
     data, recipe = training.get("data") or {}, training.get("recipe") or {}
     rows = [("data", data.get("name") or NOT_RECORDED)]
@@ -274,6 +294,8 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
     config = _read_json(root / "config.json")
     training, evaluation = _read_json(root / TRAINING_FILE), _read_json(root / EVALUATION_FILE)
     served = _read_json(root / VLLM_EVALUATION_FILE)  # `evaluate --engine vllm --write-to-drafter`
+    served_cpp = _read_json(root / LLAMACPP_EVALUATION_FILE)  # `evaluate --engine llamacpp --write-to-drafter`
+    ggufs = sorted(p.name for p in root.glob("*.gguf"))  # `push --gguf`: llama.cpp's file beside the layout
     sweep = _read_json(root / SWEEP_FILE)  # `evaluate --sweep --write-to-drafter`: the configuration to serve
     verifier = training.get("verifier") or config.get("verifier_name_or_path")
     drafter = repo_id or "ORG/DRAFTER"
@@ -315,9 +337,13 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         f"```bash\n{cmds['vllm']}\n```",
         "The algorithm must be `EAGLE3` (SGLang) / `eagle3` (vLLM): `EAGLE` / `eagle` expect a different "
         "(EAGLE-1/2) draft model.",
+        *([f"llama.cpp, with `{ggufs[0]}` from this repository and the verifier's own GGUF:",
+           f"```bash\nllama-server -m VERIFIER.gguf -md {ggufs[0]} --spec-type draft-eagle3 --spec-draft-n-max 3\n```"]
+          if ggufs else []),
         _serving_facts(serving, weights_dtype(root)),
         _evaluation_section(evaluation),
         *([_vllm_section(served)] if served else []),
+        *([_llamacpp_section(served_cpp)] if served_cpp else []),
         *([sweep_section(sweep)] if sweep else []),
         _metrics_section(training.get("metrics") or {}),
         _training_section(training),

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 LEVELS = ("error", "warning", "info")
-ENGINES = ("sglang", "vllm")
+ENGINES = ("sglang", "vllm", "llamacpp")
+SERVERS = ("sglang", "vllm")  # the engines that load the standard layout itself (llama.cpp loads its GGUF)
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,11 @@ class Finding:
 class Report:
     """The findings for the engines asked about; a rule names the engines a finding concerns."""
 
-    def __init__(self, engine: str):
-        if engine not in ("all",) + ENGINES:
-            raise ValueError(f"engine must be 'all', 'sglang' or 'vllm', got {engine!r}")
-        self.engines = set(ENGINES) if engine == "all" else {engine}
+    def __init__(self, engine: str | Iterable[str]):
+        wanted = set(ENGINES) if engine == "all" else {engine} if isinstance(engine, str) else set(engine)
+        if not wanted or wanted - set(ENGINES):
+            raise ValueError(f"engine must be 'all' or among {', '.join(ENGINES)}, got {engine!r}")
+        self.engines = wanted
         self.findings: list[Finding] = []
 
     def add(self, level: str, code: str, message: str, engines: Iterable[str] = ENGINES) -> None:

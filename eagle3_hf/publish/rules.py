@@ -55,6 +55,7 @@ from ..verifier.family import engine_config_problems
 from ..verifier.fit import drafter_misfits
 from .attention_rules import check_eagle31, check_residual, check_window
 from .aux_id_rules import check_aux_ids
+from .llamacpp_rules import check_llamacpp
 from .report import Report
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def check_config(cfg: dict, rep: Report, num_layers: int | None, family: str | N
     check_eagle31(cfg, rep)
     check_window(cfg, rep)
     check_aux_ids(cfg, rep, num_layers, family)
+    check_llamacpp(cfg, rep, num_layers, family)
 
 
 class CheckpointWeights:
@@ -206,7 +208,8 @@ def check_names_and_shapes(cfg: dict, w: CheckpointWeights, rep: Report) -> None
         shown = ", ".join(other[:6]) + (" ..." if len(other) > 6 else "")
         rep.add("error", "unknown-weights", f"{len(other)} weight names outside the standard layout ({shown}): "
                 "SGLang drops such names silently (random layer, τ ≈ 1), vLLM fails to load them; "
-                "the standard names have no 'model.' prefix", ("sglang", "vllm"))
+                "the standard names have no 'model.' prefix; llama.cpp's converter stops at a name it cannot map",
+                ("sglang", "vllm", "llamacpp"))
     have = set(w.meta) | {n.replace("layers.0.", "midlayer.", 1) for n in spec}
     missing = [n for n in LAYER_WEIGHTS + eagle31 if n not in have]
     if "lm_head.weight" in missing:
@@ -315,15 +318,16 @@ def check_verifier(cfg: dict, w: CheckpointWeights, rep: Report, vcfg: dict,
     found = verifier_embedding()
     if found is None or found[0].shape(found[1]) != w.shape("embed_tokens.weight"):
         rep.add("warning", "embed-differs", "the drafter carries embed_tokens.weight and the verifier's embedding "
-                "could not be compared (not found or another shape); vLLM uses the drafter's own", ("vllm",))
+                "could not be compared (not found or another shape); vLLM and llama.cpp use the drafter's own",
+                ("vllm", "llamacpp"))
         return
     vw, vname = found
     n = w.shape("embed_tokens.weight")[0]
     blocks = [slice(s, min(s + 512, n)) for s in sorted({0, n // 2, max(0, n - 512)})]
     same = all(torch.equal(w.tensor("embed_tokens.weight", b), vw.tensor(vname, b)) for b in blocks)
     if not same:
-        rep.add("error", "embed-differs", "embed_tokens.weight differs from the verifier's embedding: vLLM then "
-                "uses the drafter's own (SGLang swaps in the verifier's), so the engines disagree; drop it from "
-                "the checkpoint unless it was trained on purpose", ("vllm",))
+        rep.add("error", "embed-differs", "embed_tokens.weight differs from the verifier's embedding: vLLM and "
+                "llama.cpp then use the drafter's own (SGLang swaps in the verifier's), so the engines disagree; drop "
+                "it from the checkpoint unless it was trained on purpose", ("vllm", "llamacpp"))
     else:
         rep.add("info", "embed-shared", "embed_tokens.weight equals the verifier's; engines share the verifier's")

@@ -18,10 +18,12 @@ TWO_CORES = (
     "tests/test_rehearsal.py::test_the_kimi_route_on_two_nodes",
     "tests/features/test_extract.py::test_two_ranks_merge_one_manifest",
     "tests/features/test_feature_server.py::test_training_online_from_the_vllm_server_equals_offline",
+    "tests/verifier/test_code_cache.py::test_eight_ranks_load_remote_code_into_a_cold_cache_20_times_without_a_failure",
 )
 # the modules whose tests share a session fixture: `served_pair` trains a drafter (tests/evaluation/conftest.py)
 SHARED = {"tests/evaluation/test_vllm_engine.py": "served_pair",
-          "tests/evaluation/test_engine_layout.py": "served_pair"}
+          "tests/evaluation/test_engine_layout.py": "served_pair",
+          "tests/evaluation/test_llamacpp_engine.py": "served_pair"}
 # the longest groups go first, so neither worker is left with a long one at the end
 FIRST = ("two_cores", "tests/test_demo.py", "served_pair", "tests/test_rehearsal.py")
 

@@ -286,3 +286,27 @@ def test_export_takes_push_dtypes_and_keeps_the_vocabulary_maps(tmp_path):
     assert torch.equal(got["d2t"], before["d2t"]) and torch.equal(got["t2d"], before["t2d"])
     assert main(["export", str(src), "--output", str(tmp_path / "same")]) == 0
     assert load_file(tmp_path / "same" / "model.safetensors")["fc.weight"].dtype == before["fc.weight"].dtype
+
+
+def test_push_gguf_beside_the_standard_layout_checks_llamacpp_too(client, tmp_path):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    src = drafter(tmp_path)
+    gguf = tmp_path / "gguf" / "eagle3-drafter-f16.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(60))  # its bytes travel as they are; llama.cpp's converter wrote the real one
+    push_drafter(src, "tester/with-gguf", gguf=gguf)
+    files = set(HfApi().list_repo_files("tester/with-gguf"))
+    assert {"eagle3-drafter-f16.gguf", "model.safetensors", "config.json", "README.md"} <= files
+    assert open(hf_hub_download("tester/with-gguf", "eagle3-drafter-f16.gguf"), "rb").read() == gguf.read_bytes()
+    assert not (src / "README.md").exists()  # the card is written in the staging folder, not the user's
+    card = open(hf_hub_download("tester/with-gguf", "README.md"), encoding="utf-8").read()
+    assert "llama-server -m VERIFIER.gguf -md eagle3-drafter-f16.gguf --spec-type draft-eagle3" in card
+    # an EAGLE 3.1 drafter serves in vLLM and SGLang: pushed alone, it goes; with a GGUF, llama.cpp's rules refuse it
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, norm_output=True)))
+    push_drafter(src, "tester/eagle31")
+    with pytest.raises(DrafterCheckError, match="llamacpp-norm-output"):
+        push_drafter(src, "tester/eagle31-gguf", gguf=gguf)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        push_drafter(src, "tester/x", gguf=tmp_path / "missing.gguf")

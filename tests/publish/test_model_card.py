@@ -71,3 +71,18 @@ def test_the_card_says_which_engines_serve_an_eagle31_or_windowed_layer(tmp_path
             CONFIG.pop(key)
     assert "EAGLE 3.1: `norm_before_fc`, `norm_output`; vLLM serves it, SGLang since 0.5.17" in text
     assert "sliding-window attention over the last 256 tokens" in text
+
+
+def test_a_llamacpp_evaluation_and_a_gguf_are_in_the_card(tmp_path):
+    path = drafter_dir(tmp_path / "d", EVALUATION)
+    assert "llama" + ".cpp" not in str(build_model_card(path))  # nothing measured or shipped: nothing said
+    served = {"engine": "llamacpp", "llamacpp_version": "0.5.0-dev (build 1, commit 0c1e570)", "k": 3,
+              "spec_draft_p_min": 0.0, "prompts": "mt-bench", "num_prompts": 10, "max_new_tokens": 64,
+              "acceptance_length": 1.192, "acceptance_length_as_evaluate_counts": 1.189, "speedup": 0.61,
+              "lossless": True, "transformers_acceptance_length": 1.188, "gap": 0.001}
+    (path / "eagle3_evaluation_llamacpp.json").write_text(json.dumps(served))
+    (path / "eagle3-drafter-f16.gguf").write_bytes(b"GGUF")
+    card = str(build_model_card(path))
+    assert "## Served by llama.cpp" in card and "τ = **1.19** per verify cycle" in card
+    assert "token-identical to plain llama-server: yes" in card and "train/serve gap (llama.cpp − ours) +0.001" in card
+    assert "llama-server -m VERIFIER.gguf -md eagle3-drafter-f16.gguf --spec-type draft-eagle3" in card
