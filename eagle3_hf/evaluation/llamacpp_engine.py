@@ -138,8 +138,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     from ..data.prepare import use_chat_template
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
-    from ..publish.check import check_drafter
-    from ..publish.export import drafter_gguf, local_verifier_dir, verifier_gguf_of
+    from ..publish.export import drafter_gguf, local_verifier_dir, refuse_for_llamacpp, verifier_gguf_of
     from ..verifier.loading import cache_dir, load_tokenizer
     from .evaluate import copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
@@ -153,13 +152,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     build = find_llamacpp()  # fail first, in one line, when llama.cpp is not built
     prompts, name = load_prompts(args.prompts, args.num_prompts)
     verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
-    refused = [f for f in check_drafter(args.drafter, verifier=str(verifier_dir), engine="llamacpp",
-                                        revision=args.revision) if f.level == "error"]
-    if refused:
-        for finding in refused:
-            print(f"  {finding}", file=sys.stderr)
-        raise UsageError(f"{args.drafter} would not convert or serve correctly in llama.cpp ({len(refused)} "
-                         "error(s) above, `eagle3-hf check --engine llamacpp`)")
+    refuse_for_llamacpp(args.drafter, verifier_dir, args.revision)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)

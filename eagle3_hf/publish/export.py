@@ -79,23 +79,30 @@ def verifier_gguf_of(build: Any, verifier: str, verifier_dir: Path, given: str |
     return verifier_gguf(build, verifier_dir, given, outtype, cache, own)
 
 
+def refuse_for_llamacpp(drafter: str, verifier_dir: Path, revision: str | None, consequence: str = "") -> None:
+    """llama.cpp's rules (check --engine llamacpp) before any conversion or server: each error printed as its own
+    line, then one UsageError."""
+    from .check import check_drafter
+
+    errors = [f for f in check_drafter(drafter, verifier=str(verifier_dir), engine="llamacpp", revision=revision)
+              if f.level == "error"]
+    if errors:
+        for finding in errors:
+            print(f"  {finding}", file=sys.stderr)
+        raise UsageError(f"{drafter} would not convert or serve correctly in llama.cpp ({len(errors)} error(s) "
+                         f"above, `eagle3-hf check --engine llamacpp`){consequence}")
+
+
 def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     """(drafter GGUF, verifier GGUF), after llama.cpp's rules passed: each error they find is printed as its own
     line and the export refused before any conversion."""
     from ..engines.llamacpp_env import find_llamacpp
-    from .check import check_drafter
 
     if not args.verifier:
         raise UsageError("--format gguf needs --verifier: llama.cpp's converter reads the verifier's config and "
                          "tokenizer (--target-model-dir)")
     verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
-    errors = [f for f in check_drafter(args.drafter, verifier=str(verifier_dir), engine="llamacpp",
-                                       revision=args.revision) if f.level == "error"]
-    if errors:
-        for finding in errors:
-            print(f"  {finding}", file=sys.stderr)
-        raise UsageError(f"{args.drafter} would not convert or serve correctly in llama.cpp ({len(errors)} "
-                         "error(s) above, `eagle3-hf check --engine llamacpp`); nothing was converted")
+    refuse_for_llamacpp(args.drafter, verifier_dir, args.revision, "; nothing was converted")
     build = find_llamacpp(need_server=False)  # after the rules: they need no build
     out = Path(args.output)
     drafter = drafter_gguf(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
