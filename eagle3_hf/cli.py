@@ -33,7 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle3_hf.scripts.train", "train a drafter: runs the training script (eagle3_hf/scripts/train.py)"),
     "evaluate": ("eagle3_hf.evaluation.command",  # eagle3_hf.evaluation.evaluate, or --engine vllm beside it
                  "speculative decoding with the verifier: acceptance length, lossless check"),
-    "check": ("eagle3_hf.publish.check", "lint a drafter checkpoint for silent serving failures"),
+    "check": ("eagle3_hf.evaluation.check_command",  # the lint of publish/check.py, + --endpoint
+              "lint a drafter checkpoint for silent serving failures"),
     "export": ("eagle3_hf.publish.export", "export a drafter to the standard or speculators layout"),
     "push": ("eagle3_hf.publish.hub", "check a drafter and push it to the Hub with a model card"),
 }

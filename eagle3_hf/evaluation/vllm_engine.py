@@ -201,8 +201,8 @@ def served_against_training(summary: dict[str, Any], drafter: str, revision: str
     """`--skip-transformers`: vLLM's per-position acceptance against the validation accuracies the drafter recorded
     at training (publish/served_acceptance.py), into the summary as "served_vs_training"; the line to print (a
     WARNING on a gap beyond the margin, a NOTE when nothing was recorded), None when nothing was drafted."""
-    from ..publish.live_check import resolve_drafter
     from ..publish.served_acceptance import ServedCounts, compare, recorded_accuracies
+    from .live_check import resolve_drafter
 
     try:
         recorded = recorded_accuracies(resolve_drafter(drafter, revision), drafter)

@@ -12,13 +12,11 @@ import argparse
 import json
 import os
 import re
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..features.api_key import api_key
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
 from .report import ENGINES, LEVELS, Finding, Report
@@ -31,7 +29,6 @@ from .rules import (
     check_verifier,
     check_vocab_mapping,
 )
-from .served_acceptance import TOLERANCE
 
 __all__ = ["Finding", "check_drafter"]
 
@@ -46,7 +43,7 @@ def _weight_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
-def _resolve(path_or_repo: str | os.PathLike, revision: str | None, patterns: list[str]) -> Path:
+def resolve_checkpoint(path_or_repo: str | os.PathLike, revision: str | None, patterns: list[str]) -> Path:
     """A local directory as is; anything else is a Hub repo id, downloaded (only `patterns`)."""
     path = Path(path_or_repo)
     if path.is_dir():
@@ -95,7 +92,7 @@ def check_drafter(
     version-dependent rules against (none: every release read)."""
     rep = Report(engine)
     try:
-        root = _resolve(path_or_repo, revision, ["*.json", "*.safetensors"])
+        root = resolve_checkpoint(path_or_repo, revision, ["*.json", "*.safetensors"])
     except Exception as exc:  # noqa: BLE001 - a missing path or failed download is a finding, not a crash
         detail = str(exc) if isinstance(exc, FileNotFoundError) else (
             f"not a directory here, and fetching it as a Hub repo id failed: {type(exc).__name__}: {exc}")
@@ -149,28 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
                         "embedding, and the SGLang aux-id reader of its family)")
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all",
-                        help="serving engine to check for (llamacpp: llama.cpp's GGUF converter and EAGLE-3 loader; "
-                             "all: every one)")
+                        help="serving engine to check for (all: SGLang and vLLM, which load this layout by repo "
+                             "id; llamacpp, by name only: llama.cpp's GGUF converter and EAGLE-3 loader)")
     parser.add_argument("--engine-version", default=None, metavar="VERSION", help="the --engine release to check "
                         "against (e.g. 0.32.0 for vLLM, 0.5.23 for SGLang); default: the installed one (vLLM: the "
                         "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "
                         "read, whose differences are warnings")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
-    live = parser.add_argument_group("live check: a running server that serves the drafter (live_check.py)")
-    live.add_argument("--endpoint", default=None, metavar="URL",
-                      help="a vLLM or SGLang server serving this drafter (e.g. http://127.0.0.1:8000): send it "
-                           "prompts and compare its per-position acceptance with the validation accuracies training "
-                           "recorded; a gap beyond the margin is an error. --engine names its engine (all: detect)")
-    live.add_argument("--prompts", default="dev", help="--endpoint: mt-bench, dev or a JSONL file, as evaluate "
-                      "takes them (default: %(default)s)")
-    live.add_argument("--num-prompts", type=int, default=8, help="--endpoint: prompts sent (default: %(default)s)")
-    live.add_argument("--max-new-tokens", type=int, default=64, help="--endpoint: tokens per answer (default: "
-                      "%(default)s)")
-    live.add_argument("--tolerance", type=float, default=TOLERANCE,
-                      help="--endpoint: how far below the recorded conditional accuracy a served position may be, "
-                           "beyond chance, for train/serve prompt differences (default: %(default)s)")
-
 
 def installed_version(engine: str) -> tuple[str, str] | None:
     """(version, where) of the engine installed here: vLLM in the `make vllm` venv (its stamp records the pin),
@@ -202,12 +185,15 @@ def engine_versions(engine: str, version: str | None) -> dict[str, str | None]:
     return {e: v[0] for e, v in found.items() if v}
 
 
-def run(args: argparse.Namespace) -> int:
+def findings_of(args: argparse.Namespace) -> tuple[list[Finding], dict[str, str | None]]:
+    """The static findings of `check`'s arguments, and the engine releases they were judged against."""
     versions = engine_versions(args.engine, args.engine_version)
-    findings = check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision,
-                             engine_versions=versions)
-    if args.endpoint:
-        findings = sorted(findings + [live_finding(args)], key=lambda f: LEVELS.index(f.level))
+    return check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision,
+                         engine_versions=versions), versions
+
+
+def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None]) -> int:
+    """Print the findings (or their JSON) and the verdict line; the exit status: 1 with any error."""
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
@@ -221,19 +207,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def live_finding(args: argparse.Namespace) -> Finding:
-    """`--endpoint`: the served acceptance against the recorded one, as a finding (an error beyond the margin)."""
-    from ..evaluation.evaluate import load_prompts, prompt_turns
-    from .live_check import measure, resolve_drafter
-    from .served_acceptance import compare, recorded_accuracies
-
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
-    recorded = recorded_accuracies(resolve_drafter(args.drafter, args.revision), args.drafter)
-    rows, _name = load_prompts(args.prompts, args.num_prompts)
-    prompts = [(prompt_turns(row) or [""])[0] for row in rows]
-    print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy) to {args.endpoint} ...",
-          file=sys.stderr)
-    served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key())
-    comparison = compare(served, recorded, tolerance=args.tolerance)
-    return Finding("info" if comparison.ok else "error", "served-acceptance", comparison.line(served.engine))
+def run(args: argparse.Namespace) -> int:
+    """The static lint alone (`eagle3-hf check` adds the live check: evaluation/check_command.py)."""
+    findings, versions = findings_of(args)
+    return report(findings, args, versions)

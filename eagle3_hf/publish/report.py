@@ -25,7 +25,7 @@ class Report:
     """The findings for the engines asked about; a rule names the engines a finding concerns."""
 
     def __init__(self, engine: str | Iterable[str]):
-        wanted = set(ENGINES) if engine == "all" else {engine} if isinstance(engine, str) else set(engine)
+        wanted = set(SERVERS) if engine == "all" else {engine} if isinstance(engine, str) else set(engine)
         if not wanted or wanted - set(ENGINES):
             raise ValueError(f"engine must be 'all' or among {', '.join(ENGINES)}, got {engine!r}")
         self.engines = wanted

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EndpointError
-from .served_acceptance import ServedCounts
+from ..publish.served_acceptance import ServedCounts
 
 REQUEST_TIMEOUT_S = 900.0  # one greedy answer of --max-new-tokens tokens; a CPU server is slow
 BODY_LIMIT = 16 << 20  # bytes of one answer (/metrics of a busy server is a few hundred KiB)
@@ -199,6 +199,6 @@ def measure(url: str, prompts: Sequence[str], max_new_tokens: int, engine: str =
 
 def resolve_drafter(path_or_repo: str, revision: str | None) -> Path:
     """The drafter's directory (a Hub repo id is downloaded: its JSON files only)."""
-    from .check import _resolve
+    from ..publish.check import resolve_checkpoint
 
-    return _resolve(path_or_repo, revision, ["*.json"])
+    return resolve_checkpoint(path_or_repo, revision, ["*.json"])

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from eagle3_hf.cli import main
-from eagle3_hf.publish.live_check import parse_vllm_counters, sglang_counts, vllm_difference
+from eagle3_hf.evaluation.live_check import parse_vllm_counters, sglang_counts, vllm_difference
 from eagle3_hf.publish.served_acceptance import (
     ServedCounts,
     compare,

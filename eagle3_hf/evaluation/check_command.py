@@ -1,0 +1,60 @@
+"""`eagle3-hf check`: the serving lint (publish/check.py) and, with `--endpoint`, the live check: a running vLLM or
+SGLang server that serves the drafter is sent a few prompts and its per-position acceptance is compared with what
+training recorded on the validation split (evaluation/live_check.py measures, publish/served_acceptance.py compares).
+
+The live half lives here, below the lint, because it reads prompt sets and talks to servers like `evaluate` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import UsageError
+from ..publish.check import add_arguments as add_lint_arguments
+from ..publish.check import findings_of, report
+from ..publish.report import LEVELS, Finding
+from ..publish.served_acceptance import TOLERANCE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_lint_arguments(parser)
+    live = parser.add_argument_group("live check: a running server that serves the drafter (live_check.py)")
+    live.add_argument("--endpoint", default=None, metavar="URL",
+                      help="a vLLM or SGLang server serving this drafter (e.g. http://127.0.0.1:8000): send it "
+                           "prompts and compare its per-position acceptance with the validation accuracies training "
+                           "recorded; a gap beyond the margin is an error. --engine names its engine (all: detect)")
+    live.add_argument("--prompts", default="dev", help="--endpoint: mt-bench, dev or a JSONL file, as evaluate "
+                      "takes them (default: %(default)s)")
+    live.add_argument("--num-prompts", type=int, default=8, help="--endpoint: prompts sent (default: %(default)s)")
+    live.add_argument("--max-new-tokens", type=int, default=64, help="--endpoint: tokens per answer (default: "
+                      "%(default)s)")
+    live.add_argument("--tolerance", type=float, default=TOLERANCE,
+                      help="--endpoint: how far below the recorded conditional accuracy a served position may be, "
+                           "beyond chance, for train/serve prompt differences (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    findings, versions = findings_of(args)
+    if args.endpoint:
+        findings = sorted(findings + [live_finding(args)], key=lambda f: LEVELS.index(f.level))
+    return report(findings, args, versions)
+
+
+def live_finding(args: argparse.Namespace) -> Finding:
+    """`--endpoint`: the served acceptance against the recorded one, as a finding (an error beyond the margin)."""
+    from ..features.api_key import api_key
+    from ..publish.served_acceptance import compare, recorded_accuracies
+    from .evaluate import load_prompts, prompt_turns
+    from .live_check import measure, resolve_drafter
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    recorded = recorded_accuracies(resolve_drafter(args.drafter, args.revision), args.drafter)
+    rows, _name = load_prompts(args.prompts, args.num_prompts)
+    prompts = [(prompt_turns(row) or [""])[0] for row in rows]
+    print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy) to {args.endpoint} ...",
+          file=sys.stderr)
+    served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key())
+    comparison = compare(served, recorded, tolerance=args.tolerance)
+    return Finding("info" if comparison.ok else "error", "served-acceptance", comparison.line(served.engine))
