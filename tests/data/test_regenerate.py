@@ -349,10 +349,11 @@ def test_a_server_that_rejects_everything_stops_the_run(tmp_path):
 
     from eagle3_hf.data.regenerate_summary import ABORT_AFTER_REJECTED
 
-    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(ABORT_AFTER_REJECTED + 10)]
+    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(ABORT_AFTER_REJECTED + 100)]
     with OpenAIStub(reject=lambda m: True) as stub:
         with pytest.raises(EndpointError, match=rf"rejected the first {ABORT_AFTER_REJECTED} conversations and "
                                                 r"answered none .*HTTP 400: .*check --model and --max-new-tokens"):
             regenerate(convs, tmp_path / "o.jsonl", EndpointBackend(stub.url, "m"), concurrency=1, progress=False)
-        assert ABORT_AFTER_REJECTED <= len(stub.requests) <= ABORT_AFTER_REJECTED + 1
+        # stopped, not skipping them all (the worker may have asked a few more before the queue was cancelled)
+        assert ABORT_AFTER_REJECTED <= len(stub.requests) < len(convs) // 2
     assert len(json.loads((tmp_path / "o.summary.json").read_text())["skipped"]) == len(stub.requests)
