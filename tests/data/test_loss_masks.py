@@ -11,18 +11,8 @@ from eagle3_hf.data import token_boundaries
 from eagle3_hf.data.prepare import new_stats, prepare_conversations, render_completion, render_with_mask
 from eagle3_hf.data.token_boundaries import _by_pieces, encode
 
-from tests.helpers.chat_templates import family_tokenizer
+from tests.helpers.chat_templates import CALL, A, U, family_tokenizer
 
-
-def U(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def A(text: str, **extra) -> dict:
-    return {"role": "assistant", "content": text, **extra}
-
-
-CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CONVERSATIONS = [
     {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("What is 2+2?"), A("2+2 is 4."),
                                  U("And 3+3?"), A("It is 6.")]},

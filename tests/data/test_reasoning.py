@@ -15,19 +15,9 @@ from eagle3_hf.data.prepare import new_stats, prepare_conversations, render_samp
 from eagle3_hf.data.prepared_format import load_prepared
 from eagle3_hf.data.vocab import token_counts
 
-from tests.helpers.chat_templates import family_tokenizer
+from tests.helpers.chat_templates import CALL, A, U, family_tokenizer
 from tests.helpers.thinking_templates import QWEN3_TEMPLATE, thinking_tokenizer
 
-
-def U(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def A(text: str, **extra) -> dict:
-    return {"role": "assistant", "content": text, **extra}
-
-
-CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 NON_THINKING = [
     {"id": "multi", "messages": [{"role": "system", "content": "Be brief."}, U("What is 2+2?"), A("2+2 is 4."),
                                  U("And 3+3?"), A("It is 6.")]},

@@ -84,3 +84,16 @@ def family_tokenizer(path, family: str, trust_remote_code: bool = False):
                          "deepseek": (DEEPSEEK_V3_TEMPLATE, DEEPSEEK_SPECIAL),
                          "kimi": (KIMI_THINKING_TEMPLATE, KIMI_SPECIAL)}[family]
     return template_variant(path, template, *special, trust_remote_code=trust_remote_code)
+
+
+def U(text: str) -> dict:
+    """A user message."""
+    return {"role": "user", "content": text}
+
+
+def A(text: str, **extra) -> dict:
+    """An assistant message (`extra`: tool_calls, reasoning_content, ...)."""
+    return {"role": "assistant", "content": text, **extra}
+
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
