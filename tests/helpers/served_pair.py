@@ -7,11 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
-    """A tiny Llama with the SmolLM2 vocabulary (so the real tokenizer and chat template render prompts) and
-    head_dim 64 (vLLM's CPU attention supports it): its lm_head row j is the embedding of j - 1, so its greedy
-    next token is mostly (token + 1), and attention and MLP outputs are damped but not silenced, so the
-    context still matters a little. A drafter learns it in seconds; a random one scores τ ≈ 1."""
+def next_token_llama(vocab_size: int, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
+    """A random frozen tiny Llama (head_dim 64, vLLM's CPU attention supports it) whose lm_head row j is the embedding
+    of j - 1: greedy is (token + 1) wherever the final state stays near the token's embedding."""
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                          max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -21,6 +19,16 @@ def chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: int = 6, 
     with torch.no_grad():
         embed = model.model.embed_tokens.weight.normal_(0, 1.0)
         model.lm_head.weight.copy_(torch.roll(embed, shifts=1, dims=0))
+    return model
+
+
+def chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: int = 6, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama with the SmolLM2 vocabulary (so the real tokenizer and chat template render prompts) and
+    head_dim 64 (vLLM's CPU attention supports it): its lm_head row j is the embedding of j - 1, so its greedy
+    next token is mostly (token + 1), and attention and MLP outputs are damped but not silenced, so the
+    context still matters a little. A drafter learns it in seconds; a random one scores τ ≈ 1."""
+    model = next_token_llama(vocab_size, hidden, layers, seed)
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)

@@ -145,18 +145,11 @@ def layered_chain_verifier(vocab_size: int = 49152, hidden: int = 128, layers: i
     vLLM reads SGLang-form ids) reads its features negated: what capturing the wrong layers does to a real model,
     whose layers differ as much. chain_verifier's damped layers all hold about e: a shifted capture there serves the
     same acceptance (measured in vLLM: 35 / 11 / 0 of 82 drafts accepted either way)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers.served_pair import next_token_llama
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = next_token_llama(vocab_size, hidden, layers, seed)
     eye = torch.eye(hidden)
     with torch.no_grad():
-        embed = model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.copy_(torch.roll(embed, shifts=1, dims=0))
         for layer, gain in zip(model.model.layers, gains):
             attn = layer.self_attn
             attn.q_proj.weight.copy_(2 * eye)
