@@ -1,6 +1,8 @@
 """`extract --engine vllm`'s reader: the connector's [T, layers, H] files -> shards. Several readers, work in the
-storage dtype, one finiteness pass: the shards must stay byte for byte what the one fp32 reader wrote, a NaN is
-still one line naming the sample, and a run stopped by it resumes with nothing lost or duplicated."""
+storage dtype, one finiteness pass: the shards must hold the verifier's own features of the states in the files
+(its final norm and lm_head run through transformers in float32, rounded as the shard stores them), the same bytes
+whatever the number of readers, a NaN is still one line naming the sample, and a run stopped by it resumes with
+nothing lost or duplicated."""
 
 from __future__ import annotations
 
@@ -10,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from eagle3_hf.features.quantize import as_stored
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.source import PreparedSample, SampleFeatures
 from eagle3_hf.features.vllm_spec import VllmFeatureSpec
 from eagle3_hf.features.write import StoreOptions, write_features
-from eagle3_hf.verifier.capture import greedy_tokens
 
 from tests.helpers.data import feature_files, make_prepared
 
@@ -33,13 +35,13 @@ def connector_states(sample: PreparedSample, layers: int, hidden: int) -> torch.
 
 class ConnectorFiles:
     """A FeatureSource standing for vLLM's runner: it writes each sample's connector file (as the connector does:
-    `hidden_states`, `token_ids`) and reports it; `spec.features` reads them (or `old_features`, the reader as it
-    was, when `old`). `poison` names samples whose file holds one NaN."""
+    `hidden_states`, `token_ids`) and reports it; `spec.features` reads them. `poison` names samples whose file
+    holds one NaN."""
 
     def __init__(self, spec: VllmFeatureSpec, storage: Path, file_dtype: torch.dtype, readers: int = 1,
-                 old: bool = False, poison: Sequence[str] = ()):
+                 poison: Sequence[str] = ()):
         self.spec, self.identity, self.storage = spec, spec.identity, storage
-        self.file_dtype, self.readers, self.old, self.poison = file_dtype, readers, old, set(poison)
+        self.file_dtype, self.readers, self.poison = file_dtype, readers, set(poison)
         storage.mkdir(parents=True, exist_ok=True)
 
     def check(self, lengths: Sequence[int]) -> None:
@@ -55,36 +57,23 @@ class ConnectorFiles:
             yield {"key": k, "path": str(path), "prompt_tokens": sample.input_ids.numel()}
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
-        if self.old:
-            yield from old_features(self.spec, self.records(samples), samples)
-        else:
-            yield from self.spec.features(self.records(samples), samples, readers=self.readers)
+        yield from self.spec.features(self.records(samples), samples, readers=self.readers)
 
     def report(self) -> dict[str, Any]:
         return {}
 
 
-@torch.no_grad()
-def old_features(spec: VllmFeatureSpec, records: Iterator[dict[str, Any]], samples: Sequence[PreparedSample]
-                 ) -> Iterator[SampleFeatures]:
-    """The reader as it was before several readers: the whole file copied to float32, mapped, handed to the writer
-    as float32 (the writer rounded it to the storage dtype). The reference the shards must equal byte for byte."""
-    slot = {lid: j for j, lid in enumerate(spec.layer_ids)}
-    for record in records:
-        sample = samples[int(record["key"])]
-        states = load_file(record["path"])["hidden_states"].float()
-        assert torch.isfinite(states).all()
-        aux = torch.cat([states[:, slot[int(i)]] for i in spec.indices], dim=-1)
-        where = next(spec.norm.parameters()).device
-        last = spec.norm(states[:, slot[spec.layer_ids[-1]]].to(where))
-        greedy = greedy_tokens(spec.head, last, spec.softcap)
-        Path(record["path"]).unlink()
-        yield SampleFeatures(sample, aux, last.to(states.device), greedy.to(states.device))
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, fingerprint):
     return make_prepared(tmp_path_factory.mktemp("prepared"), fingerprint, n=11, lo=1, hi=60)
+
+
+def samples_of(prepared: Path) -> dict[str, PreparedSample]:
+    """The prepared samples by id, as a route reads them."""
+    import datasets
+
+    rows = datasets.load_from_disk(str(prepared))
+    return {r["id"]: PreparedSample(r["id"], torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])) for r in rows}
 
 
 def spec_for(verifier: Path, fingerprint: str, dtype: str) -> VllmFeatureSpec:
@@ -96,26 +85,55 @@ def files(out: Path) -> dict[str, str]:
     return feature_files(out)
 
 
+@torch.no_grad()
+def reference(verifier: torch.nn.Module, states: torch.Tensor, layer_ids: Sequence[int], dtype: str
+              ) -> dict[str, torch.Tensor]:
+    """What a shard of `dtype` must hold for a connector file's `states` [T, layers, H] (vLLM's layer ids
+    `layer_ids`, ascending): the aux layers in AUX's order, the verifier's own final norm of the last layer and its
+    greedy token, all in float32 through transformers, then rounded as the store rounds (quantize.as_stored)."""
+    slot = {lid: j for j, lid in enumerate(layer_ids)}
+    states = states.float()
+    aux = torch.cat([states[:, slot[i]] for i in AUX], dim=-1)
+    last = verifier.model.norm(states[:, slot[max(layer_ids)]])
+    greedy = verifier.lm_head(last).argmax(-1)
+    return {"aux_hidden_states": as_stored(aux, 3, dtype).float(),
+            "last_hidden_state": as_stored(last, 1, dtype).float(),
+            "verifier_greedy": greedy}
+
+
 @pytest.mark.parametrize("file_dtype, dtype, readers", [
     (torch.bfloat16, "bf16", 3),  # what vLLM writes on a GPU, stored as is
-    (torch.float32, "bf16", 2),  # vLLM's CPU build on a float32 checkpoint: rounded once, as before
+    (torch.float32, "bf16", 2),  # vLLM's CPU build on a float32 checkpoint: rounded once
     (torch.bfloat16, "fp8", 3),
     (torch.float32, "fp32", 1),
 ])
-def test_shards_are_byte_identical_to_the_fp32_reader(tmp_path, tiny_verifier_dir, fingerprint, prepared,
-                                                       file_dtype, dtype, readers):
+def test_shards_hold_the_verifiers_own_features_whatever_the_readers(tmp_path, tiny_verifier_dir, fingerprint,
+                                                                     prepared, file_dtype, dtype, readers):
+    from transformers import AutoModelForCausalLM
+
     spec = spec_for(tiny_verifier_dir, fingerprint, dtype)
-    before, after = tmp_path / "before", tmp_path / "after"
-    old = ConnectorFiles(spec, tmp_path / "old_states", file_dtype, old=True)
+    one, several = tmp_path / "one", tmp_path / "several"
+    single = ConnectorFiles(spec, tmp_path / "one_states", file_dtype, readers=1)
     new = ConnectorFiles(spec, tmp_path / "new_states", file_dtype, readers=readers)
-    a = write_features(old, prepared, before, store=StoreOptions(samples_per_shard=3), progress=False,
+    a = write_features(single, prepared, one, store=StoreOptions(samples_per_shard=3), progress=False,
                        merge_timeout_s=0)
-    b = write_features(new, prepared, after, store=StoreOptions(samples_per_shard=3, writers=readers),
+    b = write_features(new, prepared, several, store=StoreOptions(samples_per_shard=3, writers=readers),
                        progress=False, merge_timeout_s=0)  # as extract --engine vllm: a writer per reader
     assert a.written_samples == b.written_samples == 11 and a.written_tokens == b.written_tokens
-    assert files(before) == files(after)  # shards, journal (per-sample and per-shard sha256) and manifest
-    assert len([p for p in after.iterdir() if p.suffix == ".safetensors"]) == 4
+    assert files(one) == files(several)  # shards, journal (per-sample and per-shard sha256) and manifest
+    assert len([p for p in several.iterdir() if p.suffix == ".safetensors"]) == 4
     assert not any(new.storage.iterdir())  # every connector file deleted once read
+
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    got = FeatureDataset(several, split="all")
+    samples = samples_of(prepared)
+    assert sorted(got.sample_ids) == sorted(samples)
+    for index, sid in enumerate(got.sample_ids):
+        states = connector_states(samples[sid], len(spec.layer_ids), spec.hidden).to(file_dtype)
+        want, read = reference(verifier, states, spec.layer_ids, dtype), got[index]
+        assert torch.equal(read["input_ids"], samples[sid].input_ids), sid
+        for key in ("aux_hidden_states", "last_hidden_state", "verifier_greedy"):
+            assert torch.equal(read[key], want[key]), (sid, key)
 
 
 def test_a_nan_stops_the_run_naming_the_sample_and_the_rerun_completes_it(tmp_path, tiny_verifier_dir, fingerprint,
