@@ -48,17 +48,22 @@ def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) ->
     import datasets
 
     meta = read_prepared_meta(path)
+    check_fingerprint(path, meta, tokenizer_fingerprint)
+    refuse_empty(path, meta)
+    ds = datasets.load_from_disk(str(path))
+    refuse_empty(path, meta, len(ds))
+    check_prepared(ds, str(path))
+    return ds, meta
+
+
+def check_fingerprint(path: str | Path, meta: dict, tokenizer_fingerprint: str | None) -> None:
+    """Refuse a prepared directory (its `meta`) made with another tokenizer than `tokenizer_fingerprint` (None: any)."""
     found = meta.get("tokenizer_fingerprint")
     if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
         raise ValueError(
             f"{Path(path) / PREPARE_META}: prepared with tokenizer {found}, but the verifier's tokenizer is "
             f"{tokenizer_fingerprint}; re-run `eagle3-hf prepare` with this verifier"
         )
-    refuse_empty(path, meta)
-    ds = datasets.load_from_disk(str(path))
-    refuse_empty(path, meta, len(ds))
-    check_prepared(ds, str(path))
-    return ds, meta
 
 
 def prepared_tokenizer(prepared: datasets.Dataset | str | Path) -> dict:

@@ -1,5 +1,6 @@
-"""Prepared samples as training reads them: the split by sample id, and `PreparedDataset`, the one reader of a
-prepared directory's samples for the online routes (`train --features hf` / `http://...`).
+"""Prepared samples as training and extraction read them: the split by sample id, and `PreparedDataset`, the one
+reader of a prepared directory's samples, for the online routes (`train --features hf` / `http://...`) and for the
+offline write loop (features/write.py's `write_features`), which hands a route `PreparedSample`s.
 
 The split is the feature directory's too (reader.FeatureDataset calls `select_split`), so a sample lands in the same
 split whether its features were written to disk or are computed while training.
@@ -9,13 +10,25 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
     import datasets
+
+
+@dataclass
+class PreparedSample:
+    """One prepared sample, as a feature route reads it."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T]
 
 
 def in_validation(sample_id: str, validation_fraction: float) -> bool:
@@ -43,6 +56,7 @@ class PreparedDataset(Dataset[dict[str, Any]]):
         from .prepared_format import load_prepared, open_prepared, prepared_lengths
 
         self.meta: dict[str, Any] = {}  # a directory's prepare meta (tokenizer, counts); {} for a Dataset object
+        self.path = Path(prepared) if isinstance(prepared, (str, Path)) else None
         if isinstance(prepared, (str, Path)):
             ds, self.meta = load_prepared(prepared, tokenizer_fingerprint)
         else:
@@ -75,9 +89,45 @@ class PreparedDataset(Dataset[dict[str, Any]]):
         return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].bool(),
                 "sample_id": self.sample_ids[index]}
 
+    def sample(self, index: int) -> PreparedSample:
+        """Sample `index` of this split, as a feature route reads it."""
+        row = self[index]
+        return PreparedSample(row["sample_id"], row["input_ids"], row["loss_mask"])
+
+    def samples(self, indices: Sequence[int]) -> Sequence[PreparedSample]:
+        """Samples `indices` of this split, each read when asked for (a route may hold only a few at a time)."""
+        return _Samples(self, list(indices))
+
+    def tokenizer_record(self) -> dict[str, Any]:
+        """The class (and --trust-remote-code) of the tokenizer that prepared these samples; {} where unrecorded."""
+        from .fingerprint import recorded_tokenizer
+
+        return recorded_tokenizer(self.meta)
+
+    def check_fingerprint(self, tokenizer_fingerprint: str | None) -> None:
+        """Refuse samples a directory's meta says another tokenizer prepared (as `PreparedDataset(path, ...,
+        tokenizer_fingerprint)` does when opening it)."""
+        from .prepared_format import check_fingerprint
+
+        if self.path is not None:
+            check_fingerprint(self.path, self.meta, tokenizer_fingerprint)
+
     def position(self, sample_id: str) -> int:
         """The index of `sample_id` in this split; KeyError naming it when the split does not hold it."""
         try:
             return self._position[sample_id]
         except KeyError:
             raise KeyError(f"sample {sample_id!r} is not in this prepared split") from None
+
+
+class _Samples(Sequence[PreparedSample]):
+    """`PreparedDataset.samples`: a lazy view, no slices."""
+
+    def __init__(self, prepared: PreparedDataset, indices: list[int]) -> None:
+        self.prepared, self.indices = prepared, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> PreparedSample:  # type: ignore[override]  # no slices
+        return self.prepared.sample(self.indices[k])

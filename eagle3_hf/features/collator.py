@@ -50,12 +50,12 @@ class FeatureCollator:
                              f"to {self.storage_dtype}: they must agree")
 
     def sample(self, sample_id: str) -> PreparedSample:
-        row = self.prepared[self.prepared.position(sample_id)]
+        sample = self.prepared.sample(self.prepared.position(sample_id))
         limit = self.max_sample_tokens
-        if limit is not None and len(row["input_ids"]) > limit:
-            raise Eagle3Error(f"sample {sample_id!r} has {len(row['input_ids'])} tokens, more than the feature source "
+        if limit is not None and len(sample.input_ids) > limit:
+            raise Eagle3Error(f"sample {sample_id!r} has {len(sample.input_ids)} tokens, more than the feature source "
                               f"({self.source.identity.source}) takes ({limit}): prepare with --max-seq-len {limit}")
-        return PreparedSample(sample_id, row["input_ids"], row["loss_mask"])
+        return sample
 
     def rounded(self, aux: torch.Tensor, last: torch.Tensor, greedy: torch.Tensor) -> Features:
         """A whole sample's features rounded as a shard stores them, on the CPU."""

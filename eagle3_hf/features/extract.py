@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..data.prepared_samples import PreparedDataset
 from ..engines.vllm_args import (
     add_engine_arguments,
     add_run_arguments,
@@ -131,7 +132,8 @@ def extract_features(verifier: PreTrainedModel, tokenizer_fingerprint: str,
     `max_model_len`, samples of max_model_len tokens or more are skipped and counted (write.py)."""
     source = TransformersFeatures(verifier, tokenizer_fingerprint, aux_indices, dtype, verifier_name,
                                   verifier_revision, max_model_len)
-    return write_features(source, prepared_dataset, out_dir, store=store, rank=rank, world_size=world_size,
+    prepared = PreparedDataset(prepared_dataset, "all", tokenizer_fingerprint=tokenizer_fingerprint)
+    return write_features(source, prepared, out_dir, store=store, rank=rank, world_size=world_size,
                           progress=progress, merge_timeout_s=merge_timeout_s)
 
 
@@ -257,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
                                           tokenizer_fingerprint=fingerprint, options=options))
     # as many shards written at once as a route reads samples at once (vLLM's readers)
     store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
-    summary = write_features(source, args.data, args.output, store=store, progress=not args.no_progress,
+    prepared = PreparedDataset(args.data, "all", tokenizer_fingerprint=fingerprint)
+    summary = write_features(source, prepared, args.output, store=store, progress=not args.no_progress,
                              desc="extract" if kind == "transformers" else f"extract {args.engine}")
     if offload_tmp is not None:
         offload_tmp.cleanup()

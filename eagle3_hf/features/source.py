@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..data.prepared_samples import PreparedSample as PreparedSample  # the sample a route reads (re-exported)
 from .records import FeatureHeader, make_header
 
 
@@ -123,15 +124,6 @@ class SourceIdentity:
         return cls(VerifierIdentity.from_dict(header.get("verifier") or {}), str(header.get("tokenizer_fingerprint")),
                    tuple(int(i) for i in header.get("aux_layer_indices") or ()), str(header.get("dtype")),
                    str(header.get("source", "transformers")), header.get("provenance"))
-
-
-@dataclass
-class PreparedSample:
-    """One prepared sample, as a route reads it."""
-
-    sample_id: str
-    input_ids: torch.Tensor  # [T] long
-    loss_mask: torch.Tensor  # [T]
 
 
 @dataclass

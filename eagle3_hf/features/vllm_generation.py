@@ -165,12 +165,13 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     """Answers, features in `dtype` and (with `outputs.prepared`) the prepared dataset, all from one vLLM engine;
     resumes where a killed run stopped. vLLM's options but the endpoint (an engine of our own here)."""
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
-    from ..data.prepared_format import open_prepared, prepared_lengths, save_prepared
+    from ..data.prepared_format import save_prepared
+    from ..data.prepared_samples import PreparedDataset
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
     from .vllm_spec import VllmFeatureSpec, default_readers
-    from .write import FeatureSink, PreparedRows
+    from .write import FeatureSink
 
     gen_options, options = generation or GenerationOptions(), options or VllmOptions()
     vllm_python()  # vLLM missing: one line, before anything is written
@@ -205,30 +206,27 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
         Path(cast(Any, scratch).name) / "prepared"
     resumed_past = 0
 
-    def phase_two() -> tuple[datasets.Dataset, list[int], Any, list[str]]:
+    def phase_two() -> tuple[PreparedDataset, list[int]]:
         nonlocal resumed_past
         ds, meta = prepare_answers(output, set(ids), tokenizer, verifier, gen_options.max_seq_len)
         if len(ds) == 0:
             raise ValueError(f"{output}: 0 samples to extract (prepare refused: {meta['counts']['skipped']})")
         save_prepared(ds, prepared_dir, meta)
         route["prepared"] = meta["counts"]
-        ds = open_prepared(prepared_dir, fingerprint)  # what `extract --engine vllm --data P` reads
-        all_ids = list(ds["id"])
-        lengths = prepared_lengths(ds)
-        submit = [i for i in range(len(ds)) if all_ids[i] not in sink.done_ids and lengths[i] > 0]
+        opened = PreparedDataset(prepared_dir, "all", tokenizer_fingerprint=fingerprint)  # as `extract` reads it
+        lengths = opened.lengths
+        submit = [i for i in range(len(opened)) if opened.sample_ids[i] not in sink.done_ids and lengths[i] > 0]
         longest = max((lengths[i] for i in submit), default=0)
         if longest + 1 > max_model_len:
             raise ValueError(f"--max-model-len {max_model_len}: the longest sample has {longest} tokens (+1 generated)")
-        resumed_past = len(ds) - len(submit)
-        return ds, submit, ds.with_format("torch", columns=["input_ids", "loss_mask"]), all_ids
+        resumed_past = len(opened) - len(submit)
+        return opened, submit
 
     with sink:
-        ds: Any = None
-        rows: Any = None
+        prepared: PreparedDataset | None = None
         submit: list[int] = []
-        all_ids: list[str] = []
         if not todo:  # all answered: vLLM starts only if some sample has no features yet
-            ds, submit, rows, all_ids = phase_two()
+            prepared, submit = phase_two()
         if todo or submit:
             write = ConversationWriter(output)
             try:
@@ -237,11 +235,12 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
                     if todo:
                         route.update(generate_answers(run, todo, tokenizer, eos, write, verifier, gen_options.seed,
                                                       gen_options.max_turns))
-                        ds, submit, rows, all_ids = phase_two()
-                    lengths = prepared_lengths(ds)
+                        prepared, submit = phase_two()
+                    assert prepared is not None  # phase two ran, before vLLM started or after the answers
+                    lengths = prepared.lengths
                     sink.progress("regenerate vllm", int(sum(lengths[i] for i in submit)), enabled=progress)
-                    run.extract((k, rows[i]["input_ids"].tolist()) for k, i in enumerate(submit))
-                    for feats in spec.features(run.records(), PreparedRows(rows, all_ids, submit), readers=readers):
+                    run.extract((k, prepared[i]["input_ids"].tolist()) for k, i in enumerate(submit))
+                    for feats in spec.features(run.records(), prepared.samples(submit), readers=readers):
                         sink.add(feats)
                     result = run.result or {}
             finally:
@@ -249,7 +248,7 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
             route.update(vllm_version=result.get("vllm_version"), connector=result.get("connector"),
                          vllm_load_seconds=result.get("load_seconds"),
                          vllm_generate_seconds=result.get("generate_seconds"))
-    summary = sink.finish(all_ids, resumed_past=resumed_past, route=route)
+    summary = sink.finish([] if prepared is None else prepared.sample_ids, resumed_past=resumed_past, route=route)
     if scratch is not None:
         scratch.cleanup()
     return summary

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..data.prepared_samples import PreparedDataset
 from .source import PreparedSample, SampleFeatures
 from .sources import FeatureKind, SourceRequest
 from .vllm_spec import VllmFeatureSpec, VllmOptions, default_readers
@@ -128,4 +129,5 @@ def extract_features_vllm(verifier: str, tokenizer_fingerprint: str, prepared_da
                                        tokenizer_fingerprint=tokenizer_fingerprint, options=options))
     # as many shards written at once as samples read: one thread cannot hash and write what several read
     store = dataclasses.replace(store or StoreOptions(), writers=source.readers)
-    return write_features(source, prepared_dataset, out_dir, store=store, progress=progress, desc="extract vllm")
+    prepared = PreparedDataset(prepared_dataset, "all", tokenizer_fingerprint=tokenizer_fingerprint)
+    return write_features(source, prepared, out_dir, store=store, progress=progress, desc="extract vllm")

@@ -26,23 +26,19 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import nodes
-from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
+from ..data.prepared_samples import PreparedDataset
 from ..errors import UsageError
 from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
-from .source import FeatureSource, PreparedSample, SampleFeatures
+from .source import FeatureSource, SampleFeatures
 from .store import dist_env, wait_and_merge
-
-if TYPE_CHECKING:
-    import datasets
 
 MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journals
 OVERLONG = "overlong"  # the skip reason of a sample longer than the route takes
@@ -100,20 +96,6 @@ def skip_reason(length: int, limit: int | None) -> str | None:
     if limit is not None and length > limit:
         return OVERLONG
     return None
-
-
-class PreparedRows(Sequence[PreparedSample]):
-    """Rows `index` of a prepared dataset, read when asked for (a route may hold only a few at a time)."""
-
-    def __init__(self, rows: Any, ids: list[str], positions: list[int]):
-        self.rows, self.ids, self.positions = rows, ids, positions
-
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def __getitem__(self, k: int) -> PreparedSample:  # type: ignore[override]  # no slices
-        row = self.rows[self.positions[k]]
-        return PreparedSample(self.ids[self.positions[k]], row["input_ids"].long(), row["loss_mask"])
 
 
 def add_features(writer: ShardWriter, feats: SampleFeatures) -> bool:
@@ -231,24 +213,24 @@ class FeatureSink:
         return summary
 
 
-def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Path, out_dir: str | Path, *,
+def write_features(source: FeatureSource, prepared: PreparedDataset, out_dir: str | Path, *,
                    store: StoreOptions | None = None, rank: int | None = None, world_size: int | None = None,
                    progress: bool = True, desc: str = "extract",
                    merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> ExtractionSummary:
-    """Write `source`'s features for this rank's slice of `prepared` to `out_dir`. Appending to a directory
-    written with another identity (verifier, tokenizer, aux layers, dtype, capture path) is refused."""
+    """Write `source`'s features for this rank's slice of `prepared` (the samples as training opens them,
+    `PreparedDataset(path, "all", ...)`) to `out_dir`. Samples another tokenizer prepared, and appending to a
+    directory written with another identity (verifier, tokenizer, aux layers, dtype, capture path), are refused."""
     env_rank, env_world = dist_env()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
-    ds = open_prepared(prepared, source.identity.tokenizer_fingerprint)
-    all_ids = list(ds["id"])
-    mine = range(rank, len(ds), world_size)
-    lengths = prepared_lengths(ds)
-    rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
+    prepared.check_fingerprint(source.identity.tokenizer_fingerprint)
+    all_ids = list(prepared.sample_ids)
+    mine = range(rank, len(prepared), world_size)
+    lengths = prepared.lengths
 
     limit = source.check([lengths[i] for i in mine])  # before anything is written, done samples included
     header = source.identity.header()
-    header.update(prepared_tokenizer(prepared))  # type: ignore[typeddict-item]  # the class that tokenized the data
+    header.update(prepared.tokenizer_record())  # type: ignore[typeddict-item]  # the class that tokenized the data
     sink = FeatureSink(out_dir, header, store=store, rank=rank, world_size=world_size)
     with sink:
         todo = [i for i in mine if all_ids[i] not in sink.done_ids]
@@ -261,7 +243,7 @@ def write_features(source: FeatureSource, prepared: datasets.Dataset | str | Pat
             if reason is not None:
                 sink.skip(all_ids[i], reason)
         if submit:
-            for feats in source.states(PreparedRows(rows, all_ids, submit)):
+            for feats in source.states(prepared.samples(submit)):
                 sink.add(feats)
     return sink.finish(all_ids, resumed_past=len(mine) - len(todo), route=source.report(), max_sample_tokens=limit,
                        merge_timeout_s=merge_timeout_s)

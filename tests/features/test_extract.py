@@ -13,10 +13,11 @@ import datasets
 import pytest
 import torch
 
-from eagle3_hf.features.extract import extract_features
+from eagle3_hf.data.prepared_samples import PreparedDataset
+from eagle3_hf.features.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.verify import STAMP
-from eagle3_hf.features.write import StoreOptions
+from eagle3_hf.features.write import StoreOptions, write_features
 from eagle3_hf.verifier.capture import capture_features
 
 from tests.helpers.data import extract_in_process, kill_after_shards, make_prepared, manifest_without_stat
@@ -97,12 +98,24 @@ def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
                             verifier_name="tiny").total_samples == 4
 
 
+def test_write_features_refuses_samples_another_tokenizer_prepared(tmp_path, verifier, fingerprint):
+    """The handle training opens may be opened without a fingerprint: the write loop checks the route's own."""
+    other = PreparedDataset(make_prepared(tmp_path / "prep", "0123456789abcdef", n=3, vocab=V), "all")
+    source = TransformersFeatures(verifier, fingerprint)
+    with pytest.raises(ValueError, match="prepared with tokenizer 0123456789abcdef"):
+        write_features(source, other, tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()  # refused before anything is written
+    same = PreparedDataset(make_prepared(tmp_path / "prep2", fingerprint, n=3, vocab=V), "all")
+    assert write_features(source, same, tmp_path / "written", progress=False).total_samples == 3
+
+
 _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from eagle3_hf.features.extract import extract_features
-from eagle3_hf.features.write import StoreOptions
+from eagle3_hf.data.prepared_samples import PreparedDataset
+from eagle3_hf.features.extract import TransformersFeatures, extract_features
+from eagle3_hf.features.write import StoreOptions, write_features
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
 if float(delay) > 0:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.imports import ImportedFeatures, import_features
 from eagle3_hf.features.reader import FeatureDataset
@@ -103,7 +104,8 @@ def test_speculators_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_
     # the same capture as a FeatureSource through the one write loop, asked for our prepared samples: the same
     # features, the sample without a file recorded as skipped
     source = ImportedFeatures("speculators", src, str(tiny_verifier_dir), fingerprint, AUX, "float32")
-    summary = write_features(source, reference / "prep", tmp_path / "via_source", progress=False)
+    summary = write_features(source, PreparedDataset(reference / "prep", "all"), tmp_path / "via_source",
+                             progress=False)
     assert summary.written_samples == 4 and summary.skipped == {"missing_file": 1}
     via_source = FeatureDataset(tmp_path / "via_source", split="all")
     assert via_source.manifest["skipped_ids"] == {"missing_file": [prep["id"][3]]}

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.quantize import as_stored
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.source import PreparedSample, SampleFeatures
@@ -68,6 +69,12 @@ def prepared(tmp_path_factory, fingerprint):
     return make_prepared(tmp_path_factory.mktemp("prepared"), fingerprint, n=11, lo=1, hi=60)
 
 
+@pytest.fixture(scope="module")
+def opened(prepared):
+    """The prepared samples as write_features takes them."""
+    return PreparedDataset(prepared, "all")
+
+
 def samples_of(prepared: Path) -> dict[str, PreparedSample]:
     """The prepared samples by id, as a route reads them."""
     import datasets
@@ -108,16 +115,16 @@ def reference(verifier: torch.nn.Module, states: torch.Tensor, layer_ids: Sequen
     (torch.float32, "fp32", 1),
 ])
 def test_shards_hold_the_verifiers_own_features_whatever_the_readers(tmp_path, tiny_verifier_dir, fingerprint,
-                                                                     prepared, file_dtype, dtype, readers):
+                                                                     prepared, opened, file_dtype, dtype, readers):
     from transformers import AutoModelForCausalLM
 
     spec = spec_for(tiny_verifier_dir, fingerprint, dtype)
     one, several = tmp_path / "one", tmp_path / "several"
     single = ConnectorFiles(spec, tmp_path / "one_states", file_dtype, readers=1)
     new = ConnectorFiles(spec, tmp_path / "new_states", file_dtype, readers=readers)
-    a = write_features(single, prepared, one, store=StoreOptions(samples_per_shard=3), progress=False,
+    a = write_features(single, opened, one, store=StoreOptions(samples_per_shard=3), progress=False,
                        merge_timeout_s=0)
-    b = write_features(new, prepared, several, store=StoreOptions(samples_per_shard=3, writers=readers),
+    b = write_features(new, opened, several, store=StoreOptions(samples_per_shard=3, writers=readers),
                        progress=False, merge_timeout_s=0)  # as extract --engine vllm: a writer per reader
     assert a.written_samples == b.written_samples == 11 and a.written_tokens == b.written_tokens
     assert files(one) == files(several)  # shards, journal (per-sample and per-shard sha256) and manifest
@@ -137,22 +144,22 @@ def test_shards_hold_the_verifiers_own_features_whatever_the_readers(tmp_path, t
 
 
 def test_a_nan_stops_the_run_naming_the_sample_and_the_rerun_completes_it(tmp_path, tiny_verifier_dir, fingerprint,
-                                                                          prepared):
+                                                                          opened):
     spec = spec_for(tiny_verifier_dir, fingerprint, "bf16")
     store = StoreOptions(samples_per_shard=2, writers=3)
     out, clean = tmp_path / "out", tmp_path / "clean"
     bad = ConnectorFiles(spec, tmp_path / "bad_states", torch.bfloat16, readers=3, poison=["s006"])
     with pytest.raises(ValueError) as err:
-        write_features(bad, prepared, out, store=store, progress=False, merge_timeout_s=0)
+        write_features(bad, opened, out, store=store, progress=False, merge_timeout_s=0)
     text = str(err.value)
     assert "non-finite hidden states for sample 's006' at vLLM layer ids [3]" in text and "\n" not in text
     assert "s006.safetensors" in text
     first = FeatureDataset(out, split="all", allow_partial=True)
     assert sorted(first.sample_ids) == [f"s{i:03d}" for i in range(6)]  # everything before it, committed
     again = ConnectorFiles(spec, tmp_path / "states", torch.bfloat16, readers=3)
-    summary = write_features(again, prepared, out, store=store, progress=False, merge_timeout_s=0)
+    summary = write_features(again, opened, out, store=store, progress=False, merge_timeout_s=0)
     assert summary.resumed_past == 6 and summary.written_samples == 5 and summary.total_samples == 11
-    write_features(ConnectorFiles(spec, tmp_path / "clean_states", torch.bfloat16), prepared, clean, store=store,
+    write_features(ConnectorFiles(spec, tmp_path / "clean_states", torch.bfloat16), opened, clean, store=store,
                    progress=False, merge_timeout_s=0)
     got, want = FeatureDataset(out, split="all"), FeatureDataset(clean, split="all")
     assert sorted(got.sample_ids) == sorted(want.sample_ids) and len(set(got.sample_ids)) == 11
