@@ -113,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from eagle3_hf.data.regenerate import TransformersBackend
+    from eagle3_hf.data.regenerate_backends import TransformersBackend
     from eagle3_hf.demo_data.prompts import short_prompts
 
     prompts = short_prompts(args.prompts)

@@ -64,7 +64,8 @@ def test_endpoint_dropping_and_restarting_mid_run_loses_and_duplicates_nothing(t
     import threading
     import time
 
-    from eagle3_hf.data.regenerate import EndpointBackend, regenerate
+    from eagle3_hf.data.regenerate import regenerate
+    from eagle3_hf.data.regenerate_backends import EndpointBackend
 
     from tests.helpers.openai_stub import OpenAIStub, reply_for
 

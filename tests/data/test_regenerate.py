@@ -16,7 +16,8 @@ import pytest
 
 from eagle3_hf import cli
 from eagle3_hf.data.conversations import load_conversations, write_jsonl
-from eagle3_hf.data.regenerate import EndpointBackend, TransformersBackend, regenerate
+from eagle3_hf.data.regenerate import regenerate
+from eagle3_hf.data.regenerate_backends import EndpointBackend, TransformersBackend
 from eagle3_hf.errors import EndpointError
 
 from tests.helpers.data import rows

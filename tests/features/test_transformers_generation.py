@@ -22,7 +22,8 @@ import torch
 from eagle3_hf.data.conversations import write_jsonl
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.data.prepare import prepare_conversations
-from eagle3_hf.data.regenerate import RegenerateOutputs, TransformersBackend, regenerate
+from eagle3_hf.data.regenerate import RegenerateOutputs, regenerate
+from eagle3_hf.data.regenerate_backends import TransformersBackend
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
@@ -111,7 +112,8 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from eagle3_hf.data.conversations import load_conversations
-from eagle3_hf.data.regenerate import RegenerateOutputs, TransformersBackend
+from eagle3_hf.data.regenerate import RegenerateOutputs
+from eagle3_hf.data.regenerate_backends import TransformersBackend
 from eagle3_hf.features.transformers_generation import regenerate_with_features
 from eagle3_hf.features.write import StoreOptions
 verifier_dir, src, out, feats = sys.argv[1:5]
