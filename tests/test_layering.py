@@ -16,7 +16,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle3_hf"
 FEATURES = "eagle3_hf.features"
 CORE = {"source", "sources", "records", "store", "shard_writer", "write", "quantize", "packing", "reader", "collator",
-        "feature_cache", "verify", "ordered_pool", "api_key", "vllm_states", "vllm_spec", "prepared_from_shards"}
+        "feature_cache", "verify", "ordered_pool", "api_key", "vllm_states", "vllm_spec", "prepared_from_shards",
+        "generated_samples", "generation_workers"}
 # Route-to-route imports present when this test was written, in modules being reworked separately: each is to go.
 # One that is gone must leave this list too (the test says so), so the list only shrinks.
 KNOWN = {("vllm_offline", "vllm_server"), ("transformers_generation", "vllm_generation"),
