@@ -10,8 +10,10 @@ attention sees cat(embedding, hidden)) -> norm -> lm_head over the draft vocabul
   on blocks the mask would throw away.
 - `draft_step`: one incremental step with a KV cache, as an engine runs the drafter (decoding/).
 
-Attention over packed documents lives in ttt_attention.py; checkpoints are the standard layout SGLang and
-vLLM load (see `eagle3_hf/model/checkpoint.py`).
+The layer itself is decoder_layer.py, attention over packed documents ttt_attention.py, the vocabulary mapping
+and the verifier's weights (embedding, teacher head) verifier_weights.py, a mixin of the model; checkpoints are
+the standard layout SGLang and vLLM load (see `eagle3_hf/model/checkpoint.py`). This file keeps the network's
+wiring, its two entry points and the checkpoint I/O transformers users call on the model.
 """
 
 from __future__ import annotations
@@ -19,28 +21,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
-from ..verifier.family import logit_softcap as verifier_logit_softcap
-from ..verifier.family import softcap_logits
-from .checkpoint import (
-    EMBED_KEY,
-    draft_to_target,
-    read_drafter_checkpoint,
-    standard_state_dict,
-    target_to_draft,
-    validate_vocab_mapping,
-    write_speculators,
-)
+from .checkpoint import EMBED_KEY, read_drafter_checkpoint, standard_state_dict, write_speculators
 from .configuration_eagle3 import Eagle3Config
+from .decoder_layer import Eagle3DecoderLayer
 from .head_rows import HeadRows, gather_rows
-from .ttt_attention import DraftKeys, Eagle3Attention, TTTKeys, packed_keys, shift_within_documents
+from .ttt_attention import DraftKeys, packed_keys, shift_within_documents
+from .verifier_weights import Eagle3VerifierWeights
 
 
 @dataclass
@@ -58,38 +52,6 @@ class Eagle3Output(ModelOutput):
     teacher_probs: torch.Tensor | None = None  # [B, L, Vd] fp32: the verifier's distribution on the draft vocabulary
     logits_mask: tuple[torch.Tensor, ...] | None = None
     teacher_mask: torch.Tensor | None = None
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """The drafter's one layer. Input cat(input_layernorm(embed), hidden_norm(h)); residual = h, or hidden_norm(h)
-    with `norm_before_residual` (vLLM's `_norm_before_residual`)."""
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.norm_before_residual = config.norm_before_residual
-        self.self_attn = Eagle3Attention(config)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor], keys: TTTKeys | DraftKeys,
-                mlp_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds [B, L, H] (the next tokens' embeddings), hidden [B, L, H] (projected verifier features or the
-        previous step's output) -> the pre-norm output [B, L, H] that the next step feeds back.
-
-        With `mlp_rows` (flat positions [R] into [B * L], `HeadRows.mlp`) the MLP runs there only: elsewhere the
-        output is never read (see the model's forward)."""
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)  # [B, L, 2H], embedding first
-        hidden = residual + self.self_attn(x, position_embeddings, keys)  # [B, L, H]
-        if mlp_rows is None:
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        kept = gather_rows(hidden, mlp_rows)  # [R, H]
-        out = hidden.reshape(-1, hidden.shape[-1]).index_add(0, mlp_rows, self.mlp(self.post_attention_layernorm(kept)))
-        return out.view_as(hidden)
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -112,7 +74,7 @@ class Eagle3PreTrainedModel(PreTrainedModel):
             module.t2d[: module.config.draft_vocab_size] = True
 
 
-class Eagle3DraftModel(Eagle3PreTrainedModel):
+class Eagle3DraftModel(Eagle3PreTrainedModel, Eagle3VerifierWeights):
     """EAGLE-3 drafter. Buffers `d2t` (offsets: target id = i + d2t[i]) and `t2d` (mask over the verifier
     vocabulary) are saved with the weights; `embed_tokens` is the verifier's, frozen, and only saved on
     request (engines take the verifier's own)."""
@@ -146,110 +108,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.verifier_lm_head: nn.Linear | None = None  # frozen teacher rows, attached for training only
         self.teacher_logit_softcap: float | None = None
         self.post_init()
-
-    # ------------------------------------------------------------------ vocabulary mapping
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a draft vocabulary (from eagle3_hf.data.vocab), checking it is self-consistent."""
-        validate_vocab_mapping(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
-        self.d2t.copy_(d2t.to(torch.long))
-        self.t2d.copy_(t2d.to(torch.bool))
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> verifier ids (d2t holds offsets)."""
-        return draft_to_target(self.d2t, draft_ids)
-
-    def remap_lm_head(self, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
-        """Switch to another draft vocabulary, moving each lm_head row to its token's new index (tokens this
-        drafter never drafted get a fresh row), so a finetune can use the dataset's vocabulary. Returns how many
-        rows carried over."""
-        new_targets = draft_to_target(d2t)
-        old_rows = target_to_draft(self.d2t.cpu(), new_targets).tolist()
-        old_weight = self.lm_head.weight.detach().clone()
-        new_head = nn.Linear(old_weight.shape[1], len(old_rows), bias=False, dtype=old_weight.dtype)
-        nn.init.normal_(new_head.weight, std=self.config.initializer_range)
-        carried = 0
-        with torch.no_grad():
-            for j, row in enumerate(old_rows):
-                if row >= 0:
-                    new_head.weight[j] = old_weight[row]
-                    carried += 1
-        self.lm_head = new_head
-        self.config.draft_vocab_size = len(old_rows)
-        self.register_buffer("d2t", torch.zeros(len(old_rows), dtype=torch.long))
-        self.set_vocab_mapping(d2t, t2d)
-        return carried
-
-    def load_verifier_embeddings(self, verifier: PreTrainedModel | torch.Tensor) -> None:
-        """Copy the verifier's input embedding (a model or its [V, H] weight), as the engines do at serving.
-
-        The drafter looks tokens up in the verifier's raw `embed_tokens.weight`, never through the
-        verifier's embedding forward: Gemma's sqrt(hidden_size) scale is NOT applied. This matches both
-        engines: vLLM's `load_eagle_model` shares the target's `embed_tokens` module, whose forward is a plain
-        `VocabParallelEmbedding` lookup (its Gemma 3 applies the normalizer outside it, in
-        `embed_input_ids`), and `llama_eagle3.py` embeds with `self.embed_tokens(input_ids)`; SGLang copies
-        the target's embedding *weight* into the drafter's own `VocabParallelEmbedding` (`set_embed`).
-        `train` reads the same raw tensor by name (`verifier_io_weights`). The drafter's `input_layernorm`
-        follows, so a constant scale would barely matter anyway (RMSNorm is scale-invariant up to eps).
-        """
-        if isinstance(verifier, torch.Tensor):
-            weight = verifier
-        else:  # raw, unscaled; transformers types get_input_embeddings() as a plain nn.Module
-            weight = cast(torch.Tensor, verifier.get_input_embeddings().weight)
-        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
-                f"verifier embedding {tuple(weight.shape)} does not fit the drafter's "
-                f"{tuple(self.embed_tokens.weight.shape)} (vocab_size x hidden_size)"
-            )
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
-        self.embed_tokens_loaded = True
-
-    def attach_teacher(self, verifier: PreTrainedModel | torch.Tensor, logit_softcap: float | None = None) -> None:
-        """Keep the verifier's lm_head rows for the draft vocabulary (frozen): the teacher distribution is
-        lm_head(h_last) restricted to the draft vocabulary — never full-vocabulary logits. Attach after the
-        vocabulary mapping is final. Never saved (not part of the checkpoint contract)."""
-        if isinstance(verifier, torch.Tensor):
-            weight = verifier  # [V, H]
-        else:
-            weight = verifier.get_output_embeddings().weight
-            logit_softcap = logit_softcap or verifier_logit_softcap(verifier)
-        if weight.shape[0] < self.config.vocab_size or weight.shape[1] != self.config.target_hidden_size:
-            raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
-                             f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")
-        targets = draft_to_target(self.d2t)
-        rows = weight.detach()[targets.to(weight.device)]  # [Vd, H]
-        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.lm_head.weight.device,
-                         dtype=self.lm_head.weight.dtype)
-        with torch.no_grad():
-            head.weight.copy_(rows)
-        head.requires_grad_(False)
-        self.verifier_lm_head = head
-        self.teacher_logit_softcap = logit_softcap
-
-    def init_lm_head_from_verifier(self) -> None:
-        """lm_head rows = the verifier's lm_head rows for the draft vocabulary, in d2t order (its embedding rows
-        when it ties them): the teacher's own rows (`attach_teacher` first), so step 0 starts from the
-        verifier's distribution restricted to the draft vocabulary."""
-        if self.verifier_lm_head is None:
-            raise RuntimeError("init_lm_head_from_verifier needs the verifier's rows: call attach_teacher first")
-        if self.config.hidden_size != self.config.target_hidden_size:
-            raise ValueError(f"the verifier's lm_head rows have size {self.config.target_hidden_size}, this drafter's "
-                             f"lm_head {self.config.hidden_size}: initialise it at random instead")
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.verifier_lm_head.weight.to(self.lm_head.weight.dtype))
-
-    def freeze_lm_head(self, frozen: bool = True) -> None:
-        """Train without lm_head (as speculators does): no gradient for it, so the optimizer holds no state for
-        it and its backward skips the weight gradient (the largest matmul of the step)."""
-        self.lm_head.weight.requires_grad_(not frozen)
-
-    def _check_embeddings(self) -> None:
-        if not self.embed_tokens_loaded:
-            raise RuntimeError(
-                "this drafter's checkpoint has no embed_tokens (engines share the verifier's); call "
-                "model.load_verifier_embeddings(verifier) or pass verifier=... to from_pretrained first"
-            )
 
     # ------------------------------------------------------------------ training: the TTT unroll
 
@@ -341,22 +199,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
                             teacher_probs=teacher, logits_mask=None if head_rows is None else head_rows.logits_mask,
                             teacher_mask=None if head_rows is None else head_rows.teacher_mask)
-
-    @torch.no_grad()
-    def teacher_distribution(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [.., Vd]: computed once per batch;
-        step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
-        softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
-        head = self.verifier_lm_head
-        if head is None:
-            raise RuntimeError("teacher_distribution needs the verifier's rows: call attach_teacher first")
-        probs = head(last_hidden_state.to(head.weight.dtype)).float()
-        flat = probs.view(-1, probs.shape[-1])
-        block = max(1, (1 << 23) // flat.shape[1])
-        for start in range(0, flat.shape[0], block):
-            rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
-            flat[start : start + block] = torch.softmax(rows, dim=-1)
-        return probs
 
     # ------------------------------------------------------------------ inference: one step with a KV cache
 
