@@ -54,9 +54,9 @@ from ..data.regenerate import (
 from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 from ..errors import UsageError
 from ..verifier.family import check_aux_indices, default_aux_indices
+from .interface import PreparedSample, SampleFeatures, VerifierIdentity
 from .prepared_from_shards import write_prepared
 from .records import FeatureHeader, canonical_dtype, make_header
-from .source import PreparedSample, SampleFeatures, VerifierIdentity
 from .store import merge_manifests
 from .write import ExtractionSummary, FeatureSink, StoreOptions
 

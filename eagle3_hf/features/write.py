@@ -36,9 +36,9 @@ import torch
 from .. import nodes
 from ..data.prepared_format import open_prepared, prepared_lengths, prepared_tokenizer
 from ..errors import UsageError
+from .interface import FeatureSource, PreparedSample, SampleFeatures
 from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
-from .source import FeatureSource, PreparedSample, SampleFeatures
 from .store import dist_env, wait_and_merge
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import datasets
 import pytest
 import torch
 
-from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.extract import extract_features
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features
@@ -101,7 +101,7 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from eagle3_hf.features.extract import extract_features
+from eagle3_hf.features.routes.extract import extract_features
 from eagle3_hf.features.write import StoreOptions
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()

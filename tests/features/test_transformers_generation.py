@@ -24,8 +24,8 @@ from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.data.regenerate import RegenerateOutputs, TransformersBackend, regenerate
 from eagle3_hf.evaluation.feature_diff import diff_features
-from eagle3_hf.features.extract import extract_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.extract import extract_features
 from eagle3_hf.features.transformers_generation import regenerate_with_features
 from eagle3_hf.features.write import StoreOptions
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_hf.features.interface import PreparedSample, SampleFeatures
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.source import PreparedSample, SampleFeatures
 from eagle3_hf.features.vllm_spec import VllmFeatureSpec
 from eagle3_hf.features.write import StoreOptions, write_features
 from eagle3_hf.verifier.capture import greedy_tokens

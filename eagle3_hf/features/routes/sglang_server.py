@@ -40,15 +40,15 @@ from typing import Any
 
 import torch
 
-from ..errors import EndpointError, UsageError
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from .api_key import api_key, auth_headers, refused_line
-from .records import DTYPES, canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .sources import SourceRequest
-from .vllm_spec import PROBE
-from .vllm_states import all_finite, features_from_states
-from .write import sample_token_limit
+from ...errors import EndpointError, UsageError
+from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from ..api_key import api_key, auth_headers, refused_line
+from ..engine_states import all_finite, features_from_states
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import DTYPES, canonical_dtype
+from ..table import SourceRequest
+from ..vllm_spec import PROBE
+from ..write import sample_token_limit
 
 SOURCE = "sglang"
 INFO_LIMIT = 4 << 20  # bytes of /server_info (its server args and scheduler state: tens of KiB)
@@ -102,7 +102,7 @@ class SglangClient:
         self.parser, self.loads = json_parser()
 
     def call(self, path: str, body: dict[str, Any] | None, limit: int, what: str) -> Any:
-        from ..engines.vllm_openai import read_answer
+        from ...engines.vllm_openai import read_answer
 
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(self.retries + 1):
@@ -161,12 +161,12 @@ class SglangFeatures:
     (its version picks the id reader); `check` refuses a server that cannot give this verifier's states."""
 
     def __init__(self, request: SourceRequest, options: SglangOptions):
-        from ..publish.aux_id_rules import sglang_family, sglang_ids_to_send
-        from ..verifier.checkpoint_files import CheckpointFiles
-        from ..verifier.greedy import head_device
-        from ..verifier.head import load_verifier_head
-        from ..verifier.last_layer import check_fits, plan_last_layer
-        from ..verifier.loading import resolve_verifier
+        from ...publish.aux_id_rules import sglang_family, sglang_ids_to_send
+        from ...verifier.checkpoint_files import CheckpointFiles
+        from ...verifier.greedy import head_device
+        from ...verifier.head import load_verifier_head
+        from ...verifier.last_layer import check_fits, plan_last_layer
+        from ...verifier.loading import resolve_verifier
 
         self.options, self.verifier = options, request.verifier
         self.path = resolve_verifier(request.verifier)
@@ -204,7 +204,7 @@ class SglangFeatures:
     def check(self, lengths: Sequence[int]) -> int | None:
         """The server fits this verifier and capture (one line each refusal); returns the most tokens a sample may
         have: the server's longest prompt or --max-model-len less the generated token, whichever is shorter."""
-        from ..verifier.last_layer import LastLayer
+        from ...verifier.last_layer import LastLayer
 
         info, url = self.info, self.client.url
         served = str(info.get("model_path") or "")
@@ -233,7 +233,7 @@ class SglangFeatures:
     # ---------------------------------------------------------------- the samples
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
-        from .ordered_pool import ordered_map
+        from ..ordered_pool import ordered_map
 
         if self.last_layer is None:
             raise RuntimeError("SglangFeatures.check must run before states")
@@ -336,7 +336,7 @@ def served_model(target: str) -> tuple[str | None, str | None]:
 
 
 def open_source(request: SourceRequest) -> SglangFeatures:
-    """The table's opener (sources.py): `request.options` is a SglangOptions, or the online routes' options
+    """The table's opener (table.py): `request.options` is a SglangOptions, or the online routes' options
     (their timeout and retries, the endpoint from `request.target`)."""
     options = request.options
     if not isinstance(options, SglangOptions):

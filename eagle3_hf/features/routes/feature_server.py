@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import Eagle3Error
-from .api_key import api_key, auth_headers, refused_line
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .vllm_states import check_states, features_from_states
+from ...errors import Eagle3Error
+from ..api_key import api_key, auth_headers, refused_line
+from ..engine_states import check_states, features_from_states
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .sources import SourceRequest
+    from ..table import SourceRequest
 
 # what must match between the server and the training run
 IDENTITY_KEYS = ("hidden_size", "num_hidden_layers", "tokenizer_fingerprint")
@@ -225,12 +225,12 @@ def served_identity(url: str, served: Mapping[str, Any], dtype: str, tokenizer_f
 
 
 def open_source(request: SourceRequest) -> ServerFeatures:
-    """The table's opener (sources.py): the server at `request.target`, its identity checked before the verifier's
+    """The table's opener (table.py): the server at `request.target`, its identity checked before the verifier's
     final norm and head are read (from `request.verifier`)."""
-    from ..verifier.family import logit_softcap, text_config
-    from ..verifier.head import load_verifier_head
-    from ..verifier.loading import load_config, resolve_verifier
-    from .sources import OnlineOptions
+    from ...verifier.family import logit_softcap, text_config
+    from ...verifier.head import load_verifier_head
+    from ...verifier.loading import load_config, resolve_verifier
+    from ..table import OnlineOptions
 
     options = request.options or OnlineOptions()
     path = resolve_verifier(request.verifier)

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any, Literal, cast, get_args
 
 from ..errors import UsageError
-from .source import FeatureSource
+from .interface import FeatureSource
 
 FeatureKind = Literal["transformers", "vllm", "vllm-server", "sglang-server", "server", "directory", "speculators",
                       "specforge"]
@@ -73,25 +73,25 @@ class SourceRow:
 
 
 SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
-    SourceRow("transformers", "eagle3_hf.features.extract", offline=True, online=True,
+    SourceRow("transformers", "eagle3_hf.features.routes.extract", offline=True, online=True,
               selected_by="extract (--engine transformers); train --features hf[:VERIFIER]",
               names_verifier="named_verifier"),
-    SourceRow("vllm", "eagle3_hf.features.vllm_offline", offline=True, online=False,
+    SourceRow("vllm", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
               selected_by="extract --engine vllm", options_from_args="VllmOptions.from_args"),
-    SourceRow("vllm-server", "eagle3_hf.features.vllm_offline", offline=True, online=False,
+    SourceRow("vllm-server", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
               selected_by="extract --engine vllm --endpoint URL", options_from_args="VllmOptions.from_args"),
-    SourceRow("sglang-server", "eagle3_hf.features.sglang_server", offline=True, online=True,
+    SourceRow("sglang-server", "eagle3_hf.features.routes.sglang_server", offline=True, online=True,
               selected_by="extract --engine sglang --endpoint URL; train --features sglang:http://HOST:PORT",
               names_verifier="served_model", options_from_args="SglangOptions.from_args", online_rounding=True,
               remote=True),
-    SourceRow("server", "eagle3_hf.features.feature_server", offline=False, online=True,
+    SourceRow("server", "eagle3_hf.features.routes.feature_server", offline=False, online=True,
               selected_by="train --features http://HOST:PORT", names_verifier="served_verifier",
               online_rounding=True, remote=True),
     SourceRow("directory", "eagle3_hf.features.reader", offline=False, online=False,
               selected_by="train --features DIR (its shards read directly)", names_verifier="recorded_verifier"),
-    SourceRow("speculators", "eagle3_hf.features.imports", offline=True, online=False,
+    SourceRow("speculators", "eagle3_hf.features.routes.imports", offline=True, online=False,
               selected_by="import-features speculators"),
-    SourceRow("specforge", "eagle3_hf.features.imports", offline=True, online=False,
+    SourceRow("specforge", "eagle3_hf.features.routes.imports", offline=True, online=False,
               selected_by="import-features specforge"),
 )}
 assert set(SOURCES) == set(get_args(FeatureKind)), "every FeatureKind is a row of SOURCES"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engines.vllm_args import (
+from ...engines.vllm_args import (
     add_engine_arguments,
     add_run_arguments,
     check_batched_tokens,
@@ -30,15 +30,15 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from ..errors import UsageError
-from ..verifier.capture import capture_features
-from ..verifier.family import check_aux_indices, default_aux_indices
-from ..verifier.placement import add_placement_arguments, placement_kwargs
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .sources import FeatureKind, SourceRequest, options_from_args
-from .sources import open_source as open_source_of
-from .write import (
+from ...errors import UsageError
+from ...verifier.capture import capture_features
+from ...verifier.family import check_aux_indices, default_aux_indices
+from ...verifier.placement import add_placement_arguments, placement_kwargs
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
+from ..table import FeatureKind, SourceRequest, options_from_args
+from ..table import open_source as open_source_of
+from ..write import (
     MERGE_TIMEOUT_S,
     ExtractionSummary,
     StoreOptions,
@@ -96,8 +96,8 @@ class TransformersOptions:
 
 
 def open_source(request: SourceRequest) -> TransformersFeatures:
-    """The table's opener (sources.py): the verifier in this process."""
-    from ..verifier.loading import load_verifier
+    """The table's opener (table.py): the verifier in this process."""
+    from ...verifier.loading import load_verifier
 
     options = request.options if isinstance(request.options, TransformersOptions) else TransformersOptions()
     if request.target and request.target != request.verifier:  # train --features hf:VERIFIER
@@ -182,9 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def data_fingerprint(args: argparse.Namespace) -> str:
     """The fingerprint of --verifier's tokenizer, refused first when its class is not the one that prepared --data
     (the same --trust-remote-code at every stage)."""
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..data.prepared_format import check_prepared_tokenizer
-    from ..verifier.loading import load_tokenizer
+    from ...data.fingerprint import tokenizer_fingerprint
+    from ...data.prepared_format import check_prepared_tokenizer
+    from ...verifier.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.verifier, revision=args.revision)
     check_prepared_tokenizer(args.data, tokenizer)
@@ -198,7 +198,7 @@ MEMORY_HINT = ("extract it with --engine vllm over the GPUs that hold it (--tens
 
 def transformers_options(args: argparse.Namespace) -> tuple[TransformersOptions, Any]:
     """`extract`'s transformers options, and the temporary offload folder to remove once written (or None)."""
-    from ..verifier.memory import require_memory
+    from ...verifier.memory import require_memory
 
     placed, offload_tmp = placement_kwargs(args)
     device = None
@@ -242,7 +242,7 @@ ENGINE_KINDS: dict[str, FeatureKind] = {"transformers": "transformers", "vllm": 
 
 
 def run(args: argparse.Namespace) -> int:
-    """`extract`: the route of --engine (and --endpoint) opened from the table (sources.py), written by
+    """`extract`: the route of --engine (and --endpoint) opened from the table (table.py), written by
     write_features."""
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_output_shared(args.output, args.per_node_output)  # before a verifier is loaded
