@@ -36,7 +36,7 @@ from ...verifier.family import check_aux_indices, default_aux_indices
 from ...verifier.placement import add_placement_arguments, placement_kwargs
 from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from ..records import canonical_dtype
-from ..table import FeatureKind, SourceRequest, options_from_args
+from ..table import SourceRequest, engine_kind, engines, options_from_args
 from ..table import open_source as open_source_of
 from ..write import (
     MERGE_TIMEOUT_S,
@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-mb", type=int, default=1024, help="a shard is closed at this size too")
     parser.add_argument("--no-progress", action="store_true")
     engine = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
-    engine.add_argument("--engine", choices=["transformers", "vllm", "sglang"], default="transformers",
+    engine.add_argument("--engine", choices=engines(), default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
                              "its own venv, then the verifier's final norm and lm_head here; sglang: a running "
                              "SGLang server's aux hidden states (--endpoint), then the verifier's last layer, "
@@ -238,7 +238,6 @@ def sglang_options(args: argparse.Namespace) -> tuple[Any, None]:
 
 OPTIONS = {"transformers": transformers_options, "vllm": vllm_options, "vllm-server": vllm_options,
            "sglang-server": sglang_options}
-ENGINE_KINDS: dict[str, FeatureKind] = {"transformers": "transformers", "vllm": "vllm", "sglang": "sglang-server"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     if args.endpoint and args.engine == "transformers":
         raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`) "
                          "or --engine sglang (a SGLang server)")
-    kind: FeatureKind = "vllm-server" if args.endpoint and args.engine == "vllm" else ENGINE_KINDS[args.engine]
+    kind = engine_kind(args.engine, bool(args.endpoint))
     options, offload_tmp = OPTIONS[kind](args)
     fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
     source = open_source_of(SourceRequest(kind, args.verifier, args.verifier, args.revision,
