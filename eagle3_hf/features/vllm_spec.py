@@ -19,13 +19,11 @@ import torch
 from ..errors import EndpointError, debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
-from .engine_states import all_finite, check_states, features_from_states, vllm_layer_ids
+from .engine_states import PROBE, all_finite, check_states, features_from_states, vllm_layer_ids
 from .interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from .records import canonical_dtype
 
 SOURCE = "vllm"
-PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
-
 
 def checkpoint_dtype(path: str | Path) -> str:
     """The dtype a checkpoint's config.json names ("auto" when none): what transformers' dtype="auto" loads.

@@ -10,7 +10,7 @@ read it, the bytes travel once, the batch is built and they are dropped. With `-
 (feature_cache.py) each sample is fetched once, kept in DIR as `extract` would write it, and read from there
 afterwards (later epochs, reruns, a resumed run).
 
-"Exactly": the mapping is extract --engine vllm's own (vllm_states.check_states, features_from_states: aux
+"Exactly": the mapping is extract --engine vllm's own (engine_states.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
 soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
 (quantize.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
@@ -173,7 +173,7 @@ def retry_after_s(value: str | None) -> float:
 
 class ServerFeatures:
     """A feature server as a `FeatureSource`: each sample one request (`max_in_flight` at a time, so the server
-    batches them), its states checked and mapped exactly as `extract --engine vllm` maps a file (vllm_states)."""
+    batches them), its states checked and mapped exactly as `extract --engine vllm` maps a file (engine_states)."""
 
     def __init__(self, client: FeatureClient, served: Mapping[str, Any], norm: nn.Module, head: nn.Module,
                  softcap: float | None, identity: SourceIdentity, max_in_flight: int = MAX_IN_FLIGHT) -> None:

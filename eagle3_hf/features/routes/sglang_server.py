@@ -10,7 +10,7 @@ in layer order, in `meta_info.hidden_states[0]` (JSON floats).
 SGLang captures the residual stream *entering* a layer, so it can never return the last layer's output. This route
 asks it for one more index than the drafter's three, N-1 (what enters the last layer), and runs that one layer here
 (verifier/last_layer.py: transformers' own class, only its tensors read), then the verifier's final norm and head
-as every engine route does (vllm_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
+as every engine route does (engine_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
 `output_hidden_states` bit for bit at most prompt lengths, within fp32 rounding at the others (docs/contracts.md).
 A mixture-of-experts last layer is loaded from its per-expert tensors by transformers' own conversion; one larger
 than the memory free where it would run (Kimi-K2.5's: 17 B parameters, 68 GB in fp32) is refused in one line
@@ -43,11 +43,10 @@ import torch
 from ...errors import EndpointError, UsageError
 from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..api_key import api_key, auth_headers, refused_line
-from ..engine_states import all_finite, features_from_states
+from ..engine_states import PROBE, all_finite, features_from_states
 from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from ..records import DTYPES, canonical_dtype
 from ..table import SourceRequest
-from ..vllm_spec import PROBE
 from ..write import sample_token_limit
 
 SOURCE = "sglang"
@@ -266,7 +265,7 @@ class SglangFeatures:
 
     def features(self, sample: PreparedSample, rows: torch.Tensor) -> SampleFeatures:
         """SGLang's [T, L, H] -> our features: the aux states as captured, the last layer run here on index N-1,
-        then the final norm and head (vllm_states.features_from_states)."""
+        then the final norm and head (engine_states.features_from_states)."""
         n = self.num_layers
         slot = {index: j for j, index in enumerate(self.captured)}
         pre = self.last_layer(rows[:, slot[n - 1]])  # [T, H] the last layer's output, before the final norm
