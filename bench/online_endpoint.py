@@ -99,9 +99,9 @@ def main() -> None:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
     from eagle3_hf.data.prepared_samples import PreparedDataset
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
+    from eagle3_hf.features.commands.serve_features import start_feature_server
     from eagle3_hf.features.packing import PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
-    from eagle3_hf.features.serve_features import start_feature_server
     from eagle3_hf.verifier.loading import default_verifier_dir
 
     from tests.helpers.serveable import VOCAB, serveable_verifier, walk_prepared

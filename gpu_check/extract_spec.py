@@ -35,10 +35,10 @@ def learnable_verifier(device: str, vocab: int = 256, hidden: int = 64, layers: 
 def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> dict:
     from eagle3_hf.data.vocab import vocab_from_target_ids
     from eagle3_hf.decoding import compare_to_greedy, greedy_generate, speculative_decode
-    from eagle3_hf.features.extract import verifier_info
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.features.records import make_header
+    from eagle3_hf.features.routes.extract import verifier_info
     from eagle3_hf.features.shard_writer import ShardWriter
     from eagle3_hf.features.store import merge_manifests
     from eagle3_hf.verifier.capture import capture_features

@@ -1,4 +1,5 @@
-"""Write docs/cli.md, the CLI reference: `eagle3-hf --help` and every command's `--help`, as the parsers print them.
+"""Write docs/cli.md, the CLI reference: `eagle3-hf --help` and every command's `--help`, as the parsers print them,
+and the table of feature routes, from the table itself (eagle3_hf/features/table.py's SOURCES).
 
     python scripts/cli_reference.py            # rewrite docs/cli.md
     python scripts/cli_reference.py --check    # exit 1 when docs/cli.md is not what the parsers print now
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 REFERENCE = ROOT / "docs" / "cli.md"
 
 from eagle3_hf.cli import COMMANDS, build_parser, command_parser  # noqa: E402
+from eagle3_hf.features.table import SOURCES  # noqa: E402
 from eagle3_hf.train.arguments import build_parser as train_parser  # noqa: E402
 
 HEADER = """# Command-line reference
@@ -37,10 +39,31 @@ def command_help(name: str) -> str:
     return command_parser(name).format_help()
 
 
+ROUTES = """## Feature routes
+
+Every way to get the verifier's hidden states, one row of `SOURCES` (eagle3_hf/features/table.py) each: how
+`extract` and `train --features` spell it, whether a command writes it to shards (offline) and whether training
+computes it while it trains (online). Adding one: docs/development.md, "Adding a feature source".
+"""
+
+
+def route_table() -> list[str]:
+    """The feature routes as a Markdown table, one line per row of SOURCES."""
+    lines = ["| kind | `extract` | `train --features` | selected by | offline | online | what computes the states |",
+             "|---|---|---|---|---|---|---|"]
+    for row in SOURCES.values():
+        engine = f"`--engine {row.engine}{' --endpoint URL' if row.endpoint else ''}`" if row.engine else ""
+        spelling = row.features.split(" (")[0] if row.features else ""
+        lines.append(f"| {row.kind} | {engine} | {spelling} | {row.selected_by} | {'yes' if row.offline else 'no'} "
+                     f"| {'yes' if row.online else 'no'} | {row.summary} |")
+    return lines
+
+
 def reference() -> str:
     parts = [HEADER, "## eagle3-hf", "", "```text", build_parser().format_help().rstrip(), "```", ""]
     for name, (_module, summary) in COMMANDS.items():
         parts += [f"## eagle3-hf {name}", "", summary, "", "```text", command_help(name).rstrip(), "```", ""]
+    parts += [ROUTES, *route_table(), ""]
     return "\n".join(parts)
 
 

@@ -1,10 +1,12 @@
-"""The rooms of `eagle3_hf/features/` say what they hold: the core (the FeatureSource interface, the table of
-sources, the store, its writer and reader, rounding, packing, the one online collator) and the routes (one module
-per way to get hidden states, opened only through the table, features/sources.py). Read from the source with `ast`,
-so an import inside a function counts too:
+"""The rooms of `eagle3_hf/features/` say what they hold, and the folder decides which room a module is in:
+`features/routes/` holds the routes (one module per way to get hidden states, opened only through the table,
+features/table.py), `features/commands/` the feature commands, and every other module of `features/` is the core
+(the FeatureSource interface, the table, the store, its writer and reader, rounding, packing, the one online
+collator). Read from the source with `ast`, so an import inside a function counts too:
 
 - training (`eagle3_hf/train/`, the training script) imports no route: it asks the table;
-- the core imports no route (the table names them as strings and imports them when a route is opened);
+- the core imports no route, except the table (the registry that names them);
+- a command imports the table and the core, never a route;
 - a route imports only the core, never another route.
 """
 
@@ -14,14 +16,10 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "eagle3_hf"
-FEATURES = "eagle3_hf.features"
-CORE = {"source", "sources", "records", "store", "shard_writer", "write", "quantize", "packing", "reader", "collator",
-        "feature_cache", "verify", "ordered_pool", "api_key", "vllm_states", "vllm_spec", "prepared_from_shards",
-        "generated_samples", "generation_workers"}
+FEATURES = PACKAGE / "features"
 # Route-to-route imports present when this test was written, in modules being reworked separately: each is to go.
 # One that is gone must leave this list too (the test says so), so the list only shrinks.
-KNOWN = {("vllm_offline", "vllm_server"), ("transformers_generation", "vllm_generation"),
-         ("serve_vllm", "serve_features")}
+KNOWN = {("routes.vllm_offline", "routes.vllm_server_client")}
 
 
 def module_name(path: Path) -> str:
@@ -46,36 +44,58 @@ def imported(path: Path) -> set[str]:
     return found
 
 
+def room(path: Path) -> str:
+    """`routes`, `commands` or `core`: the folder of features/ a module lives in decides."""
+    sub = path.relative_to(FEATURES).parts
+    return sub[0] if len(sub) > 1 and sub[0] in ("routes", "commands") else "core"
+
+
+def feature_modules(kind: str) -> dict[str, Path]:
+    """The modules of one room, named relative to features/ (`table`, `routes.vllm_offline`)."""
+    return {".".join(p.relative_to(FEATURES).with_suffix("").parts): p for p in sorted(FEATURES.rglob("*.py"))
+            if p.name != "__init__.py" and room(p) == kind}
+
+
 def routes_of(names: set[str]) -> set[str]:
-    """The feature modules among `names` that are not core (every module of features/ that is not CORE is a route,
-    a new one included)."""
-    modules = {p.stem for p in (PACKAGE / "features").glob("*.py") if p.stem != "__init__"}
-    return {n.split(".")[2] for n in names
-            if n.startswith(FEATURES + ".") and n.split(".")[2] in modules and n.split(".")[2] not in CORE}
+    """The route modules (every module under features/routes/, a new one included) among `names`."""
+    prefix = "eagle3_hf.features."
+    return {route for route in feature_modules("routes") for n in names
+            if n == prefix + route or n.startswith(prefix + route + ".")}
 
 
 def test_training_imports_no_route():
     files = sorted((PACKAGE / "train").glob("*.py")) + [PACKAGE / "scripts" / "train.py"]
     bad = {f"{p.relative_to(PACKAGE.parent)} imports {', '.join(sorted(routes_of(imported(p))))}" for p in files
            if routes_of(imported(p))}
-    assert not bad, ("training must reach the feature routes only through features/sources.py (open_source, "
+    assert not bad, ("training must reach the feature routes only through features/table.py (open_source, "
                      f"FeatureSpec): {'; '.join(sorted(bad))}")
 
 
 def test_the_core_imports_no_route():
-    bad = {f"features/{name}.py imports {', '.join(sorted(routes_of(imported(PACKAGE / 'features' / f'{name}.py'))))}"
-           for name in sorted(CORE) if routes_of(imported(PACKAGE / "features" / f"{name}.py"))}
-    assert not bad, ("a core module of features/ may not import a route (name it in the table, sources.py, which "
+    bad = {f"features/{name.replace('.', '/')}.py imports {', '.join(sorted(routes_of(imported(path))))}"
+           for name, path in feature_modules("core").items() if name != "table" and routes_of(imported(path))}
+    assert not bad, ("a core module of features/ may not import a route (name it in the table, table.py, which "
                      f"imports it when opened): {'; '.join(sorted(bad))}")
+
+
+def test_commands_import_no_route():
+    bad = {f"features/{name.replace('.', '/')}.py imports {', '.join(sorted(routes_of(imported(path))))}"
+           for name, path in feature_modules("commands").items() if routes_of(imported(path))}
+    assert not bad, f"a command reaches a route through the table (features/table.py): {'; '.join(sorted(bad))}"
 
 
 def test_routes_import_only_the_core():
     found = set()
-    for path in sorted((PACKAGE / "features").glob("*.py")):
-        if path.stem not in CORE and path.stem != "__init__":
-            found |= {(path.stem, other) for other in routes_of(imported(path)) if other != path.stem}
+    for name, path in feature_modules("routes").items():
+        found |= {(name, other) for other in routes_of(imported(path)) if other != name}
     new = sorted(found - KNOWN)
-    assert not new, ("a route imports another route; move what they share into the core (source.py, vllm_states.py, "
-                     "write.py, ...): " + "; ".join(f"features/{a}.py imports {b}" for a, b in new))
+    assert not new, ("a route imports another route; move what they share into the core (interface.py, "
+                     "engine_states.py, write.py, ...): "
+                     + "; ".join(f"features/{a.replace('.', '/')}.py imports {b}" for a, b in new))
     gone = sorted(KNOWN - found)
     assert not gone, "no longer imported, remove from KNOWN: " + "; ".join(f"{a} -> {b}" for a, b in gone)
+
+
+def test_every_route_and_command_is_in_its_folder():
+    """The rooms hold something: a move that empties one (or a rename of the folder) fails here, not silently."""
+    assert feature_modules("routes") and feature_modules("commands") and "table" in feature_modules("core")

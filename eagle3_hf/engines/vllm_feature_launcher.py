@@ -1,7 +1,7 @@
 """Start and stop vllm_feature_server.py (the feature server: vLLM kept loaded) in the vLLM venv.
 
 The server script runs inside the vLLM venv and never imports this package; this is its launcher on our side
-(`eagle3-hf serve-features`, features/serve_features.py): the request file, the venv's environment, the process
+(`eagle3-hf serve-features`, features/commands/serve_features.py): the request file, the venv's environment, the process
 (server_process.py), and the ready/error files through which the script says it listens or why it failed.
 """
 

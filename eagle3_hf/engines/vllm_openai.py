@@ -4,9 +4,9 @@ The same engine settings as `extract --engine vllm` (vllm_extract_runner.load_ll
 server instead of `LLM`: the `extract_hidden_states` speculative method at the layer ids, the hidden-states
 connector writing one safetensors file per request into `storage`, prefix caching and chunked prefill off.
 Every completion then answers with `kv_transfer_params.hidden_states_path`; the client
-(features/vllm_server.py) waits on the file's `.lock` (vLLM's own protocol: the worker holds LOCK_EX until the
-file is whole), reads it and deletes both. The client must see `storage`: the same machine, or a shared
-filesystem mounted at the same path. The server is also served as `eagle3-hf-layers-<ids>` and
+(features/routes/vllm_server_client.py) waits on the file's `.lock` (vLLM's own protocol: the worker holds
+LOCK_EX until the file is whole), reads it and deletes both. The client must see `storage`: the same machine, or a
+shared filesystem mounted at the same path. The server is also served as `eagle3-hf-layers-<ids>` and
 `eagle3-hf-storage-<dir>`, so that a client learns what is captured and the only directory it may touch.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the CPU wheel's

@@ -1,1 +1,1 @@
-"""Every way to get the verifier's hidden states, in one place (see the module docstring of source.py)."""
+"""Every way to get the verifier's hidden states, in one place (see the module docstring of interface.py)."""

@@ -21,10 +21,10 @@ import torch
 
 from ..data.prepared_samples import PreparedDataset
 from ..errors import Eagle3Error
+from .interface import FeatureSource, PreparedSample
 from .packing import PackedCollator
 from .quantize import as_stored
 from .records import canonical_dtype
-from .source import FeatureSource, PreparedSample
 
 if TYPE_CHECKING:
     from .feature_cache import FeatureCache

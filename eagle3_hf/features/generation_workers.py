@@ -22,8 +22,8 @@ from ..data.regenerate import completed_ids
 from ..data.regenerate_backends import TransformersBackend
 from ..errors import UsageError
 from .generated_samples import Template, run_batch
+from .interface import PreparedSample, SampleFeatures
 from .records import FeatureHeader
-from .source import PreparedSample, SampleFeatures
 from .store import merge_manifests
 from .write import FeatureSink, StoreOptions
 

@@ -22,14 +22,14 @@ import torch
 from torch.utils.data import Dataset
 
 from ..data.prepared_samples import select_split
+from .interface import PreparedSample, SampleFeatures, SourceIdentity
 from .quantize import dequantize
 from .records import SAMPLE_KEYS, SampleRecord, ShardRecord
-from .source import PreparedSample, SampleFeatures, SourceIdentity
 from .store import load_manifest
 from .verify import verify_shards
 
 if TYPE_CHECKING:
-    from .sources import SourceRequest
+    from .table import SourceRequest
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "F16": torch.float16,
               "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
@@ -234,7 +234,7 @@ class FeatureDataset(Dataset[dict[str, Any]]):
 class DirectoryFeatures:
     """A feature directory as a `FeatureSource`: its own identity (the manifest, `SourceIdentity.from_header`) and
     the features it stores, per sample id, for samples holding the same tokens. Training reads a directory through
-    FeatureDataset directly; this is the table's row for it (sources.py): what it stores, served again."""
+    FeatureDataset directly; this is the table's row for it (table.py): what it stores, served again."""
 
     def __init__(self, features_dir: str | Path, allow_partial: bool = False) -> None:
         self.dataset = FeatureDataset(features_dir, "all", allow_partial=allow_partial)
@@ -259,7 +259,7 @@ class DirectoryFeatures:
 
 
 def open_source(request: SourceRequest) -> DirectoryFeatures:
-    """The table's opener (sources.py): the directory `request.target`."""
+    """The table's opener (table.py): the directory `request.target`."""
     return DirectoryFeatures(request.target)
 
 

@@ -46,9 +46,9 @@ from ..data.regenerate_backends import TransformersBackend
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .generated_samples import Template
 from .generation_workers import WorkerJob, WorkerReport, drain, settle_answers, start_workers, work
+from .interface import VerifierIdentity
 from .prepared_from_shards import write_prepared
 from .records import canonical_dtype, make_header
-from .source import VerifierIdentity
 from .write import ExtractionSummary, FeatureSink, StoreOptions
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """What every route that runs vLLM shares on this side (`extract --engine vllm`, with an engine of its own or a
 running OpenAI server; `regenerate --engine vllm`; the feature server): how vLLM runs (`VllmOptions`), what is
 asked of it and how its files become shard samples (`VllmFeatureSpec`, `read_states`), the reader threads and the
-checkpoint's dtype. The routes themselves (vllm_offline.py, vllm_server.py, vllm_generation.py) import this, never
-each other.
+checkpoint's dtype. The routes themselves (routes/vllm_offline.py, routes/vllm_server_client.py,
+vllm_generation.py) import this, never each other.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import torch
 from ..errors import EndpointError, debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
+from .engine_states import PROBE, all_finite, check_states, features_from_states, vllm_layer_ids
+from .interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .vllm_states import all_finite, check_states, features_from_states, vllm_layer_ids
 
 SOURCE = "vllm"
-PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens
-
 
 def checkpoint_dtype(path: str | Path) -> str:
     """The dtype a checkpoint's config.json names ("auto" when none): what transformers' dtype="auto" loads.

@@ -35,9 +35,9 @@ import torch
 from .. import nodes
 from ..data.prepared_samples import PreparedDataset
 from ..errors import UsageError
+from .interface import FeatureSource, SampleFeatures
 from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
-from .source import FeatureSource, SampleFeatures
 from .store import dist_env, wait_and_merge
 
 MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journals

@@ -95,7 +95,7 @@ def check_training_nodes(data_args: DataArguments, args: Eagle3TrainingArguments
 
 
 def feature_directory(features: str) -> bool:
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
 
     return not FeatureSpec.parse(features).online
 

@@ -152,7 +152,7 @@ def loader_workers(features: str | None, requested: int, cuda: bool) -> int:
     """The data-loader workers `train` runs with for `--features` (scripts/train.py): the verifier in the training
     process (`hf`) takes none; a server (ours or SGLang) on a GPU none (its head runs in the main process), else
     `requested` or training_data.DEFAULT_WORKERS."""
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
     from .training_data import DEFAULT_WORKERS
 
     spec = FeatureSpec.parse(features) if features else None

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
     from ..features.collator import FeatureCollator
+    from ..features.interface import SourceIdentity
     from ..features.packing import PackedCollator, PackedDataset
     from ..features.reader import FeatureDataset
-    from ..features.source import SourceIdentity
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
     from .nodes import NodeRows
 
 logger = logging.getLogger("eagle3_hf.train")
@@ -78,9 +78,9 @@ class TrainingFeatures:
 def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifier_config: PreTrainedConfig,
                    node_parts: bool = False) -> TrainingFeatures:
     """The training data of `--features`: shards read back, or features computed while training by the route the
-    table opens (features/sources.py) for the samples of `--prepared-dir`. `node_parts`: the directory holds
+    table opens (features/table.py) for the samples of `--prepared-dir`. `node_parts`: the directory holds
     this node's part of a multi-node extraction (train/nodes.py checked the parts)."""
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
 
     if not data_args.features:
         raise UsageError(f"pass --features: {FeatureSpec.SYNTAX}")
@@ -96,9 +96,9 @@ def build_datasets(data_args: DataArguments, model_args: ModelArguments, verifie
 def directory_datasets(directory: str, data_args: DataArguments, node_parts: bool) -> TrainingFeatures:
     """`--features DIR`: the shards `extract` wrote, read back (the manifest, sizes and safetensors headers only: the
     checksums come after the cheap checks, `verify_features`)."""
+    from ..features.interface import SourceIdentity
     from ..features.packing import PackedCollator, pack_splits
     from ..features.reader import FeatureDataset
-    from ..features.source import SourceIdentity
 
     shards = FeatureDataset(directory, "all", verify="none", allow_partial=data_args.allow_partial_features,
                             node_part=node_parts)  # opened once: the manifest and shard headers read once
@@ -115,7 +115,7 @@ def online_dtype(kind: str, features_dtype: str | None) -> str:
     """The dtype an online route's batches are rounded to: `--features-dtype` (default bf16) where its row rounds
     them (`online_rounding`: another process computes them, as a shard would store them), else float32, as the
     route computed them (the contract test holds each row to it against the verifier's own forward)."""
-    from ..features.sources import SOURCES
+    from ..features.table import SOURCES
 
     return (features_dtype or "bfloat16") if SOURCES[kind].online_rounding else "float32"
 
@@ -128,7 +128,7 @@ def online_datasets(spec: FeatureSpec, data_args: DataArguments, model_args: Mod
     from ..features.collator import FeatureCollator
     from ..features.feature_cache import FeatureCache
     from ..features.packing import pack_splits
-    from ..features.sources import OnlineOptions, SourceRequest, open_source
+    from ..features.table import OnlineOptions, SourceRequest, open_source
 
     if not data_args.prepared_dir:
         raise UsageError(f"--features {data_args.features} computes features while training: pass --prepared-dir "
@@ -221,7 +221,7 @@ def features_verifier(features: str | None) -> tuple[str | None, str | None]:
     """(name, revision) of the verifier `--features` names (the table's `names_verifier` of its route: a directory's
     manifest, `hf:NAME`, a feature server's identity); (None, None) where it names none (`hf`, or a directory that
     cannot be read: building the datasets then says why)."""
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
 
     if not features:
         return None, None
@@ -234,7 +234,7 @@ def check_features_fit(features: TrainingFeatures, verifier_config: PreTrainedCo
     size, layer count, vocabulary or tokenizer, or (where the features record them) another config or head
     (`VerifierIdentity.differences`). Features that record no hashes are checked on what they hold, with a
     warning that the teacher could not be fully checked."""
-    from ..features.source import VerifierIdentity
+    from ..features.interface import VerifierIdentity
 
     recorded = features.identity.verifier.hidden_size or None  # the width the drafter's fc will read
     found = misfits(verifier_config, target_hidden_size=recorded, what="features")
@@ -291,7 +291,7 @@ def load_vocabulary(data_args: DataArguments, features: TrainingFeatures,
 def default_vocab_path(data_args: DataArguments) -> str:
     if data_args.vocab:
         return data_args.vocab
-    from ..features.sources import FeatureSpec
+    from ..features.table import FeatureSpec
 
     directory = data_args.features if data_args.features and not FeatureSpec.parse(data_args.features).online \
         else None

@@ -119,7 +119,7 @@ def test_the_offline_request_is_checked_against_the_longest_sample():
 
 
 def test_the_feature_servers_request_is_checked(tiny_verifier_dir):
-    from eagle3_hf.features.serve_features import server_request
+    from eagle3_hf.features.commands.serve_features import server_request
 
     ok = server_request(str(tiny_verifier_dir), max_model_len=512, engine={"max_num_batched_tokens": 512})
     assert ok["engine"]["max_num_batched_tokens"] == 512 and ok["max_model_len"] == 512

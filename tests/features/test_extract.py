@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from eagle3_hf.data.prepared_samples import PreparedDataset
-from eagle3_hf.features.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions, write_features
 from eagle3_hf.verifier.capture import capture_features
@@ -113,9 +113,8 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from eagle3_hf.data.prepared_samples import PreparedDataset
-from eagle3_hf.features.extract import TransformersFeatures, extract_features
-from eagle3_hf.features.write import StoreOptions, write_features
+from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.write import StoreOptions
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
 if float(delay) > 0:

@@ -21,9 +21,9 @@ import torch
 from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.errors import worker_message
 from eagle3_hf.features.collator import FeatureCollator
-from eagle3_hf.features.feature_server import FeatureClient, FeatureServerError
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.feature_server import FeatureClient, FeatureServerError
 
 from tests.helpers.assertions import assert_same_training
 from tests.helpers.feature_stub import LAYER_IDS, Stub, identity, offline_features, server_source, vllm_layout
@@ -149,7 +149,7 @@ def test_non_finite_states_are_refused_naming_the_sample(model, prepared, finger
 def test_a_worker_error_is_its_own_line():
     wrapped = ("Caught FeatureServerError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
                "last):\n  File \"x.py\", line 1, in f\n    raise X\n"
-               "eagle3_hf.features.feature_server.FeatureServerError:"
+               "eagle3_hf.features.routes.feature_server.FeatureServerError:"
                " feature server http://h:1: sample 'a' failed 4 times (timed out)\n")
     assert worker_message(wrapped) == "feature server http://h:1: sample 'a' failed 4 times (timed out)"
     assert worker_message("plain message") == "plain message"
@@ -179,7 +179,7 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
     """extract --engine vllm, then the same steps trained offline and online (2 processes over gloo, one
     server): equal losses and equal weights, bit for bit at the same bf16 rounding; no feature file left."""
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
-    from eagle3_hf.features.serve_features import start_feature_server
+    from eagle3_hf.features.commands.serve_features import start_feature_server
 
     vllm_or_fail()
     verifier = serveable_verifier()

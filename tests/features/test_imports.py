@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.data.prepared_samples import PreparedDataset
-from eagle3_hf.features.extract import extract_features
-from eagle3_hf.features.imports import ImportedFeatures, import_features
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.imports import ImportedFeatures, import_features
 from eagle3_hf.features.write import write_features
 from eagle3_hf.verifier.head import load_verifier_head
 

@@ -11,9 +11,9 @@ import torch
 
 from eagle3_hf.data.prepared_samples import PreparedDataset, in_validation, select_split
 from eagle3_hf.features.collator import FeatureCollator
-from eagle3_hf.features.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
 from eagle3_hf.features.reader import FeatureDataset
+from eagle3_hf.features.routes.extract import TransformersFeatures, extract_features
 from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import make_prepared

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from eagle3_hf.features.sglang_server import SglangOptions
-from eagle3_hf.features.source import PreparedSample
-from eagle3_hf.features.sources import SourceRequest, open_source
+from eagle3_hf.features.interface import PreparedSample
+from eagle3_hf.features.routes.sglang_server import SglangOptions
+from eagle3_hf.features.table import SourceRequest, open_source
 from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 from eagle3_hf.verifier import last_layer
 

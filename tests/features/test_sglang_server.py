@@ -1,4 +1,4 @@
-"""`extract --engine sglang --endpoint URL` (features/sglang_server.py): against the answers a real SGLang 0.5.23
+"""`extract --engine sglang --endpoint URL` (features/routes/sglang_server.py): against the answers a real SGLang 0.5.23
 gave (recorded by hand from a server on the CPU, tests/data_files/sglang/, replayed on loopback), and its refusals
 against a stand-in that computes SGLang's answers with transformers (tests/helpers/sglang_stub.py)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eagle3_hf.errors import EndpointError
-from eagle3_hf.features.sglang_server import SglangOptions
-from eagle3_hf.features.source import PreparedSample
-from eagle3_hf.features.sources import SourceRequest, open_source
+from eagle3_hf.features.interface import PreparedSample
+from eagle3_hf.features.routes.sglang_server import SglangOptions
+from eagle3_hf.features.table import SourceRequest, open_source
 from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 
 from tests.helpers.assertions import assert_same_training
@@ -50,7 +50,7 @@ def test_a_real_sglangs_states_are_transformers_states_bit_for_bit(recorded, par
     normed, is transformers' last state; the greedy tokens are transformers' argmax. Bit for bit on these recorded
     prompts (2-4 tokens), with orjson (installed with the dev extra) and with the standard library's parser; at
     some other lengths SGLang's states differ from transformers' by fp32 rounding."""
-    from eagle3_hf.features import sglang_server
+    from eagle3_hf.features.routes import sglang_server
 
     if parser == "json":
         monkeypatch.setattr(sglang_server, "json_parser", lambda: ("json", json.loads))
@@ -187,7 +187,7 @@ def test_extract_engine_sglang_needs_an_endpoint(tmp_path, capsys):
 # ---------------------------------------------------------------- online: train --features sglang:URL
 
 def test_the_features_syntax_names_sglang():
-    from eagle3_hf.features.sources import FeatureSpec
+    from eagle3_hf.features.table import FeatureSpec
 
     spec = FeatureSpec.parse("sglang:http://127.0.0.1:31000/")
     assert (spec.kind, spec.target, spec.online, spec.remote) == ("sglang-server", "http://127.0.0.1:31000", True,

@@ -3,7 +3,7 @@ route's features are written to shards (write.write_features, read back by reade
 PackedCollator) or asked for while training (collator.FeatureCollator): bit-equal, since both halves round and
 slice one route's output the same way.
 
-Parametrised over the table (features/sources.py SOURCES): a new row is tested by adding it, and fails here until
+Parametrised over the table (features/table.py SOURCES): a new row is tested by adding it, and fails here until
 HARNESSES says how to open it against this machine (a stub server, files written the route's way). A row that
 cannot run here is skipped, saying why (vLLM's own engine only). A sample a route answers as skipped (an import's
 missing file) is recorded so by the writer and refused by the collator, never trained on.
@@ -22,7 +22,7 @@ from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.collator import FeatureCollator
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.sources import SOURCES, SourceRequest, open_source
+from eagle3_hf.features.table import SOURCES, SourceRequest, open_source
 from eagle3_hf.features.write import StoreOptions, write_features
 
 from tests.helpers.feature_stub import AUX, Stub, identity, vllm_layout
@@ -33,7 +33,7 @@ DTYPE_OF = {"bfloat16": torch.bfloat16}
 
 
 def transformers(ctx: dict) -> SourceRequest:
-    from eagle3_hf.features.extract import TransformersOptions
+    from eagle3_hf.features.routes.extract import TransformersOptions
 
     return request(ctx, "transformers", options=TransformersOptions(model=ctx["model"]))
 
@@ -56,7 +56,7 @@ def sglang_server(ctx: dict) -> SourceRequest:
     """SGLang started with aux capture at the ids its Llama reader needs for the aux indices and N-1 (stood in:
     tests/helpers/sglang_stub.py; the same client against a real SGLang's recorded answers:
     tests/features/test_sglang_server.py)."""
-    from eagle3_hf.features.sglang_server import SglangOptions
+    from eagle3_hf.features.routes.sglang_server import SglangOptions
     from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 
     from tests.helpers.serveable import LAYERS

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.data.prepared_samples import PreparedDataset
+from eagle3_hf.features.interface import PreparedSample, SampleFeatures
 from eagle3_hf.features.quantize import as_stored
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.source import PreparedSample, SampleFeatures
 from eagle3_hf.features.vllm_spec import VllmFeatureSpec
 from eagle3_hf.features.write import StoreOptions, write_features
 

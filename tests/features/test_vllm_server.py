@@ -193,7 +193,7 @@ def test_the_printed_server_command_is_the_extraction_config(serveable_dir, caps
 def test_vllm_openai_server_features_equal_extracts(tmp_path, serveable_model, serveable_dir, fingerprint):
     vllm_or_fail()
     from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
-    from eagle3_hf.features.extract import extract_features
+    from eagle3_hf.features.routes.extract import extract_features
     from eagle3_hf.features.write import StoreOptions
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)

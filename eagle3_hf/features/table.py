@@ -7,7 +7,12 @@ and which half of the pipeline uses it: `offline` (a command writes its features
 `collator.FeatureCollator`). A feature directory is a row too: training reads its shards directly
 (reader.FeatureDataset), and as a source it re-serves what it stores.
 
-Adding an engine is one module with `open_source`, one row here, and the contract test
+A row also gives the route's spellings: its `extract --engine` value (and whether `--endpoint` selects it), its
+`train --features` spelling and a one-line summary. `extract --engine`'s choices, `train --features`' syntax in
+its refusals and docs/development.md's route table (scripts/cli_reference.py) are made from these rows, so a new
+route is listed everywhere by its row alone.
+
+Adding an engine is one module in `routes/` with `open_source`, one row here, and the contract test
 (tests/features/test_sources_contract.py), which runs over every row (docs/development.md).
 """
 
@@ -16,10 +21,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, cast, get_args
+from typing import Any, ClassVar, Literal, cast, get_args
 
 from ..errors import UsageError
-from .source import FeatureSource
+from .interface import FeatureSource
 
 FeatureKind = Literal["transformers", "vllm", "vllm-server", "sglang-server", "server", "directory", "speculators",
                       "specforge"]
@@ -67,32 +72,51 @@ class SourceRow:
     options_from_args: str | None = None  # the route's typed options from a command's arguments (a dotted name)
     online_rounding: bool = False  # online batches rounded to --features-dtype (default bf16); else kept as computed
     remote: bool = False  # another process computes them (a URL): its identity is checked, loader workers on a CPU
+    summary: str = ""  # one line: what computes the states (the docs' route table)
+    engine: str | None = None  # its `extract --engine` value; None where extract does not run it
+    endpoint: bool = False  # `extract --engine ENGINE --endpoint URL` selects it (else ENGINE alone does)
+    features: str | None = None  # its `train --features` spelling, with what it is (the refusals' syntax)
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
 
 SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
-    SourceRow("transformers", "eagle3_hf.features.extract", offline=True, online=True,
+    SourceRow("transformers", "eagle3_hf.features.routes.extract", offline=True, online=True,
               selected_by="extract (--engine transformers); train --features hf[:VERIFIER]",
-              names_verifier="named_verifier"),
-    SourceRow("vllm", "eagle3_hf.features.vllm_offline", offline=True, online=False,
-              selected_by="extract --engine vllm", options_from_args="VllmOptions.from_args"),
-    SourceRow("vllm-server", "eagle3_hf.features.vllm_offline", offline=True, online=False,
-              selected_by="extract --engine vllm --endpoint URL", options_from_args="VllmOptions.from_args"),
-    SourceRow("sglang-server", "eagle3_hf.features.sglang_server", offline=True, online=True,
+              names_verifier="named_verifier", engine="transformers",
+              summary="the verifier in this process, through forward hooks",
+              features="`hf` or `hf:VERIFIER` (the verifier in the training process, nothing on disk; with "
+                       "--prepared-dir)"),
+    SourceRow("vllm", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
+              selected_by="extract --engine vllm", options_from_args="VllmOptions.from_args", engine="vllm",
+              summary="vLLM's extract_hidden_states in its own venv; the verifier's norm and lm_head here"),
+    SourceRow("vllm-server", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
+              selected_by="extract --engine vllm --endpoint URL", options_from_args="VllmOptions.from_args",
+              engine="vllm", endpoint=True,
+              summary="a running vLLM OpenAI server started by `serve-vllm`; its storage directory read here"),
+    SourceRow("server", "eagle3_hf.features.routes.feature_server", offline=False, online=True,
+              selected_by="train --features http://HOST:PORT", names_verifier="served_verifier",
+              online_rounding=True, remote=True, summary="our feature server (`serve-features`: vLLM kept loaded)",
+              features="http://HOST:PORT (a feature server started by `eagle3-hf serve-features`; with "
+                       "--prepared-dir)"),
+    SourceRow("sglang-server", "eagle3_hf.features.routes.sglang_server", offline=True, online=True,
               selected_by="extract --engine sglang --endpoint URL; train --features sglang:http://HOST:PORT",
               names_verifier="served_model", options_from_args="SglangOptions.from_args", online_rounding=True,
-              remote=True),
-    SourceRow("server", "eagle3_hf.features.feature_server", offline=False, online=True,
-              selected_by="train --features http://HOST:PORT", names_verifier="served_verifier",
-              online_rounding=True, remote=True),
+              remote=True, engine="sglang", endpoint=True,
+              summary="a running SGLang server's aux hidden states; the verifier's last layer, norm and lm_head here",
+              features="sglang:http://HOST:PORT (a running SGLang server started with aux capture; with "
+                       "--prepared-dir)"),
     SourceRow("directory", "eagle3_hf.features.reader", offline=False, online=False,
-              selected_by="train --features DIR (its shards read directly)", names_verifier="recorded_verifier"),
-    SourceRow("speculators", "eagle3_hf.features.imports", offline=True, online=False,
-              selected_by="import-features speculators"),
-    SourceRow("specforge", "eagle3_hf.features.imports", offline=True, online=False,
-              selected_by="import-features specforge"),
+              selected_by="train --features DIR (its shards read directly)", names_verifier="recorded_verifier",
+              summary="a feature directory written by any offline route; training reads its shards directly",
+              features="a feature directory (from `eagle3-hf extract`)"),
+    SourceRow("speculators", "eagle3_hf.features.routes.imports", offline=True, online=False,
+              selected_by="import-features speculators",
+              summary="hidden states written by speculators (vLLM's speculators), imported"),
+    SourceRow("specforge", "eagle3_hf.features.routes.imports", offline=True, online=False,
+              selected_by="import-features specforge",
+              summary="hidden states written by SGLang's SpecForge, imported"),
 )}
 assert set(SOURCES) == set(get_args(FeatureKind)), "every FeatureKind is a row of SOURCES"
 
@@ -102,6 +126,27 @@ def source_row(kind: str) -> SourceRow:
         return SOURCES[kind]
     except KeyError:
         raise UsageError(f"no feature source {kind!r}: one of {', '.join(SOURCES)}") from None
+
+
+def engines() -> list[str]:
+    """`extract --engine`'s choices, in the table's order."""
+    return list(dict.fromkeys(row.engine for row in SOURCES.values() if row.engine is not None))
+
+
+def engine_kind(engine: str, endpoint: bool) -> FeatureKind:
+    """The route `extract --engine ENGINE [--endpoint URL]` selects: the engine's row that `--endpoint` selects (or
+    not); an engine with one row only (SGLang needs its endpoint) is that row, whose options refuse what is missing."""
+    rows = [row for row in SOURCES.values() if row.engine == engine]
+    if not rows:
+        raise UsageError(f"--engine {engine}: one of {', '.join(engines())}")
+    return next((row for row in rows if row.endpoint == endpoint), rows[0]).kind
+
+
+def features_syntax() -> str:
+    """`train --features`' spellings, from the rows that have one: a directory first, then the table's order."""
+    rows = sorted((row for row in SOURCES.values() if row.features), key=lambda row: row.kind != "directory")
+    spellings = [row.features for row in rows if row.features]
+    return ", ".join(spellings[:-1]) + ", or " + spellings[-1]
 
 
 def open_source(request: SourceRequest) -> FeatureSource:
@@ -134,10 +179,7 @@ class FeatureSpec:
     kind: FeatureKind  # "directory", "transformers", "server" or "sglang-server"
     target: str  # the directory; the verifier ("" means --verifier); the server's URL
 
-    SYNTAX = ("a feature directory (from `eagle3-hf extract`), `hf` or `hf:VERIFIER` (the verifier in the "
-              "training process, nothing on disk; with --prepared-dir), http://HOST:PORT (a feature server "
-              "started by `eagle3-hf serve-features`; with --prepared-dir), or sglang:http://HOST:PORT (a running "
-              "SGLang server started with aux capture; with --prepared-dir)")
+    SYNTAX: ClassVar[str] = features_syntax()
 
     @classmethod
     def parse(cls, value: str) -> FeatureSpec:

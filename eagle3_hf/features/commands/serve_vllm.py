@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..engines.vllm_args import engine_from_args
-from ..errors import debug_requested
-from .api_key import API_KEY_ENV, api_key, check_bind
+from ...engines.vllm_args import engine_from_args
+from ...errors import debug_requested
+from ..api_key import API_KEY_ENV, api_key, check_bind
 from .serve_features import add_process_arguments, add_server_arguments, server_request
 
 DEFAULT_PORT = 8000
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engines.vllm_env import VllmError, vllm_python
-    from ..engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
+    from ...engines.vllm_env import VllmError, vllm_python
+    from ...engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
 
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     key = api_key(args.api_key)

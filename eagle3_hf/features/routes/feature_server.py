@@ -10,7 +10,7 @@ read it, the bytes travel once, the batch is built and they are dropped. With `-
 (feature_cache.py) each sample is fetched once, kept in DIR as `extract` would write it, and read from there
 afterwards (later epochs, reruns, a resumed run).
 
-"Exactly": the mapping is extract --engine vllm's own (vllm_states.check_states, features_from_states: aux
+"Exactly": the mapping is extract --engine vllm's own (engine_states.check_states, features_from_states: aux
 states as vLLM wrote them, the verifier's final norm applied once to vLLM's id N, its lm_head with its
 soft-cap for verifier_greedy), on the whole sample, rounded as a shard of `storage_dtype` stores it
 (quantize.quantize/dequantize, per token row, so rounding then slicing to the piece equals the reverse). With
@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import Eagle3Error
-from .api_key import api_key, auth_headers, refused_line
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .vllm_states import check_states, features_from_states
+from ...errors import Eagle3Error
+from ..api_key import api_key, auth_headers, refused_line
+from ..engine_states import check_states, features_from_states
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .sources import SourceRequest
+    from ..table import SourceRequest
 
 # what must match between the server and the training run
 IDENTITY_KEYS = ("hidden_size", "num_hidden_layers", "tokenizer_fingerprint")
@@ -173,7 +173,7 @@ def retry_after_s(value: str | None) -> float:
 
 class ServerFeatures:
     """A feature server as a `FeatureSource`: each sample one request (`max_in_flight` at a time, so the server
-    batches them), its states checked and mapped exactly as `extract --engine vllm` maps a file (vllm_states)."""
+    batches them), its states checked and mapped exactly as `extract --engine vllm` maps a file (engine_states)."""
 
     def __init__(self, client: FeatureClient, served: Mapping[str, Any], norm: nn.Module, head: nn.Module,
                  softcap: float | None, identity: SourceIdentity, max_in_flight: int = MAX_IN_FLIGHT) -> None:
@@ -225,12 +225,12 @@ def served_identity(url: str, served: Mapping[str, Any], dtype: str, tokenizer_f
 
 
 def open_source(request: SourceRequest) -> ServerFeatures:
-    """The table's opener (sources.py): the server at `request.target`, its identity checked before the verifier's
+    """The table's opener (table.py): the server at `request.target`, its identity checked before the verifier's
     final norm and head are read (from `request.verifier`)."""
-    from ..verifier.family import logit_softcap, text_config
-    from ..verifier.head import load_verifier_head
-    from ..verifier.loading import load_config, resolve_verifier
-    from .sources import OnlineOptions
+    from ...verifier.family import logit_softcap, text_config
+    from ...verifier.head import load_verifier_head
+    from ...verifier.loading import load_config, resolve_verifier
+    from ..table import OnlineOptions
 
     options = request.options or OnlineOptions()
     path = resolve_verifier(request.verifier)

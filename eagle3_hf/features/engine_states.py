@@ -1,5 +1,5 @@
-"""vLLM's hidden-states layout -> our features: what every route fed by vLLM shares (`extract --engine vllm`, its
-OpenAI server, the feature server's client).
+"""An engine's hidden-states layout -> our features: what every route fed by a serving engine shares (`extract
+--engine vllm`, its OpenAI server, the feature server's client, SGLang's server, which writes the same layout).
 
 vLLM's `extract_hidden_states` writes [T, layers, H] at ids = the aux indices + [N]: its id k < N is transformers'
 `output_hidden_states` index k (the residual stream entering layer k), and id N is the last layer's output *before*
@@ -17,6 +17,8 @@ from torch import nn
 
 from ..verifier.capture import greedy_tokens
 from ..verifier.family import check_aux_indices
+
+PROBE = 4  # samples whose next tokens must not all disagree with the captured states' greedy tokens (vLLM, SGLang)
 
 
 def vllm_layer_ids(aux_indices: Sequence[int], num_layers: int) -> list[int]:

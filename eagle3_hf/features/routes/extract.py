@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data.prepared_samples import PreparedDataset
-from ..engines.vllm_args import (
+from ...data.prepared_samples import PreparedDataset
+from ...engines.vllm_args import (
     add_engine_arguments,
     add_run_arguments,
     check_batched_tokens,
@@ -31,15 +31,15 @@ from ..engines.vllm_args import (
     check_run_arguments,
     engine_from_args,
 )
-from ..errors import UsageError
-from ..verifier.capture import capture_features
-from ..verifier.family import check_aux_indices, default_aux_indices
-from ..verifier.placement import add_placement_arguments, placement_kwargs
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .sources import FeatureKind, SourceRequest, options_from_args
-from .sources import open_source as open_source_of
-from .write import (
+from ...errors import UsageError
+from ...verifier.capture import capture_features
+from ...verifier.family import check_aux_indices, default_aux_indices
+from ...verifier.placement import add_placement_arguments, placement_kwargs
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
+from ..table import SourceRequest, engine_kind, engines, options_from_args
+from ..table import open_source as open_source_of
+from ..write import (
     MERGE_TIMEOUT_S,
     ExtractionSummary,
     StoreOptions,
@@ -97,8 +97,8 @@ class TransformersOptions:
 
 
 def open_source(request: SourceRequest) -> TransformersFeatures:
-    """The table's opener (sources.py): the verifier in this process."""
-    from ..verifier.loading import load_verifier
+    """The table's opener (table.py): the verifier in this process."""
+    from ...verifier.loading import load_verifier
 
     options = request.options if isinstance(request.options, TransformersOptions) else TransformersOptions()
     if request.target and request.target != request.verifier:  # train --features hf:VERIFIER
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-mb", type=int, default=1024, help="a shard is closed at this size too")
     parser.add_argument("--no-progress", action="store_true")
     engine = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
-    engine.add_argument("--engine", choices=["transformers", "vllm", "sglang"], default="transformers",
+    engine.add_argument("--engine", choices=engines(), default="transformers",
                         help="transformers: forward hooks in this process; vllm: vLLM's extract_hidden_states in "
                              "its own venv, then the verifier's final norm and lm_head here; sglang: a running "
                              "SGLang server's aux hidden states (--endpoint), then the verifier's last layer, "
@@ -184,9 +184,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def data_fingerprint(args: argparse.Namespace) -> str:
     """The fingerprint of --verifier's tokenizer, refused first when its class is not the one that prepared --data
     (the same --trust-remote-code at every stage)."""
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..data.prepared_format import check_prepared_tokenizer
-    from ..verifier.loading import load_tokenizer
+    from ...data.fingerprint import tokenizer_fingerprint
+    from ...data.prepared_format import check_prepared_tokenizer
+    from ...verifier.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.verifier, revision=args.revision)
     check_prepared_tokenizer(args.data, tokenizer)
@@ -200,7 +200,7 @@ MEMORY_HINT = ("extract it with --engine vllm over the GPUs that hold it (--tens
 
 def transformers_options(args: argparse.Namespace) -> tuple[TransformersOptions, Any]:
     """`extract`'s transformers options, and the temporary offload folder to remove once written (or None)."""
-    from ..verifier.memory import require_memory
+    from ...verifier.memory import require_memory
 
     placed, offload_tmp = placement_kwargs(args)
     device = None
@@ -240,18 +240,17 @@ def sglang_options(args: argparse.Namespace) -> tuple[Any, None]:
 
 OPTIONS = {"transformers": transformers_options, "vllm": vllm_options, "vllm-server": vllm_options,
            "sglang-server": sglang_options}
-ENGINE_KINDS: dict[str, FeatureKind] = {"transformers": "transformers", "vllm": "vllm", "sglang": "sglang-server"}
 
 
 def run(args: argparse.Namespace) -> int:
-    """`extract`: the route of --engine (and --endpoint) opened from the table (sources.py), written by
+    """`extract`: the route of --engine (and --endpoint) opened from the table (table.py), written by
     write_features."""
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_output_shared(args.output, args.per_node_output)  # before a verifier is loaded
     if args.endpoint and args.engine == "transformers":
         raise UsageError("--endpoint URL needs --engine vllm (a vLLM OpenAI server started by `eagle3-hf serve-vllm`) "
                          "or --engine sglang (a SGLang server)")
-    kind: FeatureKind = "vllm-server" if args.endpoint and args.engine == "vllm" else ENGINE_KINDS[args.engine]
+    kind = engine_kind(args.engine, bool(args.endpoint))
     options, offload_tmp = OPTIONS[kind](args)
     fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
     source = open_source_of(SourceRequest(kind, args.verifier, args.verifier, args.revision,

@@ -45,8 +45,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import EndpointError
-from .api_key import api_key, auth_headers, refused_line
+from ...errors import EndpointError
+from ..api_key import api_key, auth_headers, refused_line
 
 
 def remove_file(path: str) -> None:
@@ -176,7 +176,7 @@ class EndpointExtraction:
         return self
 
     def _post(self, ids: list[int], request_id: str) -> dict[str, Any]:
-        from ..engines.vllm_openai import read_answer
+        from ...engines.vllm_openai import read_answer
 
         body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                            "return_token_ids": True}).encode()
@@ -292,7 +292,7 @@ def check_server(url: str, verifier: str, verifier_path: str, layer_ids: list[in
     counted: write.py). Its "storage" is the directory whose files the client
     may read and delete: `storage` (--vllm-storage), which the server's own must not contradict, else the one
     it names (it must be visible here), else None (the first answer's, StoragePolicy)."""
-    from ..engines.vllm_openai import served_layer_ids, served_storage, server_models
+    from ...engines.vllm_openai import served_layer_ids, served_storage, server_models
 
     key = api_key()
     try:
@@ -326,7 +326,7 @@ def check_server(url: str, verifier: str, verifier_path: str, layer_ids: list[in
 
 def server_error_line(url: str, exc: Exception, key: str | None) -> str:
     """Why a request failed, one line; a 401 says whether a key was sent (never the key)."""
-    from ..engines.vllm_openai import server_error
+    from ...engines.vllm_openai import server_error
 
     if isinstance(exc, urllib.error.HTTPError) and exc.code == 401:
         return refused_line(url, key)

@@ -25,24 +25,24 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..data.prepared_samples import PreparedDataset
-from .source import PreparedSample, SampleFeatures
-from .sources import FeatureKind, SourceRequest
-from .vllm_spec import VllmFeatureSpec, VllmOptions, default_readers
-from .write import ExtractionSummary, StoreOptions, sample_token_limit, write_features
+from ...data.prepared_samples import PreparedDataset
+from ..interface import PreparedSample, SampleFeatures
+from ..table import FeatureKind, SourceRequest
+from ..vllm_spec import VllmFeatureSpec, VllmOptions, default_readers
+from ..write import ExtractionSummary, StoreOptions, sample_token_limit, write_features
 
 if TYPE_CHECKING:
     import datasets
 
-    from .vllm_server import EndpointExtraction
+    from .vllm_server_client import EndpointExtraction
 
 ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
 
 
 class VllmFeatures:
     """vLLM as a `FeatureSource`: an engine of our own in vLLM's venv (`VllmExtraction`), or a running OpenAI
-    server started by `serve-vllm` (`options.endpoint`; features/vllm_server.py), with `batch_size` requests in
-    flight. `verifier` is the name a server is checked against."""
+    server started by `serve-vllm` (`options.endpoint`; features/routes/vllm_server_client.py), with `batch_size`
+    requests in flight. `verifier` is the name a server is checked against."""
 
     def __init__(self, spec: VllmFeatureSpec, options: VllmOptions | None = None, verifier: str = ""):
         self.spec, self.identity = spec, spec.identity
@@ -58,7 +58,7 @@ class VllmFeatures:
         options = self.options
         limit = sample_token_limit(options.max_model_len)
         if options.endpoint is not None:
-            from .vllm_server import check_server
+            from .vllm_server_client import check_server
 
             # the only directory whose files a server may name (vllm_server.py)
             self.served = check_server(options.endpoint, self.verifier, self.spec.path, self.spec.layer_ids,
@@ -69,7 +69,7 @@ class VllmFeatures:
         return limit
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
-        from ..engines.vllm_env import VllmExtraction
+        from ...engines.vllm_env import VllmExtraction
 
         options = self.options
         longest = max((len(s.input_ids) for s in samples), default=0)  # the samples that fit (write.py)
@@ -78,7 +78,7 @@ class VllmFeatures:
         prompts = ((k, samples[k].input_ids.tolist()) for k in range(len(samples)))
         run: VllmExtraction | EndpointExtraction
         if self.served is not None:
-            from .vllm_server import EndpointExtraction
+            from .vllm_server_client import EndpointExtraction
 
             run = EndpointExtraction(str(options.endpoint), prompts, model=str(self.served["id"]),
                                      concurrency=options.batch_size,
@@ -105,9 +105,9 @@ class VllmFeatures:
 
 
 def open_source(request: SourceRequest) -> VllmFeatures:
-    """The table's opener (sources.py) of `--engine vllm` and, with `options.endpoint`, of a running vLLM OpenAI
+    """The table's opener (table.py) of `--engine vllm` and, with `options.endpoint`, of a running vLLM OpenAI
     server (then no vLLM is needed here): `request.options` is a `VllmOptions` (None: its defaults)."""
-    from ..engines.vllm_env import vllm_python
+    from ...engines.vllm_env import vllm_python
 
     options = request.options if isinstance(request.options, VllmOptions) else VllmOptions()
     if options.endpoint is None:

@@ -25,15 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engines.vllm_args import add_engine_arguments, check_batched_tokens, check_offline, engine_from_args
-from ..errors import debug_requested
-from ..verifier.family import check_aux_indices, default_aux_indices
-from .api_key import API_KEY_ENV, api_key, check_bind
-from .vllm_spec import checkpoint_dtype
-from .vllm_states import vllm_layer_ids
+from ...engines.vllm_args import add_engine_arguments, check_batched_tokens, check_offline, engine_from_args
+from ...errors import debug_requested
+from ...verifier.family import check_aux_indices, default_aux_indices
+from ..api_key import API_KEY_ENV, api_key, check_bind
+from ..engine_states import vllm_layer_ids
+from ..vllm_spec import checkpoint_dtype
 
 if TYPE_CHECKING:
-    from ..engines.vllm_feature_launcher import VllmFeatureServer
+    from ...engines.vllm_feature_launcher import VllmFeatureServer
 
 KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
@@ -44,11 +44,11 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
                    fingerprint: str | None = None, max_queue: int = 64) -> dict[str, Any]:
     """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
 
-    from ..data.fingerprint import tokenizer_fingerprint
-    from ..verifier.checkpoint_files import CheckpointFiles
-    from ..verifier.family import text_config
-    from ..verifier.identity import teacher_hashes
-    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ...data.fingerprint import tokenizer_fingerprint
+    from ...verifier.checkpoint_files import CheckpointFiles
+    from ...verifier.family import text_config
+    from ...verifier.identity import teacher_hashes
+    from ...verifier.loading import load_tokenizer, resolve_verifier
 
     path = resolve_verifier(str(verifier))
     # config.json read as a file (its text_config where nested): no model class needed, so a family transformers
@@ -76,8 +76,8 @@ def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, t
                          **kwargs: Any) -> VllmFeatureServer:
     """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens). Without `api_key` a host
     other than loopback is refused (one line) before anything loads."""
-    from ..engines.vllm_env import vllm_python
-    from ..engines.vllm_feature_launcher import VllmFeatureServer
+    from ...engines.vllm_env import vllm_python
+    from ...engines.vllm_feature_launcher import VllmFeatureServer
 
     check_bind(str(kwargs.get("host", "127.0.0.1")), api_key, "serve-features")
     vllm_python()  # vLLM missing: one line, before anything loads

@@ -33,14 +33,14 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..verifier.capture import greedy_tokens
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from ..verifier.head import load_verifier_head
-from .records import canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .sources import FeatureKind, SourceRequest
-from .write import ExtractionSummary, FeatureSink, StoreOptions
+from ...errors import UsageError
+from ...verifier.capture import greedy_tokens
+from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from ...verifier.head import load_verifier_head
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
+from ..table import FeatureKind, SourceRequest
+from ..write import ExtractionSummary, FeatureSink, StoreOptions
 
 if TYPE_CHECKING:
     import datasets
@@ -57,7 +57,7 @@ def _token_key(ids: torch.Tensor) -> str:
 
 def _ids_from_prepared(prepared: datasets.Dataset | str | Path) -> dict[str, list[str]]:
     """token hash -> our sample ids, so imported samples keep the ids of our prepared dataset."""
-    from ..data.prepared_format import open_prepared
+    from ...data.prepared_format import open_prepared
 
     ds = open_prepared(prepared)
     rows = ds.with_format("torch", columns=["input_ids"])
@@ -275,13 +275,13 @@ class ImportedFeatures:
 
 
 def open_source(request: SourceRequest) -> ImportedFeatures:
-    """The table's opener (sources.py): the capture at `request.target` written by `request.kind` (speculators,
+    """The table's opener (table.py): the capture at `request.target` written by `request.kind` (speculators,
     specforge) from `request.verifier`; `request.options` an `ImportOptions` (None: its defaults). The tokenizer
     fingerprint is the verifier's tokenizer's unless the request names one."""
     fingerprint = request.tokenizer_fingerprint
     if not fingerprint:
-        from ..data.fingerprint import tokenizer_fingerprint
-        from ..verifier.loading import load_tokenizer
+        from ...data.fingerprint import tokenizer_fingerprint
+        from ...verifier.loading import load_tokenizer
 
         fingerprint = tokenizer_fingerprint(load_tokenizer(request.verifier, revision=request.revision))
     options = request.options if isinstance(request.options, ImportOptions) else ImportOptions()

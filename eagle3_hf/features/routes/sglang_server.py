@@ -10,7 +10,7 @@ in layer order, in `meta_info.hidden_states[0]` (JSON floats).
 SGLang captures the residual stream *entering* a layer, so it can never return the last layer's output. This route
 asks it for one more index than the drafter's three, N-1 (what enters the last layer), and runs that one layer here
 (verifier/last_layer.py: transformers' own class, only its tensors read), then the verifier's final norm and head
-as every engine route does (vllm_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
+as every engine route does (engine_states.features_from_states). In fp32 on SmolLM2 the result is transformers'
 `output_hidden_states` bit for bit at most prompt lengths, within fp32 rounding at the others (docs/contracts.md).
 A mixture-of-experts last layer is loaded from its per-expert tensors by transformers' own conversion; one larger
 than the memory free where it would run (Kimi-K2.5's: 17 B parameters, 68 GB in fp32) is refused in one line
@@ -40,15 +40,14 @@ from typing import Any
 
 import torch
 
-from ..errors import EndpointError, UsageError
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from .api_key import api_key, auth_headers, refused_line
-from .records import DTYPES, canonical_dtype
-from .source import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .sources import SourceRequest
-from .vllm_spec import PROBE
-from .vllm_states import all_finite, features_from_states
-from .write import sample_token_limit
+from ...errors import EndpointError, UsageError
+from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from ..api_key import api_key, auth_headers, refused_line
+from ..engine_states import PROBE, all_finite, features_from_states
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import DTYPES, canonical_dtype
+from ..table import SourceRequest
+from ..write import sample_token_limit
 
 SOURCE = "sglang"
 INFO_LIMIT = 4 << 20  # bytes of /server_info (its server args and scheduler state: tens of KiB)
@@ -102,7 +101,7 @@ class SglangClient:
         self.parser, self.loads = json_parser()
 
     def call(self, path: str, body: dict[str, Any] | None, limit: int, what: str) -> Any:
-        from ..engines.vllm_openai import read_answer
+        from ...engines.vllm_openai import read_answer
 
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(self.retries + 1):
@@ -161,12 +160,12 @@ class SglangFeatures:
     (its version picks the id reader); `check` refuses a server that cannot give this verifier's states."""
 
     def __init__(self, request: SourceRequest, options: SglangOptions):
-        from ..publish.aux_id_rules import sglang_family, sglang_ids_to_send
-        from ..verifier.checkpoint_files import CheckpointFiles
-        from ..verifier.greedy import head_device
-        from ..verifier.head import load_verifier_head
-        from ..verifier.last_layer import check_fits, plan_last_layer
-        from ..verifier.loading import resolve_verifier
+        from ...publish.aux_id_rules import sglang_family, sglang_ids_to_send
+        from ...verifier.checkpoint_files import CheckpointFiles
+        from ...verifier.greedy import head_device
+        from ...verifier.head import load_verifier_head
+        from ...verifier.last_layer import check_fits, plan_last_layer
+        from ...verifier.loading import resolve_verifier
 
         self.options, self.verifier = options, request.verifier
         self.path = resolve_verifier(request.verifier)
@@ -204,7 +203,7 @@ class SglangFeatures:
     def check(self, lengths: Sequence[int]) -> int | None:
         """The server fits this verifier and capture (one line each refusal); returns the most tokens a sample may
         have: the server's longest prompt or --max-model-len less the generated token, whichever is shorter."""
-        from ..verifier.last_layer import LastLayer
+        from ...verifier.last_layer import LastLayer
 
         info, url = self.info, self.client.url
         served = str(info.get("model_path") or "")
@@ -233,7 +232,7 @@ class SglangFeatures:
     # ---------------------------------------------------------------- the samples
 
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]:
-        from .ordered_pool import ordered_map
+        from ..ordered_pool import ordered_map
 
         if self.last_layer is None:
             raise RuntimeError("SglangFeatures.check must run before states")
@@ -266,7 +265,7 @@ class SglangFeatures:
 
     def features(self, sample: PreparedSample, rows: torch.Tensor) -> SampleFeatures:
         """SGLang's [T, L, H] -> our features: the aux states as captured, the last layer run here on index N-1,
-        then the final norm and head (vllm_states.features_from_states)."""
+        then the final norm and head (engine_states.features_from_states)."""
         n = self.num_layers
         slot = {index: j for j, index in enumerate(self.captured)}
         pre = self.last_layer(rows[:, slot[n - 1]])  # [T, H] the last layer's output, before the final norm
@@ -336,7 +335,7 @@ def served_model(target: str) -> tuple[str | None, str | None]:
 
 
 def open_source(request: SourceRequest) -> SglangFeatures:
-    """The table's opener (sources.py): `request.options` is a SglangOptions, or the online routes' options
+    """The table's opener (table.py): `request.options` is a SglangOptions, or the online routes' options
     (their timeout and retries, the endpoint from `request.target`)."""
     options = request.options
     if not isinstance(options, SglangOptions):

@@ -5,17 +5,8 @@ files written by speculators or SpecForge) is a `FeatureSource`: it names what i
 verifier, its widths, the aux layer indices, the tokenizer it was rendered with, the storage dtype, the capture
 path) and turns prepared samples into `SampleFeatures`. Everything downstream (the store's shards, the reader,
 training's identity check) sees only these two records, so the trainer never knows which route ran and a new
-engine is one more module beside the others, opened from the table in `sources.py`:
-
-| route | module | offline (write_features) | online (FeatureCollator) |
-|---|---|---|---|
-| transformers hooks (`extract`, `train --features hf`) | `extract.py` (`TransformersFeatures`) | yes | yes |
-| vLLM offline (`extract --engine vllm`) | `vllm_offline.py` (`VllmFeatures`) | yes | no |
-| vLLM's OpenAI server (`extract --engine vllm --endpoint`) | `vllm_offline.py` over `vllm_server.py` | yes | no |
-| our feature server (`train --features http://...`) | `feature_server.py` (`ServerFeatures`) | no | yes |
-| a feature directory (`train --features DIR`) | `reader.py` (`DirectoryFeatures`) | no | read directly |
-| speculators / SpecForge files (`import-features`) | `imports.py` | yes | no |
-| answers and features in one pass | `transformers_generation.py`, `vllm_generation.py` | yes | no |
+engine is one more module in `routes/`, one class added to the table (`table.py`). The routes, their spellings
+and what each serves are listed in docs/development.md's route table, generated from that table.
 
 The offline routes write through one loop (`write.write_features`); the store is `store.py`, its reader
 `reader.py`, packing into training rows `packing.py`; online, the one collator (`collator.FeatureCollator`) asks
