@@ -227,7 +227,7 @@ def vllm_options(args: argparse.Namespace) -> tuple[Any, None]:
     check_run_arguments(args)
     if args.max_model_len and not args.endpoint:  # else checked once the longest sample is known (vllm_spec.py)
         check_batched_tokens(engine_from_args(args), args.max_model_len)
-    return options_from_args("vllm-server" if args.endpoint else "vllm", args), None
+    return options_from_args(engine_kind("vllm", bool(args.endpoint)), args), None
 
 
 def sglang_options(args: argparse.Namespace) -> tuple[Any, None]:
