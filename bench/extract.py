@@ -75,7 +75,7 @@ def main() -> None:
     import datasets
 
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
-    from eagle3_hf.features.routes.extract import extract_features
+    from eagle3_hf.features.routes.transformers import extract_features
     from eagle3_hf.features.write import StoreOptions
     from eagle3_hf.verifier.family import default_aux_indices
     from eagle3_hf.verifier.loading import load_tokenizer, load_verifier

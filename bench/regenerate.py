@@ -78,7 +78,7 @@ def _before(prompts, backend, work: Path, batch_size: int) -> tuple[Clock, int]:
     from eagle3_hf.data.prepare import build_meta, new_stats, prepare_conversations
     from eagle3_hf.data.prepared_format import save_prepared
     from eagle3_hf.data.regenerate import regenerate
-    from eagle3_hf.features.routes.extract import extract_features
+    from eagle3_hf.features.routes.transformers import extract_features
 
     work.mkdir(parents=True)
     with Clock() as clock:

@@ -38,7 +38,7 @@ def extraction_and_speculative(device: str, out_dir: Path, train_steps: int) -> 
     from eagle3_hf.features.packing import PackedCollator, PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.features.records import make_header
-    from eagle3_hf.features.routes.extract import verifier_info
+    from eagle3_hf.features.routes.transformers import verifier_info
     from eagle3_hf.features.shard_writer import ShardWriter
     from eagle3_hf.features.store import merge_manifests
     from eagle3_hf.verifier.capture import capture_features

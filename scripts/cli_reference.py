@@ -41,20 +41,17 @@ def command_help(name: str) -> str:
 
 ROUTES = """## Feature routes
 
-Every way to get the verifier's hidden states, one row of `SOURCES` (eagle3_hf/features/table.py) each: how
-`extract` and `train --features` spell it, whether a command writes it to shards (offline) and whether training
-computes it while it trains (online). Adding one: docs/development.md, "Adding a feature source".
+Every way to get the verifier's hidden states, one row of `SOURCES` (eagle3_hf/features/table.py) each: the
+commands that select it, whether a command writes it to shards (offline) and whether training computes it while it
+trains (online). Adding one: docs/development.md, "Adding a feature source".
 """
 
 
 def route_table() -> list[str]:
     """The feature routes as a Markdown table, one line per row of SOURCES."""
-    lines = ["| kind | `extract` | `train --features` | selected by | offline | online | what computes the states |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| kind | selected by | offline | online | what computes the states |", "|---|---|---|---|---|"]
     for row in SOURCES.values():
-        engine = f"`--engine {row.engine}{' --endpoint URL' if row.endpoint else ''}`" if row.engine else ""
-        spelling = row.features.split(" (")[0] if row.features else ""
-        lines.append(f"| {row.kind} | {engine} | {spelling} | {row.selected_by} | {'yes' if row.offline else 'no'} "
+        lines.append(f"| {row.kind} | `{row.selected_by.replace('; ', '`; `')}` | {'yes' if row.offline else 'no'} "
                      f"| {'yes' if row.online else 'no'} | {row.summary} |")
     return lines
 

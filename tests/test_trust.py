@@ -396,7 +396,7 @@ def hashed(synthetic, tmp_path_factory):
 
     from transformers import AutoModelForCausalLM
 
-    from eagle3_hf.features.routes.extract import extract_features
+    from eagle3_hf.features.routes.transformers import extract_features
     from eagle3_hf.features.write import StoreOptions
 
     from tests.helpers.data import FINGERPRINT, prepared_dataset

@@ -15,6 +15,7 @@ any source for a batch's samples and builds the batch offline would (`feature_ca
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -156,3 +157,27 @@ class FeatureSource(Protocol):
     def states(self, samples: Sequence[PreparedSample]) -> Iterator[SampleFeatures]: ...
 
     def report(self) -> dict[str, Any]: ...
+
+
+class RouteOptions(Protocol):
+    """A route's own options: `add_arguments` adds its flags to a command that runs it (`extract`), in a group of
+    their own; `from_args` reads and checks them once into this typed record, which the route gets as
+    `SourceRequest.options`; `close` releases what reading them made (a temporary folder) once the route is done."""
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None: ...
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouteOptions: ...
+
+    def close(self) -> None: ...
+
+
+class CapturedSource(FeatureSource, Protocol):
+    """A route whose samples come in the order another tool captured them (`import-features`): `captured` yields
+    them, named by the sample of our prepared dataset with the same tokens where one is given; `fmt` names the
+    tool."""
+
+    fmt: str
+
+    def captured(self, prepared: Any = None) -> Iterator[PreparedSample]: ...

@@ -14,7 +14,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "flo
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
                   "fp32": "float32", "f32": "float32"}
 # Header fields that must match to append to a directory (the verifier dict is compared whole).
-# "source" names the capture path (transformers here, or an engine's tool via imports.py): features from
+# "source" names the capture path (transformers here, or an engine's tool via routes/engine_files.py): features from
 # different paths differ numerically and must not be mixed silently either.
 HEADER_KEYS = ("format", "version", "source", "verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype")
 # Per-sample tensors in checksum order; scales only exist for fp8.

@@ -46,13 +46,7 @@ from ..data.regenerate import (
     RegenerateOutputs,
     completed_ids,
 )
-from ..engines.vllm_args import (
-    add_engine_arguments,
-    add_run_arguments,
-    check_offline,
-    check_run_arguments,
-    engine_from_args,
-)
+from ..engines.vllm_args import add_engine_arguments, add_run_arguments
 from .vllm_spec import VllmOptions
 from .write import ExtractionSummary, StoreOptions
 
@@ -309,16 +303,14 @@ def run(args: argparse.Namespace) -> int:
                          "(--tensor-parallel-size for more devices)")
     if args.device:
         raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
-    check_offline(engine_from_args(args))
-    check_run_arguments(args)
+    # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
+    options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)  # checked there, first
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),
                                 Path(args.prepared_out) if args.prepared_out else None)
     generation = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_turns,
                                    args.max_seq_len)
-    # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
-    options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)
     summary = regenerate_vllm(conversations, outputs, args.verifier, revision=args.revision, aux_indices=aux,
                               dtype=args.features_dtype, generation=generation, options=options,
                               store=StoreOptions(args.samples_per_shard), progress=not args.no_progress).as_dict()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EndpointError, debug_requested
+from ..errors import EndpointError, UsageError, debug_requested
 from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ..verifier.head import load_verifier_head
 from .engine_states import PROBE, all_finite, check_states, features_from_states, vllm_layer_ids
@@ -209,11 +209,41 @@ class VllmOptions:
     debug: bool = False
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> VllmOptions:
-        """From a command's arguments (engines/vllm_args.py's run and engine arguments; --endpoint where it has it)."""
-        from ..engines.vllm_args import engine_from_args
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """`extract --engine vllm`'s flags: the run's knobs and the server's storage in one group, then vLLM's
+        engine group (engines/vllm_args.py)."""
+        from ..engines.vllm_args import add_engine_arguments, add_run_arguments
 
-        return cls(dtype=args.torch_dtype, max_model_len=args.max_model_len, engine=engine_from_args(args),
+        group = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
+        add_run_arguments(group, "prompts", "; with --endpoint, seconds per request and its file (default 600)")
+        group.add_argument("--vllm-storage", default=None, metavar="DIR",
+                           help="with --endpoint (a vLLM OpenAI server started with the extraction config by "
+                                "`eagle3-hf serve-vllm`, sent --vllm-batch-size requests at a time): the server's "
+                                "storage directory, which this machine must see, the only place whose files are "
+                                "read and deleted (default: the one `eagle3-hf serve-vllm` names)")
+        add_engine_arguments(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VllmOptions:
+        """From a command's arguments (engines/vllm_args.py's run and engine arguments; --endpoint where it has it),
+        checked: vLLM places the verifier itself, one engine per process, the run's knobs in range, and a context
+        the engine can prefill in one step (with an engine of our own; a server's is checked once the longest sample
+        is known)."""
+        from ..engines.vllm_args import check_batched_tokens, check_offline, check_run_arguments, engine_from_args
+
+        if any(getattr(args, name, None) for name in ("device_map", "max_memory", "offload_folder", "device")):
+            raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/"
+                             "--offload-folder/--device (use --tensor-parallel-size)")
+        engine = engine_from_args(args)
+        check_offline(engine)
+        check_run_arguments(args)
+        endpoint = getattr(args, "endpoint", None)
+        if args.max_model_len and not endpoint:
+            check_batched_tokens(engine, args.max_model_len)
+        return cls(dtype=args.torch_dtype, max_model_len=args.max_model_len, engine=engine,
                    batch_size=args.vllm_batch_size, max_pending=args.vllm_max_pending, threads=args.threads,
-                   timeout=args.vllm_timeout, endpoint=getattr(args, "endpoint", None),
-                   storage=getattr(args, "vllm_storage", None), readers=args.vllm_readers, debug=debug_requested())
+                   timeout=args.vllm_timeout, endpoint=endpoint, storage=getattr(args, "vllm_storage", None),
+                   readers=args.vllm_readers, debug=debug_requested())
+
+    def close(self) -> None:
+        """Nothing to release: the engine's processes belong to the route."""

@@ -28,17 +28,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import nodes
 from ..data.prepared_samples import PreparedDataset
 from ..errors import UsageError
-from .interface import FeatureSource, SampleFeatures
+from .interface import CapturedSource, FeatureSource, SampleFeatures
 from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
 from .store import dist_env, wait_and_merge
+
+if TYPE_CHECKING:
+    import datasets
 
 MERGE_TIMEOUT_S = 48 * 3600  # rank 0 waits this long for the other ranks' journals
 OVERLONG = "overlong"  # the skip reason of a sample longer than the route takes
@@ -278,3 +281,24 @@ def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
             "extract --output", out_dir, layout, seen, "--per-node-output needs a directory local to each node "
             "or one shared by all; some nodes share this one"))
     nodes.remember_node_local(out_dir, layout)
+
+
+def import_features(source: CapturedSource, out_dir: str | Path, *,
+                    prepared: datasets.Dataset | str | Path | None = None, store: StoreOptions | None = None,
+                    progress: bool = True) -> ExtractionSummary:
+    """Import a capture written by another tool (speculators, SpecForge) into `out_dir` in its own order
+    (resumable like extraction). `prepared` (our prepared dataset) gives imported samples our ids, matched by
+    tokens."""
+    sink = FeatureSink(out_dir, source.identity.header(), store=store)
+    all_ids: list[str] = []
+    resumed = 0
+    with sink:
+        sink.progress(f"import {source.fmt}", unit="sample", enabled=progress)
+        for sample in source.captured(prepared):
+            all_ids.append(sample.sample_id)
+            if sample.sample_id in sink.done_ids:
+                resumed += 1
+                continue
+            for feats in source.states([sample]):
+                sink.add(feats)
+    return sink.finish(all_ids, resumed_past=resumed, route=source.report())

@@ -11,7 +11,7 @@ import torch
 
 from eagle3_hf.data.fingerprint import tokenizer_fingerprint
 from eagle3_hf.evaluation.feature_diff import diff_features, format_report
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 
 from tests.helpers.data import make_prepared
 from tests.helpers.verifiers import make_tiny_verifier

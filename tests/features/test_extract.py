@@ -15,7 +15,7 @@ import torch
 
 from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import TransformersFeatures, extract_features
+from eagle3_hf.features.routes.transformers import TransformersFeatures, extract_features
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions, write_features
 from eagle3_hf.verifier.capture import capture_features
@@ -113,7 +113,7 @@ _CHILD = r"""
 import sys, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.write import StoreOptions
 verifier_dir, prepared, out, fingerprint, delay = sys.argv[1:6]
 model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype="float32").eval()
@@ -154,11 +154,12 @@ def test_ranks_take_disjoint_slices_and_merge(tmp_path, verifier, fingerprint):
     prepared = make_prepared(tmp_path / "prep", fingerprint, n=9, vocab=V)
     single, dp = tmp_path / "single", tmp_path / "dp"
     extract_features(verifier, fingerprint, prepared, single, store=StoreOptions(2), progress=False)
-    r1 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=1,
-                          world_size=2)
+    prepared_all = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+    r1 = write_features(TransformersFeatures(verifier, fingerprint), prepared_all, dp, store=StoreOptions(2),
+                        progress=False, rank=1, world_size=2)
     assert r1.written_samples == 4 and not (dp / "manifest.json").exists()  # rank 1 never merges
-    r0 = extract_features(verifier, fingerprint, prepared, dp, store=StoreOptions(2), progress=False, rank=0,
-                          world_size=2)
+    r0 = write_features(TransformersFeatures(verifier, fingerprint), prepared_all, dp, store=StoreOptions(2),
+                        progress=False, rank=0, world_size=2)
     assert r0.written_samples == 5 and r0.total_samples == 9
     a, b = FeatureDataset(single, split="all"), FeatureDataset(dp, split="all")
     assert sorted(b.sample_ids) == a.sample_ids

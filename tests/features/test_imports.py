@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import extract_features
-from eagle3_hf.features.routes.imports import ImportedFeatures, import_features
-from eagle3_hf.features.write import write_features
+from eagle3_hf.features.routes.engine_files import ImportedFeatures
+from eagle3_hf.features.routes.transformers import extract_features
+from eagle3_hf.features.write import import_features, write_features
 from eagle3_hf.verifier.head import load_verifier_head
 
 from tests.helpers.data import make_prepared

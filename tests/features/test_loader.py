@@ -14,7 +14,7 @@ import torch
 
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.store import file_stamp
 from eagle3_hf.features.verify import STAMP
 from eagle3_hf.features.write import StoreOptions

@@ -13,7 +13,7 @@ from eagle3_hf.data.prepared_samples import PreparedDataset, in_validation, sele
 from eagle3_hf.features.collator import FeatureCollator
 from eagle3_hf.features.packing import PackedCollator, PackedDataset, _first_fit_decreasing
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import TransformersFeatures, extract_features
+from eagle3_hf.features.routes.transformers import TransformersFeatures, extract_features
 from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import make_prepared

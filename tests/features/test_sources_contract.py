@@ -33,7 +33,7 @@ DTYPE_OF = {"bfloat16": torch.bfloat16}
 
 
 def transformers(ctx: dict) -> SourceRequest:
-    from eagle3_hf.features.routes.extract import TransformersOptions
+    from eagle3_hf.features.routes.transformers import TransformersOptions
 
     return request(ctx, "transformers", options=TransformersOptions(model=ctx["model"]))
 

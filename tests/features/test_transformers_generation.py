@@ -26,7 +26,7 @@ from eagle3_hf.data.regenerate import RegenerateOutputs, regenerate
 from eagle3_hf.data.regenerate_backends import TransformersBackend
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.transformers_generation import regenerate_with_features
 from eagle3_hf.features.write import StoreOptions
 

@@ -22,7 +22,7 @@ from eagle3_hf.data.conversations import load_conversations
 from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.vllm_generation import eos_ids, generate_plain, prompt_ids
 from eagle3_hf.features.write import StoreOptions
 

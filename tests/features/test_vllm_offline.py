@@ -26,7 +26,7 @@ from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.engine_states import features_from_states, vllm_layer_ids
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.vllm_spec import read_states
 from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features, final_norm

@@ -162,9 +162,9 @@ def test_no_server_and_endpoint_without_vllm_engine_are_one_line(tmp_path, serve
     assert "eagle3-hf serve-vllm" in err[0] and not (tmp_path / "f").exists()
     assert main(["extract", "--endpoint", "http://127.0.0.1:1", "--verifier", str(serveable_dir), "--data",
                  str(prepared), "--output", str(tmp_path / "g")]) == 1
-    assert capsys.readouterr().err.strip() == ("error: --endpoint URL needs --engine vllm (a vLLM OpenAI server "
-                                               "started by `eagle3-hf serve-vllm`) or --engine sglang (a SGLang "
-                                               "server)")
+    assert capsys.readouterr().err.strip() == ("error: --endpoint URL needs --engine vllm or --engine sglang (a "
+                                               "running server computes the states); --engine transformers runs no "
+                                               "server")
 
 
 def test_the_printed_server_command_is_the_extraction_config(serveable_dir, capsys):
@@ -193,7 +193,7 @@ def test_the_printed_server_command_is_the_extraction_config(serveable_dir, caps
 def test_vllm_openai_server_features_equal_extracts(tmp_path, serveable_model, serveable_dir, fingerprint):
     vllm_or_fail()
     from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
-    from eagle3_hf.features.routes.extract import extract_features
+    from eagle3_hf.features.routes.transformers import extract_features
     from eagle3_hf.features.write import StoreOptions
 
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=12)

@@ -24,7 +24,7 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
-from eagle3_hf.features.routes.extract import extract_features
+from eagle3_hf.features.routes.transformers import extract_features
 from eagle3_hf.features.write import StoreOptions
 
 SYN_VOCAB, SYN_HIDDEN, SYN_LAYERS = 256, 64, 6

@@ -232,7 +232,7 @@ def open_source(request: SourceRequest) -> ServerFeatures:
     from ...verifier.loading import load_config, resolve_verifier
     from ..table import OnlineOptions
 
-    options = request.options or OnlineOptions()
+    options = request.options if isinstance(request.options, OnlineOptions) else OnlineOptions()
     path = resolve_verifier(request.verifier)
     config = text_config(load_config(path, revision=request.revision))
     client = FeatureClient(request.target, timeout=options.timeout, retries=options.retries)

@@ -46,7 +46,7 @@ from ..api_key import api_key, auth_headers, refused_line
 from ..engine_states import PROBE, all_finite, features_from_states
 from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from ..records import DTYPES, canonical_dtype
-from ..table import SourceRequest
+from ..table import OnlineOptions, SourceRequest
 from ..write import sample_token_limit
 
 SOURCE = "sglang"
@@ -70,7 +70,21 @@ class SglangOptions:
     device: str | None = None
 
     @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("--engine sglang (a running SGLang server computes the states; --endpoint "
+                                          "URL, started with aux capture: docs/guide.md)")
+        group.add_argument("--sglang-requests", type=int, default=4, metavar="N",
+                           help="requests in flight, one sample each (default %(default)s)")
+        group.add_argument("--sglang-timeout", type=float, default=600.0, metavar="S",
+                           help="seconds per request, its answer included (default %(default)s)")
+
+    @classmethod
     def from_args(cls, args: argparse.Namespace) -> SglangOptions:
+        """Checked: the server runs the verifier (no placement here but --device, where its last layer, norm and
+        head run), its URL given, the request knobs in range."""
+        if any(getattr(args, name, None) for name in ("device_map", "max_memory", "offload_folder")):
+            raise UsageError("--engine sglang runs the verifier in its server: drop --device-map/--max-memory/"
+                             "--offload-folder (--device places the last layer, norm and head run here)")
         if not getattr(args, "endpoint", None):
             raise UsageError("--engine sglang needs --endpoint URL (a running SGLang server started with "
                              f"{LAUNCH} ...: docs/guide.md)")
@@ -78,6 +92,9 @@ class SglangOptions:
             raise UsageError("--sglang-requests must be at least 1 and --sglang-timeout positive")
         return cls(str(args.endpoint).rstrip("/"), args.sglang_requests, args.sglang_timeout,
                    max_model_len=getattr(args, "max_model_len", None), device=getattr(args, "device", None))
+
+    def close(self) -> None:
+        """Nothing to release: the server is the user's."""
 
 
 def json_parser() -> tuple[str, Callable[[bytes], Any]]:
@@ -339,8 +356,8 @@ def open_source(request: SourceRequest) -> SglangFeatures:
     (their timeout and retries, the endpoint from `request.target`)."""
     options = request.options
     if not isinstance(options, SglangOptions):
-        timeout, retries = getattr(options, "timeout", 600.0), getattr(options, "retries", 3)
-        options = SglangOptions(request.target, timeout=float(timeout), retries=int(retries))
+        online = options if isinstance(options, OnlineOptions) else OnlineOptions()
+        options = SglangOptions(request.target, timeout=online.timeout, retries=online.retries)
     if not options.endpoint:
         raise UsageError("--engine sglang needs --endpoint URL")
     return SglangFeatures(request, options)

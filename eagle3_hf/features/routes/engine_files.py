@@ -1,4 +1,5 @@
-"""`eagle3-hf import-features`: bring hidden states captured by a serving engine's tools into our shards.
+"""The imported routes: hidden states captured by a serving engine's tools, read into our shards
+(`eagle3-hf import-features`, features/commands/import_features.py).
 
 At scale the verifier is best run by the engine that will serve it. Two public tools write such files; what
 they store was checked in their source (speculators c05b95b, vLLM's extract_hidden_states path, SpecForge
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,20 +33,18 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ...errors import UsageError
 from ...verifier.capture import greedy_tokens
 from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ...verifier.head import load_verifier_head
 from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
 from ..records import canonical_dtype
-from ..table import FeatureKind, SourceRequest
-from ..write import ExtractionSummary, FeatureSink, StoreOptions
+from ..table import SourceRequest
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedModel
 
-SOURCES = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
+FORMATS = {"speculators": "vllm/speculators", "specforge": "sglang/specforge"}
 
 
 # ---------------------------------------------------------------- readers
@@ -171,6 +169,19 @@ class ImportOptions:
 
     hidden_states_dir: str | Path | None = None
 
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("the capture's files")
+        group.add_argument("--hidden-states", default=None,
+                           help="speculators: the hs_*.safetensors directory (default SOURCE/hidden_states)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ImportOptions:
+        return cls(args.hidden_states)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class ImportedFeatures:
     """A speculators or SpecForge capture as a `FeatureSource`: each sample's file read when the sample is asked
@@ -181,8 +192,8 @@ class ImportedFeatures:
     def __init__(self, fmt: str, src: str | Path, verifier: PreTrainedModel | str | Path, tokenizer_fingerprint: str,
                  aux_indices: Sequence[int] | None = None, dtype: str = "bfloat16",
                  verifier_revision: str | None = None, options: ImportOptions | None = None):
-        if fmt not in SOURCES:
-            raise ValueError(f"unknown format {fmt!r}: choose from {sorted(SOURCES)}")
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}: choose from {sorted(FORMATS)}")
         self.fmt, self.src, self.options = fmt, Path(src), options or ImportOptions()
         self.norm, self.head, config = load_verifier_head(verifier, verifier_revision)
         n_layers, self.hidden = int(config.num_hidden_layers), int(config.hidden_size)
@@ -195,7 +206,7 @@ class ImportedFeatures:
                       if fmt == "speculators" else "stored post-norm by the engine",
                       "verifier_greedy": "argmax of the verifier's lm_head, computed at import"}
         self.identity = SourceIdentity(who, tokenizer_fingerprint, tuple(indices), canonical_dtype(dtype),
-                                       SOURCES[fmt], provenance)
+                                       FORMATS[fmt], provenance)
         self.softcap = logit_softcap(config)
         self._current: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None  # captured()'s last item
         self._by_tokens: dict[str, list[dict[str, Any]]] | None = None
@@ -287,60 +298,3 @@ def open_source(request: SourceRequest) -> ImportedFeatures:
     options = request.options if isinstance(request.options, ImportOptions) else ImportOptions()
     return ImportedFeatures(request.kind, request.target, request.verifier, fingerprint, request.aux_indices,
                             request.dtype, request.revision, options)
-
-
-# ---------------------------------------------------------------- import
-
-def import_features(source: ImportedFeatures, out_dir: str | Path, *,
-                    prepared: datasets.Dataset | str | Path | None = None, store: StoreOptions | None = None,
-                    progress: bool = True) -> ExtractionSummary:
-    """Import a speculators or SpecForge capture into `out_dir` in its own order (resumable like extraction).
-    `prepared` (our prepared dataset) gives imported samples our ids, matched by tokens."""
-    sink = FeatureSink(out_dir, source.identity.header(), store=store)
-    all_ids: list[str] = []
-    resumed = 0
-    with sink:
-        sink.progress(f"import {source.fmt}", unit="sample", enabled=progress)
-        for sample in source.captured(prepared):
-            all_ids.append(sample.sample_id)
-            if sample.sample_id in sink.done_ids:
-                resumed += 1
-                continue
-            for feats in source.states([sample]):
-                sink.add(feats)
-    return sink.finish(all_ids, resumed_past=resumed, route=source.report())
-
-
-# ---------------------------------------------------------------- CLI
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("format", choices=sorted(SOURCES), help="which tool wrote the files")
-    parser.add_argument("source", help="speculators: its prepared dataset dir; specforge: its output dir")
-    parser.add_argument("--verifier", required=True, help="the verifier the features came from (final norm, lm_head)")
-    parser.add_argument("--revision", default=None)
-    parser.add_argument("--output", required=True, help="feature directory to write")
-    parser.add_argument("--hidden-states", default=None,
-                        help="speculators: the hs_*.safetensors directory (default SOURCE/hidden_states)")
-    parser.add_argument("--data", default=None, help="our prepared dataset: give imported samples its ids (by tokens)")
-    parser.add_argument("--aux-layers", default=None, help="captured layers as our output_hidden_states indices a,b,c")
-    parser.add_argument("--engine-layer-ids", default=None,
-                        help="captured layers as given to the engine (vLLM: same as ours; SGLang/SpecForge: ours - 1)")
-    parser.add_argument("--features-dtype", default="bf16", help="stored features: bf16 (default), fp8 or fp32")
-    parser.add_argument("--samples-per-shard", type=int, default=64)
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.aux_layers and args.engine_layer_ids:
-        raise UsageError("give --aux-layers or --engine-layer-ids, not both")
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    if args.engine_layer_ids:
-        shift = 1 if args.format == "specforge" else 0  # SGLang ids name a layer's output
-        aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
-    source = open_source(SourceRequest(cast(FeatureKind, args.format), args.source, args.verifier, args.revision,
-                                       None if aux is None else tuple(aux), args.features_dtype,
-                                       options=ImportOptions(args.hidden_states)))
-    summary = import_features(source, args.output, prepared=args.data, store=StoreOptions(args.samples_per_shard),
-                              progress=not args.no_progress)
-    print(json.dumps(summary.as_dict()))
-    return 0
