@@ -1,8 +1,9 @@
 """What SGLang's JSON answers cost the `extract --engine sglang` client, against reading the same rows from a shard.
 
 SGLang returns the captured aux states as JSON floats (`meta_info.hidden_states[0]`, one list of L x H numbers
-per prompt token). The route's client reads each answer with a JSON parser and checks it into a tensor
-(features/routes/sglang_server.py `check_answer`); an offline shard holds the same rows as bf16 safetensors. This bench
+per prompt token). The route's client reads each answer with a JSON parser and checks it into a tensor (its
+`check_answer`, features/routes/sglang_server_client.py); an offline shard holds the same rows as bf16 safetensors.
+This bench
 builds one answer of `--tokens` rows at each shape (SmolLM2-135M's 4 captured layers x 576, Llama-3.1-8B's
 4 x 4096, Kimi-K2.5's 4 x 7168; random states of a verifier's magnitude, written as JSON numbers as SGLang
 writes them) and times, alternately in one process on one thread: (a) parsing and checking the answer, with the standard
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_hf.features.routes.sglang_server import check_answer, json_parser
+from eagle3_hf.features.routes.sglang_server_client import check_answer, json_parser
 from eagle3_hf.train.plan import verifier_params
 from eagle3_hf.train.plan_reader import node_prefill_tokens_per_s
 

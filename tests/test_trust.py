@@ -216,7 +216,7 @@ def test_a_bad_request_is_answered_alone_and_the_rest_of_its_batch_is_served(mon
 
     import torch
 
-    from eagle3_hf.features.routes.feature_server import FeatureClient, FeatureServerError
+    from eagle3_hf.features.routes.feature_server_client import FeatureClient, FeatureServerError
 
     from tests.helpers.feature_engine import MAX_MODEL_LEN, VOCAB, ScriptServer, fake_engine, states
 
@@ -272,7 +272,7 @@ def test_a_missing_or_wrong_key_is_a_401_and_one_line_without_the_key(monkeypatc
         assert KEY not in out.out + out.err + caplog.text
         assert server.engine.requests == 0
         monkeypatch.setenv("EAGLE3_HF_API_KEY", KEY)  # the right key: served
-        from eagle3_hf.features.routes.feature_server import FeatureClient
+        from eagle3_hf.features.routes.feature_server_client import FeatureClient
 
         client = FeatureClient(server.url, retries=0)
         assert client.identity()["verifier"] == "fake"
@@ -286,7 +286,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_client_waits_that_lon
     import urllib.error
     import urllib.request
 
-    from eagle3_hf.features.routes.feature_server import FeatureClient, FeatureServerError
+    from eagle3_hf.features.routes.feature_server_client import FeatureClient, FeatureServerError
 
     from tests.helpers.feature_engine import ScriptServer, fake_engine
 

@@ -20,7 +20,7 @@ from eagle3_hf.features.feature_cache import FeatureCache
 from eagle3_hf.features.packing import PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.routes.feature_server import FeatureClient
+from eagle3_hf.features.routes.feature_server_client import FeatureClient
 from eagle3_hf.features.store import merge_manifests
 
 from tests.helpers.feature_stub import AUX, Stub, identity, offline_features, server_source

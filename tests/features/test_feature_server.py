@@ -23,7 +23,7 @@ from eagle3_hf.errors import worker_message
 from eagle3_hf.features.collator import FeatureCollator
 from eagle3_hf.features.packing import PackedCollator, PackedDataset
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.routes.feature_server import FeatureClient, FeatureServerError
+from eagle3_hf.features.routes.feature_server_client import FeatureClient, FeatureServerError
 
 from tests.helpers.assertions import assert_same_training
 from tests.helpers.feature_stub import LAYER_IDS, Stub, identity, offline_features, server_source, vllm_layout
@@ -149,7 +149,7 @@ def test_non_finite_states_are_refused_naming_the_sample(model, prepared, finger
 def test_a_worker_error_is_its_own_line():
     wrapped = ("Caught FeatureServerError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
                "last):\n  File \"x.py\", line 1, in f\n    raise X\n"
-               "eagle3_hf.features.routes.feature_server.FeatureServerError:"
+               "eagle3_hf.features.routes.feature_server_client.FeatureServerError:"
                " feature server http://h:1: sample 'a' failed 4 times (timed out)\n")
     assert worker_message(wrapped) == "feature server http://h:1: sample 'a' failed 4 times (timed out)"
     assert worker_message("plain message") == "plain message"

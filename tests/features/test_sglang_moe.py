@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3_hf.features.interface import PreparedSample
-from eagle3_hf.features.routes.sglang_server import SglangOptions
+from eagle3_hf.features.routes.sglang_server_client import SglangOptions
 from eagle3_hf.features.table import SourceRequest, open_source
 from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 from eagle3_hf.verifier import last_layer

@@ -1,6 +1,6 @@
-"""`extract --engine sglang --endpoint URL` (features/routes/sglang_server.py): against the answers a real SGLang 0.5.23
-gave (recorded by hand from a server on the CPU, tests/data_files/sglang/, replayed on loopback), and its refusals
-against a stand-in that computes SGLang's answers with transformers (tests/helpers/sglang_stub.py)."""
+"""`extract --engine sglang --endpoint URL` (features/routes/sglang_server_client.py): against the answers a real
+SGLang 0.5.23 gave (recorded by hand from a server on the CPU, tests/data_files/sglang/, replayed on loopback), and its
+refusals against a stand-in that computes SGLang's answers with transformers (tests/helpers/sglang_stub.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from eagle3_hf.errors import EndpointError
 from eagle3_hf.features.interface import PreparedSample
-from eagle3_hf.features.routes.sglang_server import SglangOptions
+from eagle3_hf.features.routes.sglang_server_client import SglangOptions
 from eagle3_hf.features.table import SourceRequest, open_source
 from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 
@@ -50,10 +50,10 @@ def test_a_real_sglangs_states_are_transformers_states_bit_for_bit(recorded, par
     normed, is transformers' last state; the greedy tokens are transformers' argmax. Bit for bit on these recorded
     prompts (2-4 tokens), with orjson (installed with the dev extra) and with the standard library's parser; at
     some other lengths SGLang's states differ from transformers' by fp32 rounding."""
-    from eagle3_hf.features.routes import sglang_server
+    from eagle3_hf.features.routes import sglang_server_client
 
     if parser == "json":
-        monkeypatch.setattr(sglang_server, "json_parser", lambda: ("json", json.loads))
+        monkeypatch.setattr(sglang_server_client, "json_parser", lambda: ("json", json.loads))
     recording, stub, path, model = recorded
     source = opened(stub.url, path, aux=(2, 15, 27))
     assert source.client.parser == parser

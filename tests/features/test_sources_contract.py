@@ -56,7 +56,7 @@ def sglang_server(ctx: dict) -> SourceRequest:
     """SGLang started with aux capture at the ids its Llama reader needs for the aux indices and N-1 (stood in:
     tests/helpers/sglang_stub.py; the same client against a real SGLang's recorded answers:
     tests/features/test_sglang_server.py)."""
-    from eagle3_hf.features.routes.sglang_server import SglangOptions
+    from eagle3_hf.features.routes.sglang_server_client import SglangOptions
     from eagle3_hf.publish.aux_id_rules import sglang_ids_to_send
 
     from tests.helpers.serveable import LAYERS

@@ -18,7 +18,7 @@ from safetensors.torch import save as save_safetensors
 from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.engine_states import features_from_states, vllm_layer_ids
 from eagle3_hf.features.records import make_header
-from eagle3_hf.features.routes.feature_server import ServerFeatures, served_identity
+from eagle3_hf.features.routes.feature_server_client import ServerFeatures, served_identity
 from eagle3_hf.features.shard_writer import ShardWriter
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.verifier.capture import final_norm
