@@ -17,7 +17,7 @@ from eagle3_hf import cli
 from eagle3_hf.engines import vllm_args
 from eagle3_hf.evaluation import vllm_engine
 
-from tests.helpers.vllm import vllm_or_fail
+from tests.helpers.served_pair import VLLM_EVALUATION_ARGS
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
@@ -132,26 +132,22 @@ def test_data_parallel_is_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_one_engine_at_a_time_measures_what_both_together_measure(served_pair, tmp_path):
+def test_one_engine_at_a_time_measures_what_both_together_measure(served_pair, vllm_evaluation, tmp_path):
     """vLLM's CPU build, the trained drafter: the plain and the speculative engine in two processes one after the
     other give the same tokens, the same accepted drafts at every step, and the same lossless verdict as both
-    engines in one process (greedy decoding is deterministic there)."""
-    vllm_or_fail()
+    engines in one process (the session's `vllm_evaluation`, conftest.py: greedy decoding is deterministic there)."""
     verifier, drafter = served_pair
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    found = {}
-    for layout in ("sequential", "together"):
-        out = tmp_path / layout
-        result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier",
-                                 str(verifier), "--prompts", "mt-bench", "--num-prompts", "3", "--max-new-tokens",
-                                 "24", "--k", "3", "--skip-transformers", "--vllm-engines", layout, "--no-progress",
-                                 "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        found[layout] = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
-    one, both = found["sequential"], found["together"]
+    out = tmp_path / "sequential"
+    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", "vllm", "--drafter", str(drafter), "--verifier",
+                             str(verifier), *VLLM_EVALUATION_ARGS, "--skip-transformers", "--vllm-engines",
+                             "sequential", "--no-progress", "--output", str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, both = json.loads((out / "eagle3_evaluation_vllm.json").read_text()), vllm_evaluation.served
     assert one["engines"] == "sequential" and both["engines"] == "together" and one["dtype"] == "float32"
     assert one["lossless"] is True and both["lossless"] is True and one["mismatches"] == 0
+    assert "gap" not in one  # --skip-transformers: nothing of ours to compare with
     assert [r["tokens"] for r in one["per_prompt"]] == [r["tokens"] for r in both["per_prompt"]]
     assert [r["accepted_per_step"] for r in one["per_prompt"]] == [r["accepted_per_step"] for r in both["per_prompt"]]
     assert one["acceptance_length"] == both["acceptance_length"] > 1.2

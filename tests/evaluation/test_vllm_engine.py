@@ -19,8 +19,6 @@ from eagle3_hf.cli import main
 from eagle3_hf.engines.vllm_env import one_line
 from eagle3_hf.evaluation.vllm_engine import compare_engines, cut_final_step
 
-from tests.helpers.vllm import vllm_or_fail
-
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
 
@@ -40,18 +38,10 @@ TAU_TOLERANCE = 0.02
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 132 s measured, its fixture included (README, Development)
-def test_vllm_serves_a_trained_drafter_like_our_decoder(served_pair, tmp_path):
-    vllm_or_fail()
-    verifier, drafter = served_pair
-    out = tmp_path / "eval"
-    result = evaluate_cli("--engine", "vllm", "--drafter", str(drafter), "--verifier", str(verifier),
-                          "--prompts", "mt-bench", "--num-prompts", "4", "--max-new-tokens", "32", "--k", "3",
-                          "--output", str(out))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "train/serve gap (vLLM tau - transformers tau): " in result.stdout
-    served = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
-    ours = json.loads((out / "eagle3_evaluation.json").read_text())
+@pytest.mark.timeout(900)  # the session's vLLM evaluation (conftest.py) included
+def test_vllm_serves_a_trained_drafter_like_our_decoder(vllm_evaluation):
+    served, ours = vllm_evaluation.served, vllm_evaluation.ours
+    assert "train/serve gap (vLLM tau - transformers tau): " in vllm_evaluation.stdout
     assert served["engine"] == "vllm" and served["vllm_version"] == "0.32.0" and ours["engine"] == "transformers"
     # token-identical to plain vLLM at temperature 0
     assert served["lossless"] is True and served["mismatches"] == 0
@@ -65,6 +55,17 @@ def test_vllm_serves_a_trained_drafter_like_our_decoder(served_pair, tmp_path):
     assert served["prompts_equal"] + served["prompts_numerics"] == served["num_compared"] == 4
     assert served["prompts_differ"] == 0 and served["prompts_numerics"] <= 1
     assert abs(served["gap"]) <= TAU_TOLERANCE, served["gap"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(vllm_evaluation):
+    """`eagle3-hf push` to the loopback Hub, then vLLM (and our decoder) downloaded the drafter by repo id through
+    HF_ENDPOINT into an empty cache (conftest.py's `vllm_evaluation`)."""
+    served = vllm_evaluation.served
+    assert served["drafter"] == vllm_evaluation.repo_id == "tester/chain-eagle3" and served["lossless"] is True
+    assert served["acceptance_length"] > 1.2
+    assert list((vllm_evaluation.hf_home / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))
 
 
 # ---------------------------------------------------------------- fast: the final-step accounting and the errors
@@ -143,30 +144,6 @@ def test_one_line_of_vllm_exceptions():
         "KeyError: 'd2t'")
     long = one_line({"type": "ValueError", "full_message": "There is no parameter named 'x'. " + "y" * 1000})
     assert long.startswith("ValueError: There is no parameter named 'x'.") and len(long) < 300
-
-
-@pytest.mark.slow
-def test_vllm_loads_the_drafter_by_repo_id_from_the_hub(served_pair, hub, tmp_path):
-    """`eagle3-hf push` to the loopback Hub, then vLLM downloads the drafter by repo id through HF_ENDPOINT
-    into an empty cache (HF_HUB_OFFLINE=0 for the vLLM process only; the verifier stays a local path)."""
-    from tests.helpers.hub_server import READ_TOKEN, WRITE_TOKEN
-
-    vllm_or_fail()
-    verifier, drafter = served_pair
-    pushed = subprocess.run([EAGLE3_HF, "push", str(drafter), "--repo-id", "tester/chain-eagle3"], cwd=ROOT,
-                            env=hub.client_env(WRITE_TOKEN), capture_output=True, text=True, timeout=300)
-    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-2000:]
-    env = dict(hub.client_env(READ_TOKEN), HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
-    out = tmp_path / "eval"
-    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", "vllm", "--drafter", "tester/chain-eagle3",
-                             "--verifier", str(verifier), "--num-prompts", "2", "--max-new-tokens", "24",
-                             "--skip-transformers", "--no-progress", "--output", str(out)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    served = json.loads((out / "eagle3_evaluation_vllm.json").read_text())
-    assert served["drafter"] == "tester/chain-eagle3" and served["lossless"] is True
-    assert served["acceptance_length"] > 1.2 and "gap" not in served
-    assert list((tmp_path / "hf" / "hub").glob("models--tester--chain-eagle3/snapshots/*/model.safetensors"))
 
 
 def test_model_card_states_the_tau_measured_in_vllm(fake_vllm_venv, tiny_verifier_dir, tmp_path, monkeypatch):

@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# what the session's `evaluate --engine vllm` of the pair decodes (fixture `vllm_evaluation`); the layout test's
+# sequential run decodes the same, to compare with it
+VLLM_EVALUATION_ARGS = ("--prompts", "mt-bench", "--num-prompts", "4", "--max-new-tokens", "32", "--k", "3")
+
 
 def next_token_llama(vocab_size: int, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
     """A random frozen tiny Llama (head_dim 64, vLLM's CPU attention supports it) whose lm_head row j is the embedding

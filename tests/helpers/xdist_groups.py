@@ -20,7 +20,8 @@ TWO_CORES = (
     "tests/features/test_feature_server.py::test_training_online_from_the_vllm_server_equals_offline",
     "tests/verifier/test_code_cache.py::test_eight_ranks_load_remote_code_into_a_cold_cache_20_times_without_a_failure",
 )
-# the modules whose tests share a session fixture: `served_pair` trains a drafter (tests/evaluation/conftest.py)
+# the modules whose tests share a session fixture: `served_pair` trains a drafter, `vllm_evaluation` serves it in
+# vLLM once for three tests (tests/evaluation/conftest.py)
 SHARED = {"tests/evaluation/test_vllm_engine.py": "served_pair",
           "tests/evaluation/test_engine_layout.py": "served_pair",
           "tests/evaluation/test_llamacpp_engine.py": "served_pair"}
