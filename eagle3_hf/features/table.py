@@ -125,7 +125,7 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
     SourceRow("vllm", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
               summary="vLLM's extract_hidden_states in its own venv; the verifier's norm and lm_head here",
               options="VllmOptions", engine="vllm"),
-    SourceRow("vllm-server", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
+    SourceRow("vllm-server", "eagle3_hf.features.routes.vllm_server_client", offline=True, online=False,
               summary="a running vLLM OpenAI server started by `serve-vllm`; its storage directory read here",
               options="VllmOptions", engine="vllm", endpoint=True),
     SourceRow("server", "eagle3_hf.features.routes.feature_server_client", offline=False, online=True,

@@ -1,8 +1,8 @@
 """What every route that runs vLLM shares on this side (`extract --engine vllm`, with an engine of its own or a
 running OpenAI server; `regenerate --engine vllm`; the feature server): how vLLM runs (`VllmOptions`), what is
 asked of it and how its files become shard samples (`VllmFeatureSpec`, `read_states`), the reader threads and the
-checkpoint's dtype. The routes themselves (routes/vllm_offline.py, routes/vllm_server_client.py,
-vllm_generation.py) import this, never each other.
+checkpoint's dtype. The routes themselves (routes/vllm_offline.py, routes/vllm_server_client.py, whose FeatureSource
+is vllm_features.py's; vllm_generation.py) import this, never each other.
 """
 
 from __future__ import annotations

@@ -41,12 +41,18 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...errors import EndpointError
 from ..api_key import api_key, auth_headers, refused_line
+from ..table import SourceRequest
+from ..vllm_features import VllmFeatures
+from ..vllm_spec import VllmFeatureSpec, VllmOptions
+from ..write import sample_token_limit
+
+ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
 
 
 def remove_file(path: str) -> None:
@@ -344,3 +350,43 @@ def storage_directory(url: str, given: str | None, named: str | None) -> str | N
                             "on the server's machine or share that directory at the same path")
     return folder
 
+
+
+# ---------------------------------------------------------------- the route
+
+class VllmServerFeatures(VllmFeatures):
+    """A running vLLM OpenAI server as a `FeatureSource` (the vllm-server row): the server checked first (it
+    serves `verifier`, captures the layers asked for, names its storage), then `batch_size` requests in flight,
+    each sample's file read here as the offline route reads its own engine's."""
+
+    served: dict[str, Any] | None = None
+
+    def check(self, lengths: Sequence[int]) -> int | None:
+        """The most tokens a sample may have: --max-model-len's or the server's context, whichever is shorter, less
+        the generated token (write.sample_token_limit)."""
+        options, limit = self.options, sample_token_limit(self.options.max_model_len)
+        # the only directory whose files a server may name (StoragePolicy)
+        self.served = check_server(str(options.endpoint), self.verifier, self.spec.path, self.spec.layer_ids,
+                                   options.storage)
+        served = sample_token_limit(self.served.get("max_model_len"))
+        return served if served is not None and (limit is None or served < limit) else limit
+
+    def open_run(self, request: dict[str, Any], prompts: Iterator[tuple[int, list[int]]]) -> EndpointExtraction:
+        if self.served is None:
+            raise RuntimeError("check() names the server before states() asks it")
+        options = self.options
+        return EndpointExtraction(str(options.endpoint), prompts, model=str(self.served["id"]),
+                                  concurrency=options.batch_size,
+                                  timeout=ENDPOINT_TIMEOUT_S if options.timeout is None else options.timeout,
+                                  storage=self.served["storage"])
+
+
+def open_source(request: SourceRequest) -> VllmServerFeatures:
+    """The table's opener (table.py) of `--engine vllm --endpoint URL`: `request.options` a `VllmOptions` naming the
+    server (`endpoint`) and, where the default is not it, its storage directory. No vLLM is needed here."""
+    options = request.options if isinstance(request.options, VllmOptions) else VllmOptions()
+    if options.endpoint is None:
+        raise EndpointError("the vllm-server route needs the server's URL (VllmOptions.endpoint; --endpoint URL)")
+    spec = VllmFeatureSpec(request.verifier, request.tokenizer_fingerprint, request.aux_indices, request.dtype,
+                           request.verifier, request.revision, options.dtype)
+    return VllmServerFeatures(spec, options, request.verifier)
