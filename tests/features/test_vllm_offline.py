@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -207,23 +208,38 @@ def test_samples_over_max_model_len_are_skipped_counted_and_never_sent(tmp_path,
 # ---------------------------------------------------------------- slow: vLLM's CPU build against transformers
 
 
-@pytest.mark.slow
-def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint):
+def vllm_command(vdir: Path, prepared: Path, out: Path) -> list[str]:
+    """`extract --engine vllm` of the walk as both slow tests below run it: 2 samples per shard and per vLLM call."""
+    return [EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared), "--output",
+            str(out), "--samples-per-shard", "2", "--vllm-batch-size", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def walk_extracted(tmp_path_factory, tokenizer, fingerprint) -> dict:
+    """The serveable verifier's 12-sample walk extracted by transformers (in process) and, uninterrupted, by vLLM's
+    CPU build: once for the module, read by the features test and the kill-and-resume test (its reference)."""
     vllm_or_fail()
+    root = tmp_path_factory.mktemp("walk_extracted")
     verifier = serveable_verifier()
-    vdir = tmp_path / "verifier"
+    vdir = root / "verifier"
     verifier.save_pretrained(vdir)
     tokenizer.save_pretrained(vdir)
-    prepared = walk_prepared(tmp_path / "prepared", fingerprint)
-    by_transformers, by_vllm = tmp_path / "f_transformers", tmp_path / "f_vllm"
-    extract_features(verifier, fingerprint, prepared, by_transformers, store=StoreOptions(4), verifier_name=str(vdir),
+    prepared = walk_prepared(root / "prepared", fingerprint)
+    by_transformers, by_vllm = root / "f_transformers", root / "f_vllm"
+    extract_features(verifier, fingerprint, prepared, by_transformers, store=StoreOptions(2), verifier_name=str(vdir),
                      progress=False)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
-                             "--output", str(by_vllm), "--samples-per-shard", "4", "--vllm-batch-size", "4",
-                             "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(vllm_command(vdir, prepared, by_vllm), cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"verifier": verifier, "vdir": vdir, "prepared": prepared, "transformers": by_transformers,
+            "vllm": by_vllm, "summary": json.loads(result.stdout.strip().splitlines()[-1]), "env": env}
+
+
+@pytest.mark.slow
+def test_vllm_features_equal_extracts_and_train(walk_extracted, tmp_path, fingerprint):
+    verifier, vdir, summary = walk_extracted["verifier"], walk_extracted["vdir"], walk_extracted["summary"]
+    by_transformers, by_vllm = walk_extracted["transformers"], walk_extracted["vllm"]
     assert summary["connector"] == "CpuHiddenStatesConnector" and summary["vllm_version"] == "0.32.0"
     assert summary["written_samples"] == summary["total_samples"] == 12 and summary["vllm_dtype"] == "float32"
     assert 0 < summary["peak_temporary_bytes"] <= 16 * 40 * 4 * HIDDEN * 4 + 16 * 4096  # never more than 16 files
@@ -234,7 +250,7 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
     for key in ("verifier", "tokenizer_fingerprint", "aux_layer_indices", "dtype"):
         assert a.manifest[key] == b.manifest[key], key
     assert [s["id"] for s in a.manifest["samples"]] == [s["id"] for s in b.manifest["samples"]]
-    assert len(b.manifest["shards"]) == 3
+    assert len(b.manifest["shards"]) == 6
     for sa, sb in zip(a.manifest["shards"], b.manifest["shards"]):
         with safe_open(by_transformers / sa["file"], "pt") as fa, safe_open(by_vllm / sb["file"], "pt") as fb:
             assert sorted(fa.keys()) == sorted(fb.keys())
@@ -269,8 +285,10 @@ def test_vllm_features_equal_extracts_and_train(tmp_path, tokenizer, fingerprint
 
     greedy = torch.cat([b[i]["verifier_greedy"] for i in range(len(b))]).unique()
     d2t, t2d = vocab_from_target_ids(greedy, VOCAB)
-    save_vocab(by_vllm / "vocab.safetensors", d2t, t2d, fingerprint, coverage=1.0)
-    trained = train_main(["--verifier", str(vdir), "--features", str(by_vllm), "--output-dir", str(tmp_path / "run"),
+    features = tmp_path / "f_vllm"  # a copy with its vocabulary: the module's extraction stays as vLLM wrote it
+    shutil.copytree(by_vllm, features)
+    save_vocab(features / "vocab.safetensors", d2t, t2d, fingerprint, coverage=1.0)
+    trained = train_main(["--verifier", str(vdir), "--features", str(features), "--output-dir", str(tmp_path / "run"),
                           "--num-train-epochs", "8", "--logging-steps", "1", "--save-strategy", "no",
                           "--eval-strategy", "no",
                           "--max-seq-len", "128", "--per-device-train-batch-size", "2", "--learning-rate", "1e-2",
@@ -310,21 +328,12 @@ def test_vllm_extracts_past_samples_longer_than_its_context(tmp_path, tokenizer,
 
 
 @pytest.mark.slow
-def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path, tokenizer, fingerprint):
+def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(walk_extracted, tmp_path):
     from tests.helpers.data import kill_after_shards
 
-    vllm_or_fail()
-    verifier = serveable_verifier()
-    vdir = tmp_path / "verifier"
-    verifier.save_pretrained(vdir)
-    tokenizer.save_pretrained(vdir)
-    prepared = walk_prepared(tmp_path / "prepared", fingerprint)
-    reference, out = tmp_path / "f_transformers", tmp_path / "f_vllm"
-    extract_features(verifier, fingerprint, prepared, reference, store=StoreOptions(2), verifier_name=str(vdir),
-                     progress=False)
-    command = [EAGLE3_HF, "extract", "--engine", "vllm", "--verifier", str(vdir), "--data", str(prepared),
-               "--output", str(out), "--samples-per-shard", "2", "--vllm-batch-size", "2", "--no-progress"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    vdir, reference, env = walk_extracted["vdir"], walk_extracted["transformers"], walk_extracted["env"]
+    out = tmp_path / "f_vllm"
+    command = vllm_command(vdir, walk_extracted["prepared"], out)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_after_shards(proc, out / "manifest.r000.jsonl", shards=2, timeout=600)
     assert not (out / "manifest.json").exists()
@@ -342,6 +351,10 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(tmp_path
     report = diff_features(reference, out)
     assert report["samples_compared"] == 12 and report["token_mismatch"] == 0 and report["greedy_agreement"] == 1.0
     assert all(s["rel_err_max"] <= BF16_STEP + 1e-4 for s in report["layers"].values()), report["layers"]
+    # and the same bytes as the uninterrupted run of the same command
+    uninterrupted = diff_features(walk_extracted["vllm"], out)
+    assert uninterrupted["samples_compared"] == 12 and uninterrupted["token_mismatch"] == 0
+    assert all(s["rel_err_max"] == 0.0 for s in uninterrupted["layers"].values()), uninterrupted["layers"]
     # the orphaned runner removes its directory when it learns its reader is gone, or, if it had finished
     # before the kill, the resumed run's start removes it; the runner is a process of its own: wait for it
     deadline = time.monotonic() + 120
