@@ -139,7 +139,7 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
               engine="sglang", endpoint=True, prefix="sglang", target="url",
               features="sglang:http://HOST:PORT (a running SGLang server started with aux capture; with "
                        "--prepared-dir)"),
-    SourceRow("directory", "eagle3_hf.features.reader", offline=False, online=False,
+    SourceRow("directory", "eagle3_hf.features.routes.directory", offline=False, online=False,
               summary="a feature directory written by any offline route; training reads its shards directly",
               names_verifier="recorded_verifier", target="directory",
               features="a feature directory (from `eagle3-hf extract`)"),
