@@ -173,6 +173,11 @@ def endpoint_engines() -> list[str]:
     return [engine for engine in engines() if any(r.engine == engine and r.endpoint for r in SOURCES.values())]
 
 
+def extract_kinds() -> list[FeatureKind]:
+    """The routes `extract --engine` runs, in the table's order."""
+    return [row.kind for row in SOURCES.values() if row.engine is not None]
+
+
 def imported_formats() -> list[FeatureKind]:
     """`import-features`' formats, in the table's order."""
     return [row.kind for row in SOURCES.values() if row.imported]
@@ -203,7 +208,7 @@ def engine_help() -> str:
 
 def features_syntax() -> str:
     """`train --features`' spellings, from the rows that have one: a directory first, then the table's order."""
-    rows = sorted((row for row in SOURCES.values() if row.features), key=lambda row: row.kind != "directory")
+    rows = sorted((row for row in SOURCES.values() if row.features), key=lambda row: row.target != "directory")
     spellings = [row.features for row in rows]
     return ", ".join(spellings[:-1]) + ", or " + spellings[-1]
 
@@ -237,11 +242,6 @@ def add_route_arguments(parser: argparse.ArgumentParser, kinds: Iterable[str]) -
         if options is not None and options not in added:
             options.add_arguments(parser)
             added.append(options)
-
-
-def extract_kinds() -> list[FeatureKind]:
-    """The routes `extract --engine` runs, in the table's order."""
-    return [row.kind for row in SOURCES.values() if row.engine is not None]
 
 
 def options_from_args(kind: str, args: argparse.Namespace) -> RouteOptions | None:

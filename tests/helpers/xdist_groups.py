@@ -21,10 +21,11 @@ TWO_CORES = (
     "tests/verifier/test_code_cache.py::test_eight_ranks_load_remote_code_into_a_cold_cache_20_times_without_a_failure",
 )
 # the modules whose tests share a session fixture: `served_pair` trains a drafter, `vllm_evaluation` serves it in
-# vLLM once for three tests (tests/evaluation/conftest.py)
+# vLLM once for three tests (tests/evaluation/conftest.py); each module uses one of its group's FIXTURES
 SHARED = {"tests/evaluation/test_vllm_engine.py": "served_pair",
           "tests/evaluation/test_engine_layout.py": "served_pair",
           "tests/evaluation/test_llamacpp_engine.py": "served_pair"}
+FIXTURES = {"served_pair": ("served_pair", "vllm_evaluation")}
 # the longest groups go first, so neither worker is left with a long one at the end
 FIRST = ("two_cores", "tests/test_demo.py", "served_pair", "tests/test_rehearsal.py")
 
