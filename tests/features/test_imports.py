@@ -145,6 +145,17 @@ def test_specforge_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_ve
                         aux_indices=AUX, dtype="fp32")
 
 
+
+def test_engine_layer_ids_or_aux_layers_not_both(tmp_path, tiny_verifier_dir, capsys):
+    from eagle3_hf.cli import main
+
+    rc = main(["import-features", "specforge", str(tmp_path / "sf"), "--verifier", str(tiny_verifier_dir), "--output",
+               str(tmp_path / "out"), "--aux-layers", "1,2,3", "--engine-layer-ids", "0,1,2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err == "error: give --aux-layers or --engine-layer-ids, not both"
+    assert not (tmp_path / "out").exists()
+
+
 class _NotATensor:
     pass
 

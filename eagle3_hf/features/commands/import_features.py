@@ -1,8 +1,8 @@
 """`eagle3-hf import-features`: bring hidden states captured by a serving engine's tools into our shards.
 
-The format picks a row of the table (features/table.py; routes/engine_files.py reads the files), and
-`write.import_features` writes them in the capture's order. Neither format records its layer ids: pass them
-(`--aux-layers` in our indices, or `--engine-layer-ids` as the engine was given them).
+The format picks a row of the table (features/table.py; routes/engine_files.py reads the files and adds the
+format's own flags), and `write.import_features` writes them in the capture's order. Neither format records its
+layer ids: pass them (`--aux-layers` in our indices, or `--engine-layer-ids` as the engine was given them).
 """
 
 from __future__ import annotations
@@ -11,13 +11,9 @@ import argparse
 import json
 from typing import cast
 
-from ...errors import UsageError
 from ..interface import CapturedSource
 from ..table import FeatureKind, SourceRequest, add_route_arguments, imported_formats, open_source, options_from_args
 from ..write import StoreOptions, import_features
-
-# SGLang's layer id k names the output of layer k, our output_hidden_states index k + 1; vLLM's ids are ours
-ENGINE_ID_SHIFT = {"specforge": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="feature directory to write")
     parser.add_argument("--data", default=None, help="our prepared dataset: give imported samples its ids (by tokens)")
     parser.add_argument("--aux-layers", default=None, help="captured layers as our output_hidden_states indices a,b,c")
-    parser.add_argument("--engine-layer-ids", default=None,
-                        help="captured layers as given to the engine (vLLM: same as ours; SGLang/SpecForge: ours - 1)")
     parser.add_argument("--features-dtype", default="bf16", help="stored features: bf16 (default), fp8 or fp32")
     parser.add_argument("--samples-per-shard", type=int, default=64)
     parser.add_argument("--no-progress", action="store_true")
@@ -37,15 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.aux_layers and args.engine_layer_ids:
-        raise UsageError("give --aux-layers or --engine-layer-ids, not both")
+    options = options_from_args(args.format, args)  # read and checked first
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    if args.engine_layer_ids:
-        shift = ENGINE_ID_SHIFT.get(args.format, 0)
-        aux = [int(x) + shift for x in args.engine_layer_ids.split(",")]
     source = open_source(SourceRequest(cast(FeatureKind, args.format), args.source, args.verifier, args.revision,
                                        None if aux is None else tuple(aux), args.features_dtype,
-                                       options=options_from_args(args.format, args)))
+                                       options=options))
     summary = import_features(cast(CapturedSource, source), args.output, prepared=args.data,
                               store=StoreOptions(args.samples_per_shard), progress=not args.no_progress)
     print(json.dumps(summary.as_dict()))

@@ -33,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ...errors import UsageError
 from ...verifier.capture import greedy_tokens
 from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
 from ...verifier.head import load_verifier_head
@@ -163,21 +164,33 @@ def read_specforge(src: str | Path) -> Iterator[dict[str, Any]]:
 
 # ---------------------------------------------------------------- the source
 
+# SGLang's layer id k names the output of layer k, our output_hidden_states index k + 1; vLLM's ids are ours
+ENGINE_ID_SHIFT = {"speculators": 0, "specforge": 1}
+
+
 @dataclass(frozen=True)
 class ImportOptions:
-    """What only an import needs: speculators' hidden-states directory, when not SOURCE/hidden_states."""
+    """What only an import needs: speculators' hidden-states directory, when not SOURCE/hidden_states, and the
+    captured layers as the engine was given them (`--engine-layer-ids`; turned into ours by the format's rule)."""
 
     hidden_states_dir: str | Path | None = None
+    engine_layer_ids: tuple[int, ...] | None = None
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("the capture's files")
         group.add_argument("--hidden-states", default=None,
                            help="speculators: the hs_*.safetensors directory (default SOURCE/hidden_states)")
+        group.add_argument("--engine-layer-ids", default=None,
+                           help="captured layers as given to the engine, instead of --aux-layers (vLLM: the same "
+                                "as ours; SGLang/SpecForge: ours - 1)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ImportOptions:
-        return cls(args.hidden_states)
+        if args.engine_layer_ids and getattr(args, "aux_layers", None):
+            raise UsageError("give --aux-layers or --engine-layer-ids, not both")
+        ids = tuple(int(x) for x in args.engine_layer_ids.split(",")) if args.engine_layer_ids else None
+        return cls(args.hidden_states, ids)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -296,5 +309,8 @@ def open_source(request: SourceRequest) -> ImportedFeatures:
 
         fingerprint = tokenizer_fingerprint(load_tokenizer(request.verifier, revision=request.revision))
     options = request.options if isinstance(request.options, ImportOptions) else ImportOptions()
-    return ImportedFeatures(request.kind, request.target, request.verifier, fingerprint, request.aux_indices,
-                            request.dtype, request.revision, options)
+    aux = request.aux_indices
+    if options.engine_layer_ids is not None:
+        aux = tuple(i + ENGINE_ID_SHIFT[request.kind] for i in options.engine_layer_ids)
+    return ImportedFeatures(request.kind, request.target, request.verifier, fingerprint, aux, request.dtype,
+                            request.revision, options)
