@@ -16,7 +16,8 @@ from ..errors import UsageError
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def add_placement_arguments(parser: argparse.ArgumentParser, budget_example: str, note: str = "") -> None:
+def add_placement_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, budget_example: str,
+                            note: str = "") -> None:
     """--device-map, --max-memory and --offload-folder; `budget_example` shows a --max-memory value, `note` ends
     --device-map's help with what the command does beside it."""
     parser.add_argument("--device-map", default=None,

@@ -87,7 +87,7 @@ class TransformersOptions:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("--engine transformers (the verifier in this process)")
-        add_placement_arguments(group, "0=70GiB,1=70GiB,cpu=200GiB")  # type: ignore[arg-type]  # a group adds alike
+        add_placement_arguments(group, "0=70GiB,1=70GiB,cpu=200GiB")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TransformersOptions:
