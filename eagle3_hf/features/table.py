@@ -75,8 +75,8 @@ class SourceRow:
 
     Its spellings: `engine` is its `extract --engine` value (`endpoint`: selected with --endpoint URL); `prefix`
     and `target` its `train --features` value (`PREFIX:TARGET`, or the bare target where there is no prefix: a
-    URL, a directory; a verifier may be left out, `hf`), `features` saying it in a sentence; `imported`: it is
-    `import-features KIND`."""
+    URL, a directory; a verifier may be left out, `hf`), `features` saying what it is (train --features' help and
+    refusals); `imported`: it is `import-features KIND`."""
 
     kind: FeatureKind
     module: str
@@ -92,7 +92,7 @@ class SourceRow:
     endpoint: bool = False
     prefix: str | None = None
     target: Target | None = None  # None: train --features cannot name it
-    features: str = ""
+    features: str = ""  # what `train --features SPELLING` is, after the spelling (`spelling`)
     imported: bool = False
 
     def load(self) -> ModuleType:
@@ -120,8 +120,7 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
     SourceRow("transformers", "eagle3_hf.features.routes.transformers", offline=True, online=True,
               summary="the verifier in this process, through forward hooks", options="TransformersOptions",
               names_verifier="named_verifier", engine="transformers", prefix="hf", target="verifier",
-              features="`hf` or `hf:VERIFIER` (the verifier in the training process, nothing on disk; with "
-                       "--prepared-dir)"),
+              features="the verifier in the training process, nothing on disk; with --prepared-dir"),
     SourceRow("vllm", "eagle3_hf.features.routes.vllm_offline", offline=True, online=False,
               summary="vLLM's extract_hidden_states in its own venv; the verifier's norm and lm_head here",
               options="VllmOptions", engine="vllm"),
@@ -131,18 +130,16 @@ SOURCES: dict[str, SourceRow] = {row.kind: row for row in (
     SourceRow("server", "eagle3_hf.features.routes.feature_server_client", offline=False, online=True,
               summary="our feature server (`serve-features`: vLLM kept loaded)", names_verifier="served_verifier",
               online_rounding=True, remote=True, target="url",
-              features="http://HOST:PORT (a feature server started by `eagle3-hf serve-features`; with "
-                       "--prepared-dir)"),
+              features="a feature server started by `eagle3-hf serve-features`; with --prepared-dir"),
     SourceRow("sglang-server", "eagle3_hf.features.routes.sglang_server_client", offline=True, online=True,
               summary="a running SGLang server's aux hidden states; the verifier's last layer, norm and lm_head here",
               options="SglangOptions", names_verifier="served_model", online_rounding=True, remote=True,
               engine="sglang", endpoint=True, prefix="sglang", target="url",
-              features="sglang:http://HOST:PORT (a running SGLang server started with aux capture; with "
-                       "--prepared-dir)"),
+              features="a running SGLang server started with aux capture; with --prepared-dir"),
     SourceRow("directory", "eagle3_hf.features.routes.directory", offline=False, online=False,
               summary="a feature directory written by any offline route; training reads its shards directly",
               names_verifier="recorded_verifier", target="directory",
-              features="a feature directory (from `eagle3-hf extract`)"),
+              features="a feature directory, from `eagle3-hf extract`"),
     SourceRow("speculators", "eagle3_hf.features.routes.engine_files", offline=True, online=False,
               summary="hidden states written by speculators (vLLM's speculators), imported", options="ImportOptions",
               imported=True),
@@ -207,9 +204,10 @@ def engine_help() -> str:
 
 
 def features_syntax() -> str:
-    """`train --features`' spellings, from the rows that have one: a directory first, then the table's order."""
-    rows = sorted((row for row in SOURCES.values() if row.features), key=lambda row: row.target != "directory")
-    spellings = [row.features for row in rows]
+    """`train --features`' spellings and what each is, from the rows that have one: a directory first, then the
+    table's order (train --help, and the flag's refusals)."""
+    rows = sorted((row for row in SOURCES.values() if row.spelling), key=lambda row: row.target != "directory")
+    spellings = [f"{row.spelling} ({row.features})" for row in rows]
     return ", ".join(spellings[:-1]) + ", or " + spellings[-1]
 
 

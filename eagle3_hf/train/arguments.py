@@ -18,6 +18,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import DataClassType
 
 from ..errors import UsageError
+from ..features.table import features_syntax
 from ..model.configuration_eagle3 import Eagle3Config
 
 
@@ -140,13 +141,7 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     features: str | None = field(
-        default=None, metadata={"help": "where the features come from: a directory (from `eagle3-hf extract`), "
-                                        "`hf` / `hf:VERIFIER` (the verifier in this process, nothing on disk), "
-                                        "http://HOST:PORT (a feature server, `eagle3-hf serve-features`, each "
-                                        "batch's states computed by vLLM on demand and used once), or "
-                                        "sglang:http://HOST:PORT (a running SGLang server with aux capture, as "
-                                        "`extract --engine sglang`); the last three read the samples from "
-                                        "--prepared-dir"})
+        default=None, metadata={"help": f"where the features come from: {features_syntax()}"})
     prepared_dir: str | None = field(default=None, metadata={"help": "prepared dataset, for online --features"})
     features_dtype: str | None = field(
         default=None, metadata={"help": "with a server (ours or SGLang): features rounded as a shard of "

@@ -41,10 +41,10 @@ def test_engine_and_endpoint_select_the_row():
 
 def test_a_new_row_is_an_engine_choice_and_a_features_spelling(monkeypatch):
     row = dataclasses.replace(SOURCES["vllm"], kind="trt", engine="trt", prefix="trt", target="url",
-                              features="trt:URL (a test route)")
+                              features="a test route")
     monkeypatch.setitem(table.SOURCES, "trt", row)
     assert engine_choices()[-1] == "trt" and engine_kind("trt", False) == "trt"
-    assert features_syntax().endswith(", or trt:URL (a test route)")
+    assert features_syntax().endswith(", or trt:http://HOST:PORT (a test route)")
 
 
 def test_every_features_spelling_parses_to_its_row():
@@ -54,7 +54,7 @@ def test_every_features_spelling_parses_to_its_row():
     assert spelled == set(examples)
     for kind in spelled:
         assert FeatureSpec.parse(examples[kind]).kind == kind
-        assert SOURCES[kind].features.split(" (")[0] in FeatureSpec.SYNTAX
+        assert f"{SOURCES[kind].spelling} ({SOURCES[kind].features})" in FeatureSpec.SYNTAX
     assert FeatureSpec.parse("hf") == FeatureSpec("transformers", "")  # the training process's --verifier
     assert FeatureSpec.parse("sglang") == FeatureSpec("directory", "sglang")  # a URL's prefix alone: a directory
     with pytest.raises(ValueError, match="sglang: takes the server's URL, sglang:http://HOST:PORT"):
@@ -88,7 +88,7 @@ def test_a_new_row_brings_its_flags_options_and_spelling(monkeypatch):
     module.TrtOptions = TrtOptions  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "trt_route", module)
     row = table.SourceRow("trt", "trt_route", offline=True, online=True, summary="a test engine",
-                          options="TrtOptions", engine="trt", prefix="trt", target="url", features="trt:URL (a test)")
+                          options="TrtOptions", engine="trt", prefix="trt", target="url", features="a test")
     monkeypatch.setitem(table.SOURCES, "trt", row)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
