@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.register_assert_rewrite("tests.helpers")  # the shared assertions report like a test's own
+pytest_plugins = ["tests.helpers.cpu_seconds"]  # per-test CPU seconds with EAGLE3_HF_TEST_CPU_LOG=FILE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
