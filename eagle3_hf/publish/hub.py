@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import EVALUATION_FILE, TRAINING_FILE
+from ..errors import Eagle3Error
 from .check import Finding, check_drafter
 from .model_card import write_model_card
 from .report import SERVERS
@@ -35,8 +36,9 @@ IGNORE_PATTERNS = ["trainer_state.json", "training_args*", "checkpoint-*/**", ".
 _TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")  # a user access token, whoever's it is
 
 
-class HubError(RuntimeError):
-    """A Hub request failed (auth, permission, conflict, network); the message says what to do."""
+class HubError(Eagle3Error, RuntimeError):
+    """A Hub request failed (auth, permission, conflict, network); the message says what to do. An `Eagle3Error`, so
+    every command reports it as one line; still a RuntimeError for callers that caught it as one."""
 
 
 class DrafterCheckError(ValueError):

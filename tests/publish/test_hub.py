@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_hf.errors import USER_ERRORS
 from eagle3_hf.publish.check import check_drafter
 from eagle3_hf.publish.hub import DrafterCheckError, HubError, hub_errors, push_drafter
 from eagle3_hf.publish.model_card import CARD_MARKER, build_model_card, serve_commands, write_model_card
@@ -113,6 +114,7 @@ def test_wrong_token_is_a_clear_error_without_the_token(client, tmp_path, caplog
     with pytest.raises(HubError) as err:
         push_drafter(drafter(tmp_path), "tester/denied", token=bad)
     assert "authentication failed" in str(err.value) and "HF_TOKEN" in str(err.value)
+    assert isinstance(err.value, USER_ERRORS)  # every command prints it as one line, not a traceback
     assert_token_free(err.value, bad, caplog)
 
 
