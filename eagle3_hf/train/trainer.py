@@ -25,6 +25,7 @@ from .arguments import refuse_unsupported
 from .loss import drafter_loss
 from .metrics import StepStats
 from .nodes import NodeRows
+from .objective import Objective
 from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
@@ -63,9 +64,9 @@ class Eagle3Trainer(Trainer):
         if self.args.freeze_lm_head:
             drafter.freeze_lm_head()
         drafter.packed_attention = self.args.packed_attention
-        self.objective = self.args.training_objective()
-        if self.objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
-            raise ValueError(f"--objective {self.objective.name} needs the verifier's mass outside the draft "
+        self.loss_objective: Objective = self.args.training_objective()
+        if self.loss_objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
+            raise ValueError(f"--objective {self.loss_objective.name} needs the verifier's mass outside the draft "
                              "vocabulary: attach the teacher with model.attach_teacher(verifier, in_vocab_mass=True)")
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
@@ -123,7 +124,7 @@ class Eagle3Trainer(Trainer):
         drafter = self._drafter()
         noise = self.args.feature_noise_std if model.training else 0.0
         step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise,
-                            objective=self.objective)
+                            objective=self.loss_objective)
         outputs = step.outputs
         assert outputs.logits is not None  # the TTT forward returns every step's logits
         stats = self._train_stats if model.training else self._eval_stats
