@@ -62,60 +62,68 @@ def row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
         yield student_rows[start : start + block], teacher_rows[start : start + block]
 
 
-def _block_terms(logits: torch.Tensor, renormalised: torch.Tensor,
-                 mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log q, q, p on the draft vocabulary, α per row) of one block, in fp32."""
-    log_q = F.log_softmax(logits.float(), dim=-1)
-    q = log_q.exp()
-    p = renormalised if mass is None else renormalised * mass[:, None]
-    return log_q, q, p, torch.minimum(p, q).sum(-1)
+def _teacher_block(probs: torch.Tensor, mass: torch.Tensor | None,
+                   t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, p) of one block: the renormalised teacher rows, the verifier's own probabilities on the draft vocabulary."""
+    renormalised = probs[t]
+    return renormalised, renormalised if mass is None else renormalised * mass[t][:, None]
 
 
 class AcceptanceLoss(torch.autograd.Function):
     """(Σ_k loss_k, Σ_k α_k) over rows k: student logits [N, Vd] at `student_rows`, the renormalised teacher [M, Vd]
     and its in-vocabulary mass [M] (None: the draft vocabulary is the whole vocabulary, m = 1) at `teacher_rows`.
 
-    dα/dz_j = q_j (1[q_j < p_j] - Σ_{v: q_v < p_v} q_v) (min's subgradient, ties to p); the CE gradient is
-    q ΣP - P. Both are recomputed in the backward a block of rows at a time; α's sum carries no gradient."""
+    dα/dz_j = q_j 1[q_j < p_j] - q_j S with S = Σ_{v: q_v < p_v} q_v (min's subgradient, ties to p); the CE gradient
+    is q ΣP - P. The backward recomputes q a block of rows at a time and reads each row's α from the forward (one
+    float per row); α's sum carries no gradient."""
 
     @staticmethod
     def forward(ctx: Any, student: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor | None,
                 student_rows: torch.Tensor, teacher_rows: torch.Tensor, objective: Objective,
                 block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(student, probs, mass, student_rows, teacher_rows)
-        ctx.objective, ctx.block = objective, block
+        alphas = student.new_empty(student_rows.shape, dtype=torch.float32)  # per row, for the backward
         total = student.new_zeros((), dtype=torch.float32)
-        alpha_total = student.new_zeros((), dtype=torch.float32)
-        for s, t in row_blocks(student_rows, teacher_rows, block):
-            renormalised = probs[t]
-            log_q, _, _, alpha = _block_terms(student[s], renormalised, None if mass is None else mass[t])
+        for start in range(0, student_rows.numel(), block):
+            s, t = student_rows[start : start + block], teacher_rows[start : start + block]
+            renormalised, p = _teacher_block(probs, mass, t)
+            logits = student[s].float()
             if objective.name == "lk-alpha":
+                alpha = torch.minimum(F.softmax(logits, dim=-1), p).sum(-1)
                 total -= alpha.clamp(min=ALPHA_FLOOR).log().sum()
             else:  # lk-hybrid
-                w = torch.exp(-objective.eta * alpha)
+                log_q = F.log_softmax(logits, dim=-1)
                 ce = -(renormalised * log_q).sum(-1)
+                alpha = torch.minimum(log_q.exp_(), p).sum(-1)
+                w = torch.exp(-objective.eta * alpha)
                 total += (w * ce + (1 - w) * (1 - alpha)).sum()
-            alpha_total += alpha.sum()
+            alphas[start : start + block] = alpha
+        ctx.save_for_backward(student, probs, mass, student_rows, teacher_rows, alphas)
+        ctx.objective, ctx.block = objective, block
+        alpha_total = alphas.sum()
         ctx.mark_non_differentiable(alpha_total)
         return total, alpha_total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor, _grad_alpha: torch.Tensor | None
                  ) -> tuple[torch.Tensor, None, None, None, None, None, None]:
-        student, probs, mass, student_rows, teacher_rows = ctx.saved_tensors
+        student, probs, mass, student_rows, teacher_rows, alphas = ctx.saved_tensors
         objective: Objective = ctx.objective
         grad = torch.zeros_like(student)
-        for s, t in row_blocks(student_rows, teacher_rows, ctx.block):
-            renormalised = probs[t]
-            _, q, p, alpha = _block_terms(student[s], renormalised, None if mass is None else mass[t])
-            below = q < p
-            d_alpha = q * (below.float() - (q * below).sum(-1, keepdim=True))
-            if objective.name == "lk-alpha":
-                g = -d_alpha * torch.where(alpha > ALPHA_FLOOR, 1 / alpha.clamp(min=ALPHA_FLOOR), 0.0)[:, None]
-            else:
-                w = torch.exp(-objective.eta * alpha)[:, None]
-                g = w * (q * renormalised.sum(-1, keepdim=True) - renormalised) - (1 - w) * d_alpha
-            grad[s] = (g * grad_output).to(grad.dtype)
+        for start in range(0, student_rows.numel(), ctx.block):
+            s, t = student_rows[start : start + ctx.block], teacher_rows[start : start + ctx.block]
+            renormalised, p = _teacher_block(probs, mass, t)
+            alpha = alphas[start : start + ctx.block, None]
+            q = F.softmax(student[s].float(), dim=-1)
+            q_below = torch.where(q < p, q, 0.0)  # q where min(p, q) = q: the terms α moves with
+            below_mass = q_below.sum(-1, keepdim=True)  # S
+            if objective.name == "lk-alpha":  # -dα/α = (q S - q 1[q < p]) / α
+                scale = torch.where(alpha > ALPHA_FLOOR, 1 / alpha.clamp(min=ALPHA_FLOOR), 0.0)
+                g = q.mul_(below_mass).sub_(q_below).mul_(scale)
+            else:  # w (q ΣP - P) - (1 - w) dα = q (w ΣP + (1 - w) S) - w P - (1 - w) q 1[q < p]
+                w = torch.exp(-objective.eta * alpha)
+                g = q.mul_(w * renormalised.sum(-1, keepdim=True) + (1 - w) * below_mass)
+                g.addcmul_(renormalised, w, value=-1.0).addcmul_(q_below, 1 - w, value=-1.0)
+            grad[s] = g.mul_(grad_output).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
@@ -125,5 +133,5 @@ def alpha_sum(student: torch.Tensor, probs: torch.Tensor, mass: torch.Tensor | N
     """Σ_k α_k over the rows, with no loss and no gradient: the α metric of a run trained on another objective."""
     total = student.new_zeros((), dtype=torch.float32)
     for s, t in row_blocks(student_rows, teacher_rows, block):
-        total += _block_terms(student[s], probs[t], None if mass is None else mass[t])[3].sum()
+        total += torch.minimum(F.softmax(student[s].float(), dim=-1), _teacher_block(probs, mass, t)[1]).sum()
     return total
