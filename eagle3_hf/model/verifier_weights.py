@@ -186,8 +186,9 @@ class Eagle3VerifierWeights(nn.Module):
         rest = self.verifier_lm_head_rest if with_mass else None
         mass = flat.new_ones(flat.shape[0]) if with_mass else None
         hidden = last_hidden_state.reshape(-1, last_hidden_state.shape[-1])
-        if rest is not None:  # the other rows' logits exist a block at a time, never all at once
-            block = min(block, max(1, (1 << 23) // rest.weight.shape[0]))
+        if rest is not None:  # the other rows' logits exist a block at a time, never all at once (out_features: under
+            # ZeRO-3 the weight itself is a partitioned placeholder outside the module's call)
+            block = min(block, max(1, (1 << 23) // rest.out_features))
         for start in range(0, flat.shape[0], block):
             rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
             if rest is not None and mass is not None:
