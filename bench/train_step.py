@@ -32,7 +32,9 @@ real token, as speculators computes them; ours computes lm_head only where the l
 and the teacher only where the loss reads it (no prompt tokens, no document tails). The projects' default
 recipes differ: speculators keeps `lm_head` frozen (the verifier's rows), ours trains it by default, so
 two rows of ours are timed: `ours` (trained lm_head) and `ours-frozen-head` (`--init-lm-head verifier
---freeze-lm-head`, the like-for-like row).
+--freeze-lm-head`, the like-for-like row). `--objectives kl,lk-hybrid` adds a row of ours per acceptance loss
+(`ours-lk-hybrid`: `--objective lk-hybrid`, the verifier's whole head kept for the teacher's in-vocabulary mass)
+and prints its step time and peak memory over the `ours` (kl) row's, the two alternating in one run.
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     from eagle3_hf import Eagle3Config, Eagle3DraftModel
     from eagle3_hf.train.loss import drafter_loss
     from eagle3_hf.train.metrics import StepStats
+    from eagle3_hf.train.objective import Objective
     from eagle3_hf.train.targets import PLAN_KEY, plan_batches
 
     torch.set_num_threads(spec["threads"])
@@ -235,12 +238,15 @@ def run_ours(spec: dict, batch_path: str) -> dict:
     embed = torch.randn(m["vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(1)) * 0.02
     model.load_verifier_embeddings(embed)
     del embed
-    # the verifier's lm_head [V, H]; only the draft rows are ever read (as the trainer reads only those shards),
-    # so the untouched rows of this empty tensor never become resident
+    # the verifier's lm_head [V, H]; with kl only the draft rows are ever read (as the trainer reads only those
+    # shards), so the untouched rows of this empty tensor never become resident; an acceptance loss keeps them all
+    objective = Objective(spec.get("objective", "kl"))
     head = torch.empty(m["vocab_size"], m["hidden_size"])
+    if objective.needs_in_vocab_mass:
+        head.copy_(torch.randn(m["vocab_size"], m["hidden_size"], generator=torch.Generator().manual_seed(3)) * 0.02)
     head[data["t2d"]] = torch.randn(m["draft_vocab_size"], m["hidden_size"],
                                     generator=torch.Generator().manual_seed(2)) * 0.02
-    model.attach_teacher(head)
+    model.attach_teacher(head, in_vocab_mass=objective.needs_in_vocab_mass)
     del head
     if spec.get("frozen_lm_head"):  # --init-lm-head verifier --freeze-lm-head, as speculators trains
         model.init_lm_head_from_verifier()
@@ -262,9 +268,9 @@ def run_ours(spec: dict, batch_path: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         for b, plan in zip(batches, plans):
             b = {**b, PLAN_KEY: plan}
-            loss = drafter_loss(model, b, model.t2d, spec["ttt_steps"], spec["step_weight"])
+            loss = drafter_loss(model, b, model.t2d, spec["ttt_steps"], spec["step_weight"], objective=objective)
             stats.update(loss.outputs.logits, b, model.d2t, model.t2d, loss.step_losses, logits_mask=loss.logits_mask,
-                         head_rows=loss.head_rows)
+                         head_rows=loss.head_rows, step_alphas=loss.step_alphas)
             loss.normalised(items).backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -332,6 +338,9 @@ def main() -> None:
     parser.add_argument("--no-speculators", action="store_true")
     parser.add_argument("--no-frozen-lm-head", action="store_true",
                         help="skip the row of ours with lm_head frozen (the like-for-like row: speculators freezes it)")
+    parser.add_argument("--objectives", default="kl",
+                        help="comma-separated --objective values; each besides kl adds a row of ours (ours-NAME) and "
+                             "its step time and peak memory over ours'")
     parser.add_argument("--setup-speculators", action="store_true", help=f"create {SPEC_VENV} and exit")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed steps, profile one more step per run and print its top N ops")
@@ -360,7 +369,12 @@ def main() -> None:
     unknown = [c for c in configs if c not in CONFIGS] + [x for x in layouts if x not in ("packed", "padded")]
     if unknown:
         parser.error(f"unknown config or layout: {unknown}")
-    impls = ["ours"] + ([] if args.no_frozen_lm_head else ["ours-frozen-head"])
+    from eagle3_hf.train.objective import OBJECTIVES
+
+    objectives = [o.strip() for o in args.objectives.split(",") if o.strip() and o.strip() != "kl"]
+    if any(o not in OBJECTIVES for o in objectives):
+        parser.error(f"--objectives: each one of {OBJECTIVES}")
+    impls = ["ours"] + [f"ours-{o}" for o in objectives] + ([] if args.no_frozen_lm_head else ["ours-frozen-head"])
     skip_note = "--no-speculators" if args.no_speculators else speculators_available()
     if skip_note is None:
         impls.append("speculators")
@@ -395,7 +409,8 @@ def main() -> None:
                                 "ttt_steps": TTT_STEPS, "step_weight": STEP_WEIGHT,
                                 "threads": args.threads, "steps": args.steps if layout == "packed" else 1,
                                 "warmup": 1, "warmup_tokens": args.warmup_tokens,
-                                "frozen_lm_head": impl == "ours-frozen-head", "profile": args.profile}
+                                "frozen_lm_head": impl == "ours-frozen-head", "profile": args.profile,
+                                "objective": impl[len("ours-"):] if impl[len("ours-"):] in objectives else "kl"}
                         res = run_worker("speculators" if impl == "speculators" else "ours", spec, batches[name],
                                          workdir)
                         results.setdefault((name, layout, impl), []).append(res)
@@ -442,6 +457,21 @@ def main() -> None:
                 print(f"{name:8s} {layout:6s} {impl:17s} {tokens / step_s:7.1f} {tokens / best_s:7.1f} {step_s:7.2f} "
                       f"{mem:8.0f} {flops / 1e9:6.0f} {row['mfu']:6.1%} {ratio:>9s} {best:>5s} {mem_ratio:>7s}")
                 table.append(row)
+    for name in configs:
+        for layout in layouts:
+            kl_runs = results.get((name, layout, "ours"))
+            for o in objectives:
+                runs = results.get((name, layout, f"ours-{o}"))
+                if kl_runs and runs:
+                    mem = [statistics.median([r["peak_step_mib"] for r in x]) for x in (runs, kl_runs)]
+                    ratios = {"config": name, "layout": layout, "objective": o,
+                              "step_time_over_kl": _median_step(runs) / _median_step(kl_runs),
+                              "best_step_time_over_kl": _best_step(runs) / _best_step(kl_runs),
+                              "peak_memory_over_kl": mem[0] / mem[1], "peak_mib_minus_kl": mem[0] - mem[1]}
+                    print(f"{name} {layout} {o} over kl: step time {ratios['step_time_over_kl']:.3f}x (best "
+                          f"{ratios['best_step_time_over_kl']:.3f}x), peak memory {ratios['peak_memory_over_kl']:.3f}x "
+                          f"({ratios['peak_mib_minus_kl']:+.0f} MiB)")
+                    table.append(ratios)
     print("tok/s: real tokens / median step time (best: fastest step); peak MiB: process RSS high-water mark over "
           "the timed steps; GFLOP: model FLOPs of the step; MFU: GFLOP / step time / matmul bound; ours/spec: "
           "tokens/s ratio (median, best); mem o/s: peak memory ratio")

@@ -50,6 +50,7 @@ class Eagle3Output(ModelOutput):
     hidden_states: tuple[torch.Tensor, ...] | None = None
     step_valid: tuple[torch.Tensor, ...] | None = None
     teacher_probs: torch.Tensor | None = None  # [B, L, Vd] fp32: the verifier's distribution on the draft vocabulary
+    teacher_in_vocab_mass: torch.Tensor | None = None  # [B, L] fp32 (or [M]): its mass there before renormalising
     logits_mask: tuple[torch.Tensor, ...] | None = None
     teacher_mask: torch.Tensor | None = None
 
@@ -106,6 +107,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel, Eagle3VerifierWeights):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed_tokens_loaded = True  # set False by from_pretrained when the checkpoint had none
         self.verifier_lm_head: nn.Linear | None = None  # frozen teacher rows, attached for training only
+        self.verifier_lm_head_rest: nn.Linear | None = None  # the other rows (attach_teacher(in_vocab_mass=True))
+        self.teacher_in_vocab_mass = False
         self.teacher_logit_softcap: float | None = None
         self.post_init()
 
@@ -190,14 +193,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel, Eagle3VerifierWeights):
         # weight gradient instead of one per step plus their sum (about 1.4x faster for the head on a CPU).
         logits = self.lm_head(torch.cat(normed)).split([n.shape[0] for n in normed])
         all_logits = list(logits) if head_rows is not None else [x.view(batch, length, -1) for x in logits]
-        teacher = None
+        teacher = mass = None
         if last_hidden_state is not None and self.verifier_lm_head is not None:
             read_at = last_hidden_state
             if head_rows is not None and head_rows.teacher is not None:
                 read_at = gather_rows(last_hidden_state, head_rows.teacher)  # [M, H]
-            teacher = self.teacher_distribution(read_at)
+            if self.teacher_in_vocab_mass:
+                teacher, mass = self.teacher_distribution_and_mass(read_at)
+            else:
+                teacher = self.teacher_distribution(read_at)
         return Eagle3Output(logits=tuple(all_logits), hidden_states=tuple(all_hidden), step_valid=tuple(all_valid),
-                            teacher_probs=teacher, logits_mask=None if head_rows is None else head_rows.logits_mask,
+                            teacher_probs=teacher, teacher_in_vocab_mass=mass,
+                            logits_mask=None if head_rows is None else head_rows.logits_mask,
                             teacher_mask=None if head_rows is None else head_rows.teacher_mask)
 
     # ------------------------------------------------------------------ inference: one step with a KV cache

@@ -1,6 +1,7 @@
 """What the drafter takes from its verifier and how its draft vocabulary maps onto the verifier's: the d2t / t2d
 buffers (install, switch with the lm_head rows carried over), the verifier's raw input embedding (as both engines
-read it), and the frozen teacher head (the verifier's lm_head rows on the draft vocabulary) with its softmax.
+read it), and the frozen teacher head (the verifier's lm_head rows on the draft vocabulary) with its softmax (and,
+for the acceptance losses, the verifier's mass on the draft vocabulary).
 
 A mixin of `Eagle3DraftModel` (modeling_eagle3.py), kept apart so that the model's file reads as the network and
 its checkpoints, and this one as the contract with the verifier's weights. Every method is the model's own public
@@ -33,6 +34,8 @@ class Eagle3VerifierWeights(nn.Module):
     t2d: torch.Tensor  # [V] bool: the verifier's tokens in the draft vocabulary
     embed_tokens_loaded: bool
     verifier_lm_head: nn.Linear | None
+    verifier_lm_head_rest: nn.Linear | None  # the verifier's other rows, with attach_teacher(in_vocab_mass=True)
+    teacher_in_vocab_mass: bool
     teacher_logit_softcap: float | None
 
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -91,10 +94,16 @@ class Eagle3VerifierWeights(nn.Module):
             self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
         self.embed_tokens_loaded = True
 
-    def attach_teacher(self, verifier: PreTrainedModel | torch.Tensor, logit_softcap: float | None = None) -> None:
+    def attach_teacher(self, verifier: PreTrainedModel | torch.Tensor, logit_softcap: float | None = None,
+                       in_vocab_mass: bool = False) -> None:
         """Keep the verifier's lm_head rows for the draft vocabulary (frozen): the teacher distribution is
         lm_head(h_last) restricted to the draft vocabulary — never full-vocabulary logits. Attach after the
-        vocabulary mapping is final. Never saved (not part of the checkpoint contract)."""
+        vocabulary mapping is final. Never saved (not part of the checkpoint contract).
+
+        `in_vocab_mass` (the acceptance losses, train/objective.py): also keep the other rows of the verifier's
+        head, so that the teacher can say how much of the verifier's distribution the draft vocabulary holds
+        (its full-vocabulary log-sum-exp, a block of rows at a time); nothing more is kept when the draft
+        vocabulary is the whole head."""
         if isinstance(verifier, torch.Tensor):
             weight = verifier  # [V, H]
         else:
@@ -104,14 +113,25 @@ class Eagle3VerifierWeights(nn.Module):
             raise ValueError(f"verifier lm_head {tuple(weight.shape)} does not match vocab_size "
                              f"{self.config.vocab_size} x target_hidden_size {self.config.target_hidden_size}")
         targets = draft_to_target(self.d2t)
-        rows = weight.detach()[targets.to(weight.device)]  # [Vd, H]
+        self.verifier_lm_head = self._frozen_rows(weight.detach()[targets.to(weight.device)])  # [Vd, H]
+        self.verifier_lm_head_rest = None
+        if in_vocab_mass:
+            # every row of the verifier's head outside the draft vocabulary (padding rows past vocab_size too:
+            # the verifier's softmax spans them)
+            outside = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
+            outside[targets.to(weight.device)] = False
+            if bool(outside.any()):
+                self.verifier_lm_head_rest = self._frozen_rows(weight.detach()[outside])  # [V - Vd, H]
+        self.teacher_in_vocab_mass = in_vocab_mass
+        self.teacher_logit_softcap = logit_softcap
+
+    def _frozen_rows(self, rows: torch.Tensor) -> nn.Linear:
         head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.lm_head.weight.device,
                          dtype=self.lm_head.weight.dtype)
         with torch.no_grad():
             head.weight.copy_(rows)
         head.requires_grad_(False)
-        self.verifier_lm_head = head
-        self.teacher_logit_softcap = logit_softcap
+        return head
 
     def init_lm_head_from_verifier(self) -> None:
         """lm_head rows = the verifier's lm_head rows for the draft vocabulary, in d2t order (its embedding rows
@@ -142,13 +162,39 @@ class Eagle3VerifierWeights(nn.Module):
         """softmax(verifier lm_head(h_last)) over the draft vocabulary, fp32 [.., Vd]: computed once per batch;
         step i's teacher at t is this at t + 1 + i (the loss indexes it, nothing is copied per step). The
         softmax runs in place, a block of rows at a time, so the logits and probabilities share one tensor."""
+        return self._teacher(last_hidden_state, with_mass=False)[0]
+
+    @torch.no_grad()
+    def teacher_distribution_and_mass(self, last_hidden_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`teacher_distribution`, the verifier's probability mass on the draft vocabulary [..], fp32): the mass is
+        exp(logsumexp over the draft rows - logsumexp over every row), the rows outside the draft vocabulary
+        (`attach_teacher(..., in_vocab_mass=True)`) formed a block of positions at a time; 1 where the draft
+        vocabulary is the whole head."""
+        if not self.teacher_in_vocab_mass:
+            raise RuntimeError("the teacher's in-vocabulary mass needs attach_teacher(verifier, in_vocab_mass=True)")
+        probs, mass = self._teacher(last_hidden_state, with_mass=True)
+        assert mass is not None  # with_mass
+        return probs, mass
+
+    def _teacher(self, last_hidden_state: torch.Tensor, with_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.verifier_lm_head
         if head is None:
             raise RuntimeError("teacher_distribution needs the verifier's rows: call attach_teacher first")
         probs = head(last_hidden_state.to(head.weight.dtype)).float()
         flat = probs.view(-1, probs.shape[-1])
         block = max(1, (1 << 23) // flat.shape[1])
+        rest = self.verifier_lm_head_rest if with_mass else None
+        mass = flat.new_ones(flat.shape[0]) if with_mass else None
+        hidden = last_hidden_state.reshape(-1, last_hidden_state.shape[-1])
+        if rest is not None:  # the other rows' logits exist a block at a time, never all at once (out_features: under
+            # ZeRO-3 the weight itself is a partitioned placeholder outside the module's call)
+            block = min(block, max(1, (1 << 23) // rest.out_features))
         for start in range(0, flat.shape[0], block):
             rows = softcap_logits(flat[start : start + block], self.teacher_logit_softcap)
+            if rest is not None and mass is not None:
+                other = rest(hidden[start : start + block].to(rest.weight.dtype)).float()
+                draft_lse = rows.logsumexp(-1)
+                other_lse = softcap_logits(other, self.teacher_logit_softcap).logsumexp(-1)
+                mass[start : start + block] = torch.exp(draft_lse - torch.logaddexp(draft_lse, other_lse))
             flat[start : start + block] = torch.softmax(rows, dim=-1)
-        return probs
+        return probs, None if mass is None else mass.view(probs.shape[:-1])

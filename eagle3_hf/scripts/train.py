@@ -114,10 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
                                 features.identity.tokenizer_fingerprint, features.tokenizer.get("tokenizer_class"))
 
     # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
-    #    draft vocabulary, read by tensor name so a huge verifier is never instantiated.
+    #    draft vocabulary, read by tensor name so a huge verifier is never instantiated (an acceptance loss,
+    #    --objective lk-*, keeps the other rows too: the verifier's mass outside the draft vocabulary).
     embed, head = verifier_io_weights(verifier, model_args.verifier_revision)
     model.load_verifier_embeddings(embed)
-    model.attach_teacher(head, logit_softcap(verifier_config))
+    model.attach_teacher(head, logit_softcap(verifier_config),
+                         in_vocab_mass=args.training_objective().needs_in_vocab_mass)
     logger.info("drafter: %.1f M trainable parameters; %d train rows, %d eval rows (%s)",
                 model.num_trainable_parameters() / 1e6, train.stats["rows"], evals.stats["rows"], train.stats)
 

@@ -20,6 +20,7 @@ from transformers.hf_argparser import DataClassType
 from ..errors import UsageError
 from ..features.table import features_syntax
 from ..model.configuration_eagle3 import Eagle3Config
+from .objective import DEFAULT_LK_ETA, OBJECTIVES, Objective
 
 
 @dataclass
@@ -31,6 +32,15 @@ class Eagle3TrainingArguments(TrainingArguments):
                            metadata={"help": "training-time-test steps unrolled per batch"})
     ttt_step_weight: float = field(default=Eagle3Config.ttt_step_weight,
                                    metadata={"help": "step i of the unroll is weighted gamma^i"})
+    objective: str = field(
+        default="kl", metadata={"help": "what each position of the unroll trains: kl (soft cross-entropy against the "
+                                        "verifier's distribution on the draft vocabulary), lk-alpha (-log α, α = "
+                                        "Σ min(p, q) the acceptance rate over the full vocabulary) or lk-hybrid "
+                                        "(w KL + (1 - w)(1 - α), w = exp(-η α)); the LK losses keep the verifier's "
+                                        "whole lm_head for its mass outside the draft vocabulary",
+                                "choices": list(OBJECTIVES)})
+    lk_eta: float = field(default=DEFAULT_LK_ETA, metadata={"help": "lk-hybrid's η in w = exp(-η α): 0 is kl, larger "
+                                                                    "hands the loss to 1 - α sooner"})
     feature_noise_std: float = field(
         default=0.0, metadata={"help": "std of Gaussian noise added to verifier features while training"}
     )
@@ -74,10 +84,16 @@ class Eagle3TrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         refuse_unsupported(bool(self.gradient_checkpointing), self.hidden_optimizer, bool(self.deepspeed))
+        self.training_objective()  # an unknown objective or a bad η: refused here, in one line
         if self.load_best_model_at_end is None:
             self.load_best_model_at_end = best_model_selectable(self.eval_strategy, self.save_strategy,
                                                                 self.eval_steps or self.logging_steps, self.save_steps)
         super().__post_init__()  # type: ignore[no-untyped-call]  # unannotated in transformers
+
+
+    def training_objective(self) -> Objective:
+        """The run's per-row objective (train/objective.py)."""
+        return Objective(self.objective, self.lk_eta)
 
 
 def best_model_selectable(eval_strategy: Any, save_strategy: Any, eval_steps: float, save_steps: float) -> bool:

@@ -1,7 +1,8 @@
 """The TTT loss — defined once; the Trainer, the metrics, the benches and gpu_check call it.
 
 The targets it scores against (which position predicts what, where it counts) are `targets.step_targets`, whose
-module docstring states the alignment; they are re-exported here.
+module docstring states the alignment; they are re-exported here. What it trains per row is the run's `Objective`
+(objective.py: the soft cross-entropy by default, or an acceptance loss), through `acceptance_objective`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .objective import KL, AcceptanceLoss, Objective, alpha_sum
 from .targets import PLAN_KEY, BatchPlan, StepTargets, batch_plan, count_loss_tokens, head_positions, step_targets
 
 if TYPE_CHECKING:
     from ..model.head_rows import HeadRows
     from ..model.modeling_eagle3 import Eagle3Output
 
-__all__ = ["PLAN_KEY", "BatchPlan", "DrafterLoss", "StepTargets", "count_loss_tokens", "drafter_loss", "head_positions",
-           "soft_cross_entropy_at", "step_targets", "ttt_loss"]
+__all__ = ["PLAN_KEY", "BatchPlan", "DrafterLoss", "Objective", "StepTargets", "acceptance_objective",
+           "count_loss_tokens", "drafter_loss", "head_positions", "soft_cross_entropy_at", "step_targets", "ttt_loss"]
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
@@ -56,9 +58,38 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
                 vocab: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    size = _block_rows(vocab)
     for start in range(0, student_rows.numel(), size):
         yield student_rows[start : start + size], teacher_rows[start : start + size]
+
+
+def _block_rows(vocab: int) -> int:
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab)
+
+
+def acceptance_objective(student: torch.Tensor, teacher: torch.Tensor, student_rows: torch.Tensor,
+                         teacher_rows: torch.Tensor, in_vocab_mass: torch.Tensor | None,
+                         objective: Objective) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Σ_k loss_k, Σ_k α_k or None) over rows k of the `objective` (objective.py), for any drafter's rows.
+
+    student [N, Vd] logits on the draft vocabulary, read at `student_rows`; teacher [M, Vd] the verifier's
+    distribution restricted to the draft vocabulary and renormalised (fp32), read at `teacher_rows`;
+    in_vocab_mass [M] the verifier's mass on the draft vocabulary before renormalising (None: the draft vocabulary
+    is the whole vocabulary). `kl` is the soft cross-entropy, bit for bit as before, with α only where a mass is
+    given (a metric); the LK objectives need the mass wherever the draft vocabulary is a part of the verifier's.
+    Computed a block of rows at a time: no [N, Vd] copy beyond the logits' gradient."""
+    student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+    mass = None if in_vocab_mass is None else in_vocab_mass.reshape(-1)
+    block = _block_rows(student.shape[-1])
+    if objective.name == "kl":
+        # torch leaves autograd.Function.apply unannotated
+        loss: torch.Tensor = _SoftCrossEntropy.apply(  # type: ignore[no-untyped-call]
+            student, teacher, student_rows, teacher_rows)
+        alphas = None if mass is None else alpha_sum(student, teacher, mass, student_rows, teacher_rows, block)
+        return loss, alphas
+    total, alphas = AcceptanceLoss.apply(  # type: ignore[no-untyped-call]
+        student, teacher, mass, student_rows, teacher_rows, objective, block)
+    return total, alphas
 
 
 def _rows_of(positions: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
@@ -72,40 +103,60 @@ def soft_cross_entropy_at(student_logits: torch.Tensor, teacher_probs: torch.Ten
                           shift: int, logits_mask: torch.Tensor | None = None,
                           teacher_mask: torch.Tensor | None = None,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]).
+    """Σ over masked positions t of CE(teacher_probs[t + shift], student[t]) (`objective_at` with `kl`)."""
+    return objective_at(student_logits, teacher_probs, mask, shift, logits_mask, teacher_mask, positions)[0]
+
+
+def objective_at(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor, shift: int,
+                 logits_mask: torch.Tensor | None = None, teacher_mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, in_vocab_mass: torch.Tensor | None = None,
+                 objective: Objective = KL) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Σ over masked positions t of the objective's loss, the same sum of α or None) with the teacher at t + shift.
 
     student [B, L, Vd] (or its rows [N, Vd] at `logits_mask`), teacher_probs [B, L, Vd] (or its rows at
-    `teacher_mask`; fp32, the teacher distribution shared by every TTT step), mask [B, L] (already guarantees
-    t + shift is in t's document; inside both masks). `positions`: the mask's flat positions b * L + t
-    (`BatchPlan.loss_rows`), so that no host synchronisation finds them."""
+    `teacher_mask`; fp32, the teacher distribution shared by every TTT step) and its in-vocabulary mass [B, L] (or
+    its rows), mask [B, L] (already guarantees t + shift is in t's document; inside both masks). `positions`: the
+    mask's flat positions b * L + t (`BatchPlan.loss_rows`), so that no host synchronisation finds them."""
     flat = mask.flatten().nonzero().squeeze(1) if positions is None else positions  # b * L + t
     if flat.numel() == 0:
-        return student_logits.sum() * 0.0
-    vocab = student_logits.shape[-1]
-    student_rows = _rows_of(flat, logits_mask)
-    teacher_rows = _rows_of(flat + shift, teacher_mask)
-    # torch leaves autograd.Function.apply unannotated
-    loss: torch.Tensor = _SoftCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        student_logits.reshape(-1, vocab), teacher_probs.reshape(-1, vocab), student_rows, teacher_rows)
-    return loss
+        zero = student_logits.sum() * 0.0
+        return zero, None if in_vocab_mass is None else zero.detach()
+    return acceptance_objective(student_logits, teacher_probs, _rows_of(flat, logits_mask),
+                                _rows_of(flat + shift, teacher_mask), in_vocab_mass, objective)
+
+
+@dataclass
+class TTTLoss:
+    """One batch's loss terms: Σ_i γ^i Σ_t loss_i(t), not yet normalised; per step (loss sum, loss tokens) and
+    per step Σ_t α_i(t) over the same loss positions (None where the teacher gave no in-vocabulary mass)."""
+
+    total: torch.Tensor
+    step_losses: list[tuple[torch.Tensor, torch.Tensor]]
+    step_alphas: list[torch.Tensor] | None
 
 
 def ttt_loss(outputs: Eagle3Output, batch: dict[str, torch.Tensor], t2d: torch.Tensor, step_weight: float,
-             plan: BatchPlan | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(Σ_i γ^i Σ_t CE_i(t) summed, not yet normalised; per-step (loss sum, loss tokens)) for one batch.
-    With the batch's `plan`, no host synchronisation."""
-    teacher = outputs.teacher_probs
+             plan: BatchPlan | None = None, objective: Objective = KL) -> TTTLoss:
+    """One batch's TTT loss under `objective` (the soft cross-entropy by default). With the batch's `plan`, no
+    host synchronisation."""
+    teacher, mass = outputs.teacher_probs, outputs.teacher_in_vocab_mass
     assert outputs.logits is not None and teacher is not None  # a forward with a teacher attached
+    if objective.needs_in_vocab_mass and mass is None:
+        raise ValueError(f"objective {objective.name} needs the verifier's mass on the draft vocabulary: attach the "
+                         "teacher with model.attach_teacher(verifier, in_vocab_mass=True)")
     total = outputs.logits[0].new_zeros(())
-    step_losses = []
+    step_losses, step_alphas = [], []
     for i, logits in enumerate(outputs.logits):
         mask = (step_targets(batch, i, t2d) if plan is None else plan.targets[i]).loss_mask
-        step_loss = soft_cross_entropy_at(logits, teacher, mask, i + 1,
-                                          None if outputs.logits_mask is None else outputs.logits_mask[i],
-                                          outputs.teacher_mask, None if plan is None else plan.loss_rows[i])
+        step_loss, alphas = objective_at(logits, teacher, mask, i + 1,
+                                         None if outputs.logits_mask is None else outputs.logits_mask[i],
+                                         outputs.teacher_mask, None if plan is None else plan.loss_rows[i], mass,
+                                         objective)
         total = total + (step_weight**i) * step_loss
         step_losses.append((step_loss.detach(), mask.sum()))
-    return total, step_losses
+        if alphas is not None:
+            step_alphas.append(alphas)
+    return TTTLoss(total, step_losses, step_alphas if mass is not None else None)
 
 
 @dataclass
@@ -118,6 +169,7 @@ class DrafterLoss:
     outputs: Eagle3Output  # the model's forward output
     logits_mask: tuple[torch.Tensor, ...] | None  # where each step's logits were computed (None: every position)
     head_rows: HeadRows | None = None  # the same as row indices (what StepStats.update reads without a sync)
+    step_alphas: list[torch.Tensor] | None = None  # per step Σ α over its loss positions (with a teacher's mass)
 
     def normalised(self, num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The loss the optimizer sees: `total` over the step-0 loss tokens of the whole optimizer step.
@@ -134,14 +186,16 @@ class DrafterLoss:
 
 
 def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Tensor, ttt_steps: int,
-                 step_weight: float, feature_noise_std: float = 0.0, heads_where_read: bool = True) -> DrafterLoss:
+                 step_weight: float, feature_noise_std: float = 0.0, heads_where_read: bool = True,
+                 objective: Objective = KL) -> DrafterLoss:
     """The training step's loss, defined once: the Trainer, the metrics and every bench call this, so a change
     to the loss is made here and a bench measures exactly the Trainer's step.
 
     `model` may be wrapped (DDP, DeepSpeed); `t2d` is the drafter's mask. `heads_where_read` computes the
     draft and teacher heads only at the positions the loss and the metrics read (`head_positions`), as row
     indices from the batch's plan (`targets.batch_plan`: the Trainer's, made once per optimizer step, or one
-    made here with a single host synchronisation).
+    made here with a single host synchronisation). `objective`: what each row trains (objective.py; default the
+    soft cross-entropy).
     Divide `total` by the global loss-token count (`loss_tokens` summed over the batches of an optimizer step).
     """
     features = batch["aux_hidden_states"]
@@ -158,9 +212,12 @@ def drafter_loss(model: nn.Module, batch: dict[str, torch.Tensor], t2d: torch.Te
         ttt_steps=ttt_steps,
         head_rows=head_rows,
     )
-    total = step_losses = None
+    terms = None
     if outputs.teacher_probs is not None:
-        total, step_losses = ttt_loss(outputs, batch, t2d, step_weight, plan)
+        terms = ttt_loss(outputs, batch, t2d, step_weight, plan, objective)
     loss_tokens = count_loss_tokens(batch, t2d) if plan is None else plan.targets[0].loss_mask.sum()
-    return DrafterLoss(total, loss_tokens, step_losses, outputs, None if head_rows is None else head_rows.logits_mask,
-                       head_rows)
+    if terms is None:
+        return DrafterLoss(None, loss_tokens, None, outputs, None if head_rows is None else head_rows.logits_mask,
+                           head_rows)
+    return DrafterLoss(terms.total, loss_tokens, terms.step_losses, outputs,
+                       None if head_rows is None else head_rows.logits_mask, head_rows, terms.step_alphas)

@@ -2,6 +2,13 @@
 evaluation and diff. They score against the loss's targets (`loss.step_targets`, whose module docstring states
 the alignment); a position whose greedy token lies outside the draft vocabulary counts as a miss, since such a
 token can never be accepted.
+
+Where the teacher gives its in-vocabulary mass (the acceptance losses, train/objective.py), also per step the mean
+acceptance rate α = Σ_v min(p_v, q_v) over the loss positions, and the simulated acceptance length at temperature 1,
+1 + Σ_k Π_{j≤k} mean α_j: the expected accepted length under speculative sampling at T = 1 were each step accepted
+independently with its mean α (an approximation: the unroll feeds the data's tokens, not sampled drafts, and the
+mean of a product is not the product of means). Its positions are the loss's, so those whose greedy token lies
+outside the draft vocabulary are not in it.
 """
 
 from __future__ import annotations
@@ -20,19 +27,19 @@ if TYPE_CHECKING:
     from ..model.modeling_eagle3 import Eagle3DraftModel
 
 
-_FIELDS = ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens")
+_FIELDS = ("scored", "correct", "cond_scored", "cond_correct", "loss_sum", "loss_tokens", "alpha_sum", "alpha_rows")
 
 
 @dataclass
 class StepStats:
     """Counts accumulated over batches (and reduced over processes) -> accuracy, conditional accuracy, τ.
 
-    The counts stay on the batches' device as one float64 tensor [6, steps] (`_FIELDS` x TTT steps): `update`
+    The counts stay on the batches' device as one float64 tensor [8, steps] (`_FIELDS` x TTT steps): `update`
     adds to it without reading anything back, and the host reads it when the metrics are asked for (logging),
     not at every micro-step."""
 
     steps: int
-    totals: torch.Tensor | None = None  # [6, steps] float64, or None before the first batch
+    totals: torch.Tensor | None = None  # [8, steps] float64, or None before the first batch
     _host: list[list[float]] | None = field(default=None, repr=False)
 
     def as_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
@@ -73,12 +80,22 @@ class StepStats:
     def loss_tokens(self) -> list[float]:
         return self._rows()[5]
 
+    @property
+    def alpha_sum(self) -> list[float]:
+        return self._rows()[6]
+
+    @property
+    def alpha_rows(self) -> list[float]:
+        return self._rows()[7]
+
     @torch.no_grad()
     def update(self, logits: tuple[torch.Tensor, ...], batch: dict[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
                step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               logits_mask: tuple[torch.Tensor, ...] | None = None, head_rows: HeadRows | None = None) -> None:
+               logits_mask: tuple[torch.Tensor, ...] | None = None, head_rows: HeadRows | None = None,
+               step_alphas: list[torch.Tensor] | None = None) -> None:
         """Add one batch. A position is 'right' at step i when the draft argmax, mapped to a verifier id,
         equals the verifier's greedy token; the conditional count needs steps 0..i-1 right at that anchor.
+        `step_alphas[i]`: Σ α over step i's loss positions (`DrafterLoss.step_alphas`), counted over its loss tokens.
 
         `logits[i]` holds every position [B, L, Vd], or the rows at `head_rows.logits[i]` / `logits_mask[i]`
         (which hold every scored position); with `head_rows` no host synchronisation."""
@@ -100,9 +117,12 @@ class StepStats:
             all_right = right if all_right is None else all_right & right
             zero = scored.new_zeros((), dtype=torch.float64)
             loss_sum, loss_tokens = (zero, zero) if step_losses is None else step_losses[i]
+            alpha_sum, alpha_rows = (zero, zero) if step_alphas is None or step_losses is None else (
+                step_alphas[i], step_losses[i][1])
             per_step.append(torch.stack([scored.sum().double(), right.sum().double(), cond.sum().double(),
-                                         (right & cond).sum().double(), loss_sum.double(), loss_tokens.double()]))
-        added = torch.stack(per_step, dim=1)  # [6, steps]
+                                         (right & cond).sum().double(), loss_sum.double(), loss_tokens.double(),
+                                         alpha_sum.double(), alpha_rows.double()]))
+        added = torch.stack(per_step, dim=1)  # [8, steps]
         self.totals = added if self.totals is None else self.totals + added.to(self.totals.device)
         self._host = None
 
@@ -123,11 +143,16 @@ class StepStats:
             if rows["loss_tokens"][i]:
                 out[f"loss_{i}"] = rows["loss_sum"][i] / rows["loss_tokens"][i]
         out["simulated_acceptance_length"] = simulated_acceptance_length(caccs)
+        if any(rows["alpha_rows"]):  # the teacher gave its mass: α measured
+            alphas = [a / max(n, 1.0) for a, n in zip(rows["alpha_sum"], rows["alpha_rows"])]
+            out.update({f"alpha_{i}": a for i, a in enumerate(alphas)})
+            out["simulated_acceptance_length_t1"] = simulated_acceptance_length(alphas)
         return out
 
 
 def simulated_acceptance_length(conditional_accuracies: list[float]) -> float:
-    """1 + Σ_k Π_{j≤k} cacc_j: the verifier's bonus token plus the expected accepted drafts (≤ K + 1)."""
+    """1 + Σ_k Π_{j≤k} cacc_j: the verifier's bonus token plus the expected accepted drafts (≤ K + 1); with the
+    per-step mean α in place of cacc, the same at temperature 1."""
     total, running = 1.0, 1.0
     for cacc in conditional_accuracies:
         running *= cacc
@@ -152,5 +177,6 @@ def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_
         batch = {k: v.to(device) for k, v in batch.items()}
         step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
         assert step.outputs.logits is not None
-        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)  # every position's logits
+        stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses,  # every position's logits
+                     step_alphas=step.step_alphas)
     return stats.metrics()

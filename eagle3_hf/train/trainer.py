@@ -2,7 +2,8 @@
 
 Everything the Trainer already does well — accelerate / DeepSpeed ZeRO, gradient accumulation, mixed
 precision, checkpoints with optimizer, scheduler, RNG and data position, best-checkpoint selection — is
-left to it. This file adds what it lacks: the TTT loss against the verifier's restricted distribution,
+left to it. This file adds what it lacks: the TTT loss against the verifier's restricted distribution (or an
+acceptance loss, `--objective`),
 `num_items_in_batch` counted on loss tokens, per-step accuracy / conditional accuracy / simulated
 acceptance length in the logs and in `evaluate()`, and saving in the standard EAGLE-3 layout.
 """
@@ -24,6 +25,7 @@ from .arguments import refuse_unsupported
 from .loss import drafter_loss
 from .metrics import StepStats
 from .nodes import NodeRows
+from .objective import Objective
 from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
@@ -62,6 +64,10 @@ class Eagle3Trainer(Trainer):
         if self.args.freeze_lm_head:
             drafter.freeze_lm_head()
         drafter.packed_attention = self.args.packed_attention
+        self.loss_objective: Objective = self.args.training_objective()
+        if self.loss_objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
+            raise ValueError(f"--objective {self.loss_objective.name} needs the verifier's mass outside the draft "
+                             "vocabulary: attach the teacher with model.attach_teacher(verifier, in_vocab_mass=True)")
         steps = self.args.ttt_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
         self._guard_loss: torch.Tensor | None = None  # the first non-finite loss of this optimizer step, if any
@@ -113,15 +119,17 @@ class Eagle3Trainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """Σ_i γ^i Σ_t CE(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch."""
+        """Σ_i γ^i Σ_t loss(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch,
+        the loss being the run's objective (the soft cross-entropy by default)."""
         drafter = self._drafter()
         noise = self.args.feature_noise_std if model.training else 0.0
-        step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise)
+        step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise,
+                            objective=self.loss_objective)
         outputs = step.outputs
         assert outputs.logits is not None  # the TTT forward returns every step's logits
         stats = self._train_stats if model.training else self._eval_stats
         stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask,
-                     head_rows=step.head_rows)
+                     head_rows=step.head_rows, step_alphas=step.step_alphas)
         loss = step.normalised(num_items_in_batch)
         if model.training:
             self._guard_non_finite(loss)
@@ -215,17 +223,22 @@ def node_sampler(rows: NodeRows, batch_size: int, shuffle: bool, seed: int) -> S
 def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict[str, Any]:
     """`eagle3_training.json`: what the model card reports (recipe + measured per-step metrics)."""
     steps = trainer.args.ttt_steps
+    metrics: dict[str, Any] = {
+        "step_accuracy": [eval_metrics.get(f"eval_acc_{i}") for i in range(steps)],
+        "step_conditional_accuracy": [eval_metrics.get(f"eval_cond_acc_{i}") for i in range(steps)],
+        "simulated_acceptance_length": eval_metrics.get("eval_simulated_acceptance_length"),
+    }
+    if "eval_simulated_acceptance_length_t1" in eval_metrics:  # measured with the teacher's mass (--objective lk-*)
+        metrics["step_alpha"] = [eval_metrics.get(f"eval_alpha_{i}") for i in range(steps)]
+        metrics["simulated_acceptance_length_t1"] = eval_metrics["eval_simulated_acceptance_length_t1"]
     return {
         **extra,
         "recipe": {**extra.get("recipe", {}), "epochs": trainer.args.num_train_epochs,
                    "learning_rate": trainer.args.learning_rate, "ttt_steps": steps,
                    "step_weight": trainer.args.ttt_step_weight, "init_lm_head": trainer.args.init_lm_head,
-                   "freeze_lm_head": trainer.args.freeze_lm_head},
-        "metrics": {
-            "step_accuracy": [eval_metrics.get(f"eval_acc_{i}") for i in range(steps)],
-            "step_conditional_accuracy": [eval_metrics.get(f"eval_cond_acc_{i}") for i in range(steps)],
-            "simulated_acceptance_length": eval_metrics.get("eval_simulated_acceptance_length"),
-        },
+                   "freeze_lm_head": trainer.args.freeze_lm_head, "objective": trainer.args.objective,
+                   **({"lk_eta": trainer.args.lk_eta} if trainer.args.objective == "lk-hybrid" else {})},
+        "metrics": metrics,
     }
 
 

@@ -36,9 +36,11 @@ def trainer_batch(row_len: int, documents: int, rows: int = 1, seed: int = 0) ->
 
 
 def tiny_trainer(tmp_path, steps: int, **overrides) -> Eagle3Trainer:
-    """The Trainer on a tiny drafter, with the accelerator's attention path (`packed_attention="row"`)."""
+    """The Trainer on a tiny drafter, with the accelerator's attention path (`packed_attention="row"`); an LK
+    `objective` attaches the teacher with its in-vocabulary mass, as the training script does."""
     model = tiny_model()
-    model.attach_teacher(torch.randn(VOCAB, HIDDEN) * 0.05)
+    model.attach_teacher(torch.randn(VOCAB, HIDDEN) * 0.05,
+                         in_vocab_mass=overrides.get("objective", "kl") != "kl")
     overrides.setdefault("packed_attention", "row")
     args = Eagle3TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none",
                                    ttt_steps=steps, disable_tqdm=True, **overrides)

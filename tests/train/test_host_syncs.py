@@ -51,6 +51,19 @@ def test_micro_step_host_syncs_and_attention_calls(tmp_path, steps, row_len, doc
     assert calls == steps
 
 
+@pytest.mark.parametrize("objective", ["kl", "lk-alpha", "lk-hybrid"])
+def test_each_objective_reads_the_device_once_per_optimizer_step(tmp_path, objective):
+    """The acceptance losses (and their α metric) add no read: none inside gradient accumulation, the guard's one
+    at the last micro-step."""
+    trainer = tiny_trainer(tmp_path, 3, objective=objective)
+    trainer.accelerator.gradient_state._set_sync_gradients(False)
+    syncs, _ = count_micro_step(trainer, trainer_batch(512, 3))
+    assert syncs.total == 0, dict(syncs.ops)
+    trainer.accelerator.gradient_state._set_sync_gradients(True)
+    syncs, _ = count_micro_step(trainer, trainer_batch(512, 3))
+    assert syncs.total == 1 and syncs.ops["_local_scalar_dense"] == 1, dict(syncs.ops)
+
+
 def test_only_the_last_micro_step_of_an_optimizer_step_reads_the_device(tmp_path):
     """The non-finite guard reads the device once per optimizer step, before the last micro-batch's backward;
     a batch without the Trainer's plan makes its own with one read: still within the bound."""
