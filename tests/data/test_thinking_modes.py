@@ -1,0 +1,180 @@
+"""The thinking mode is part of the drafter's contract (eagle3_hf/data/thinking_mode.py, reasoning.py): in each mode a
+thinking template renders (Kimi-K2.5's `thinking`, Qwen3's `enable_thinking`, R1's one mode), a sample is the
+server's generation prompt followed by exactly what the model emits in that mode, and only that carries loss; the
+mode is found from the template, said in one line when the user gave none, and recorded with the data. Reasoning
+under a template without thinking syntax is refused by file and sample unless the user chooses drop or inline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_hf import cli
+from eagle3_hf.data.conversations import write_jsonl
+from eagle3_hf.data.prepare import new_stats, prepare_conversations, render_samples
+from eagle3_hf.data.prepared_format import load_prepared
+from eagle3_hf.data.thinking_mode import thinking_mode
+
+from tests.helpers.chat_templates import CALL, A, U, family_tokenizer
+from tests.helpers.thinking_templates import thinking_tokenizer
+
+THOUGHT = "count the zebras twice"
+ASK = [U("How many zebras?")]
+SWITCH = {"k25": "thinking", "qwen3": "enable_thinking"}
+# (family, template kwargs, what the model emits after the server's generation prompt in that mode)
+MODES = {
+    "k25-on": ("k25", {"thinking": True}, f"{THOUGHT}</think>Four.<|im_end|>"),
+    "k25-off": ("k25", {"thinking": False}, "Four.<|im_end|>"),
+    "k25-default": ("k25", {}, f"{THOUGHT}</think>Four.<|im_end|>"),
+    "qwen3-on": ("qwen3", {"enable_thinking": True}, f"<think>\n{THOUGHT}\n</think>\n\nFour.<|im_end|>"),
+    "qwen3-off": ("qwen3", {"enable_thinking": False}, "Four.<|im_end|>"),
+    "r1": ("r1", {}, f"{THOUGHT}\n</think>\n\nFour.<｜end▁of▁sentence｜>"),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(default_verifier_dir):
+    out = {f: thinking_tokenizer(default_verifier_dir, f) for f in ("k25", "qwen3", "r1")}
+    out["llama3"] = family_tokenizer(default_verifier_dir, "llama3")
+    return out
+
+
+def loss_text(tok, ids: list[int], mask: list[int]) -> list[str]:
+    runs: list[list[int]] = [[]]
+    for i, m in zip(ids, mask):
+        if m:
+            runs[-1].append(i)
+        elif runs[-1]:
+            runs.append([])
+    return [tok.decode(r) for r in runs if r]
+
+
+def assert_server_prompt_then_emitted(tok, ids, mask, prompt: str, emitted: str) -> None:
+    """The sample is the served prompt + the emitted turn, and the loss is exactly on the tokens that start inside the
+    emitted turn (its trailing newline aside): none of the prompt, nothing the server would not have the model emit."""
+    text = tok.decode(ids)
+    assert text.startswith(prompt) and text[len(prompt):].rstrip("\n") == emitted.rstrip("\n")
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == ids
+    end = len(prompt) + len(emitted.rstrip("\n"))
+    assert mask == [int(len(prompt) <= a < end) for a, _ in enc["offset_mapping"]]
+    assert sum(mask) >= 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_trains_what_the_server_emits_after_its_prompt(tokenizers, mode):
+    family, kw, emitted = MODES[mode]
+    tok = tokenizers[family]
+    notes = new_stats()
+    [(_, ids, mask, turns)] = render_samples(ASK + [A("Four.", reasoning_content=THOUGHT)], tok, sample_id="s",
+                                             template_kwargs=kw, notes=notes)
+    prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False, **kw)  # what the server sends
+    assert_server_prompt_then_emitted(tok, ids, mask, prompt, emitted)
+    on = THOUGHT in emitted
+    assert turns == int(on) and notes["reasoning_unshown"] == int(not on)
+    assert ("zebras twice" in "".join(loss_text(tok, ids, mask))) == on  # reasoning under the loss iff the mode shows it
+    assert (THOUGHT in tok.decode(ids)) == on  # off: not even as context (the server never shows it)
+
+
+@pytest.mark.parametrize("mode", ["k25-on", "k25-off", "qwen3-on", "qwen3-off", "r1"])
+def test_every_turn_follows_the_history_the_server_renders_in_that_mode(tokenizers, mode):
+    family, kw, emitted = MODES[mode]
+    tok = tokenizers[family]
+    convo = [U("Hi"), A("Hello.", reasoning_content="greet back"), U("How many zebras?"),
+             A("Four.", reasoning_content=THOUGHT)]
+    ds = prepare_conversations([{"id": "c", "messages": convo}], tok, template_kwargs=kw, last_turn_only=True)
+    history = tok.apply_chat_template(convo[:3], add_generation_prompt=True, tokenize=False, **kw)
+    assert_server_prompt_then_emitted(tok, ds["input_ids"][0], ds["loss_mask"][0], history, emitted)
+    assert "greet back" not in history  # each of these templates blanks earlier turns' reasoning
+
+
+def test_kimi_tool_loop_with_thinking_off_trains_no_reasoning(tokenizers):
+    tok = tokenizers["k25"]
+    convo = [U("Weather in Paris?"), A("", tool_calls=[CALL], reasoning_content="look it up"),
+             {"role": "tool", "content": '{"sky": "sunny"}'}, A("Sunny.", reasoning_content="read the result")]
+    stats = new_stats()
+    ds = prepare_conversations([{"id": "loop", "messages": convo}], tok, stats=stats,
+                               template_kwargs={"thinking": False})
+    assert ds["id"] == ["loop"] and stats["reasoning_turns"] == 0 and stats["reasoning_unshown"] == 2
+    trained = "".join(loss_text(tok, ds["input_ids"][0], ds["loss_mask"][0]))
+    assert "look it up" not in trained and "read the result" not in trained and "Sunny." in trained
+    assert tok.decode(ds["input_ids"][0]) == tok.apply_chat_template(convo, tokenize=False, thinking=False)
+
+
+@pytest.mark.parametrize("family, variable, default", [("k25", "thinking", True), ("qwen3", "enable_thinking", True),
+                                                      ("r1", None, None), ("llama3", None, None)])
+def test_the_switch_and_its_default_are_read_from_the_template(tokenizers, family, variable, default):
+    mode = thinking_mode(tokenizers[family])
+    assert (mode.variable, mode.value, mode.given) == (variable, default, False)
+    if variable:
+        assert thinking_mode(tokenizers[family], {variable: False}).value is False
+        assert thinking_mode(tokenizers[family], {variable: False}).given
+        line = mode.default_line()
+        assert f"`{variable}` (default true)" in line and f'\'{{"{variable}": false}}\'' in line
+    else:
+        assert mode.default_line() is None
+    # a template that defaults the switch off (Gemma-4 style `| default(false)`) is read as off
+    if family == "qwen3":
+        tok = tokenizers[family]
+        default_off = tok.chat_template.replace("enable_thinking is defined and not enable_thinking",
+                                                "not (enable_thinking | default(false))")
+        assert default_off != tok.chat_template
+        assert thinking_mode(tok, {"chat_template": default_off}).value is False
+
+
+@pytest.mark.parametrize("given", [None, {"thinking": False}])
+def test_prepare_says_and_records_the_mode(tmp_path, tokenizers, given, capsys):
+    tok_dir = tmp_path / "k25"
+    tokenizers["k25"].save_pretrained(tok_dir)
+    write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "messages": ASK + [A("Four.", reasoning_content=THOUGHT)]}])
+    extra = ["--chat-template-kwargs", json.dumps(given)] if given else []
+    assert cli.main(["prepare", "--tokenizer", str(tok_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(tmp_path / "out"), *extra]) == 0
+    err = capsys.readouterr().err
+    ds, meta = load_prepared(tmp_path / "out")
+    if given is None:
+        assert meta["chat_template_kwargs"] == {"thinking": True}
+        assert meta["thinking"] == {"variable": "thinking", "value": True, "given": False}
+        said = [line for line in err.splitlines() if "switches thinking" in line]
+        assert len(said) == 1 and "`thinking` (default true)" in said[0]
+        assert meta["counts"]["reasoning_turns"] == 1
+    else:
+        assert meta["chat_template_kwargs"] == {"thinking": False} and meta["options"]["template_kwargs"] == given
+        assert meta["thinking"] == {"variable": "thinking", "value": False, "given": True}
+        assert "switches thinking" not in err
+        assert meta["counts"]["reasoning_unshown"] == 1 and meta["counts"]["reasoning_turns"] == 0
+        assert "1 assistant turns' reasoning not trained: thinking is off" in err
+    with pytest.raises(SystemExit):  # not a JSON object: refused by argparse, naming the flag
+        cli.main(["prepare", "--tokenizer", str(tok_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                  str(tmp_path / "bad"), "--chat-template-kwargs", "[1]"])
+    assert "--chat-template-kwargs" in capsys.readouterr().err
+
+
+def test_reasoning_with_nowhere_to_go_is_refused_by_file_and_sample(tmp_path, tokenizers, capsys):
+    """Llama-3.1's template has no thinking syntax: reasoning data is refused in one line naming file and sample, and
+    goes in only as the user chooses: dropped, or inline as `<think>…</think>` text."""
+    tok = tokenizers["llama3"]
+    convs = [{"id": "fine", "messages": ASK + [A("Four.")]},
+             {"id": "r-7", "messages": ASK + [A("Four.", reasoning_content=THOUGHT)]}]
+    with pytest.raises(ValueError, match=r"^sample r-7: assistant message 1 has reasoning, and the chat template has "
+                                         r"no thinking syntax"):
+        prepare_conversations(convs, tok)
+    tok.save_pretrained(tmp_path / "tok")
+    write_jsonl(tmp_path / "in.jsonl", convs)
+    argv = ["prepare", "--tokenizer", str(tmp_path / "tok"), "--input", str(tmp_path / "in.jsonl")]
+    capsys.readouterr()
+    assert cli.main(argv + ["--output", str(tmp_path / "o1")]) == 1
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line and not line.startswith("prepare")]
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'in.jsonl'}: sample r-7: assistant message 1")
+    assert "--reasoning drop" in err[0] and "--reasoning inline" in err[0]
+    assert cli.main(argv + ["--output", str(tmp_path / "drop"), "--reasoning", "drop"]) == 0
+    ds, _ = load_prepared(tmp_path / "drop")
+    assert not any("zebras" in t for i, m in zip(ds["input_ids"], ds["loss_mask"]) for t in loss_text(tok, i, m))
+    assert cli.main(argv + ["--output", str(tmp_path / "inline"), "--reasoning", "inline"]) == 0
+    ds, meta = load_prepared(tmp_path / "inline")
+    assert meta["options"]["reasoning"] == "inline" and meta["thinking"] is None
+    assert loss_text(tok, ds["input_ids"][1], ds["loss_mask"][1]) == [f"<think>\n{THOUGHT}\n</think>\n\nFour.<|eot_id|>"]
+    # inline is for templates without thinking syntax: a thinking template renders reasoning itself
+    with pytest.raises(ValueError, match=r"^sample r-7: --reasoning inline .* use --reasoning train"):
+        prepare_conversations(convs, tokenizers["k25"], reasoning="inline")
