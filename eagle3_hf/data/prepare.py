@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..constants import PREPARE_META
-from ..errors import UsageError
+from ..errors import UsageError, json_object
 from .chat_render import (  # noqa: F401 (also imported from here)
     NoLossTokens,
     apply_policies,
@@ -340,17 +340,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", action="store_true",
                         help='plain text for base verifiers: rows {"prompt", "completion"} (loss on the completion) '
                              'or {"text"} (loss on all of it); no chat template')
-
-
-def json_object(text: str) -> dict:
-    """A command-line JSON object (chat-template kwargs); anything else is refused in one line."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,7 +73,7 @@ def test_each_mode_trains_what_the_server_emits_after_its_prompt(tokenizers, mod
     assert_server_prompt_then_emitted(tok, ids, mask, prompt, emitted)
     on = THOUGHT in emitted
     assert turns == int(on) and notes["reasoning_unshown"] == int(not on)
-    assert ("zebras twice" in "".join(loss_text(tok, ids, mask))) == on  # reasoning under the loss iff the mode shows it
+    assert ("zebras twice" in "".join(loss_text(tok, ids, mask))) == on  # under the loss iff the mode shows it
     assert (THOUGHT in tok.decode(ids)) == on  # off: not even as context (the server never shows it)
 
 
@@ -174,7 +174,44 @@ def test_reasoning_with_nowhere_to_go_is_refused_by_file_and_sample(tmp_path, to
     assert cli.main(argv + ["--output", str(tmp_path / "inline"), "--reasoning", "inline"]) == 0
     ds, meta = load_prepared(tmp_path / "inline")
     assert meta["options"]["reasoning"] == "inline" and meta["thinking"] is None
-    assert loss_text(tok, ds["input_ids"][1], ds["loss_mask"][1]) == [f"<think>\n{THOUGHT}\n</think>\n\nFour.<|eot_id|>"]
+    inlined = f"<think>\n{THOUGHT}\n</think>\n\nFour.<|eot_id|>"
+    assert loss_text(tok, ds["input_ids"][1], ds["loss_mask"][1]) == [inlined]
     # inline is for templates without thinking syntax: a thinking template renders reasoning itself
     with pytest.raises(ValueError, match=r"^sample r-7: --reasoning inline .* use --reasoning train"):
         prepare_conversations(convs, tokenizers["k25"], reasoning="inline")
+
+
+def test_the_mode_is_carried_from_the_data_to_the_drafter_and_its_serve_lines(tmp_path, tiny_verifier_dir):
+    """prepare records the mode; extract carries it in the feature manifest; train writes it into the drafter's
+    config; the card serves it (the path the tokenizer class takes: data/fingerprint.py)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from eagle3_hf.publish.model_card import build_model_card
+
+    from tests.helpers.thinking_templates import K25_TEMPLATE
+
+    verifier = tmp_path / "kimi-like"
+    shutil.copytree(tiny_verifier_dir, verifier)
+    tok = AutoTokenizer.from_pretrained(verifier)
+    tok.chat_template = K25_TEMPLATE  # Kimi-K2.5's switch on the tiny verifier's own vocabulary
+    tok.save_pretrained(verifier)
+    convs = [{"id": f"c{i}", "messages": [U(f"What is {i} + {i}?"), A(f"{2 * i}.", reasoning_content=f"add {i}")]}
+             for i in range(6)]
+    write_jsonl(tmp_path / "in.jsonl", convs)
+    prepared, features = tmp_path / "prepared", tmp_path / "features"
+    assert cli.main(["prepare", "--tokenizer", str(verifier), "--input", str(tmp_path / "in.jsonl"), "--output",
+                     str(prepared), "--chat-template-kwargs", '{"thinking": false}']) == 0
+    assert cli.main(["extract", "--verifier", str(verifier), "--data", str(prepared), "--output", str(features),
+                     "--no-progress"]) == 0
+    assert json.loads((features / "manifest.json").read_text())["chat_template_kwargs"] == {"thinking": False}
+    assert cli.main(["vocab", "--data", str(prepared), "--draft-vocab-size", "64", "--output",
+                     str(features / "vocab.safetensors")]) == 0
+    assert cli.main(["train", "--verifier", str(verifier), "--features", str(features), "--output-dir",
+                     str(tmp_path / "run"), "--max-seq-len", "64", "--max-steps", "1", "--per-device-train-batch-size",
+                     "1", "--report-to", "none", "--disable-tqdm", "true", "--save-strategy", "no", "--eval-strategy",
+                     "no"]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["verifier_chat_template_kwargs"] == {"thinking": False}
+    assert """--default-chat-template-kwargs '{"thinking": false}'""" in str(build_model_card(tmp_path / "run"))
