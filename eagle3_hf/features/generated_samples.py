@@ -40,8 +40,8 @@ class GeneratedSample(TypedDict):
 class Template:
     """The chat template around an answer: the prompt that asks for it and the tail after it."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tok = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tok, self.kwargs = tokenizer, dict(chat_template_kwargs or {})  # the thinking mode, as prepare renders
         self.reasoning = "reasoning_content" in chat_template_source(tokenizer)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,12 +51,17 @@ class Template:
         """(prompt text, its ids, tail ids, tail loss mask) for generating the next turn."""
         msgs = self.messages(messages)
         # tokenize=False: the rendered text
-        text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
+        text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                      **self.kwargs))
         full = cast(str, self.tok.apply_chat_template(msgs + [{"role": "assistant", "content": _MARK}], tools=tools,
-                                                      tokenize=False))
-        if not full.startswith(text + _MARK):
+                                                      tokenize=False, **self.kwargs))
+        at = full.find(_MARK, len(text)) if full.startswith(text) else -1
+        between = full[len(text):at] if at >= 0 else None
+        # the one thing allowed between them: the close of a block the prompt opened (Kimi-K2.5 thinking on renders
+        # an answer after `<think></think>`), which the model emits itself after its reasoning
+        if between is None or (between and not (text.rstrip().endswith("<think>") and between.strip() == "</think>")):
             raise ValueError("the chat template adds text between the generation prompt and the answer")
-        tail = full[len(text) + len(_MARK):]
+        tail = full[at + len(_MARK):]
         ids = encode(self.tok, text)
         tail_ids, tail_mask = span_mask(self.tok, tail, [(0, turn_end(tail))])  # where prepare ends the turn's loss
         return text, ids, tail_ids, tail_mask
@@ -104,7 +109,7 @@ def sample_of(row: dict[str, Any], conv: dict[str, Any], last: tuple[int, Prompt
         return "messages_after_last_turn"
     try:
         _, spans = assistant_spans(template.messages(row["messages"]), template.tok, tools=conv.get("tools"),
-                                   sample_id=str(conv["id"]))
+                                   template_kwargs=template.kwargs, sample_id=str(conv["id"]))
     except NoLossTokens:
         spans = []
     except ValueError:

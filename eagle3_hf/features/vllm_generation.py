@@ -161,6 +161,7 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
     from ..data.prepared_format import save_prepared
     from ..data.prepared_samples import PreparedDataset
+    from ..data.thinking_mode import served_kwargs, thinking_mode
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
@@ -191,7 +192,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     request = dict(spec.request(max_model_len, options.batch_size, options.max_pending, dict(options.engine)),
                    generate=gen, seed=gen_options.seed)
     readers = default_readers() if options.readers is None else max(1, int(options.readers))
-    header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer)})  # + the class that tokenized the data
+    header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer),  # + the class that tokenized the data
+                                  "chat_template_kwargs": served_kwargs(None, thinking_mode(tokenizer))})  # its mode
     sink = FeatureSink(features_out, header, store=dataclasses.replace(store or StoreOptions(), writers=readers))
     route: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
                              "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
@@ -303,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
                          "(--tensor-parallel-size for more devices)")
     if args.device:
         raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
+    if args.chat_template_kwargs:
+        raise ValueError("regenerate --engine vllm does not take --chat-template-kwargs yet (its prompts render with "
+                         "the template's default mode): use the in-process route, or regenerate against a server "
+                         "(--endpoint) and then prepare and extract with the same --chat-template-kwargs")
     # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
     options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)  # checked there, first
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))

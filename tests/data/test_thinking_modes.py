@@ -181,22 +181,27 @@ def test_reasoning_with_nowhere_to_go_is_refused_by_file_and_sample(tmp_path, to
         prepare_conversations(convs, tokenizers["k25"], reasoning="inline")
 
 
-def test_the_mode_is_carried_from_the_data_to_the_drafter_and_its_serve_lines(tmp_path, tiny_verifier_dir):
-    """prepare records the mode; extract carries it in the feature manifest; train writes it into the drafter's
-    config; the card serves it (the path the tokenizer class takes: data/fingerprint.py)."""
+def kimi_like_verifier(tiny_verifier_dir, path):
+    """The tiny verifier with Kimi-K2.5's switch (the k25 template) on its own vocabulary."""
     import shutil
 
     from transformers import AutoTokenizer
 
-    from eagle3_hf.publish.model_card import build_model_card
-
     from tests.helpers.thinking_templates import K25_TEMPLATE
 
-    verifier = tmp_path / "kimi-like"
-    shutil.copytree(tiny_verifier_dir, verifier)
-    tok = AutoTokenizer.from_pretrained(verifier)
-    tok.chat_template = K25_TEMPLATE  # Kimi-K2.5's switch on the tiny verifier's own vocabulary
-    tok.save_pretrained(verifier)
+    shutil.copytree(tiny_verifier_dir, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = K25_TEMPLATE
+    tok.save_pretrained(path)
+    return path, tok
+
+
+def test_the_mode_is_carried_from_the_data_to_the_drafter_and_its_serve_lines(tmp_path, tiny_verifier_dir):
+    """prepare records the mode; extract carries it in the feature manifest; train writes it into the drafter's
+    config; the card serves it (the path the tokenizer class takes: data/fingerprint.py)."""
+    from eagle3_hf.publish.model_card import build_model_card
+
+    verifier, _ = kimi_like_verifier(tiny_verifier_dir, tmp_path / "kimi-like")
     convs = [{"id": f"c{i}", "messages": [U(f"What is {i} + {i}?"), A(f"{2 * i}.", reasoning_content=f"add {i}")]}
              for i in range(6)]
     write_jsonl(tmp_path / "in.jsonl", convs)
@@ -215,3 +220,41 @@ def test_the_mode_is_carried_from_the_data_to_the_drafter_and_its_serve_lines(tm
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["verifier_chat_template_kwargs"] == {"thinking": False}
     assert """--default-chat-template-kwargs '{"thinking": false}'""" in str(build_model_card(tmp_path / "run"))
+
+
+def test_regenerate_asks_in_the_mode_given(tmp_path):
+    from tests.helpers.openai_stub import OpenAIStub
+
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "messages": [U(f"q{i}")]} for i in range(3)])
+    for kwargs in ('{"thinking": false}', None):
+        out = tmp_path / f"{bool(kwargs)}.jsonl"
+        with OpenAIStub() as stub:
+            assert cli.main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--endpoint",
+                             stub.url, "--model", "m", "--wait-for-server", "0",
+                             *(["--chat-template-kwargs", kwargs] if kwargs else [])]) == 0
+        assert len(stub.requests) == 3
+        # as vLLM and SGLang take it per request; none sent when none is given (the server's default applies)
+        assert all(r.get("chat_template_kwargs") == (json.loads(kwargs) if kwargs else None) for r in stub.requests)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_regenerate_with_features_renders_and_records_the_mode(tmp_path, tiny_verifier_dir, thinking):
+    """The in-process route: prompts rendered in the mode given, the samples cut in it, the mode recorded in the
+    feature manifest (what train carries on) and the prepared meta."""
+    import datasets
+
+    verifier, tok = kimi_like_verifier(tiny_verifier_dir, tmp_path / "kimi-like")
+    write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "messages": [U(f"What is {i}?")]} for i in range(2)])
+    kwargs = {"thinking": thinking}
+    assert cli.main(["regenerate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "c.jsonl"),
+                     "--verifier", str(verifier), "--max-new-tokens", "4", "--features-out", str(tmp_path / "f"),
+                     "--prepared-out", str(tmp_path / "p"), "--chat-template-kwargs", json.dumps(kwargs)]) == 0
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["chat_template_kwargs"] == kwargs
+    assert json.loads((tmp_path / "p" / "eagle3_prepare.json").read_text())["chat_template_kwargs"] == kwargs
+    ds = datasets.load_from_disk(str(tmp_path / "p"))
+    for k, (ids, mask) in enumerate(zip(ds["input_ids"], ds["loss_mask"])):
+        prompt = tok.apply_chat_template([U(f"What is {k}?")], add_generation_prompt=True, tokenize=False, **kwargs)
+        assert prompt.endswith("<|im_middle|><think></think>" if not thinking else "<|im_middle|><think>")
+        assert tok.decode(ids).startswith(prompt)  # the sample follows the prompt of that mode
+        n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert not any(mask[:n - 1]) and all(mask[n:])  # the answer and its end carry loss, the prompt none

@@ -335,6 +335,7 @@ def test_d2t_with_a_full_draft_vocabulary_is_refused_by_vllm(tmp_path):
 
 def test_a_drafter_served_in_another_thinking_mode_is_refused(tmp_path, capsys):
     from eagle3_hf.cli import main
+
     from tests.helpers.findings import message
 
     path = write_drafter(tmp_path / "kimi-off", verifier_chat_template_kwargs={"thinking": False})
