@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..errors import EndpointError
 from .regenerate_summary import REJECTED_HTTP, RejectedRequest
 from .server_wait import DEFAULT_WAIT_S, wait_for_server
+from .thinking_mode import split_emitted
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,13 +82,14 @@ class TransformersBackend:
 
     def generate(self, prompts: list[tuple[list[dict], list | None]]) -> list[Completion]:
         """One answer per (messages, tools), through the same loop as `regenerate --features-out`, features off."""
-        texts = [self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False,
-                                                    **self.chat_template_kwargs) for m, t in prompts]
+        texts = [cast(str, self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False,
+                                                              **self.chat_template_kwargs)) for m, t in prompts]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         results: list[Completion] = []
-        for r in self.generator().generate(ids, [[] for _ in ids]):
+        for prompt, r in zip(texts, self.generator().generate(ids, [[] for _ in ids])):
             text = cast(str, self.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence: one str
-            results.append((text, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
+            answer, reasoning = split_emitted(prompt, text)  # as the servers' reasoning parsers return it
+            results.append((answer, reasoning, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
         return results
 
 

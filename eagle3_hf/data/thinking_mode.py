@@ -81,6 +81,17 @@ def prompt_closes_block(tokenizer: PreTrainedTokenizerBase, template_kwargs: dic
     return prompt is not None and _EMPTY_BLOCK_AT_END.search(prompt) is not None
 
 
+def split_emitted(prompt: str, text: str) -> tuple[str, str | None]:
+    """(answer, reasoning or None) of a text generated after `prompt`, as a server's reasoning parser splits it: where
+    the prompt opened a think block (Kimi-K2.5 thinking on, R1), the text up to the first `</think>` is the
+    reasoning and the rest the answer, so the answered conversation renders as the template renders it (else the
+    history would hold `REASONING</think>ANSWER` as the answer's text); anywhere else the text is the answer."""
+    if not prompt.rstrip(" \n").endswith(OPEN) or CLOSE not in text:
+        return text, None
+    reasoning, _, answer = text.partition(CLOSE)
+    return answer, reasoning.strip("\n")
+
+
 def served_kwargs(template_kwargs: dict[str, Any] | None, mode: ThinkingMode) -> dict[str, Any]:
     """The chat-template kwargs a server must render with to match the data: those given (a `chat_template` text is
     not one: the served template is the server's), plus the switch at its default when it was not given."""

@@ -14,6 +14,7 @@ import torch
 
 from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from ..data.regenerate import ConversationTurns
+from ..data.thinking_mode import split_emitted
 from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 
 if TYPE_CHECKING:
@@ -87,8 +88,9 @@ def run_batch(convs: list[dict[str, Any]], backend: TransformersBackend, gen: Fe
                 raise ValueError(f"conversation {convs[k]['id']}: {e}") from None
         results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][2] for k, _ in asks])
         for (k, p), r in zip(asks, results):
-            content = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
-            states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
+            text = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
+            content, reasoning = split_emitted(pieces[k][0], text)  # reasoning after an opened block kept apart
+            states[k].accept((content, reasoning, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
             last[k] = (len(p), pieces[k], r)
             generated += len(r.answer)
     out: list[tuple[dict[str, Any], GeneratedSample | str]] = []

@@ -46,6 +46,7 @@ from ..data.regenerate import (
     RegenerateOutputs,
     completed_ids,
 )
+from ..data.thinking_mode import split_emitted
 from ..engines.vllm_args import add_engine_arguments, add_run_arguments
 from .vllm_spec import VllmOptions
 from .write import ExtractionSummary, StoreOptions
@@ -77,11 +78,15 @@ def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return sorted(int(t) for t in found)
 
 
+def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    """The next turn's prompt, rendered as regenerate's in-process backend does."""
+    return cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                tools: list[Any] | None) -> list[int]:
     """The next turn's prompt, rendered and tokenized as regenerate's in-process backend does."""
-    text = cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt_text(tokenizer, messages, tools), add_special_tokens=False)["input_ids"])
 
 
 def turn_seed(seed: int, conv_id: str, turn: int) -> int:
@@ -109,7 +114,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer:
             active = [state for state, _ in asks]
             if not asks:
                 break
-            answers = run.generate([(k, prompt_ids(tokenizer, p, s.conv.get("tools")),
+            texts = [prompt_text(tokenizer, p, s.conv.get("tools")) for s, p in asks]
+            answers = run.generate([(k, list(tokenizer(texts[k], add_special_tokens=False)["input_ids"]),
                                      turn_seed(seed, str(s.conv["id"]), len(s.finish)))
                                     for k, (s, p) in enumerate(asks)])
             for k, (state, _) in enumerate(asks):
@@ -117,7 +123,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer:
                 if finish == "stop" and out and out[-1] in eos:
                     out = out[:-1]  # the in-process backend's answer never holds its stop token
                 text = cast(str, tokenizer.decode(out, skip_special_tokens=True))
-                state.accept((text, None, None, finish, len(out) + (finish == "stop")))
+                answer, reasoning = split_emitted(texts[k], text)  # reasoning after an opened block kept apart
+                state.accept((answer, reasoning, None, finish, len(out) + (finish == "stop")))
                 stats["turns"] += 1
                 stats["generated"] += len(out)
     return stats

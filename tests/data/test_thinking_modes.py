@@ -258,3 +258,29 @@ def test_regenerate_with_features_renders_and_records_the_mode(tmp_path, tiny_ve
         assert tok.decode(ids).startswith(prompt)  # the sample follows the prompt of that mode
         n = len(tok(prompt, add_special_tokens=False)["input_ids"])
         assert not any(mask[:n - 1]) and all(mask[n:])  # the answer and its end carry loss, the prompt none
+
+
+def test_an_answer_generated_after_an_opened_block_keeps_its_reasoning_apart(tmp_path, tiny_verifier_dir, monkeypatch):
+    """In process, the text generated after Kimi-K2.5's `<think>` is `REASONING</think>ANSWER`: regenerate splits it as
+    the servers' reasoning parsers do, so the row renders as the template renders it and prepare trains it as
+    emitted (without the split the answer's text would hold `</think>` and the history be wrong)."""
+    from types import SimpleNamespace
+
+    from eagle3_hf.data.regenerate_backends import TransformersBackend
+    from eagle3_hf.data.thinking_mode import split_emitted
+
+    kimi_prompt, r1_prompt = "<|im_middle|><think>", "<｜Assistant｜><think>\n"
+    assert split_emitted(kimi_prompt, "look it up</think>Four.") == ("Four.", "look it up")
+    assert split_emitted(r1_prompt, "look it up\n</think>\n\nFour.") == ("\n\nFour.", "look it up")
+    assert split_emitted("<|im_middle|><think></think>", "a</think>b") == ("a</think>b", None)  # closed: all answer
+    assert split_emitted(kimi_prompt, "cut before the close") == ("cut before the close", None)
+
+    verifier, tok = kimi_like_verifier(tiny_verifier_dir, tmp_path / "kimi-like")
+    backend = TransformersBackend(str(verifier), device="cpu", max_new_tokens=8)
+    emitted = tok("look it up</think>Four.", add_special_tokens=False)["input_ids"]
+    fake = SimpleNamespace(generate=lambda ids, extra: [SimpleNamespace(answer=emitted, finish_reason="stop")])
+    monkeypatch.setattr(backend, "generator", lambda *a: fake)
+    [(answer, reasoning, _, finish, _)] = backend.generate([(ASK, None)])
+    assert (answer, reasoning, finish) == ("Four.", "look it up", "stop")
+    [(_, ids, mask, turns)] = render_samples(ASK + [A(answer, reasoning_content=reasoning)], tok)
+    assert turns == 1 and loss_text(tok, ids, mask) == ["look it up</think>Four.<|im_end|>"]
