@@ -38,6 +38,9 @@ class ThinkingMode:
         """One line for a template with a switch the user did not set: which mode the data is rendered in."""
         if self.variable is None or self.given:
             return None
+        if self.value is None:
+            return (f"the chat template switches thinking with `{self.variable}` and its default could not be read; "
+                    f"pass --chat-template-kwargs '{{\"{self.variable}\": true}}' (or false) to choose the mode")
         other = json.dumps({self.variable: not self.value})
         return (f"the chat template switches thinking with `{self.variable}` (default {json.dumps(self.value)}); "
                 f"rendering with thinking {'on' if self.value else 'off'}: serve the drafter the same way, or pass "
