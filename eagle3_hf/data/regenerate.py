@@ -244,6 +244,7 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
         stats["seconds"] = time.monotonic() - start
         stats["cut_at_max_new_tokens"] = stats["finish_reasons"].get("length", 0)
         summary.save(model=backend.name, max_new_tokens=backend.max_new_tokens,
+                     chat_template_kwargs=backend.chat_template_kwargs or None,  # the thinking mode asked in
                      last_run={k: stats[k] for k in ("input", "already_done", "skipped_before", "written", "turns",
                                                      "tokens", "finish_reasons", "seconds")})
     if todo and stats["skipped"] and not stats["written"]:

@@ -235,6 +235,8 @@ def test_regenerate_asks_in_the_mode_given(tmp_path):
         assert len(stub.requests) == 3
         # as vLLM and SGLang take it per request; none sent when none is given (the server's default applies)
         assert all(r.get("chat_template_kwargs") == (json.loads(kwargs) if kwargs else None) for r in stub.requests)
+        summary = json.loads(out.with_name(out.stem + ".summary.json").read_text())  # the mode asked in, recorded
+        assert summary["chat_template_kwargs"] == (json.loads(kwargs) if kwargs else None)
 
 
 @pytest.mark.parametrize("thinking", [False, True])
