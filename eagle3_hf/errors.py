@@ -90,3 +90,18 @@ def worker_message(message: str) -> str:
 def _one_line(message: str) -> int:
     print(f"error: {message.strip()}", file=sys.stderr)  # a list of findings may follow on indented lines
     return 1
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A command-line JSON object (`--chat-template-kwargs`): anything else is refused by argparse in one line naming
+    the flag."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value

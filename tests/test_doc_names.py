@@ -29,7 +29,7 @@ EXTERNAL_FLAGS = {
     "--nnodes", "--node-rank", "--master-addr", "--master-port", "--num_machines",
     "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "--disable-radix-cache",
     "--disable-overlap-schedule", "--port", "--no-build-isolation", "--max-total-tokens", "--host", "--device",
-    "--dtype", "--reasoning-parser", "--tp-size", "--tp",
+    "--dtype", "--reasoning-parser", "--tp-size", "--tp", "--default-chat-template-kwargs", "--jinja",
 }
 # files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers', llama.cpp's)
 EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",

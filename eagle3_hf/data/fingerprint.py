@@ -5,7 +5,9 @@ The fingerprint covers what ids MEAN (token -> id, special tokens). Two classes 
 split a text into other ids (a checkpoint's own remote-code tokenizer, loaded with --trust-remote-code, beside
 the fast tokenizer transformers builds without it), so `prepare` records the class it used and whether it
 trusted the checkpoint's code (`tokenizer_record`), the feature directory and the drafter carry the class on, and
-`extract`, `train` and `evaluate` refuse another class in one line (`check_tokenizer_class`).
+`extract`, `train` and `evaluate` refuse another class in one line (`check_tokenizer_class`). The same record carries
+the chat-template kwargs the text was rendered with (the thinking mode, data/thinking_mode.py) from the prepared meta
+through the feature manifest into the drafter's config, where its serve lines and `check` read it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-RECORD_KEYS = ("tokenizer_class", "trust_remote_code")
+RECORD_KEYS = ("tokenizer_class", "trust_remote_code", "chat_template_kwargs")
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ..constants import PREPARE_META
-from ..errors import UsageError
+from ..errors import UsageError, json_object
 from .chat_render import (  # noqa: F401 (also imported from here)
     NoLossTokens,
     apply_policies,
@@ -92,22 +92,32 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase, spec: str | None) -> P
 def render_samples(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *, tools: list | None = None,
                    last_turn_only: bool = False, reasoning: str = "train", tool_calls: str = "keep",
                    template_kwargs: dict | None = None, sample_id: str = "sample",
-                   use_offsets: bool | None = None) -> list[tuple[str, list[int], list[int], int]]:
+                   use_offsets: bool | None = None, notes: dict | None = None,
+                   ) -> list[tuple[str, list[int], list[int], int]]:
     """(sample id, input_ids, loss_mask, turns trained with their reasoning) of one conversation: one sample, or
     one per turn where the template blanks reasoning that is trained (reasoning.py). Tokenized exactly as
     `apply_chat_template` would; the mask by token offsets or, for a tokenizer without them, by encoding
-    (token_boundaries.py)."""
-    from .reasoning import policy, render_reasoning
+    (token_boundaries.py). `notes["reasoning_unshown"]` counts the turns whose reasoning the thinking mode does
+    not emit (thinking off), so not trained."""
+    from .reasoning import policy, render_reasoning, thinking_template
 
-    keep = policy(reasoning) == "train"
+    chosen = policy(reasoning)
     rendered = render_reasoning(messages, tokenizer, sample_id=sample_id, tools=tools, last_turn_only=last_turn_only,
-                                tool_calls=tool_calls, template_kwargs=template_kwargs) if keep else None
-    if rendered is None:  # no reasoning to train: rendered as it always was
-        renders_reasoning = "reasoning_content" in chat_template_source(tokenizer, tools, template_kwargs)
-        messages = apply_policies(messages, "keep" if keep else "drop", tool_calls, renders_reasoning)
+                                tool_calls=tool_calls, template_kwargs=template_kwargs) if chosen == "train" else None
+    if rendered is None:  # no reasoning to train (or drop / inline chosen): rendered as it always was
+        source = chat_template_source(tokenizer, tools, template_kwargs)
+        if chosen == "inline" and thinking_template(source) and any(
+                m["role"] == "assistant" and m.get("reasoning_content") for m in messages):
+            raise ValueError(f"sample {sample_id}: --reasoning inline writes reasoning into the answer's text, for "
+                             "templates without thinking syntax; this chat template renders reasoning itself: use "
+                             "--reasoning train")
+        renders_reasoning = chosen != "inline" and "reasoning_content" in source
+        messages = apply_policies(messages, "drop" if chosen == "drop" else "keep", tool_calls, renders_reasoning)
         text, spans = assistant_spans(messages, tokenizer, tools=tools, last_turn_only=last_turn_only,
                                       template_kwargs=template_kwargs, sample_id=sample_id)
         return [(sample_id, *span_mask(tokenizer, text, spans, sample_id, use_offsets), 0)]
+    if notes is not None:
+        notes["reasoning_unshown"] += sum(r.unshown_turns for r in rendered)
     return [(r.sample_id, *span_mask(tokenizer, r.text, r.spans, r.sample_id, use_offsets), r.reasoning_turns)
             for r in rendered]
 
@@ -146,14 +156,15 @@ def render_completion(prompt: str, completion: str, tokenizer: PreTrainedTokeniz
 
 def new_stats() -> dict:
     return {"input": 0, "samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "reasoning_turns": 0,
-            "skipped": Counter(), "skipped_ids": defaultdict(list)}
+            "reasoning_unshown": 0, "skipped": Counter(), "skipped_ids": defaultdict(list)}
 
 
 def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTokenizerBase, *,
                           max_seq_len: int | None = None,
                           overlong: str = "truncate", last_turn_only: bool = False, reasoning: str = "train",
                           tool_calls: str = "keep", template_kwargs: dict | None = None, split_turns: bool = False,
-                          stats: dict | None = None, progress: bool = False, text: bool = False) -> datasets.Dataset:
+                          stats: dict | None = None, progress: bool = False, text: bool = False,
+                          source: str | None = None) -> datasets.Dataset:
     """Conversations (`{"id", "messages"}`) -> Dataset(id, input_ids int32, loss_mask int8).
 
     `text=True`: the rows are plain text (`{"id", "prompt", "completion"}`), rendered by `render_completion`.
@@ -161,7 +172,9 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
     truncated, skipped or refused (`overlong`) and counted. `split_turns` makes one sample per assistant
     turn (id `ID#turnK`, history as the template renders it), for templates that rewrite history; so does
     `reasoning="train"` (the default) for a conversation whose reasoning the template drops from history
-    (reasoning.py). `stats["reasoning_turns"]` counts the turns trained with their reasoning.
+    (reasoning.py). `stats["reasoning_turns"]` counts the turns trained with their reasoning,
+    `stats["reasoning_unshown"]` those whose reasoning the thinking mode does not emit (thinking off). `source` (the
+    input's name) heads a sample's refusal, so the line names file and sample.
     """
     import datasets
     import pyarrow as pa
@@ -206,13 +219,18 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
             else:  # its messages
                 samples = render_samples(
                     cast(list, messages), tokenizer, tools=tools, last_turn_only=last_turn_only or split_turns,
-                    reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid)
+                    reasoning=reasoning, tool_calls=tool_calls, template_kwargs=template_kwargs, sample_id=sid,
+                    notes=stats)
         except NoLossTokens as e:
             skip(sid, str(e))
             return
         except BoundaryInsideToken:  # rare: a slow tokenizer and a token across a loss edge it cannot place
             skip(sid, "a loss boundary inside a token the tokenizer gives no offsets for")
             return
+        except ValueError as e:  # a refused sample: named with its input
+            if source is None:
+                raise
+            raise ValueError(f"{source}: {e}") from None
         for unit, input_ids, loss_mask, thought_turns in samples:
             if unit != sid:
                 if unit in seen:
@@ -262,11 +280,13 @@ def prepare_conversations(conversations: Iterable[dict], tokenizer: PreTrainedTo
 
 def build_meta(tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, stats: dict, options: dict) -> dict:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint, tokenizer_record
+    from eagle3_hf.data.thinking_mode import served_kwargs, thinking_mode
 
     counts = {k: v for k, v in stats.items() if k != "skipped_ids"}
     counts["skipped"] = dict(stats["skipped"])
     template_sha = None if options.get("text") else hashlib.sha256(
         chat_template_source(tokenizer, None, options.get("template_kwargs")).encode()).hexdigest()
+    mode = None if options.get("text") else thinking_mode(tokenizer, options.get("template_kwargs"))
     return {
         "format": FORMAT,
         "tokenizer": tokenizer_name,
@@ -274,6 +294,10 @@ def build_meta(tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, stats: d
         **tokenizer_record(tokenizer),  # its class and --trust-remote-code: later stages must load the same class
         "tokenizer_vocab_size": len(tokenizer),
         "chat_template_sha256": template_sha,  # None for plain text
+        # what a server must render with to serve the drafter as trained (thinking_mode.py): carried to its config
+        "chat_template_kwargs": None if mode is None else served_kwargs(options.get("template_kwargs"), mode),
+        "thinking": None if mode is None or mode.variable is None else
+        {"variable": mode.variable, "value": mode.value, "given": mode.given},
         "options": options,
         "counts": counts,
         "skipped_ids": {reason: list(ids) for reason, ids in stats.get("skipped_ids", {}).items()},
@@ -294,14 +318,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-turns", action="store_true",
                         help="one sample per assistant turn (for templates that rewrite earlier turns, e.g. drop "
                              "their reasoning)")
-    parser.add_argument("--reasoning", choices=("train", "drop"), default="train",
+    parser.add_argument("--reasoning", choices=("train", "drop", "inline"), default="train",
                         type=lambda s: "train" if s == "keep" else s,
-                        help="train: reasoning carries loss, each turn as the model emitted it, also where the chat "
-                             "template blanks it (one sample per turn then); refused by sample where the template "
-                             "shows no <think> block to put it in. drop: train on the answers only")
+                        help="train: reasoning carries loss, each turn as the model emitted it in the thinking mode "
+                             "rendered (none with thinking off), also where the chat template blanks it (one sample "
+                             "per turn then); refused by sample where the template shows no <think> block to put it "
+                             "in, or has no thinking syntax at all. drop: train on the answers only. inline: a "
+                             "template without thinking syntax gets the reasoning as <think>...</think> text before "
+                             "the answer")
     parser.add_argument("--tool-calls", choices=("keep", "drop"), default="keep")
-    parser.add_argument("--template-kwargs", type=json.loads, default=None,
-                        help='JSON passed to the chat template, e.g. \'{"enable_thinking": true}\'')
+    parser.add_argument("--chat-template-kwargs", "--template-kwargs", dest="template_kwargs", type=json_object,
+                        default=None, metavar="JSON",
+                        help='JSON passed to the chat template, as a server gets it (chat_template_kwargs), e.g. '
+                             '\'{"thinking": false}\' (Kimi-K2.x) or \'{"enable_thinking": false}\' (Qwen3): the '
+                             "thinking mode the drafter is trained for and must be served in; recorded with the data. "
+                             "Not given: the template's default")
     parser.add_argument("--chat-template", default=None,
                         help="chat template to use instead of (or, for a base model, in the absence of) the "
                              "tokenizer's: a Jinja file, a .json with a chat_template key, one of the tokenizer's "
@@ -324,8 +355,14 @@ def run(args: argparse.Namespace) -> int:
     knobs = ("max_seq_len", "overlong", "last_turn_only", "split_turns", "reasoning", "tool_calls", "template_kwargs",
              "text")
     options = {k: getattr(args, k) for k in knobs}
+    if not args.text:
+        from .thinking_mode import thinking_mode
+
+        line = thinking_mode(tokenizer, args.template_kwargs).default_line()
+        if line:
+            print(f"prepare: {line}", file=sys.stderr)
     stats = new_stats()
-    ds = prepare_conversations(conversations, tokenizer, stats=stats, progress=True, **options)
+    ds = prepare_conversations(conversations, tokenizer, stats=stats, progress=True, source=args.input, **options)
     meta = build_meta(tokenizer, args.tokenizer, stats, dict(options, input=args.input, limit=args.limit,
                                                              chat_template=args.chat_template))
     c = meta["counts"]
@@ -343,6 +380,10 @@ def run(args: argparse.Namespace) -> int:
     if c.get("reasoning_turns"):
         print(f"prepare: {c['reasoning_turns']} assistant turns trained with their reasoning (--reasoning "
               f"{args.reasoning})", file=sys.stderr)
+    if c.get("reasoning_unshown"):
+        print(f"prepare: {c['reasoning_unshown']} assistant turns' reasoning not trained: thinking is off "
+              f"(chat-template kwargs {json.dumps(meta['chat_template_kwargs'])}), the model emits none in this mode",
+              file=sys.stderr)
     if c["skipped"].get("no assistant turn"):
         print("prepare: prompts without an answer need `eagle3-hf regenerate` first", file=sys.stderr)
     return 0

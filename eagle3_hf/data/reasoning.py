@@ -2,25 +2,35 @@
 
 Thinking models' chat templates show reasoning only where the model needs it at inference, not as it was
 emitted: Kimi-K2.5's renders every finished assistant turn, the last one included, as `<think></think>` +
-answer; Qwen3's keeps the reasoning only after the last user query; DeepSeek-R1's keeps only the text after
-`</think>` and opens the block in its generation prompt instead. Rendered as is, a conversation with
-reasoning trains the drafter on `<think></think>answer` and never on the reasoning, most of what a thinking
-model serves, and tokens found only in reasoning never enter the draft vocabulary.
+answer and opens `<think>` in its generation prompt; Qwen3's keeps the reasoning only after the last user query;
+DeepSeek-R1's keeps only the text after `</think>` and opens the block in its generation prompt. Rendered as is, a
+conversation with reasoning trains the drafter on `<think></think>answer` and never on the reasoning, most of what
+a thinking model serves, and tokens found only in reasoning never enter the draft vocabulary.
 
 `prepare --reasoning train` (the default) keeps it. Reasoning comes as `reasoning_content` (or `reasoning`) on
 assistant messages, what the servers' reasoning parsers return, or inline as a leading `<think>…</think>` in
-the content when the template is a thinking one. A conversation is rendered in order of preference:
+the content when the template is a thinking one. A conversation is rendered, in the thinking mode given as
+chat-template kwargs (thinking_mode.py), in order of preference:
 
-1. by the template itself, when the trained turns' reasoning is in its rendering (a template that keeps it,
-   ChatML with the reasoning inline): the sample `prepare` always wrote;
+0. thinking off (the generation prompt closes an empty block: Kimi `thinking=false`, Qwen3 `enable_thinking=false`):
+   the model emits no reasoning in that mode, so none is trained; the turns are rendered as the template renders
+   them without it, and counted (`prepare` says how many in one line);
+1. by the template itself, when the trained turns' reasoning is in its rendering (a template that keeps it): the
+   sample `prepare` always wrote;
 2. else one sample per turn (`ID#turnK`, as `--split-turns`): the history as the template renders it at
-   inference, then the turn as the model emitted it. The template's own rendering of that turn when it keeps
-   its reasoning (Qwen3's latest turn); else the reasoning is put where the template shows the block: inside
-   the empty `<think></think>` it renders for the answer (Kimi), or after the `<think>` its generation prompt
-   opens, closed as it was opened (`\\n</think>\\n\\n` after `<think>\\n`, R1);
+   inference, then the turn as the model emitted it after the generation prompt. The template's own rendering of
+   that turn when it keeps its reasoning (Qwen3's latest turn); else the reasoning is put where the template shows
+   the block: inside the empty `<think></think>` it renders for the answer (Kimi-K2 without an opened prompt),
+   after the `<think>` its generation prompt opens, closed as the template closes it (`</think>` right after the
+   reasoning for Kimi-K2.5, whose answers render after an empty block; `\\n</think>\\n\\n` after `<think>\\n` for R1);
 3. else refused by sample: the template drops the reasoning and shows no block to put it in, so any place
    chosen here would be a guess and train the drafter on text the model never emits. `--reasoning drop`
    (train on the answers, as the template renders them) is then the user's explicit choice.
+
+A template with no thinking syntax at all (Llama-3.1: no `<think>`, no `reasoning_content`) and data with
+reasoning (a third-party reasoning set) is refused by sample too: the model was never taught to emit it.
+`--reasoning drop` trains on the answers; `--reasoning inline` trains on the reasoning as `<think>…</think>` text
+before each answer, the user's explicit choice (a model fine-tuned to emit it).
 
 Data without reasoning never enters this path: its samples are byte for byte what they were.
 """
@@ -31,30 +41,33 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .chat_render import NoLossTokens, apply_policies, assistant_spans, chat_template_source, render_chat, turn_end
+from .thinking_mode import prompt_closes_block
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 OPEN, CLOSE = "<think>", "</think>"
-POLICIES = ("train", "drop")
+POLICIES = ("train", "drop", "inline")
 
 
 def policy(name: str) -> str:
-    """`train` or `drop`; `keep` (the earlier name of `train`) is read as `train`."""
+    """`train`, `drop` or `inline`; `keep` (the earlier name of `train`) is read as `train`."""
     name = "train" if name == "keep" else name
     if name not in POLICIES:
-        raise ValueError(f"--reasoning must be train or drop, got {name!r}")
+        raise ValueError(f"--reasoning must be train, drop or inline, got {name!r}")
     return name
 
 
 @dataclass(frozen=True)
 class Rendered:
-    """One sample's text and loss spans; `reasoning_turns`: trained turns whose reasoning is in the spans."""
+    """One sample's text and loss spans; `reasoning_turns`: trained turns whose reasoning is in the spans;
+    `unshown_turns`: turns whose reasoning the thinking mode does not emit (thinking off), so not trained."""
 
     sample_id: str
     text: str
     spans: list[tuple[int, int]]
     reasoning_turns: int
+    unshown_turns: int = 0
 
 
 def thinking_template(source: str) -> bool:
@@ -106,6 +119,17 @@ def render_reasoning(messages: list[dict], tokenizer: PreTrainedTokenizerBase, *
     thoughts = [_thought(messages[i]) for i in turns]
     if not any(t.strip() for t in thoughts):
         return None
+    if not thinking_template(source):
+        first = next(i for i, t in zip(turns, thoughts) if t.strip())
+        raise ValueError(
+            f"sample {sample_id}: assistant message {first} has reasoning, and the chat template has no thinking "
+            f"syntax to render it in (no {OPEN} block, no reasoning_content): pass --reasoning drop to train on the "
+            f"answers only, or --reasoning inline to train on it as {OPEN}…{CLOSE} text before the answer")
+    if prompt_closes_block(tokenizer, template_kwargs, tools):  # 0. thinking off: the model emits none
+        policed = apply_policies(messages, "drop", tool_calls, True)
+        text, spans = assistant_spans(policed, tokenizer, tools=tools, last_turn_only=last_turn_only,
+                                      template_kwargs=template_kwargs, sample_id=sample_id)
+        return [Rendered(sample_id, text, spans, 0, sum(1 for t in thoughts if t.strip()))]
     # a thinking template gets the reasoning as the field a server passes back (it decides what history shows);
     # any other keeps it inline, as prepare always rendered it
     renders = thinking_template(source)
@@ -181,6 +205,15 @@ def _emitted(unit: str, index: int, prompt: str, tail: str, body: str, thought: 
         lead, trail = inner[: len(inner) // 2], inner[len(inner) // 2:]
         before, after = body[: o + len(OPEN)] + lead, trail + body[c:]
         thought = thought.lstrip("\n") if lead else thought
+        thought = thought.rstrip("\n") if trail else thought
+    elif tail.rstrip(" \n").endswith(OPEN) and o >= 0 and c >= 0 and not body[:o].strip() \
+            and not body[o + len(OPEN):c].strip():
+        # the generation prompt opened it and the answer renders after an empty block (Kimi-K2.5, thinking on): the
+        # model goes on inside the prompt's block, closes it as the template does, then answers
+        ws, inner = tail[tail.rfind(OPEN) + len(OPEN):], body[o + len(OPEN):c]
+        trail = inner[len(inner) // 2:]
+        before, after = "", trail + body[c:]
+        thought = thought.lstrip("\n") if ws else thought
         thought = thought.rstrip("\n") if trail else thought
     elif tail.rstrip(" \n").endswith(OPEN) and CLOSE not in body:  # the generation prompt opened it (R1)
         ws = tail[tail.rfind(OPEN) + len(OPEN):]

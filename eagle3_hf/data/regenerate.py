@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import EndpointError
+from ..errors import EndpointError, json_object
 from .answers_file import ConversationWriter, completed_ids  # noqa: F401 (their home for other importers)
 from .regenerate_backends import Completion, EndpointBackend, TransformersBackend
 from .regenerate_summary import ABORT_AFTER_REJECTED, RegenerateSummary, RejectedRequest, summary_path
@@ -244,6 +244,7 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
         stats["seconds"] = time.monotonic() - start
         stats["cut_at_max_new_tokens"] = stats["finish_reasons"].get("length", 0)
         summary.save(model=backend.name, max_new_tokens=backend.max_new_tokens,
+                     chat_template_kwargs=backend.chat_template_kwargs or None,  # the thinking mode asked in
                      last_run={k: stats[k] for k in ("input", "already_done", "skipped_before", "written", "turns",
                                                      "tokens", "finish_reasons", "seconds")})
     if todo and stats["skipped"] and not stats["written"]:
@@ -287,6 +288,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                        help='the chat template\'s kwargs for every prompt, e.g. \'{"thinking": false}\' (Kimi-K2.x) '
+                             'or \'{"enable_thinking": false}\' (Qwen3): the thinking mode the answers are generated '
+                             "in (sent as the request's chat_template_kwargs to --endpoint); give prepare the same")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -299,14 +304,15 @@ def run(args: argparse.Namespace) -> int:
             print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
             return 2
         backend = EndpointBackend(args.endpoint, args.model, api_key=os.environ.get(args.api_key_env),
-                                  timeout=args.timeout, max_retries=args.max_retries, **gen)
+                                  timeout=args.timeout, max_retries=args.max_retries,
+                                  chat_template_kwargs=args.chat_template_kwargs, **gen)
         backend.wait_for_server(args.wait_for_server)
     else:
         import torch
 
         torch.manual_seed(args.seed)
         backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
-                                      **gen)
+                                      chat_template_kwargs=args.chat_template_kwargs, **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
                        max_turns=args.max_turns, retry_skipped=args.retry_skipped)

@@ -3,6 +3,10 @@
 OpenAI-compatible `/v1/chat/completions` server (`EndpointBackend`: retries with backoff, a request the server
 rejects for good raised as `RejectedRequest`, the API key sent and never printed). Kept apart from the loop that
 walks the conversations (regenerate.py) so that each side reads alone: here is all that talks to a model.
+
+Both render the prompt with the chat-template kwargs given (`--chat-template-kwargs`, the thinking mode): passed
+to `apply_chat_template` in process, sent as the request's `chat_template_kwargs` to a server (vLLM and SGLang
+read that key), so the answers are generated in the mode `prepare` will render and the drafter will serve.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..errors import EndpointError
 from .regenerate_summary import REJECTED_HTTP, RejectedRequest
 from .server_wait import DEFAULT_WAIT_S, wait_for_server
+from .thinking_mode import split_emitted
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,7 +41,7 @@ class TransformersBackend:
 
     def __init__(self, verifier: str, revision: str | None = None, device: str | None = None, dtype: str = "auto",
                  max_new_tokens: int = 1024, temperature: float = 0.0, top_p: float = 1.0,
-                 trust_remote_code: bool | None = None):
+                 trust_remote_code: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None):
         import torch
 
         from eagle3_hf.verifier.loading import load_tokenizer, load_verifier
@@ -47,7 +52,8 @@ class TransformersBackend:
         # what a worker process needs to build the same backend (regenerate --num-workers)
         self.spec: dict[str, Any] = {"verifier": verifier, "revision": revision, "device": device, "dtype": dtype,
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                     "trust_remote_code": trusted()}
+                     "trust_remote_code": trusted(), "chat_template_kwargs": chat_template_kwargs}
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
@@ -76,13 +82,14 @@ class TransformersBackend:
 
     def generate(self, prompts: list[tuple[list[dict], list | None]]) -> list[Completion]:
         """One answer per (messages, tools), through the same loop as `regenerate --features-out`, features off."""
-        texts = [self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False)
-                 for m, t in prompts]
+        texts = [cast(str, self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False,
+                                                              **self.chat_template_kwargs)) for m, t in prompts]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         results: list[Completion] = []
-        for r in self.generator().generate(ids, [[] for _ in ids]):
+        for prompt, r in zip(texts, self.generator().generate(ids, [[] for _ in ids])):
             text = cast(str, self.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence: one str
-            results.append((text, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
+            answer, reasoning = split_emitted(prompt, text)  # as the servers' reasoning parsers return it
+            results.append((answer, reasoning, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
         return results
 
 
@@ -99,7 +106,7 @@ class EndpointBackend:
 
     def __init__(self, endpoint: str, model: str, api_key: str | None = None, max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, timeout: float = 600.0, max_retries: int = 5,
-                 retry_backoff: float = 1.0):
+                 retry_backoff: float = 1.0, chat_template_kwargs: dict[str, Any] | None = None):
         self.url, self.name = chat_completions_url(endpoint), model
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -110,6 +117,7 @@ class EndpointBackend:
         self._opener = urllib.request.build_opener(*handlers)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.timeout, self.max_retries, self.retry_backoff = timeout, max_retries, retry_backoff
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     def _post(self, payload: dict) -> dict:
         data = json.dumps(payload).encode()
@@ -148,6 +156,8 @@ class EndpointBackend:
                    "max_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
         if tools:
             payload["tools"] = tools
+        if self.chat_template_kwargs:  # the thinking mode, as vLLM and SGLang take it per request
+            payload["chat_template_kwargs"] = self.chat_template_kwargs
         reply = self._post(payload)
         try:
             choice = reply["choices"][0]

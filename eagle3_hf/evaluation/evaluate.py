@@ -68,10 +68,17 @@ def load_prompts(source: str, limit: int | None = None) -> tuple[list[dict], str
     return rows, str(path)
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The verifier's chat template with the generation prompt, as a server renders it."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The verifier's chat template with the generation prompt, as a server renders it; `template_kwargs`: the
+    drafter's thinking mode (`drafter_mode`), as its serve lines set it."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def drafter_mode(drafter) -> dict:
+    """The chat-template kwargs the drafter was trained in (its config's `verifier_chat_template_kwargs`; {} where
+    none were recorded): prompts are rendered in that mode, as the served verifier renders them."""
+    return dict(getattr(drafter.config, "verifier_chat_template_kwargs", None) or {})
 
 
 def check_pair(verifier, drafter, tokenizer=None) -> list[str]:
@@ -109,7 +116,8 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
         for i, p in enumerate(prompts)]
     if not items or any(not it["turns"] for it in items):
         raise ValueError("no prompts, or a prompt without a user turn")
-    warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}])
+    mode = drafter_mode(drafter)
+    warm = render_prompt(tokenizer, [{"role": "user", "content": items[0]["turns"][0]}], mode)
     greedy_generate(verifier, warm, 2, temperature=temperature, generator=torch.Generator().manual_seed(seed))
     size = (num_draft_tokens or 1 + num_candidates(k, topk)) if topk > 1 else k + 1
 
@@ -129,7 +137,7 @@ def evaluate_drafter(verifier, drafter, tokenizer, prompts: Sequence[dict | str]
         messages: list[dict] = []
         for turn, text in enumerate(item["turns"][:turns]):
             messages.append({"role": "user", "content": text})
-            ids = render_prompt(tokenizer, messages)
+            ids = render_prompt(tokenizer, messages, mode)
             runs: dict[str, Any] = {}  # DecodeResult, SpeculativeResult
             for which in ("base", "spec") if (index + turn) % 2 == 0 else ("spec", "base"):
                 gen = torch.Generator().manual_seed(seed + 7919 * index + turn)

@@ -59,14 +59,15 @@ def run_sweep(verifier: PreTrainedModel, drafter: Eagle3DraftModel, tokenizer: P
     from tqdm.auto import tqdm
 
     from ..decoding.tree import verify_costs
-    from .evaluate import evaluate_drafter, render_prompt
+    from .evaluate import drafter_mode, evaluate_drafter, render_prompt
 
     if not grid:
         raise ValueError("the sweep grid holds no valid (steps, topk, num_draft_tokens) configuration")
     if repeats < 1:
         raise ValueError(f"--sweep-repeats must be >= 1, not {repeats}")
     first = prompts[0] if isinstance(prompts[0], str) else (prompts[0].get("turns") or [prompts[0].get("prompt")])[0]
-    measured_costs = verify_costs(verifier, render_prompt(tokenizer, [{"role": "user", "content": first}]),
+    measured_costs = verify_costs(verifier, render_prompt(tokenizer, [{"role": "user", "content": first}],
+                                                          drafter_mode(drafter)),
                                   sorted({c["num_draft_tokens"] for c in grid}))
     rows: list[dict] = [dict(config) for config in grid]
     pairs: list[list[tuple[float, float]]] = [[] for _ in grid]

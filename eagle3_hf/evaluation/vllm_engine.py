@@ -233,6 +233,7 @@ def run_engine(args: argparse.Namespace) -> int:
         check_pair,
         copy_to_drafter,
         default_dtype,
+        drafter_mode,
         load_prompts,
         prompt_turns,
         render_prompt,
@@ -263,7 +264,8 @@ def run_engine(args: argparse.Namespace) -> int:
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}]) for p in prompts]
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}], drafter_mode(drafter))
+           for p in prompts]
     threads = torch.get_num_threads()
     # the context a prompt needs: itself, its answer and the drafts past the answer's end
     max_model_len = args.max_model_len or max(len(i) for i in ids) + args.max_new_tokens + args.k + 1

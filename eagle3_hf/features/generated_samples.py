@@ -14,6 +14,7 @@ import torch
 
 from ..data.prepare import NoLossTokens, apply_policies, assistant_spans, chat_template_source, turn_end
 from ..data.regenerate import ConversationTurns
+from ..data.thinking_mode import split_emitted
 from ..data.token_boundaries import BoundaryInsideToken, encode, span_mask
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ class GeneratedSample(TypedDict):
 class Template:
     """The chat template around an answer: the prompt that asks for it and the tail after it."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tok = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tok, self.kwargs = tokenizer, dict(chat_template_kwargs or {})  # the thinking mode, as prepare renders
         self.reasoning = "reasoning_content" in chat_template_source(tokenizer)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,12 +52,17 @@ class Template:
         """(prompt text, its ids, tail ids, tail loss mask) for generating the next turn."""
         msgs = self.messages(messages)
         # tokenize=False: the rendered text
-        text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
+        text = cast(str, self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                      **self.kwargs))
         full = cast(str, self.tok.apply_chat_template(msgs + [{"role": "assistant", "content": _MARK}], tools=tools,
-                                                      tokenize=False))
-        if not full.startswith(text + _MARK):
+                                                      tokenize=False, **self.kwargs))
+        at = full.find(_MARK, len(text)) if full.startswith(text) else -1
+        between = full[len(text):at] if at >= 0 else None
+        # the one thing allowed between them: the close of a block the prompt opened (Kimi-K2.5 thinking on renders
+        # an answer after `<think></think>`), which the model emits itself after its reasoning
+        if between is None or (between and not (text.rstrip().endswith("<think>") and between.strip() == "</think>")):
             raise ValueError("the chat template adds text between the generation prompt and the answer")
-        tail = full[len(text) + len(_MARK):]
+        tail = full[at + len(_MARK):]
         ids = encode(self.tok, text)
         tail_ids, tail_mask = span_mask(self.tok, tail, [(0, turn_end(tail))])  # where prepare ends the turn's loss
         return text, ids, tail_ids, tail_mask
@@ -82,8 +88,9 @@ def run_batch(convs: list[dict[str, Any]], backend: TransformersBackend, gen: Fe
                 raise ValueError(f"conversation {convs[k]['id']}: {e}") from None
         results = gen.generate([pieces[k][1] for k, _ in asks], [pieces[k][2] for k, _ in asks])
         for (k, p), r in zip(asks, results):
-            content = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
-            states[k].accept((content, None, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
+            text = cast(str, backend.tokenizer.decode(r.answer, skip_special_tokens=True))  # one sequence
+            content, reasoning = split_emitted(pieces[k][0], text)  # reasoning after an opened block kept apart
+            states[k].accept((content, reasoning, None, r.finish_reason, len(r.answer) + (r.finish_reason == "stop")))
             last[k] = (len(p), pieces[k], r)
             generated += len(r.answer)
     out: list[tuple[dict[str, Any], GeneratedSample | str]] = []
@@ -104,7 +111,7 @@ def sample_of(row: dict[str, Any], conv: dict[str, Any], last: tuple[int, Prompt
         return "messages_after_last_turn"
     try:
         _, spans = assistant_spans(template.messages(row["messages"]), template.tok, tools=conv.get("tools"),
-                                   sample_id=str(conv["id"]))
+                                   template_kwargs=template.kwargs, sample_id=str(conv["id"]))
     except NoLossTokens:
         spans = []
     except ValueError:

@@ -69,7 +69,7 @@ def work(rank: int, backend: TransformersBackend, job: WorkerJob, next_batch: Ca
     """Process batches until next_batch() returns None; report(dict) after each. Writes through `sink` (the
     driver's, rank 0) or a sink of its own rank (a spawned worker); closes it at the end."""
     gen = backend.generator(job["aux"])
-    template = Template(backend.tokenizer)
+    template = Template(backend.tokenizer, backend.chat_template_kwargs)
     sink = sink or FeatureSink(job["features_out"], job["header"], store=job["store"], rank=rank)
     pending = open(pending_path(Path(job["output"]), rank), "ab")
     try:

@@ -40,6 +40,7 @@ class FeatureHeader(_HeaderFields, total=False):
     provenance: dict[str, Any]
     tokenizer_class: str
     trust_remote_code: bool
+    chat_template_kwargs: dict[str, Any]  # the thinking mode the text was rendered in (data/thinking_mode.py)
 
 
 class _ShardFields(TypedDict):

@@ -66,6 +66,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     from tqdm.auto import tqdm
 
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
+    from ..data.thinking_mode import served_kwargs, thinking_mode
 
     gen_options = generation or GenerationOptions()
     max_turns, max_seq_len = gen_options.max_turns, gen_options.max_seq_len
@@ -75,7 +76,9 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     info = VerifierIdentity.of_model(backend.model, backend.name, backend.spec.get("revision")).as_dict()
     aux = check_aux_indices(aux_indices or default_aux_indices(info["num_hidden_layers"]), info["num_hidden_layers"])
     fingerprint = tokenizer_fingerprint(backend.tokenizer)
-    header = make_header(info, fingerprint, aux, canonical_dtype(dtype), **tokenizer_record(backend.tokenizer))
+    mode = served_kwargs(backend.chat_template_kwargs, thinking_mode(backend.tokenizer, backend.chat_template_kwargs))
+    header = make_header(info, fingerprint, aux, canonical_dtype(dtype), **tokenizer_record(backend.tokenizer),
+                         chat_template_kwargs=mode)  # the thinking mode the answers were generated and cut in
     ids = [str(c["id"]) for c in conversations]
     if len(set(ids)) != len(ids):
         dup = next(i for k, i in enumerate(ids) if i in ids[:k])
@@ -83,7 +86,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     done = settle_answers(output, features_out)
     todo = [c for c in conversations if str(c["id"]) not in done]
     # length-sorted batches (little padding), longest first (the stragglers at the end are short)
-    template = Template(backend.tokenizer)
+    template = Template(backend.tokenizer, backend.chat_template_kwargs)
     length: dict[str, int] = {}
     for c in todo:
         first = ConversationTurns(c, max_turns).next_prompt()
@@ -153,7 +156,7 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     if outputs.prepared is not None:
         options = {"source": "regenerate --features-out", "max_seq_len": max_seq_len, "overlong": "truncate",
                    "max_turns": max_turns, "last_turn_only": False, "split_turns": False, "reasoning": "keep",
-                   "tool_calls": "keep", "template_kwargs": None}
+                   "tool_calls": "keep", "template_kwargs": backend.chat_template_kwargs or None}
         summary.route["prepared"] = write_prepared(features_out, Path(outputs.prepared), backend.tokenizer,
                                                    backend.name, ids, options)["counts"]
     return summary
@@ -192,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  chat_template_kwargs=args.chat_template_kwargs)
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),

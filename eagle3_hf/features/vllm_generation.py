@@ -46,6 +46,7 @@ from ..data.regenerate import (
     RegenerateOutputs,
     completed_ids,
 )
+from ..data.thinking_mode import split_emitted
 from ..engines.vllm_args import add_engine_arguments, add_run_arguments
 from .vllm_spec import VllmOptions
 from .write import ExtractionSummary, StoreOptions
@@ -77,11 +78,15 @@ def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return sorted(int(t) for t in found)
 
 
+def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    """The next turn's prompt, rendered as regenerate's in-process backend does."""
+    return cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                tools: list[Any] | None) -> list[int]:
     """The next turn's prompt, rendered and tokenized as regenerate's in-process backend does."""
-    text = cast(str, tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt_text(tokenizer, messages, tools), add_special_tokens=False)["input_ids"])
 
 
 def turn_seed(seed: int, conv_id: str, turn: int) -> int:
@@ -109,7 +114,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer:
             active = [state for state, _ in asks]
             if not asks:
                 break
-            answers = run.generate([(k, prompt_ids(tokenizer, p, s.conv.get("tools")),
+            texts = [prompt_text(tokenizer, p, s.conv.get("tools")) for s, p in asks]
+            answers = run.generate([(k, list(tokenizer(texts[k], add_special_tokens=False)["input_ids"]),
                                      turn_seed(seed, str(s.conv["id"]), len(s.finish)))
                                     for k, (s, p) in enumerate(asks)])
             for k, (state, _) in enumerate(asks):
@@ -117,7 +123,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer:
                 if finish == "stop" and out and out[-1] in eos:
                     out = out[:-1]  # the in-process backend's answer never holds its stop token
                 text = cast(str, tokenizer.decode(out, skip_special_tokens=True))
-                state.accept((text, None, None, finish, len(out) + (finish == "stop")))
+                answer, reasoning = split_emitted(texts[k], text)  # reasoning after an opened block kept apart
+                state.accept((answer, reasoning, None, finish, len(out) + (finish == "stop")))
                 stats["turns"] += 1
                 stats["generated"] += len(out)
     return stats
@@ -161,6 +168,7 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
     from ..data.prepared_format import save_prepared
     from ..data.prepared_samples import PreparedDataset
+    from ..data.thinking_mode import served_kwargs, thinking_mode
     from ..engines.vllm_env import VllmExtraction, vllm_python
     from ..verifier.loading import load_tokenizer
     from .records import FeatureHeader
@@ -191,7 +199,8 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
     request = dict(spec.request(max_model_len, options.batch_size, options.max_pending, dict(options.engine)),
                    generate=gen, seed=gen_options.seed)
     readers = default_readers() if options.readers is None else max(1, int(options.readers))
-    header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer)})  # + the class that tokenized the data
+    header = cast(FeatureHeader, {**spec.header, **tokenizer_record(tokenizer),  # + the class that tokenized the data
+                                  "chat_template_kwargs": served_kwargs(None, thinking_mode(tokenizer))})  # its mode
     sink = FeatureSink(features_out, header, store=dataclasses.replace(store or StoreOptions(), writers=readers))
     route: dict[str, Any] = {"engine": "vllm", "input": len(ids), "already_answered": len(answered),
                              "vllm_dtype": spec.vllm_dtype, "max_model_len": max_model_len}
@@ -303,6 +312,10 @@ def run(args: argparse.Namespace) -> int:
                          "(--tensor-parallel-size for more devices)")
     if args.device:
         raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
+    if args.chat_template_kwargs:
+        raise ValueError("regenerate --engine vllm does not take --chat-template-kwargs yet (its prompts render with "
+                         "the template's default mode): use the in-process route, or regenerate against a server "
+                         "(--endpoint) and then prepare and extract with the same --chat-template-kwargs")
     # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
     options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)  # checked there, first
     conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))

@@ -65,6 +65,10 @@ class Eagle3Config(LlamaConfig):
             and so how it reads the aux-layer ids (`eagle3-hf check` without `--verifier` reads them here).
         verifier_tokenizer_class (`str`, None): the tokenizer class that tokenized the training data (a checkpoint's
             own class under --trust-remote-code, or transformers'); `evaluate` refuses to tokenize with another.
+        verifier_chat_template_kwargs (`dict`, None): the chat-template kwargs the training text was rendered with
+            (`prepare --chat-template-kwargs`, the thinking mode: `{"thinking": true}`); the server must render the
+            same (`--default-chat-template-kwargs`), printed in the serve lines and checked by `check`. None: not
+            recorded (data prepared before it was).
         ttt_steps (`int`, 3) / ttt_step_weight (`float`, 0.8): training-time-test defaults.
     """
 
@@ -84,6 +88,7 @@ class Eagle3Config(LlamaConfig):
     verifier_architectures: list[str] | None = None
     tokenizer_fingerprint: str | None = None
     verifier_tokenizer_class: str | None = None
+    verifier_chat_template_kwargs: dict[str, Any] | None = None
     ttt_steps: int = 3
     ttt_step_weight: float = 0.8
 

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, json_object
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
+from .mode_rules import check_thinking_mode
 from .report import ENGINES, LEVELS, Finding, Report
 from .rope_rules import check_rope
 from .rules import (
@@ -86,10 +87,12 @@ def check_drafter(
     engine: str | Iterable[str] = "all",
     revision: str | None = None,
     engine_versions: dict[str, str | None] | None = None,
+    served_kwargs: dict[str, Any] | None = None,
 ) -> list[Finding]:
     """Every reason this checkpoint would serve badly in the engines asked about (SGLang, vLLM, llama.cpp; "all" or
     one name or several), errors first. `engine_versions`: the release of each engine to check the
-    version-dependent rules against (none: every release read)."""
+    version-dependent rules against (none: every release read); `served_kwargs`: the chat-template kwargs the
+    server renders with (the thinking mode; None: unknown)."""
     rep = Report(engine)
     try:
         root = resolve_checkpoint(path_or_repo, revision, ["*.json", "*.safetensors"])
@@ -123,6 +126,7 @@ def check_drafter(
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
     check_rope(cfg, rep, engine_versions or {})
+    check_thinking_mode(cfg, rep, served_kwargs)
     files = _weight_files(root)
     if not files:
         extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
@@ -153,6 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "
                         "read, whose differences are warnings")
     parser.add_argument("--revision", default=None, help="Hub revision of the drafter")
+    parser.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                        help="the chat-template kwargs the server renders with (its --default-chat-template-kwargs, "
+                             "e.g. '{\"thinking\": true}'): an error where they set the thinking mode otherwise than "
+                             "the drafter was trained in")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
 
 def installed_version(engine: str) -> tuple[str, str] | None:
@@ -189,7 +197,7 @@ def findings_of(args: argparse.Namespace) -> tuple[list[Finding], dict[str, str 
     """The static findings of `check`'s arguments, and the engine releases they were judged against."""
     versions = engine_versions(args.engine, args.engine_version)
     return check_drafter(args.drafter, verifier=args.verifier, engine=args.engine, revision=args.revision,
-                         engine_versions=versions), versions
+                         engine_versions=versions, served_kwargs=args.chat_template_kwargs), versions
 
 
 def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None]) -> int:

@@ -43,24 +43,43 @@ DEFAULT_VLLM_TOKENS = 3
 
 
 def serve_commands(verifier: str, drafter: str, sweep: dict[str, Any] | None = None,
-                   serving: ServingFacts | None = None) -> dict[str, str]:
+                   serving: ServingFacts | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
     """The exact SGLang and vLLM commands (the algorithm is EAGLE3, not EAGLE). With the sweep's JSON
     (`eagle3_sweep.json`), SGLang gets the flags of its recommendation (a tree's include an attention backend that
     serves trees) and vLLM, which drafts chains, the sweep's best chain; without one, chain drafting with 3 steps
     (SGLang: 3 steps, top-1, 4 draft tokens including the root). `serving` adds the verifier's tensor-parallel size
-    (above 1) and `--trust-remote-code` where its files name code of their own (publish/serving.py)."""
+    (above 1) and `--trust-remote-code` where its files name code of their own (publish/serving.py).
+    `chat_template_kwargs`: the thinking mode the drafter was trained in (its config's
+    `verifier_chat_template_kwargs`), set as the server's default with `--default-chat-template-kwargs` (the flag's
+    name in vLLM and in SGLang), so requests that name no mode get the one the drafter was trained for."""
     sweep = sweep or {}
     flags = sweep.get("sglang_flags") or DEFAULT_SGLANG_FLAGS
     tokens = sweep.get("vllm_num_speculative_tokens") or DEFAULT_VLLM_TOKENS
     vllm_config = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": tokens})
     tp = serving.tensor_parallel if serving and serving.tensor_parallel and serving.tensor_parallel > 1 else None
     code = " --trust-remote-code" if serving and serving.trust_remote_code else ""
+    mode = f" --default-chat-template-kwargs '{json.dumps(chat_template_kwargs)}'" if chat_template_kwargs else ""
     return {
-        "sglang": f"python -m sglang.launch_server --model {verifier}{f' --tp {tp}' if tp else ''}{code} "
+        "sglang": f"python -m sglang.launch_server --model {verifier}{f' --tp {tp}' if tp else ''}{code}{mode} "
         f"--speculative-draft-model-path {drafter} {flags}",
-        "vllm": f"vllm serve {verifier}{f' --tensor-parallel-size {tp}' if tp else ''}{code} "
+        "vllm": f"vllm serve {verifier}{f' --tensor-parallel-size {tp}' if tp else ''}{code}{mode} "
         f"--speculative-config '{vllm_config}'",
     }
+
+
+def _llamacpp_mode(kwargs: dict[str, Any] | None) -> str:
+    """llama-server's spelling of the thinking mode: its Jinja templates take `--chat-template-kwargs`."""
+    return f" --jinja --chat-template-kwargs '{json.dumps(kwargs)}'" if kwargs else ""
+
+
+def _mode_fact(kwargs: dict[str, Any] | None) -> list[str]:
+    """The card's line on the thinking mode the drafter was trained in (none when nothing was rendered with one)."""
+    if not kwargs:
+        return []
+    return [f"- trained on text rendered with the chat-template kwargs `{json.dumps(kwargs)}` (the thinking mode): "
+            "the serve lines set them as the server's default; a request that asks for the other mode is served by "
+            "a drafter that never saw it, and accepts fewer drafts"]
 
 
 def _serving_facts(serving: ServingFacts | None, weights: str | None) -> str:
@@ -308,7 +327,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         license=training.get("license"),
     )
     serve_verifier = verifier if _is_repo_id(verifier) else "VERIFIER"
-    cmds = serve_commands(serve_verifier, drafter, sweep, serving)
+    cmds = serve_commands(serve_verifier, drafter, sweep, serving, config.get("verifier_chat_template_kwargs"))
     top = config.get("eagle_aux_hidden_state_layer_ids")
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     facts = [
@@ -322,6 +341,7 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         "- standard EAGLE-3 layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`); the engines use the "
         "verifier's embedding",
         *_layer_facts(config),
+        *_mode_fact(config.get("verifier_chat_template_kwargs")),
     ]
     body = "\n\n".join([
         CARD_MARKER,
@@ -338,7 +358,8 @@ def build_model_card(checkpoint_dir: str | os.PathLike, repo_id: str | None = No
         "The algorithm must be `EAGLE3` (SGLang) / `eagle3` (vLLM): `EAGLE` / `eagle` expect a different "
         "(EAGLE-1/2) draft model.",
         *([f"llama.cpp, with `{ggufs[0]}` from this repository and the verifier's own GGUF:",
-           f"```bash\nllama-server -m VERIFIER.gguf -md {ggufs[0]} --spec-type draft-eagle3 --spec-draft-n-max 3\n```"]
+           f"```bash\nllama-server -m VERIFIER.gguf -md {ggufs[0]} --spec-type draft-eagle3 --spec-draft-n-max 3"
+           f"{_llamacpp_mode(config.get('verifier_chat_template_kwargs'))}\n```"]
           if ggufs else []),
         _serving_facts(serving, weights_dtype(root)),
         _evaluation_section(evaluation),

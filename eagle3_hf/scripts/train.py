@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly).
     set_seed(args.seed)
     model, init = build_drafter(model_args, verifier_config, d2t, t2d, list(features.identity.aux_layer_indices),
-                                features.identity.tokenizer_fingerprint, features.tokenizer.get("tokenizer_class"))
+                                features.identity.tokenizer_fingerprint, features.tokenizer.get("tokenizer_class"),
+                                features.tokenizer.get("chat_template_kwargs"))
 
     # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
     #    draft vocabulary, read by tensor name so a huge verifier is never instantiated (an acceptance loss,

@@ -43,9 +43,11 @@ SOURCE_ACC0_LOWEST_THAT_BEAT_SCRATCH = 0.101
 
 def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig, d2t: torch.Tensor,
                   t2d: torch.Tensor, aux_indices: Sequence[int], fingerprint: str | None,
-                  tokenizer_class: str | None = None) -> tuple[Eagle3DraftModel, dict[str, Any]]:
+                  tokenizer_class: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                  ) -> tuple[Eagle3DraftModel, dict[str, Any]]:
     """From scratch, or from `--finetune-from` with its mismatches reported loudly. Returns (model, info).
-    `tokenizer_class`: the class that tokenized the data, recorded for `evaluate`."""
+    `tokenizer_class`: the class that tokenized the data, recorded for `evaluate`; `chat_template_kwargs`: the
+    thinking mode it was rendered in, recorded for the serve lines and `check`."""
     info: dict[str, Any] = {"init": "scratch"}
     config = Eagle3Config.from_verifier(
         verifier_config, draft_vocab_size=int(d2t.numel()), aux_hidden_state_indices=list(aux_indices),
@@ -53,7 +55,7 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
         tokenizer_fingerprint=fingerprint, norm_before_residual=model_args.norm_before_residual,
         norm_before_fc=model_args.norm_before_fc, fc_norm=model_args.fc_norm,
         norm_output=model_args.norm_output, sliding_window=model_args.drafter_window,
-        verifier_tokenizer_class=tokenizer_class,
+        verifier_tokenizer_class=tokenizer_class, verifier_chat_template_kwargs=chat_template_kwargs,
     )
     config._attn_implementation = model_args.attn_implementation
     if not model_args.finetune_from:
@@ -78,6 +80,10 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
                                 f"not {model_args.verifier!r}")
     if src.tokenizer_fingerprint and fingerprint and src.tokenizer_fingerprint != fingerprint:
         info["warnings"].append("source drafter was built for another tokenizer (fingerprint differs)")
+    theirs = getattr(src, "verifier_chat_template_kwargs", None)
+    if theirs is not None and chat_template_kwargs is not None and theirs != chat_template_kwargs:
+        info["warnings"].append(f"source drafter was trained on text rendered with chat-template kwargs {theirs}, the "
+                                f"data with {chat_template_kwargs} (another thinking mode)")
     for message in info["warnings"]:
         logger.warning("FINETUNE SOURCE MISMATCH: %s", message)
     if model_args.drafter_window is not None and model_args.drafter_window != src.sliding_window:
@@ -92,6 +98,7 @@ def build_drafter(model_args: ModelArguments, verifier_config: PreTrainedConfig,
     source.config.verifier_revision = model_args.verifier_revision
     source.config.tokenizer_fingerprint = fingerprint
     source.config.verifier_tokenizer_class = tokenizer_class
+    source.config.verifier_chat_template_kwargs = chat_template_kwargs
     if model_args.finetune_vocab == "dataset":
         info["remapped_rows"] = source.remap_lm_head(d2t, t2d)
     return source, info

@@ -68,7 +68,8 @@ def prepared(tokenizer, monkeypatch, offsets: bool, **options):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_masks_by_encoding_equal_masks_by_offsets(tokenizers, family, options, monkeypatch):
     fast, slow = tokenizers[family]
-    opts = OPTIONS[options]
+    # a template without thinking syntax takes the reasoning inline only when asked (else the sample is refused)
+    opts = OPTIONS[options] if family == "kimi" else {"reasoning": "inline", **OPTIONS[options]}
     by_offsets = prepared(fast, monkeypatch, True, **opts)  # Kimi's earlier reasoning: one sample per turn
     assert by_offsets[0]["id"] and sum(map(sum, by_offsets[0]["loss_mask"])) > 0
     assert prepared(fast, monkeypatch, False, **opts) == by_offsets
@@ -143,7 +144,9 @@ def test_prepare_with_a_slow_remote_code_tokenizer_writes_the_fast_tokenizers_id
     rows = [{"id": f"t{i}", "prompt": p, "completion": c} for i, (p, c) in enumerate(COMPLETIONS)] \
         if mode == "text" else CONVERSATIONS
     write_jsonl(tmp_path / "in.jsonl", rows)
-    extra = {"chat": [], "split-turns": ["--split-turns"], "text": ["--text"]}[mode]
+    # ChatML has no thinking syntax: the reasoning conversation's reasoning goes inline only when asked
+    extra = {"chat": ["--reasoning", "inline"], "split-turns": ["--split-turns", "--reasoning", "inline"],
+             "text": ["--text"]}[mode]
     out = {}
     try:
         for name, tokenizer, trust in (("fast", tiny_verifier_dir, []),

@@ -113,7 +113,10 @@ def test_deepseek_multi_turn_and_tool_calls(deepseek):
 def test_reasoning_inline_for_chatml(tokenizer):
     convo = [{"role": "user", "content": "2+2?"},
              {"role": "assistant", "content": "4.", "reasoning_content": "add two and two"}]
-    ids, mask = render_with_mask(convo, tokenizer, reasoning="keep")
+    with pytest.raises(ValueError, match=r"^sample c3: assistant message 1 has reasoning, and the chat template has "
+                                         r"no thinking syntax .*--reasoning drop .* or --reasoning inline"):
+        render_with_mask(convo, tokenizer, reasoning="keep", sample_id="c3")  # never inlined unasked
+    ids, mask = render_with_mask(convo, tokenizer, reasoning="inline")
     assert segments(tokenizer, ids, mask) == ["<think>\nadd two and two\n</think>\n\n4.<|im_end|>"]
     ids, mask = render_with_mask(convo, tokenizer, reasoning="drop")
     assert segments(tokenizer, ids, mask) == ["4.<|im_end|>"]

@@ -46,8 +46,8 @@ BEFORE = {
     "deepseek/last-turn-only": "664ed7cfcbd7f278", "deepseek/split-turns": "13ae57b1c9dcbec9",
     "kimi/default": "caa4af036a513554", "kimi/drop": "dfbdbe2ef50feb83",
     "kimi/last-turn-only": "8b307f964d058261", "kimi/split-turns": "49e8c8d53d97706b",
-    "k25/default": "06173f92de7ea6fd", "k25/drop": "c0d040a812f3a61a",
-    "k25/last-turn-only": "7eb434afcdeaee8e", "k25/split-turns": "397ec4245310245a",
+    "k25-bare/default": "06173f92de7ea6fd", "k25-bare/drop": "c0d040a812f3a61a",
+    "k25-bare/last-turn-only": "7eb434afcdeaee8e", "k25-bare/split-turns": "397ec4245310245a",
     "qwen3/default": "refused", "qwen3/drop": "refused",
     "qwen3/last-turn-only": "c33c8aca349c805d", "qwen3/split-turns": "1d8f230bddd6694d",
     "r1/default": "refused", "r1/drop": "refused", "r1/last-turn-only": "refused", "r1/split-turns": "refused",
@@ -60,12 +60,12 @@ def families(default_verifier_dir):
 
     out = {"chatml": AutoTokenizer.from_pretrained(default_verifier_dir)}
     out.update({f: family_tokenizer(default_verifier_dir, f) for f in ("llama3", "deepseek", "kimi")})
-    out.update({f: thinking_tokenizer(default_verifier_dir, f) for f in ("k25", "qwen3", "r1")})
+    out.update({f: thinking_tokenizer(default_verifier_dir, f) for f in ("k25", "k25-bare", "qwen3", "r1")})
     return out
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-@pytest.mark.parametrize("family", ("chatml", "llama3", "deepseek", "kimi", "k25", "qwen3", "r1"))
+@pytest.mark.parametrize("family", ("chatml", "llama3", "deepseek", "kimi", "k25-bare", "qwen3", "r1"))
 def test_data_without_reasoning_is_prepared_byte_for_byte_as_before(families, family, options):
     try:
         ds = prepare_conversations(NON_THINKING, families[family], stats=new_stats(), **OPTIONS[options]).to_dict()
@@ -96,9 +96,10 @@ def reasoning_loss_tokens(tok, ids: list[int], mask: list[int], thought: str) ->
 
 THOUGHT = "count the zebras twice"
 ASK = [U("How many zebras?")]
-# the turn as each model emits it after its generation prompt; R1's prompt already holds `<think>\n`
+# the turn as each model emits it after its generation prompt; Kimi-K2.5's prompt already holds `<think>`, R1's
+# `<think>\n`
 EMITTED = {
-    "k25": ("<|im_assistant|>assistant<|im_middle|>", f"<think>{THOUGHT}</think>Four.<|im_end|>"),
+    "k25": ("<|im_assistant|>assistant<|im_middle|><think>", f"{THOUGHT}</think>Four.<|im_end|>"),
     "qwen3": ("<|im_start|>assistant\n", f"<think>\n{THOUGHT}\n</think>\n\nFour.<|im_end|>\n"),
     "r1": ("<｜Assistant｜><think>\n", f"{THOUGHT}\n</think>\n\nFour.<｜end▁of▁sentence｜>"),
 }
@@ -174,8 +175,9 @@ def test_a_template_that_drops_reasoning_with_no_block_to_put_it_in_is_refused(f
             str(tmp_path / "out"), "--chat-template", str(tmp_path / "blind.jinja")]
     capsys.readouterr()
     assert cli.main(argv) == 1
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("prepare: ")]
-    assert len(err) == 1 and err[0].startswith("error: sample s7: assistant message 1 has reasoning that the chat")
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line and not line.startswith("prepare: ")]
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'in.jsonl'}: sample s7: assistant message 1 has "
+                                               "reasoning that the chat")
     assert cli.main(argv + ["--reasoning", "drop"]) == 0
 
 
@@ -211,10 +213,10 @@ def test_kimis_tool_loop_keeps_the_reasoning_it_showed_the_model(families):
     ds = prepare_conversations([{"id": "loop", "messages": convo}], tok, stats=stats)
     assert ds["id"] == ["loop#turn0", "loop#turn1"] and stats["reasoning_turns"] == 2
     call, answer = (segments(tok, i, m) for i, m in zip(ds["input_ids"], ds["loss_mask"]))
-    assert call == ['<think>look it up</think><|tool_calls_section_begin|><|tool_call_begin|>get_weather'
+    assert call == ['look it up</think><|tool_calls_section_begin|><|tool_call_begin|>get_weather'
                     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
                     '<|im_end|>']
-    assert answer == ["<think>read the result</think>Sunny.<|im_end|>"]
+    assert answer == ["read the result</think>Sunny.<|im_end|>"]
     seen = tok.apply_chat_template(convo[:3], add_generation_prompt=True, tokenize=False)
     assert "<think>look it up</think>" in seen  # the loop's reasoning, as the model saw it
     assert tok.decode(ds["input_ids"][1]) == seen + answer[0]
@@ -230,4 +232,4 @@ def test_kimis_tool_loop_keeps_the_reasoning_it_showed_the_model(families):
 def test_a_thought_the_answer_repeats_is_not_taken_for_kept(families):
     tok = families["k25"]
     [(_, ids, mask, turns)] = render_samples(ASK + [A("Four.", reasoning_content="Four")], tok)
-    assert turns == 1 and segments(tok, ids, mask) == ["<think>Four</think>Four.<|im_end|>"]
+    assert turns == 1 and segments(tok, ids, mask) == ["Four</think>Four.<|im_end|>"]

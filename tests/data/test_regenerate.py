@@ -340,7 +340,7 @@ def test_reasoning_from_the_servers_parser_is_kept_and_trained(tmp_path, default
     ds = prepare_conversations(load_conversations(str(out)), tok)
     assert ds["id"] == ["t0", "t1#turn0", "t1#turn1"]
     trained = tok.decode([i for i, m in zip(ds["input_ids"][0], ds["loss_mask"][0]) if m])
-    assert trained == f"<think>think about q0</think>{reply_for(convs[0]['messages'])}<|im_end|>"
+    assert trained == f"think about q0</think>{reply_for(convs[0]['messages'])}<|im_end|>"  # after the prompt's <think>
 
 
 def test_a_server_that_rejects_everything_stops_the_run(tmp_path):

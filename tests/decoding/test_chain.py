@@ -261,6 +261,25 @@ def test_acceptance_metric_loads_offline_and_matches(monkeypatch):
     assert summary["lossless"] is True and summary["mismatches"] == 0
 
 
+def test_evaluation_renders_prompts_in_the_drafters_thinking_mode():
+    """A drafter trained with thinking off is measured on prompts rendered with thinking off, as its serve lines serve
+    it: the recorded chat-template kwargs reach every prompt's rendering."""
+
+    class ModeTokenizer(ToyTokenizer):
+        seen: list[dict] = []
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
+            self.seen.append(kwargs)
+            return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+    verifier = plus_one_verifier()
+    drafter = random_drafter(verifier, draft_vocab_size=32)
+    drafter.config.verifier_chat_template_kwargs = {"thinking": False}
+    tok = ModeTokenizer()
+    evaluate_drafter(verifier, drafter, tok, ["What is 2 + 2?"], k=2, max_new_tokens=4, progress=False)
+    assert tok.seen and all(kw == {"thinking": False} for kw in tok.seen)
+
+
 def test_load_prompts(tmp_path):
     questions, name = load_prompts("mt-bench")
     assert name == "mt-bench" and len(questions) == 80 and len(questions[0]["turns"]) == 2

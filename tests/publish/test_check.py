@@ -331,3 +331,23 @@ def test_d2t_with_a_full_draft_vocabulary_is_refused_by_vllm(tmp_path):
     assert {"draft-vocab-size", "d2t-without-draft-vocab"} <= errors(check_drafter(missing, engine="vllm"))
     no_map = write_drafter(tmp_path / "no_map", draft_vocab_size=VOCAB, drop=("d2t", "t2d"))
     assert "d2t-without-draft-vocab" not in codes(check_drafter(no_map, engine="vllm"))
+
+
+def test_a_drafter_served_in_another_thinking_mode_is_refused(tmp_path, capsys):
+    from eagle3_hf.cli import main
+
+    from tests.helpers.findings import message
+
+    path = write_drafter(tmp_path / "kimi-off", verifier_chat_template_kwargs={"thinking": False})
+    assert "thinking-mode" in codes(check_drafter(path), "info")  # unknown server: says what to serve with
+    assert """--default-chat-template-kwargs '{"thinking": false}'""" in message(check_drafter(path), "thinking-mode")
+    assert "thinking-mode" not in codes(check_drafter(path, served_kwargs={"thinking": False}))
+    wrong = check_drafter(path, served_kwargs={"thinking": True})
+    assert "thinking-mode" in codes(wrong, "error")
+    assert "thinking: trained false, served true" in message(wrong, "thinking-mode")
+    assert "thinking-mode" in codes(check_drafter(path, served_kwargs={}), "warning")  # the template's default
+    assert main(["check", str(path), "--chat-template-kwargs", '{"thinking": true}']) == 1
+    assert "ERROR   thinking-mode" in capsys.readouterr().out
+    assert main(["check", str(path), "--chat-template-kwargs", '{"thinking": false}']) == 0
+    plain = write_drafter(tmp_path / "plain")  # nothing recorded: nothing to say
+    assert "thinking-mode" not in codes(check_drafter(plain, served_kwargs={"thinking": True}))

@@ -86,3 +86,23 @@ def test_a_llamacpp_evaluation_and_a_gguf_are_in_the_card(tmp_path):
     assert "## Served by llama.cpp" in card and "τ = **1.19** per verify cycle" in card
     assert "token-identical to plain llama-server: yes" in card and "train/serve gap (llama.cpp − ours) +0.001" in card
     assert "llama-server -m VERIFIER.gguf -md eagle3-drafter-f16.gguf --spec-type draft-eagle3" in card
+
+
+def test_the_serve_lines_set_the_thinking_mode_the_drafter_was_trained_in(tmp_path):
+    """A drafter trained on Kimi-K2.5 text rendered with thinking off must be served with thinking off: every serve
+    line sets the recorded chat-template kwargs as the server's default (vLLM and SGLang spell the flag alike)."""
+    path = drafter_dir(tmp_path / "off")
+    config = {**CONFIG, "verifier_chat_template_kwargs": {"thinking": False}}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "eagle3-drafter-f16.gguf").write_bytes(b"GGUF")
+    card = str(build_model_card(path))
+    flag = """--default-chat-template-kwargs '{"thinking": false}'"""
+    assert f"vllm serve VERIFIER {flag} --speculative-config" in card
+    assert f"python -m sglang.launch_server --model VERIFIER {flag} --speculative-draft-model-path" in card
+    assert """--jinja --chat-template-kwargs '{"thinking": false}'""" in card  # llama-server's spelling
+    assert """chat-template kwargs `{"thinking": false}` (the thinking mode)""" in card
+    # nothing recorded (an older drafter) or nothing rendered with (a template without a switch): no flag, no line
+    for recorded in (None, {}):
+        (path / "config.json").write_text(json.dumps({**CONFIG, "verifier_chat_template_kwargs": recorded}))
+        card = str(build_model_card(path))
+        assert "chat-template-kwargs" not in card and "thinking mode" not in card
