@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..engines.table import checkpoint_engines, engine_row
 from ..errors import UsageError
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
@@ -145,9 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
     parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
                         "embedding, and the SGLang aux-id reader of its family)")
+    servers = " and ".join(engine_row(name).label for name in checkpoint_engines())
+    by_name = ", ".join(name for name in ENGINES if name not in checkpoint_engines())
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all",
-                        help="serving engine to check for (all: SGLang and vLLM, which load this layout by repo "
-                             "id; llamacpp, by name only: llama.cpp's GGUF converter and EAGLE-3 loader)")
+                        help=f"serving engine to check for (all: {servers}, which load this layout by repo "
+                             f"id; {by_name}, by name only: llama.cpp's GGUF converter and EAGLE-3 loader)")
     parser.add_argument("--engine-version", default=None, metavar="VERSION", help="the --engine release to check "
                         "against (e.g. 0.32.0 for vLLM, 0.5.23 for SGLang); default: the installed one (vLLM: the "
                         "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "
