@@ -55,3 +55,4 @@ def write_dflash_drafter(path: Path, verifier: dict[str, Any], seed: int = 0,
     tensors = dflash_tensors(cfg, seed)
     tensors.update(extra or {})
     return write_checkpoint(path, cfg, tensors)
+
