@@ -3,7 +3,7 @@ ways its config and weights are read differently by vLLM, SGLang and llama.cpp, 
 engines it concerns. What each engine reads is in docs/contracts.md ("What engines read for DFlash"), read in vLLM
 0.32.0 (`model_executor/models/qwen3_dflash.py`, `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`), llama.cpp
 0c1e570 (`conversion/qwen.py` `DFlashModel`, `src/models/dflash.cpp`, `common/speculative.cpp`) and SGLang 0.5.23
-(`srt/models/dflash.py`, `srt/speculative/dflash_utils.py`, `dflash_worker_v2.py`).
+(`srt/models/dflash.py`, `srt/speculative/dflash_utils.py`, `srt/speculative/dflash_worker_v2.py`).
 """
 
 from __future__ import annotations
