@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_hf.engines.table import EAGLE3
 from eagle3_hf.engines.vllm_env import VllmError, run_vllm
 from eagle3_hf.evaluation.evaluate import load_prompts, render_prompt
 from eagle3_hf.evaluation.vllm_engine import cut_final_step
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts, _ = load_prompts("mt-bench", args.num_prompts)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
     request = {"verifier": resolve_verifier(args.verifier), "prompts": ids, "max_new_tokens": args.max_new_tokens,
-               "temperature": 0.0, "seed": 0, "k": 3, "dtype": "float32", "max_model_len": 2048, "logprobs": None}
+               "temperature": 0.0, "seed": 0, "k": 3, "dtype": "float32", "max_model_len": 2048, "logprobs": None,
+               "method": EAGLE3.vllm_method}
     plain = run_vllm(dict(request, drafter=None), threads=torch.get_num_threads())["plain"]["outputs"]
     rows = []
     for name, (what, edit) in VARIANTS.items():

@@ -1,5 +1,6 @@
-"""`llama-server` as `evaluate --engine llamacpp` runs it: one slot, on 127.0.0.1, plain or with an EAGLE-3 drafter
-(`--spec-type draft-eagle3`), and a client that decodes one prompt of token ids and reads back what the engine did.
+"""`llama-server` as `evaluate --engine llamacpp` runs it: one slot, on 127.0.0.1, plain or with a drafter (the
+`--spec-type` of its kind, engines/table.py: draft-eagle3, draft-dflash), and a client that decodes one prompt of
+token ids and reads back what the engine did.
 
 The server reports its draft counters per request (`timings.draft_n`, `timings.draft_n_accepted`) and, with
 `timings_per_token`, on every streamed token. A verify cycle adds its drafts and its accepted drafts to both
@@ -25,6 +26,7 @@ from typing import Any
 from ..errors import UsageError
 from .llamacpp_env import LlamaCpp
 from .server_process import ServerProcess
+from .table import EAGLE3
 
 
 @dataclass
@@ -80,9 +82,10 @@ class LlamaServer(ServerProcess):
 
     def __init__(self, build: LlamaCpp, model: Path, log_path: Path, *, draft: Path | None = None, k: int = 3,
                  p_min: float = 0.0, threads: int = 1, ctx_size: int = 2048, timeout: float = 600.0,
-                 debug: bool = False):
+                 debug: bool = False, spec_type: str = EAGLE3.llamacpp_spec_type):
         super().__init__(timeout, debug)
         self.build, self.model, self.draft, self.k, self.p_min = build, model, draft, k, p_min
+        self.spec_type = spec_type  # the drafter kind's --spec-type (engines/table.py)
         self.threads, self.ctx_size, self.port = threads, ctx_size, free_port()
         self._log_path = log_path
 
@@ -91,7 +94,7 @@ class LlamaServer(ServerProcess):
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size",
                 str(self.ctx_size), "--parallel", "1", "--no-webui"]
         if self.draft is not None:
-            argv += ["--spec-draft-model", str(self.draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max",
+            argv += ["--spec-draft-model", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max",
                      str(self.k), "--spec-draft-p-min", f"{self.p_min:g}", "--spec-draft-threads", str(self.threads),
                      "--spec-draft-threads-batch", str(self.threads)]
         return argv

@@ -1,11 +1,12 @@
-"""Generate with vLLM, plain or with an EAGLE-3 drafter, from a JSON request; write a JSON result.
+"""Generate with vLLM, plain or with a drafter (EAGLE-3 or DFlash), from a JSON request; write a JSON result.
 
 Runs inside the vLLM venv (see scripts/install_vllm.sh), executed by path, so it imports only the standard
 library and vllm: never eagle3_hf, whose torch and transformers pins differ from vLLM's.
 
     python vllm_runner.py REQUEST.json RESULT.json
 
-Request: {"verifier", "drafter" (path or repo id; null: plain decoding), "drafter_revision", "k",
+Request: {"verifier", "drafter" (path or repo id; null: plain decoding), "drafter_revision", "method" (vLLM's
+speculative method for the drafter's kind, engines/table.py: "eagle3", "dflash"), "k",
 "prompts" (token ids per prompt, already rendered with the chat template), "max_new_tokens",
 "temperature", "seed", "dtype", "max_model_len", "warmup", "logprobs" (2: return top-2 gaps),
 "plain" (false: skip plain decoding), "engine" (vllm_args.py: tensor / pipeline parallel sizes, expert parallel,
@@ -97,8 +98,8 @@ def run(request: dict) -> dict:
         start = time.perf_counter()  # prompt's two runs are timed back to back under the same machine load
         kwargs: dict[str, Any] = {}
         if mode == "spec":
-            speculative: dict[str, Any] = {"method": "eagle3", "model": request["drafter"],
-                           "num_speculative_tokens": int(request["k"])}
+            speculative: dict[str, Any] = {"method": request["method"], "model": request["drafter"],
+                                           "num_speculative_tokens": int(request["k"])}
             if request.get("drafter_revision"):
                 speculative["revision"] = request["drafter_revision"]
             kwargs["speculative_config"] = speculative

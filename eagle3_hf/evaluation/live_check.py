@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EndpointError
+from ..engines.table import engine_row, live_engines
+from ..errors import EndpointError, UsageError
 from ..publish.served_acceptance import ServedCounts
 
 REQUEST_TIMEOUT_S = 900.0  # one greedy answer of --max-new-tokens tokens; a CPU server is slow
@@ -160,8 +161,12 @@ def measure(url: str, prompts: Sequence[str], max_new_tokens: int, engine: str =
     """Send `prompts` (one user turn each) to the server at `url`, greedy, one at a time; its acceptance counts."""
     url = url.rstrip("/")
     engine = detect_engine(url, key) if engine == "all" else engine
+    if engine not in live_engines():
+        readable = " or ".join(engine_row(e).label for e in live_engines())
+        raise UsageError(f"--endpoint: the live check reads {readable} counters, not {engine_row(engine).label}'s "
+                         f"(measure its drafter with evaluate --engine {engine})")
     model = model or served_model(url, key)
-    name = f"{'vLLM' if engine == 'vllm' else 'SGLang'} at {url}"
+    name = f"{engine_row(engine).label} at {url}"
 
     def ask(prompt: str, extra: dict[str, Any]) -> dict[str, Any]:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens,

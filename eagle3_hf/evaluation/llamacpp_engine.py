@@ -1,17 +1,18 @@
 """`eagle3-hf evaluate --engine llamacpp`: the drafter served by llama.cpp (`make llamacpp`), beside our own decoder
 on the same prompts.
 
-`check --engine llamacpp`'s rules run first; then the drafter is converted to GGUF by llama.cpp's own converter
-with the verifier's directory, and `llama-server` serves the verifier's GGUF (the embedded default's own 4-bit
-file, or `--verifier-gguf`) plainly and, for each `--spec-draft-p-min`, with the drafter (`draft-eagle3`, `--k`
-drafts). The prompts are rendered with the verifier's chat template here, as `evaluate` renders them, and sent as
-token ids. Each prompt goes to every server back to back, in rotating order, so each speed ratio is measured under
-the same machine load; tokens/s come from the server's own generation timings. τ comes from the server's draft
-counters, split into verify cycles (engines/llamacpp_server.py): the engine's own τ (1 + accepted / cycles that
-drafted, what llama-server logs as "mean len") and τ counted as `evaluate` counts it (every cycle after the
-prefill, a cycle without a draft counting 1). Greedy answers are compared token by token with plain llama-server
-(top-2 log-probability gaps tell numerical ties apart). Unless --skip-transformers, `evaluate_drafter` runs the
-same prompts in-process and the train/serve gap is printed: llama.cpp τ (as evaluate counts) minus transformers τ.
+`check --engine llamacpp`'s rules run first; then the drafter is converted to GGUF by llama.cpp's own converter with
+the verifier's directory, and `llama-server` serves the verifier's GGUF (the embedded default's own 4-bit file, or
+`--verifier-gguf`) plainly and, for each `--spec-draft-p-min`, with the drafter (the `--spec-type` of its kind,
+engines/table.py: `draft-eagle3` or `draft-dflash`; `--k` drafts). The prompts are rendered with the verifier's chat
+template here, as `evaluate` renders them, and sent as token ids. Each prompt goes to every server back to back, in
+rotating order, so each speed ratio is measured under the same machine load; tokens/s come from the server's own
+generation timings. τ comes from the server's draft counters, split into verify cycles (engines/llamacpp_server.py):
+the engine's own τ (1 + accepted / cycles that drafted, what llama-server logs as "mean len") and τ counted as
+`evaluate` counts it (every cycle after the prefill, a cycle without a draft counting 1). Greedy answers are
+compared token by token with plain llama-server (top-2 log-probability gaps tell numerical ties apart). Unless
+--skip-transformers, `evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed:
+llama.cpp τ (as evaluate counts) minus transformers τ.
 """
 
 from __future__ import annotations
@@ -138,18 +139,29 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     from ..data.prepare import use_chat_template
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
-    from ..publish.export import drafter_gguf, local_verifier_dir, refuse_for_llamacpp, verifier_gguf_of
+    from ..engines.table import EAGLE3
+    from ..publish.export import (
+        drafter_gguf,
+        drafter_kind_of,
+        local_verifier_dir,
+        refuse_for_llamacpp,
+        verifier_gguf_of,
+    )
     from ..verifier.loading import cache_dir, load_tokenizer
     from .evaluate import copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
     if args.turns != 1 or getattr(args, "topk", 1) != 1 or getattr(args, "sweep", False):
-        raise UsageError("--engine llamacpp measures single-turn chain drafting (llama.cpp's draft-eagle3): use "
-                         "--turns 1, drop --topk/--sweep")
+        raise UsageError("--engine llamacpp measures single-turn chain drafting (llama.cpp's draft-eagle3 and "
+                         "draft-dflash): use --turns 1, drop --topk/--sweep")
     if any(not 0.0 <= p <= 1.0 for p in args.spec_draft_p_min):
         raise UsageError(f"--spec-draft-p-min {args.spec_draft_p_min}: each must be within 0..1")
     build = find_llamacpp()  # fail first, in one line, when llama.cpp is not built
+    kind = drafter_kind_of(args.drafter, args.revision)  # its config.json says eagle3 or dflash
+    if kind is not EAGLE3 and not args.skip_transformers:
+        raise UsageError(f"--engine llamacpp on a {kind.label} drafter measures llama.cpp alone: add "
+                         "--skip-transformers (our decoder's side of the comparison is EAGLE-3's)")
     prompts, name = load_prompts(args.prompts, args.num_prompts)
     verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
     refuse_for_llamacpp(args.drafter, verifier_dir, args.revision)
@@ -170,7 +182,8 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     servers = [LlamaServer(build, model_gguf, out / "llama-server-plain.log", threads=threads, ctx_size=ctx,
                            debug=debug)]
     servers += [LlamaServer(build, model_gguf, out / f"llama-server-p{p:g}.log", draft=draft_file, k=args.k,
-                            p_min=p, threads=threads, ctx_size=ctx, debug=debug) for p in args.spec_draft_p_min]
+                            p_min=p, threads=threads, ctx_size=ctx, debug=debug, spec_type=kind.llamacpp_spec_type)
+                for p in args.spec_draft_p_min]
     runs: list[list[Any]] = [[] for _ in servers]
     started: list[LlamaServer] = []
     try:
@@ -192,7 +205,8 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         summary.update(llamacpp_version=version, prompts=name, num_prompts=len(ids),
                        max_new_tokens=args.max_new_tokens,
                        verifier=args.verifier, verifier_gguf=str(model_gguf), drafter=args.drafter,
-                       drafter_gguf=str(draft_file), threads=threads)
+                       drafter_gguf=str(draft_file), drafter_kind=kind.name,
+                       spec_type=kind.llamacpp_spec_type, threads=threads)
         summaries.append(summary)
     written = []
     if not args.skip_transformers:

@@ -2,7 +2,8 @@
 
 The prompts are rendered with the verifier's chat template here, exactly as `evaluate` renders them, and
 passed to vLLM as token ids, so both engines read identical inputs. vLLM runs in its own venv (vllm_env.py):
-plain, then with the drafter (`speculative_config` method eagle3), with the engine options every vLLM route takes
+plain, then with the drafter (`speculative_config` with the method of the drafter's kind, engines/table.py: eagle3 or
+dflash), with the engine options every vLLM route takes
 (engines/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after the other,
 each in its own process, so the plain one has exited, its memory freed, before the speculative one loads: a
 verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
@@ -24,6 +25,7 @@ from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines import vllm_args
+from ..engines.table import EAGLE3, checkpoint_kind, evaluated_engines
 from ..engines.vllm_env import run_vllm
 from ..errors import UsageError, debug_requested
 
@@ -34,7 +36,7 @@ ENGINE_LAYOUTS = ("auto", "sequential", "together")
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `evaluate` takes for engines other than its own decoder: vLLM's shared engine group and how its
     plain and speculative engines share the machine."""
-    parser.add_argument("--engine", choices=["transformers", "vllm", "llamacpp"], default="transformers",
+    parser.add_argument("--engine", choices=["transformers", *evaluated_engines()], default="transformers",
                         help="transformers: our in-process decoder; vllm: serve the drafter in vLLM (`make vllm`), "
                              "llamacpp: in llama.cpp's llama-server (`make llamacpp`), and print our decoder's τ "
                              "beside it (default: %(default)s)")
@@ -239,13 +241,15 @@ def run_engine(args: argparse.Namespace) -> int:
         render_prompt,
         write_outputs,
     )
+    from .live_check import resolve_drafter
 
     if args.k < 1 or args.max_new_tokens < 1:
         raise UsageError("--k and --max-new-tokens must be >= 1")
     if args.turns != 1:
         raise UsageError("--engine vllm evaluates single-turn prompts: use --turns 1")
     if getattr(args, "topk", 1) != 1 or getattr(args, "sweep", False):
-        raise UsageError("--engine vllm measures chain drafting (vLLM's eagle3 method): drop --topk/--sweep")
+        raise UsageError("--engine vllm measures chain drafting (vLLM's eagle3 and dflash methods): drop "
+                         "--topk/--sweep")
     if getattr(args, "steps", None) not in (None, args.k):
         raise UsageError(f"--engine vllm: --steps {args.steps} and --k {args.k} disagree (vLLM drafts --k tokens)")
     engine = vllm_args.engine_from_args(args)
@@ -254,17 +258,24 @@ def run_engine(args: argparse.Namespace) -> int:
                          "--data-parallel-size has nothing to spread; use --tensor-parallel-size (with "
                          "--enable-expert-parallel for a MoE verifier)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
+    kind = checkpoint_kind(resolve_drafter(args.drafter, args.revision))  # its config.json says eagle3 or dflash
+    if kind is not EAGLE3 and not args.skip_transformers:
+        raise UsageError(f"--engine vllm on a {kind.label} drafter measures vLLM alone: add --skip-transformers "
+                         "(our decoder's side of the comparison is EAGLE-3's)")
     prompts, name = load_prompts(args.prompts, args.num_prompts)  # then when the prompt set is missing
     cpu = vllm_args.on_cpu(args.vllm_device)
     layout, dtype = engine_layout(args.vllm_engines, cpu), default_dtype(args.torch_dtype, cpu)
     debug = debug_requested()
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
-    vconfig = load_config(verifier_path, revision=args.verifier_revision)
-    for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
-        print(f"WARNING: {warning}", file=sys.stderr)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}], drafter_mode(drafter))
+    drafter = None
+    if kind is EAGLE3:
+        drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
+        vconfig = load_config(verifier_path, revision=args.verifier_revision)
+        for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
+            print(f"WARNING: {warning}", file=sys.stderr)
+    mode = None if drafter is None else drafter_mode(drafter)
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}], mode)
            for p in prompts]
     threads = torch.get_num_threads()
     # the context a prompt needs: itself, its answer and the drafts past the answer's end
@@ -273,21 +284,22 @@ def run_engine(args: argparse.Namespace) -> int:
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                "dtype": dtype, "max_model_len": max_model_len, "k": args.k,
-               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine}
-    print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}, {dtype}), "
+               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine, "method": kind.vllm_method}
+    print(f"vLLM: {len(ids)} prompts, plain and with the {kind.label} drafter {args.drafter} (k={args.k}, {dtype}), "
           f"{layout_line(layout, engine, cpu)} ...", file=sys.stderr)
     result = run_engines(request, args.drafter, args.revision, layout, cpu, threads=threads, debug=debug)
     plain, spec = result["plain"], dict(result["spec"], vllm_version=result["vllm_version"])
     summary = summarize(plain, spec, args.k, args.temperature, args.max_new_tokens)
     summary.update(prompts=name, num_prompts=len(ids), max_new_tokens=args.max_new_tokens, verifier=args.verifier,
-                   drafter=args.drafter, threads=threads, dtype=dtype, engines=layout,
-                   vllm_engine=vllm_args.llm_kwargs(engine, cpu))
+                   drafter=args.drafter, drafter_kind=kind.name, vllm_method=kind.vllm_method, threads=threads,
+                   dtype=dtype, engines=layout, vllm_engine=vllm_args.llm_kwargs(engine, cpu))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if not args.skip_transformers:
         from .evaluate import evaluate_drafter, place_verifier
 
+        assert drafter is not None  # an EAGLE-3 drafter: the others need --skip-transformers (above)
         verifier, device = place_verifier(args, dtype)  # after vLLM has exited: its GPUs are free again
         drafter.to(device)
         drafter.load_verifier_embeddings(verifier)

@@ -3,7 +3,8 @@
 Reads `config.json` and the safetensors headers (tensor values only for the few checks that need them);
 it never builds a model. This module reads the checkpoint (local or on the Hub) and reports; the rules,
 and the engine behaviour each guards against, are in `eagle3_hf/publish/rules.py`, `attention_rules.py` and
-`llamacpp_rules.py` (llama.cpp's converter and loader); the findings in `report.py`.
+`llamacpp_rules.py` (llama.cpp's converter and loader) for an EAGLE-3 drafter, in `dflash_rules.py` for a DFlash
+one (the kind its config.json's `architectures` declare, `eagle3_hf/engines/table.py`); the findings in `report.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..engines.table import DFLASH, checkpoint_engines, drafter_kind, engine_row
 from ..errors import UsageError, json_object
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
@@ -90,9 +92,10 @@ def check_drafter(
     served_kwargs: dict[str, Any] | None = None,
 ) -> list[Finding]:
     """Every reason this checkpoint would serve badly in the engines asked about (SGLang, vLLM, llama.cpp; "all" or
-    one name or several), errors first. `engine_versions`: the release of each engine to check the
-    version-dependent rules against (none: every release read); `served_kwargs`: the chat-template kwargs the
-    server renders with (the thinking mode; None: unknown)."""
+    one name or several), errors first: an EAGLE-3 drafter's rules (rules.py and the rule modules it names) or, when
+    config.json's architectures declare a DFlash drafter (engines/table.py), dflash_rules.py's. `engine_versions`:
+    the release of each engine to check the version-dependent rules against (none: every release read);
+    `served_kwargs`: the chat-template kwargs the server renders with (the thinking mode; None: unknown)."""
     rep = Report(engine)
     try:
         root = resolve_checkpoint(path_or_repo, revision, ["*.json", "*.safetensors"])
@@ -106,6 +109,8 @@ def check_drafter(
         return [Finding("error", "missing-config", f"no config.json in {path_or_repo}")]
     except json.JSONDecodeError as exc:
         return [Finding("error", "bad-config", f"config.json in {path_or_repo} is not valid JSON: {exc}")]
+    if drafter_kind(cfg) is DFLASH:
+        return _check_dflash(root, cfg, rep, verifier, str(path_or_repo))
     if cfg.get("speculators_model_type") or "Eagle3Speculator" in (cfg.get("architectures") or []):
         rep.add("error", "speculators-layout", "speculators layout (Eagle3Speculator): SGLang cannot load it "
                 "(it drops layers.0.* silently); export the standard layout", ("sglang",))
@@ -145,13 +150,39 @@ def check_drafter(
     return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
+def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str) -> list[Finding]:
+    """A DFlash drafter's findings (publish/dflash_rules.py), errors first."""
+    from .dflash_rules import check_dflash_config, check_dflash_weights
+
+    vcfg = None
+    if verifier is not None:
+        try:
+            vcfg = _load_verifier(verifier)[0]
+        except Exception as exc:  # noqa: BLE001
+            rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
+    ids = check_dflash_config(cfg, rep, vcfg)
+    files = _weight_files(root)
+    if not files:
+        rep.add("error", "missing-weights-file", f"no *.safetensors in {name}")
+    else:
+        try:
+            weights = CheckpointWeights(files)
+        except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
+            rep.add("error", "bad-weights-file", f"cannot read safetensors in {name}: {exc}")
+        else:
+            check_dflash_weights(cfg, weights, rep, ids)
+    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="checkpoint directory or Hub repo id")
     parser.add_argument("--verifier", default=None, help="verifier directory or Hub repo id (sizes, layers, "
                         "embedding, and the SGLang aux-id reader of its family)")
+    servers = " and ".join(engine_row(name).label for name in checkpoint_engines())
+    by_name = ", ".join(name for name in ENGINES if name not in checkpoint_engines())
     parser.add_argument("--engine", choices=("all",) + ENGINES, default="all",
-                        help="serving engine to check for (all: SGLang and vLLM, which load this layout by repo "
-                             "id; llamacpp, by name only: llama.cpp's GGUF converter and EAGLE-3 loader)")
+                        help=f"serving engine to check for (all: {servers}, which load this layout by repo "
+                             f"id; {by_name}, by name only: llama.cpp's GGUF converter and EAGLE-3 loader)")
     parser.add_argument("--engine-version", default=None, metavar="VERSION", help="the --engine release to check "
                         "against (e.g. 0.32.0 for vLLM, 0.5.23 for SGLang); default: the installed one (vLLM: the "
                         "`make vllm` venv, else this environment's; SGLang: this environment's), else every release "

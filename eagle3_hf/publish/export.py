@@ -11,10 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..engines.table import EAGLE3, DrafterKind, checkpoint_kind
 from ..errors import UsageError
 from .serving import PUSH_DTYPES
 
-GGUF_DRAFTER = "eagle3-drafter-{outtype}.gguf"
+GGUF_DRAFTER = "{kind}-drafter-{outtype}.gguf"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +58,26 @@ def local_verifier_dir(verifier: str, given_gguf: str | None) -> Path:
     return Path(snapshot_download(verifier, allow_patterns=patterns))
 
 
+def drafter_kind_of(drafter: str, revision: str | None = None) -> DrafterKind:
+    """The kind of drafter (engines/table.py) its config.json declares; a Hub repo's config.json alone is fetched."""
+    from .check import resolve_checkpoint
+
+    return checkpoint_kind(resolve_checkpoint(drafter, revision, ["config.json"]))
+
+
 def drafter_gguf(build: Any, drafter: str, verifier_dir: Path, outfile: Path, outtype: str,
                  revision: str | None = None) -> Path:
-    """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first."""
+    """The drafter (any layout we read, local or on the Hub) as a GGUF. An EAGLE-3 drafter is rewritten in the
+    standard layout first; a DFlash drafter is already in the one layout the engines read and converts as it is
+    (llama.cpp's converter picks its DFlash class by the config's `architectures`)."""
     from ..engines.llamacpp_convert import convert_drafter
     from ..model.modeling_eagle3 import Eagle3DraftModel
 
+    if drafter_kind_of(drafter, revision) is not EAGLE3:
+        from .check import resolve_checkpoint
+
+        root = resolve_checkpoint(drafter, revision, ["*.json", "*.safetensors"])
+        return convert_drafter(build, root, verifier_dir, outfile, outtype)
     model = Eagle3DraftModel.from_pretrained(drafter, revision=revision, dtype="float32")
     with tempfile.TemporaryDirectory(prefix="eagle3_gguf_") as tmp:
         model.save_pretrained(tmp)
@@ -105,8 +120,10 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     refuse_for_llamacpp(args.drafter, verifier_dir, args.revision, "; nothing was converted")
     build = find_llamacpp(need_server=False)  # after the rules: they need no build
     out = Path(args.output)
-    drafter = drafter_gguf(build, args.drafter, verifier_dir, out / GGUF_DRAFTER.format(outtype=args.gguf_type),
-                           args.gguf_type, revision=args.revision)
+    kind = drafter_kind_of(args.drafter, args.revision)
+    drafter = drafter_gguf(build, args.drafter, verifier_dir,
+                           out / GGUF_DRAFTER.format(kind=kind.name, outtype=args.gguf_type), args.gguf_type,
+                           revision=args.revision)
     verifier = verifier_gguf_of(build, args.verifier, verifier_dir, args.verifier_gguf, args.gguf_type, out)
     return drafter, verifier
 
@@ -114,8 +131,9 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
 def run(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         drafter_file, verifier_file = export_gguf(args)
+        kind = drafter_kind_of(args.drafter, args.revision)
         print(f"wrote {drafter_file} (verifier: {verifier_file}); serve it with\n  llama-server -m {verifier_file} "
-              f"-md {drafter_file} --spec-type draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0")
+              f"-md {drafter_file} --spec-type {kind.llamacpp_spec_type} --spec-draft-n-max 3 --spec-draft-p-min 0")
         return 0
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_verifier

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..engines.table import checkpoint_engines, engine_names
+
 LEVELS = ("error", "warning", "info")
-ENGINES = ("sglang", "vllm", "llamacpp")
-SERVERS = ("sglang", "vllm")  # the engines that load the standard layout itself (llama.cpp loads its GGUF)
+ENGINES = engine_names()  # the serving engines' table (engines/table.py): sglang, vllm, llamacpp
+SERVERS = checkpoint_engines()  # those that load the checkpoint itself (llama.cpp loads its GGUF): `--engine all`
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ SHARED = {"tests/evaluation/test_vllm_engine.py": "served_pair",
 FIXTURES = {"served_pair": ("served_pair", "vllm_evaluation")}
 # the longest groups go first, so neither worker is left with a long one at the end (ordering every group of 20 s
 # or more longest first measured no faster: 917 s against 889 s, the machine's noise; docs/development.md)
-FIRST = ("two_cores", "tests/test_demo.py", "served_pair", "tests/test_rehearsal.py")
+FIRST = ("two_cores", "tests/test_demo.py", "served_pair", "tests/test_rehearsal.py",
+         "tests/evaluation/test_dflash_engines.py")  # DFlash served by vLLM and llama.cpp: one worker, in turn
 
 
 def group(nodeid: str) -> str:

@@ -1,0 +1,58 @@
+"""Hand-written DFlash drafters in the one layout vLLM, SGLang and llama.cpp all serve (docs/contracts.md, "What
+engines read for DFlash"), written without our model class: config.json and model.safetensors with random weights,
+for a verifier described by its config. `write_dflash_drafter` writes one that `eagle3-hf check` passes; its
+keyword arguments change the config in one place at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_hf.verifier.family import default_aux_indices
+
+from tests.helpers.drafters import write_checkpoint
+
+
+def dflash_config(verifier: dict[str, Any], layers: int = 1, block_size: int = 4, mask_token_id: int | None = None,
+                  aux: list[int] | None = None, **overrides: Any) -> dict[str, Any]:
+    """A DFlash config for `verifier` (a text config dict): its hidden size, heads and vocabulary, `layers` Qwen3
+    layers, aux `output_hidden_states` indices `aux` (default: the project's) written as layer outputs (- 1)."""
+    hidden, heads = int(verifier["hidden_size"]), int(verifier["num_attention_heads"])
+    aux = aux or default_aux_indices(int(verifier["num_hidden_layers"]))
+    theta = float((verifier.get("rope_parameters") or {}).get("rope_theta") or verifier.get("rope_theta") or 1e4)
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+           "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": int(verifier.get("num_key_value_heads") or heads),
+           "head_dim": int(verifier.get("head_dim") or hidden // heads),
+           "intermediate_size": int(verifier.get("intermediate_size") or 2 * hidden), "hidden_act": "silu",
+           "rms_norm_eps": 1e-6, "attention_bias": False, "vocab_size": int(verifier["vocab_size"]),
+           "max_position_embeddings": int(verifier.get("max_position_embeddings") or 2048),
+           "tie_word_embeddings": False, "rope_theta": theta,
+           "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+           "layer_types": ["full_attention"] * layers, "block_size": block_size,
+           "dflash_config": {"mask_token_id": int(verifier["vocab_size"]) - 1 if mask_token_id is None
+                             else mask_token_id, "target_layer_ids": [i - 1 for i in aux], "block_size": block_size}}
+    cfg.update(overrides)
+    return cfg
+
+
+def dflash_tensors(cfg: dict[str, Any], seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Random weights in the served layout (norm weights 1)."""
+    from eagle3_hf.publish.dflash_rules import dflash_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = dflash_shapes(cfg, len((cfg.get("dflash_config") or {}).get("target_layer_ids") or [0, 0, 0]))
+    return {name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * scale
+            for name, shape in shapes.items()}
+
+
+def write_dflash_drafter(path: Path, verifier: dict[str, Any], seed: int = 0,
+                         extra: dict[str, torch.Tensor] | None = None, **config: Any) -> Path:
+    """A DFlash checkpoint for `verifier` in the engines' layout (plus `extra` tensors, to break it)."""
+    cfg = dflash_config(verifier, **config)
+    tensors = dflash_tensors(cfg, seed)
+    tensors.update(extra or {})
+    return write_checkpoint(path, cfg, tensors)
+
