@@ -192,8 +192,10 @@ def findings_of(args: argparse.Namespace) -> tuple[list[Finding], dict[str, str 
                          engine_versions=versions), versions
 
 
-def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None]) -> int:
-    """Print the findings (or their JSON) and the verdict line; the exit status: 1 with any error."""
+def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None],
+           instead_of_ok: str | None = None) -> int:
+    """Print the findings (or their JSON) and the verdict line (`instead_of_ok`, when given, replaces an OK line: the
+    live check's "not enough evidence"); the exit status: 1 with any error."""
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
@@ -203,7 +205,8 @@ def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str
         warnings = sum(f.level == "warning" for f in findings)
         verdict = "FAILED" if errors else "OK"
         against = "".join(f", {e} {v}" for e, v in sorted(versions.items()))
-        print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})")
+        summary = f"{errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})"
+        print(f"{instead_of_ok}; {summary}" if instead_of_ok and not errors else f"{verdict}: {summary}")
     return 1 if errors else 0
 
 
