@@ -2,11 +2,11 @@
 
 A server rejects some samples for good (HTTP 400/413/422: a prompt over the context length, a malformed tool
 message): retrying them is useless and aborting for them loses the run, so each is skipped and recorded here by id
-with the server's error message (never the conversation's text), and a rerun does not ask it again unless `--retry-
-skipped`. Many rejections stop the run (RejectLimits: in a row, or their share). Other 4xx (401, 403, 404: a wrong
-key, URL or model name) concern every sample and still stop the run; 5xx and dropped connections are retried. The
-file also counts the turns cut at `--max-new-tokens` (a thinking model's answers are long: a cut answer is a
-truncated one) and the last run's counts.
+with the server's error message (never the conversation's text), and a rerun does not ask it again unless
+`--retry-skipped`. Many rejections stop the run (RejectLimits: in a row, or their share). Other 4xx (401, 403, 404:
+a wrong key, URL or model name) concern every sample and still stop the run; 5xx and dropped connections are
+retried. The file also counts the turns cut at `--max-new-tokens` (a thinking model's answers are long: a cut answer
+is a truncated one) and the last run's counts.
 """
 
 from __future__ import annotations
