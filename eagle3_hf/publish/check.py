@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import UsageError
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
+from .llamacpp_graphs import check_llamacpp_verifier
 from .report import ENGINES, LEVELS, Finding, Report
 from .rope_rules import check_rope
 from .rules import (
@@ -122,6 +123,7 @@ def check_drafter(
             rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
+    check_llamacpp_verifier(varch, rep)
     check_rope(cfg, rep, engine_versions or {})
     files = _weight_files(root)
     if not files:
