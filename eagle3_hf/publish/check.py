@@ -20,6 +20,7 @@ from ..errors import UsageError
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
 from .llamacpp_graphs import check_llamacpp_verifier
+from .llamacpp_rope import check_llamacpp_rope
 from .report import ENGINES, LEVELS, Finding, Report
 from .rope_rules import check_rope
 from .rules import (
@@ -125,6 +126,7 @@ def check_drafter(
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
     check_llamacpp_verifier(varch, rep)
     check_rope(cfg, rep, engine_versions or {})
+    check_llamacpp_rope(cfg, rep)
     files = _weight_files(root)
     if not files:
         extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
