@@ -124,7 +124,8 @@ class AcceptanceComparison:
         if not short:
             return f"no position can fail (every recorded rate is below the tolerance {self.tolerance:g})"
         p = short[0]
-        scale = "" if not p.trials else f", about {math.ceil(self.served.prompts * p.needed / p.trials)} prompts"
+        needed = p.needed or 0
+        scale = "" if not p.trials else f", about {math.ceil(self.served.prompts * needed / p.trials)} prompts"
         return (f"position {p.position + 1} was reached by {p.trials} verify step(s) of {self.served.prompts} "
                 f"prompt(s), {p.needed} needed (--num-prompts{scale}, or --max-new-tokens)")
 
