@@ -30,7 +30,15 @@ from typing import Any
 from ..errors import EndpointError, json_object
 from .answers_file import ConversationWriter, completed_ids  # noqa: F401 (their home for other importers)
 from .regenerate_backends import Completion, EndpointBackend, TransformersBackend
-from .regenerate_summary import ABORT_AFTER_REJECTED, RegenerateSummary, RejectedRequest, summary_path
+from .regenerate_summary import (
+    MAX_CONSECUTIVE_REJECTS,
+    MAX_REJECT_SHARE,
+    SHARE_AFTER,
+    RegenerateSummary,
+    RejectedRequest,
+    RejectLimits,
+    summary_path,
+)
 from .server_wait import DEFAULT_WAIT_S
 
 
@@ -106,7 +114,7 @@ class ConversationTurns:
 # ---------------------------------------------------------------- drivers
 
 def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable,
-                  max_turns: int | None, skip: Callable[[str, str], None]) -> None:
+                  max_turns: int | None, skip: Callable[[str, str], None], limits: RejectLimits) -> None:
     def one(conv: dict) -> tuple[dict, int]:
         state, tokens = ConversationTurns(conv, max_turns), 0
         while (prompt := state.next_prompt()) is not None:
@@ -118,18 +126,29 @@ def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, c
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = {pool.submit(one, conv): conv["id"] for conv in todo}
         try:
-            _collect(futures, write, tick, skip)
+            _collect(futures, write, tick, skip, limits)
         except BaseException:  # Ctrl-C: don't wait for the queue, only for requests already in flight
             for fut in futures:
                 fut.cancel()
             raise
 
 
-def _collect(futures: dict, write: Callable, tick: Callable, skip: Callable[[str, str], None]) -> None:
+def _collect(futures: dict, write: Callable, tick: Callable, skip: Callable[[str, str], None],
+             limits: RejectLimits) -> None:
     """Write conversations as they finish; skip those the server rejects (recorded by `skip`); on the first other
-    failure, or when the first ABORT_AFTER_REJECTED are all rejected, cancel the queue, keep what finished."""
+    failure, or when the rejections pass `limits` (in a row, or their share), cancel the queue, keep what finished."""
     failed: tuple[str, BaseException] | None = None
-    answered = rejected = 0
+    answered = rejected = in_a_row = 0
+
+    def cancel_all() -> None:
+        for other in futures:
+            other.cancel()
+
+    def stop(why: str, last: str) -> EndpointError:
+        return EndpointError(f"{why}{last}. Check --model and --max-new-tokens against its context length "
+                             f"({answered} answered, {rejected} rejected, {len(futures) - answered - rejected} "
+                             "not finished)")
+
     for fut in as_completed(futures):
         if fut.cancelled():
             continue
@@ -138,22 +157,25 @@ def _collect(futures: dict, write: Callable, tick: Callable, skip: Callable[[str
         except RejectedRequest as e:
             skip(futures[fut], e.reason)
             rejected += 1
-            if failed is None and not answered and rejected >= ABORT_AFTER_REJECTED:
-                failed = (futures[fut], EndpointError(
-                    f"the server rejected the first {rejected} conversations and answered none ({e}): check "
-                    f"--model and --max-new-tokens against its context length"))
-                for other in futures:
-                    other.cancel()
+            in_a_row += 1
+            why = limits.exceeded(answered, rejected, in_a_row) if failed is None else None
+            if why:
+                failed = (futures[fut], stop(why, f"; last: {e}"))
+                cancel_all()
             continue
         except Exception as e:
             if failed is None:
                 failed = (futures[fut], e)
-                for other in futures:
-                    other.cancel()
+                cancel_all()
             continue
         write(row)
         tick(row, tokens)
         answered += 1
+        in_a_row = 0
+        why = limits.exceeded(answered, rejected, in_a_row) if failed is None else None
+        if why:  # the share is first judged at its SHARE_AFTER-th result, which may be an answer
+            failed = (futures[fut], stop(why, ""))
+            cancel_all()
     if failed is not None:
         raise EndpointError(f"conversation {failed[0]}: {failed[1]} (finished ones are saved; rerun to resume)")
 
@@ -194,11 +216,12 @@ def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable
 def regenerate(conversations: Iterable[dict], output: str | Path, backend: TransformersBackend | EndpointBackend, *,
                concurrency: int = 16,
                batch_size: int = 8, max_turns: int | None = None, progress: bool = True,
-               retry_skipped: bool = False) -> dict:
+               retry_skipped: bool = False, limits: RejectLimits | None = None) -> dict:
     """Regenerate every conversation not yet in `output` (JSONL, appended). Returns counts.
 
     `max_turns` keeps at most that many assistant turns per conversation (the rest is cut off). Conversations the
-    server rejected in an earlier run (the summary beside `output`) are not asked again unless `retry_skipped`.
+    server rejected in an earlier run (the summary beside `output`) are not asked again unless `retry_skipped`;
+    `limits` (default RejectLimits()) stops a run whose server rejects too many.
     """
     from tqdm.auto import tqdm
 
@@ -237,7 +260,7 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
         if isinstance(backend, TransformersBackend):
             _run_batched(todo, backend, write, batch_size, tick, max_turns)
         else:
-            _run_endpoint(todo, backend, write, concurrency, tick, max_turns, skip)
+            _run_endpoint(todo, backend, write, concurrency, tick, max_turns, skip, limits or RejectLimits())
     finally:
         write.close()
         bar.close()
@@ -277,6 +300,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-skipped", action="store_true",
                         help="ask again the conversations the server rejected (HTTP 400/413/422) in an earlier run "
                              "(they are listed in the summary beside --output)")
+    parser.add_argument("--max-consecutive-rejects", type=int, default=MAX_CONSECUTIVE_REJECTS, metavar="N",
+                        help="stop the run when the server rejects N conversations in a row (--endpoint; the "
+                             "settings are wrong, not the samples; 0: never) (default: %(default)s)")
+    parser.add_argument("--max-reject-share", type=float, default=MAX_REJECT_SHARE, metavar="SHARE",
+                        help=f"stop the run when more than this share of the results are rejections, judged once "
+                             f"{SHARE_AFTER} conversations were answered or rejected (--endpoint; 1: never) "
+                             "(default: %(default)s)")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--torch-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -298,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
     from eagle3_hf.data.conversations import load_conversations
 
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    limits = RejectLimits(args.max_consecutive_rejects, args.max_reject_share)
     backend: TransformersBackend | EndpointBackend
     if args.endpoint:
         if not args.model:
@@ -315,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                                       chat_template_kwargs=args.chat_template_kwargs, **gen)
     conversations = load_conversations(args.input, limit=args.limit, split=args.split)
     stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
-                       max_turns=args.max_turns, retry_skipped=args.retry_skipped)
+                       max_turns=args.max_turns, retry_skipped=args.retry_skipped, limits=limits)
     print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
           f"{stats['turns']} turns, {stats['tokens']} tokens in {stats['seconds']:.1f}s "
           f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)

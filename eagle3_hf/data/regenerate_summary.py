@@ -1,17 +1,19 @@
 """What a `regenerate --endpoint` run leaves beside its answers: OUTPUT's stem + `.summary.json`.
 
 A server rejects some samples for good (HTTP 400/413/422: a prompt over the context length, a malformed tool
-message): retrying them is useless and aborting for them loses the run, so each is skipped and recorded here by
-id with the server's error message (never the conversation's text), and a rerun does not ask it again unless
-`--retry-skipped`. Other 4xx (401, 403, 404: a wrong key, URL or model name) concern every sample and still stop
-the run; 5xx and dropped connections are retried. The file also counts the turns cut at `--max-new-tokens`
-(a thinking model's answers are long: a cut answer is a truncated one) and the last run's counts.
+message): retrying them is useless and aborting for them loses the run, so each is skipped and recorded here by id
+with the server's error message (never the conversation's text), and a rerun does not ask it again unless
+`--retry-skipped`. Many rejections stop the run (RejectLimits: in a row, or their share). Other 4xx (401, 403, 404:
+a wrong key, URL or model name) concern every sample and still stop the run; 5xx and dropped connections are
+retried. The file also counts the turns cut at `--max-new-tokens` (a thinking model's answers are long: a cut answer
+is a truncated one) and the last run's counts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,36 @@ from ..errors import EndpointError
 
 FORMAT = "eagle3_hf.regenerate-summary/1"
 REJECTED_HTTP = {400, 413, 422}  # this request is refused, not the run
-ABORT_AFTER_REJECTED = 16  # that many rejected and none answered: the settings are wrong, not the samples
+MAX_CONSECUTIVE_REJECTS = 16  # that many rejected in a row: the settings are wrong, not the samples
+MAX_REJECT_SHARE = 0.5  # more than this share of the results rejected: the same
+SHARE_AFTER = 32  # results (answered + rejected) before the share is judged: a few early rejections are samples
+
+
+@dataclass(frozen=True)
+class RejectLimits:
+    """When rejected samples stop the run (`--max-consecutive-rejects`, `--max-reject-share`): a server that rejects
+    most requests is misconfigured (a --max-new-tokens over its context, a wrong model or chat format), and skipping
+    sample after sample would leave a near-empty output with exit status 0. 0 and 1 turn each rule off."""
+
+    consecutive: int = MAX_CONSECUTIVE_REJECTS
+    share: float = MAX_REJECT_SHARE
+    share_after: int = SHARE_AFTER
+
+    def __post_init__(self) -> None:
+        if self.consecutive < 0 or not 0 < self.share <= 1:
+            raise ValueError(f"--max-consecutive-rejects {self.consecutive} / --max-reject-share {self.share}: "
+                             "expected a count >= 0 (0: off) and a share in (0, 1] (1: off)")
+
+    def exceeded(self, answered: int, rejected: int, in_a_row: int) -> str | None:
+        """Why the run stops after these counts, or None: the rule that bit, in words."""
+        if self.consecutive and in_a_row >= self.consecutive:
+            return (f"the server rejected {in_a_row} conversations in a row (--max-consecutive-rejects "
+                    f"{self.consecutive})")
+        results = answered + rejected
+        if self.share < 1 and results >= self.share_after and rejected > self.share * results:
+            return (f"the server rejected {rejected} of {results} conversations, more than "
+                    f"{self.share:.0%} (--max-reject-share {self.share:g}, judged from {self.share_after} results)")
+        return None
 
 
 class RejectedRequest(EndpointError):

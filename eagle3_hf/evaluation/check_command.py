@@ -2,6 +2,10 @@
 SGLang server that serves the drafter is sent a few prompts and its per-position acceptance is compared with what
 training recorded on the validation split (evaluation/live_check.py measures, publish/served_acceptance.py compares).
 
+Exit status: 0 when nothing is wrong, 1 on any error (a lint error, or served acceptance below the margin), and
+NO_VERDICT (3) when the lint found no error but too few verify steps reached some draft position for the live check
+to judge it (served_acceptance.py's evidence rule): the last line is then "not enough evidence: ask more prompts".
+
 The live half lives here, below the lint, because it reads prompt sets and talks to servers like `evaluate` does.
 """
 
@@ -14,7 +18,9 @@ from ..errors import UsageError
 from ..publish.check import add_arguments as add_lint_arguments
 from ..publish.check import findings_of, report
 from ..publish.report import LEVELS, Finding
-from ..publish.served_acceptance import TOLERANCE
+from ..publish.served_acceptance import MIN_VERIFY_STEPS, TOLERANCE, AcceptanceComparison
+
+NO_VERDICT = 3  # exit status: the live check had too few verify steps to judge (not an error, not a pass)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,29 +38,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--tolerance", type=float, default=TOLERANCE,
                       help="--endpoint: how far below the recorded conditional accuracy a served position may be, "
                            "beyond chance, for train/serve prompt differences (default: %(default)s)")
+    live.add_argument("--min-verify-steps", type=int, default=MIN_VERIFY_STEPS, metavar="N",
+                      help="--endpoint: verify steps that must reach a draft position before it is judged (more "
+                           "where a served rate of 0 could not yet fail); fewer: no verdict, exit status "
+                           f"{NO_VERDICT}, 'not enough evidence: ask more prompts' (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     findings, versions = findings_of(args)
-    if args.endpoint:
-        findings = sorted(findings + [live_finding(args)], key=lambda f: LEVELS.index(f.level))
-    return report(findings, args, versions)
+    if not args.endpoint:
+        return report(findings, args, versions)
+    live, comparison = live_finding(args)
+    findings = sorted(findings + [live], key=lambda f: LEVELS.index(f.level))
+    undecided = comparison.verdict == "undecided"
+    line = f"not enough evidence: ask more prompts ({comparison.shortfall()})" if undecided else None
+    code = report(findings, args, versions, instead_of_ok=line)
+    return NO_VERDICT if code == 0 and undecided else code
 
 
-def live_finding(args: argparse.Namespace) -> Finding:
-    """`--endpoint`: the served acceptance against the recorded one, as a finding (an error beyond the margin)."""
+def live_finding(args: argparse.Namespace) -> tuple[Finding, AcceptanceComparison]:
+    """`--endpoint`: the served acceptance against the recorded one, as a finding (an error beyond the margin, a
+    warning without enough evidence), and the comparison."""
     from ..features.api_key import api_key
     from ..publish.served_acceptance import compare, recorded_accuracies
     from .evaluate import load_prompts, prompt_turns
     from .live_check import measure, resolve_drafter
 
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.min_verify_steps < 1:
+        raise UsageError("--num-prompts, --max-new-tokens and --min-verify-steps must be >= 1")
     recorded = recorded_accuracies(resolve_drafter(args.drafter, args.revision), args.drafter)
     rows, _name = load_prompts(args.prompts, args.num_prompts)
     prompts = [(prompt_turns(row) or [""])[0] for row in rows]
     print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy) to {args.endpoint} ...",
           file=sys.stderr)
     served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key())
-    comparison = compare(served, recorded, tolerance=args.tolerance)
-    return Finding("info" if comparison.ok else "error", "served-acceptance", comparison.line(served.engine))
+    comparison = compare(served, recorded, tolerance=args.tolerance, min_steps=args.min_verify_steps)
+    level = {"pass": "info", "fail": "error", "undecided": "warning"}[comparison.verdict]
+    return Finding(level, "served-acceptance", comparison.line(served.engine)), comparison

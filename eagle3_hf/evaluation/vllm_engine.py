@@ -216,10 +216,12 @@ def served_against_training(summary: dict[str, Any], drafter: str, revision: str
     if not served.drafts:
         return None
     comparison = compare(served, recorded)
-    summary["served_vs_training"] = {"ok": comparison.ok, "recorded_conditional_accuracy": recorded,
+    summary["served_vs_training"] = {"ok": comparison.ok, "verdict": comparison.verdict,
+                                     "recorded_conditional_accuracy": recorded,
                                      "served_conditional_acceptance": [p.served for p in comparison.positions],
                                      "tolerance": comparison.tolerance, "line": comparison.line(served.engine)}
-    return f"{'served as trained' if comparison.ok else 'WARNING'}: {comparison.line(served.engine)}"
+    head = {"pass": "served as trained", "fail": "WARNING", "undecided": "NOTE"}[comparison.verdict]
+    return f"{head}: {comparison.line(served.engine)}"
 
 
 def run_engine(args: argparse.Namespace) -> int:

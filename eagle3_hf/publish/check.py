@@ -21,6 +21,8 @@ from ..engines.table import DFLASH, checkpoint_engines, drafter_kind, engine_row
 from ..errors import UsageError, json_object
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
+from .llamacpp_graphs import check_llamacpp_verifier
+from .llamacpp_rope import check_llamacpp_rope
 from .mode_rules import check_thinking_mode
 from .report import ENGINES, LEVELS, Finding, Report
 from .rope_rules import check_rope
@@ -130,7 +132,9 @@ def check_drafter(
             rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
+    check_llamacpp_verifier(varch, rep)
     check_rope(cfg, rep, engine_versions or {})
+    check_llamacpp_rope(cfg, rep)
     check_thinking_mode(cfg, rep, served_kwargs)
     files = _weight_files(root)
     if not files:
@@ -231,8 +235,10 @@ def findings_of(args: argparse.Namespace) -> tuple[list[Finding], dict[str, str 
                          engine_versions=versions, served_kwargs=args.chat_template_kwargs), versions
 
 
-def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None]) -> int:
-    """Print the findings (or their JSON) and the verdict line; the exit status: 1 with any error."""
+def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str, str | None],
+           instead_of_ok: str | None = None) -> int:
+    """Print the findings (or their JSON) and the verdict line (`instead_of_ok`, when given, replaces an OK line: the
+    live check's "not enough evidence"); the exit status: 1 with any error."""
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
@@ -242,7 +248,8 @@ def report(findings: list[Finding], args: argparse.Namespace, versions: dict[str
         warnings = sum(f.level == "warning" for f in findings)
         verdict = "FAILED" if errors else "OK"
         against = "".join(f", {e} {v}" for e, v in sorted(versions.items()))
-        print(f"{verdict}: {errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})")
+        summary = f"{errors} error(s), {warnings} warning(s) for {args.engine}{against} ({args.drafter})"
+        print(f"{instead_of_ok}; {summary}" if instead_of_ok and not errors else f"{verdict}: {summary}")
     return 1 if errors else 0
 
 

@@ -345,16 +345,76 @@ def test_reasoning_from_the_servers_parser_is_kept_and_trained(tmp_path, default
 
 def test_a_server_that_rejects_everything_stops_the_run(tmp_path):
     """Every sample rejected (a --max-new-tokens over the server's context, a wrong chat format): the settings are
-    wrong, not the samples; the run stops after the first ABORT_AFTER_REJECTED instead of skipping them all."""
+    wrong, not the samples; the run stops after MAX_CONSECUTIVE_REJECTS in a row instead of skipping them all."""
     import json
 
-    from eagle3_hf.data.regenerate_summary import ABORT_AFTER_REJECTED
+    from eagle3_hf.data.regenerate_summary import MAX_CONSECUTIVE_REJECTS
 
-    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(ABORT_AFTER_REJECTED + 100)]
+    convs = [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(MAX_CONSECUTIVE_REJECTS + 100)]
     with OpenAIStub(reject=lambda m: True) as stub:
-        with pytest.raises(EndpointError, match=rf"rejected the first {ABORT_AFTER_REJECTED} conversations and "
-                                                r"answered none .*HTTP 400: .*check --model and --max-new-tokens"):
+        with pytest.raises(EndpointError, match=rf"rejected {MAX_CONSECUTIVE_REJECTS} conversations in a row "
+                                                r".*HTTP 400: .*Check --model and --max-new-tokens"):
             regenerate(convs, tmp_path / "o.jsonl", EndpointBackend(stub.url, "m"), concurrency=1, progress=False)
         # stopped, not skipping them all (the worker may have asked a few more before the queue was cancelled)
-        assert ABORT_AFTER_REJECTED <= len(stub.requests) < len(convs) // 2
+        assert MAX_CONSECUTIVE_REJECTS <= len(stub.requests) < len(convs) // 2
     assert len(json.loads((tmp_path / "o.summary.json").read_text())["skipped"]) == len(stub.requests)
+
+
+def _numbered(n: int) -> list[dict]:
+    return [{"id": f"x{i}", "messages": [U(f"q{i}")]} for i in range(n)]
+
+
+def _asked(messages: list[dict]) -> int:
+    return int(messages[-1]["content"][1:])
+
+
+def test_rejections_in_a_row_stop_the_run_even_after_an_answer(tmp_path, capsys):
+    """A server that answers the first request and rejects the next 199 (it ran out of context after a restart):
+    16 rejections in a row end the run with exit status 1 and the counts, not 199 skips and exit status 0."""
+    argv = ["regenerate", "--endpoint", "", "--model", "m", "--concurrency", "1", "--wait-for-server", "0",
+            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    write_jsonl(tmp_path / "in.jsonl", _numbered(200))
+    with OpenAIStub(reject=lambda m: _asked(m) > 0) as stub:
+        argv[2] = stub.url
+        assert cli.main(argv) == 1
+        asked = len(stub.requests)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: conversation x16: the server rejected 16 conversations in a row "
+                              "(--max-consecutive-rejects 16); last: ")
+    assert "(1 answered, 16 rejected, 183 not finished) (finished ones are saved" in err[-1]
+    assert asked < 20 and len(load_conversations(str(tmp_path / "out.jsonl"))) == 1
+    # the rule off: every conversation asked, the 199 rejections skipped and counted
+    with OpenAIStub(reject=lambda m: _asked(m) > 0) as stub:
+        argv[2] = stub.url
+        argv[-1] = str(tmp_path / "all.jsonl")
+        assert cli.main(argv + ["--max-consecutive-rejects", "0", "--max-reject-share", "1"]) == 0
+        assert len(stub.requests) == 200
+    assert "skipped 199 conversations the server rejected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("every, stops", [(3, True), (2, False)], ids=["2-of-3-rejected", "1-of-2-rejected"])
+def test_a_rejected_share_above_the_bound_stops_the_run(every, stops, tmp_path):
+    """Never 16 in a row, but 2 of every 3 rejected: past 32 results more than half are rejections and the run
+    stops; 1 of every 2 (not more than half) runs to the end."""
+    from eagle3_hf.data.regenerate_summary import SHARE_AFTER, RejectLimits
+
+    convs = _numbered(120)
+    reject = (lambda m: _asked(m) % 3 != 0) if every == 3 else (lambda m: _asked(m) % 2 == 1)
+    with OpenAIStub(reject=reject) as stub:
+        run = lambda: regenerate(convs, tmp_path / "o.jsonl", EndpointBackend(stub.url, "m"),  # noqa: E731
+                                 concurrency=1, progress=False)
+        if not stops:
+            stats = run()
+            assert stats["written"] == 60 and len(stats["skipped"]) == 60
+            return
+        with pytest.raises(EndpointError, match=rf"rejected 21 of {SHARE_AFTER} conversations, more than 50% "
+                                                r"\(--max-reject-share 0.5, judged from 32 results\)"):
+            run()
+        assert len(stub.requests) < len(convs) // 2  # the queue cancelled (a few asked while it was)
+    # a lower bound stops the 1-in-2 server too; the limits themselves are checked
+    with OpenAIStub(reject=lambda m: _asked(m) % 2 == 1) as stub:
+        with pytest.raises(EndpointError, match="more than 40%"):
+            regenerate(convs, tmp_path / "p.jsonl", EndpointBackend(stub.url, "m"), concurrency=1, progress=False,
+                       limits=RejectLimits(share=0.4))
+    with pytest.raises(ValueError, match="--max-reject-share 0"):
+        RejectLimits(share=0)

@@ -10,12 +10,15 @@ import json
 import pytest
 
 from eagle3_hf.cli import main
+from eagle3_hf.evaluation.check_command import NO_VERDICT
 from eagle3_hf.evaluation.live_check import parse_vllm_counters, sglang_counts, vllm_difference
 from eagle3_hf.publish.served_acceptance import (
+    MIN_VERIFY_STEPS,
     ServedCounts,
     compare,
     implied_tau,
     recorded_accuracies,
+    steps_to_detect,
     wilson_upper,
 )
 
@@ -68,16 +71,37 @@ def test_a_served_gap_beyond_the_margin_fails_and_names_the_likely_causes():
     assert good.ok and good.recorded_tau == pytest.approx(1 + 0.8 + 0.56 + 0.336)
     assert "within 0.15 of it at every position" in good.line("vLLM at u")
     broken = compare(ServedCounts("vLLM at u", 80, (8, 0, 0), 8), RECORDED)
-    assert not broken.ok and [p.below for p in broken.positions] == [True, True, False]  # position 3: no tries
+    assert broken.verdict == "fail" and [p.below for p in broken.positions] == [True, False, False]  # 8, 0 tries
     line = broken.line("vLLM at u")
     assert "position 1 serves 0.10" in line and "aux-layer ids" in line and "RoPE" in line and "d2t" in line
     assert "\n" not in line
-    # a small gap, or few tries, is not evidence: 4 of 10 against 0.8 - 0.15 has an upper bound above 0.65
+    # few tries are no verdict either way: 4 of 10 against 0.8 - 0.15 has an upper bound above 0.65
     assert compare(ServedCounts("e", 10, (4, 3, 2), 1), RECORDED).positions[0].upper > 0.65
-    assert compare(ServedCounts("e", 10, (4, 3, 2), 1), RECORDED).ok
+    assert compare(ServedCounts("e", 10, (4, 3, 2), 1), RECORDED).verdict == "undecided"
     # serving better than validation is never a failure; positions past those recorded are not compared
     better = compare(ServedCounts("e", 80, (80, 80, 80, 80, 80), 8), RECORDED)
+    assert better.verdict == "pass"
     assert better.ok and len(better.positions) == 3 and "positions 4-5 not compared" in better.line("e")
+
+
+def test_the_margin_shrinks_with_evidence():
+    """The same served rates, 0.55 / 0.70 / 0.60 of the steps reaching each position, against recorded 0.8 / 0.7 /
+    0.6: too few steps for a verdict, then a pass (the bound still covers the floor 0.65), then a failure."""
+    def served(n: int) -> ServedCounts:
+        return ServedCounts("e", n, (round(0.55 * n), round(0.385 * n), round(0.231 * n)), 1)
+
+    verdicts = {n: compare(served(n), RECORDED) for n in (19, 40, 100, 200)}
+    assert [verdicts[n].verdict for n in (19, 40, 100, 200)] == ["undecided", "undecided", "pass", "fail"]
+    assert [p.needed for p in verdicts[100].positions] == [MIN_VERIFY_STEPS] * 3
+    assert "position 1 was reached by 19 verify step(s) of 1 prompt(s), 20 needed" in verdicts[19].line("e")
+    assert "position 3 was reached by 15 verify step(s)" in verdicts[40].line("e")  # 0.385 * 40: short at 3
+    assert "position 1 serves 0.55" in verdicts[200].line("e")
+    # the evidence a position needs: at least --min-verify-steps, and enough that a served 0 could fail
+    assert compare(served(100), RECORDED, min_steps=101).verdict == "undecided"
+    assert steps_to_detect(0.65, 0.99) == 3 and steps_to_detect(0.05, 0.99) == 103  # z^2 (1 - f) / f, rounded up
+    low = compare(ServedCounts("e", 100, (30, 2, 1), 1), [0.4, 0.1, 0.1])  # floors 0.25, -0.05, -0.05
+    assert [p.needed for p in low.positions] == [23, None, None] and low.verdict == "pass"  # 0 of 22 could pass
+    assert compare(ServedCounts("e", 0, (0, 0, 0), 0), RECORDED).verdict == "undecided"  # nothing served
 
 
 def test_the_tolerance_moves_the_margin():
@@ -115,6 +139,36 @@ def test_check_endpoint_passes_what_is_served_as_trained_and_fails_a_gap(engine,
     (line,) = [ln for ln in out.splitlines() if "served-acceptance" in ln]
     assert code == 1 and line.startswith("ERROR") and "likely causes: aux-layer ids" in line
     assert out.strip().splitlines()[-1].startswith("FAILED: 1 error(s)")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_too_few_verify_steps_is_no_verdict_with_its_own_exit_status(engine, drafter, capsys):
+    """2 prompts of 10 verify steps reach position 2 16 times (3: 12), short of the 20 needed: no pass, no failure,
+    exit 3; --min-verify-steps 5 judges the same counts (position 3 then needs the 9 at which a served 0 would fail)."""
+    argv = ["check", str(drafter), "--engine", engine, "--num-prompts", "2"]
+    with EngineStub(engine, [SERVED_WELL]) as stub:
+        code = main(argv + ["--endpoint", stub.url])
+    out = capsys.readouterr().out.strip().splitlines()
+    (line,) = [ln for ln in out if "served-acceptance" in ln]
+    assert code == NO_VERDICT == 3 and line.startswith("WARNING") and "not enough evidence for a verdict" in line
+    assert out[-1].startswith("not enough evidence: ask more prompts (position 2 was reached by 16 verify step(s) "
+                              "of 2 prompt(s), 20 needed (--num-prompts, about 3 prompts")
+    with EngineStub(engine, [SERVED_WELL]) as stub:
+        assert main(argv + ["--endpoint", stub.url, "--min-verify-steps", "5"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: 0 error(s)")
+    # nothing accepted in 2 verify steps is not a failure either (it was a pass before this rule)
+    with EngineStub(engine, [[0, 0]]) as stub:
+        assert main(argv[:-1] + ["1", "--endpoint", stub.url]) == NO_VERDICT
+    assert "position 1 was reached by 2 verify step(s)" in capsys.readouterr().out
+
+
+def test_zero_verify_steps_is_no_verdict(drafter, capsys):
+    with EngineStub("vllm", [[]]) as stub:
+        assert main(["check", str(drafter), "--endpoint", stub.url, "--num-prompts", "3"]) == NO_VERDICT
+    out = capsys.readouterr().out
+    assert "0 verify steps, 3 prompts" in out and "within" not in out and "beyond chance" not in out
+    assert out.strip().splitlines()[-1].startswith("not enough evidence: ask more prompts (position 1 was reached "
+                                                   "by 0 verify step(s) of 3 prompt(s), 20 needed (--num-prompts, or")
 
 
 def test_a_server_without_a_drafter_or_no_server_is_one_line(drafter, capsys, tmp_path):

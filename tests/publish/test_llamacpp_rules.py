@@ -64,11 +64,32 @@ def test_ids_only_in_eagle_config_fall_back_to_the_default(tmp_path):
     assert "llamacpp-aux-ids" in codes(llamacpp(unknown_depth), "warning")  # no depth, no verifier: a warning
 
 
-def test_the_last_layer_and_own_indices(tmp_path):
+def test_the_last_layer_is_refused_and_the_one_before_it_is_not(tmp_path):
+    """Id N (the verifier's last state) is llama.cpp's nextn capture, never produced by a Llama target; id N - 1 is
+    an ordinary layer input. Both asked, so a rule off by one either way fails here."""
     verifier = write_verifier_config(tmp_path / "verifier")
-    found = llamacpp(write_drafter(tmp_path / "a", aux_hidden_state_indices=[2, 4, 6]), verifier)
+    last = [2, 4, VERIFIER_LAYERS]
+    found = llamacpp(write_drafter(tmp_path / "n", eagle_aux_hidden_state_layer_ids=last,
+                                   aux_hidden_state_indices=last), verifier)
+    assert "llamacpp-aux-last" in errors(found)
+    assert f"aux id {VERIFIER_LAYERS} (the verifier's last state)" in message(found, "llamacpp-aux-last")
+    before = [2, 4, VERIFIER_LAYERS - 1]
+    found = llamacpp(write_drafter(tmp_path / "n-1", eagle_aux_hidden_state_layer_ids=before,
+                                   aux_hidden_state_indices=before), verifier)
+    assert "llamacpp-aux-last" not in codes(found) and "llamacpp-aux-ids" not in codes(found)
+
+
+def test_the_ids_written_are_compared_with_the_ones_trained_on(tmp_path):
+    """Top-level ids equal to the recorded training indices pass; one id one layer off is an error naming both
+    (a comparison that shifts either side by one fails one of the two)."""
+    verifier = write_verifier_config(tmp_path / "verifier")
+    same = llamacpp(write_drafter(tmp_path / "same", aux_hidden_state_indices=list(AUX)), verifier)
+    assert "llamacpp-aux-ids" not in codes(same)
+    shifted = [*AUX[:2], AUX[2] + 1]  # [2, 4, 6]: trained one layer later than written
+    found = llamacpp(write_drafter(tmp_path / "a", aux_hidden_state_indices=shifted), verifier)
     assert "llamacpp-aux-ids" in errors(found)
-    assert "aux_hidden_state_indices [2, 4, 6]" in message(found, "llamacpp-aux-ids")
+    assert f"eagle_aux_hidden_state_layer_ids {AUX}" in message(found, "llamacpp-aux-ids")
+    assert f"aux_hidden_state_indices {shifted}" in message(found, "llamacpp-aux-ids")
 
 
 def test_norm_before_fc_is_read_from_the_top_level_only(tmp_path):

@@ -199,7 +199,12 @@ def test_two_nodes_read_half_each_and_need_the_readers_of_their_own_engines(caps
     assert r2["engines"] == 2 * r1["engines"] == 2 and r2["engines_per_node"] == r1["engines_per_node"] == 1
     assert r2["readers_per_node"] == r1["readers_per_node"] == r1["readers_per_engine"]
     assert f"({r1['readers_per_node']} per node)" in text
-    assert two["data"]["read_bytes_per_node"] < 0.55 * one["data"]["read_bytes_per_node"]  # half, fewer evaluations
+    d1, d2 = one["data"], two["data"]
+    assert d2["read_bytes_per_node"] < 0.55 * d1["read_bytes_per_node"]  # half, fewer evaluations
+    # ... and each node's disk reads its half in half the time: the hours are of the node's bytes, not the run's
+    assert d2["nodes"] == 2 and d2["read_hours"] < 0.55 * d1["read_hours"]
+    assert d2["read_hours"] == pytest.approx(d2["read_bytes_per_node"] / (d2["disk_gbps"] * 1e9) / 3600)
+    assert f"per node (1/2 of the run's): {d2['read_hours']:.2f} h at 2 GB/s" in text
     assert two["extraction"]["hours"] == pytest.approx(one["extraction"]["hours"] / 2)
     assert two["extraction"]["write_gbps"] == pytest.approx(one["extraction"]["write_gbps"])  # per node
 
