@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ...data.prepared_samples import PreparedDataset
 from ..table import (
@@ -54,16 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_route_arguments(parser, extract_kinds())
 
 
-def data_fingerprint(args: argparse.Namespace) -> str:
-    """The fingerprint of --verifier's tokenizer, refused first when its class is not the one that prepared --data
-    (the same --trust-remote-code at every stage)."""
-    from ...data.fingerprint import tokenizer_fingerprint
-    from ...data.prepared_format import check_prepared_tokenizer
+def open_data(args: argparse.Namespace) -> tuple[PreparedDataset, str]:
+    """--data, opened once (its meta read once), and the fingerprint of --verifier's tokenizer: samples another
+    tokenizer prepared, or one of another class (the same --trust-remote-code at every stage), refused here, before
+    the verifier loads, where a refusal costs nothing."""
+    from ...constants import PREPARE_META
+    from ...data.fingerprint import check_tokenizer_class, tokenizer_fingerprint
     from ...verifier.loading import load_tokenizer
 
+    prepared = PreparedDataset(args.data, "all")
     tokenizer = load_tokenizer(args.verifier, revision=args.revision)
-    check_prepared_tokenizer(args.data, tokenizer)
-    return tokenizer_fingerprint(tokenizer)
+    check_tokenizer_class(prepared.tokenizer_record(), tokenizer, str(Path(args.data) / PREPARE_META))
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    prepared.check_fingerprint(fingerprint)
+    return prepared, fingerprint
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,13 +78,12 @@ def run(args: argparse.Namespace) -> int:
     kind = engine_kind(args.engine, bool(args.endpoint))
     options = options_from_args(kind, args)  # read and checked once, before anything loads
     try:
-        fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
+        prepared, fingerprint = open_data(args)
         source = open_source(SourceRequest(kind, args.verifier, args.verifier, args.revision,
                                            None if aux is None else tuple(aux), args.features_dtype,
                                            tokenizer_fingerprint=fingerprint, options=options))
         # as many shards written at once as a route reads samples at once (vLLM's readers)
         store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
-        prepared = PreparedDataset(args.data, "all", tokenizer_fingerprint=fingerprint)
         summary = write_features(source, prepared, args.output, store=store, progress=not args.no_progress,
                                  desc="extract" if args.engine == engines()[0] else f"extract {args.engine}")
     finally:
