@@ -5,7 +5,9 @@ The pipeline's offline mode (docs/contracts.md). `--engine` (and `--endpoint`) p
 features are written by `write.write_features`. Under `torchrun` / `accelerate launch` each rank takes samples i
 with i % world_size == rank, writes its own shards and journal, and rank 0 merges all journals into manifest.json
 once every sample is accounted for (over several nodes `--output` must be shared, or `--per-node-output` has each
-node merge its own part: write.py). Killed at any point, the same command resumes (write.py, store.py).
+node merge its own part: write.py; `check_output_shared`, the launch policy of those two flags, says which at
+launch, as train/nodes.py does for training's directories). Killed at any point, the same command resumes
+(write.py, store.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
+from ... import nodes
 from ...data.prepared_samples import PreparedDataset
+from ...errors import UsageError
 from ..table import (
     SourceRequest,
     add_route_arguments,
@@ -26,7 +30,7 @@ from ..table import (
     open_source,
     options_from_args,
 )
-from ..write import StoreOptions, check_output_shared, write_features
+from ..write import StoreOptions, write_features
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +57,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --engine {' or '.join(endpoint_engines())}: the running server that computes "
                              "the states (its engine's group below says how it must be started)")
     add_route_arguments(parser, extract_kinds())
+
+
+def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
+    """At launch, before any verifier is loaded: over several nodes, rank 0's merge reads every node's journals,
+    so `out_dir` must be one directory for all of them. Not shared: refused in one line, or with `per_node`
+    (each node's own local directory) each node's first process merges its own node's ranks
+    (`write_features`). Shared, `per_node` changes nothing: rank 0 merges everything."""
+    if not nodes.multi_node():
+        return
+    with nodes.ProcessGroup():
+        layout = nodes.gather_layout()
+        views = nodes.check_shared(out_dir, layout)
+    seen = views[layout.rank]
+    if min(views) == layout.nodes:
+        return
+    if not per_node:
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "use a shared filesystem, or --per-node-output to have "
+            "each node merge its own ranks' shards into a node part (`train --per-node-features` reads the parts)"))
+    if max(views) > 1:  # some nodes share it, others do not: their node parts would overwrite one another
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "--per-node-output needs a directory local to each node "
+            "or one shared by all; some nodes share this one"))
+    nodes.remember_node_local(out_dir, layout)
 
 
 def open_data(args: argparse.Namespace) -> tuple[PreparedDataset, str]:
