@@ -165,6 +165,7 @@ class Plan:
     shm: ShmNeed
     reader: ReaderPlan
     verifier: VerifierSummary
+    step_peak_holds: str  # what the drafter's step peak is made of (printed, not written)
     notes: list[str] = field(default_factory=list)
     zero3_gathered_per_micro_step: int | None = None
     extraction: ExtractionBudget | None = None
@@ -221,8 +222,8 @@ def _notes(recipe: dict[str, Any], drafter: DrafterArithmetic, params: ParamCoun
     if launch.zero_stage == 3:
         gathered = drafter.zero3_gathered_bytes()
         ddp = 16 * params.trained + 4 * params.frozen + memory.step_peak + 4 * params.trained
-        notes.append(f"ZeRO-3 all-gathers {gathered / GIB:.1f} GiB of bf16 weights per micro-batch (the frozen "
-                     f"embedding and the layer at every TTT step); "
+        notes.append(f"ZeRO-3 all-gathers {gathered / GIB:.1f} GiB of bf16 weights per micro-batch "
+                     f"({drafter.zero3_gathers}); "
                      + ("DDP needs no gather: prefer it, the drafter fits one GPU" if
                         ddp <= (hardware.gpu_memory_gib - hardware.reserve_gib) * GIB
                         else "the drafter does not fit one GPU with DDP"))
@@ -256,7 +257,8 @@ def build_plan(recipe: dict[str, Any], launch: Launch, text_cfg: dict[str, Any],
                                                                     hardware.peak_tflops)
     plan = Plan(
         drafter=record, launch=launch, micro_batch_tokens=micro_tokens, dtype=dtype, memory=memory,
-        notes=notes, zero3_gathered_per_micro_step=gathered, shm=shm_plan(recipe, ranks, drafter.feature_hidden),
+        step_peak_holds=drafter.step_peak_holds, notes=notes, zero3_gathered_per_micro_step=gathered,
+        shm=shm_plan(recipe, ranks, drafter.feature_hidden),
         reader=reader_plan(int(text_cfg["hidden_size"]), node_tps, extract_gpus, engine.gpus_per_engine,
                            extraction.reader_gbps, nodes),
         verifier=VerifierSummary(int(text_cfg["num_hidden_layers"]), int(text_cfg["hidden_size"]),
@@ -310,7 +312,7 @@ def format_plan(plan: Plan, title: str) -> str:
         + (f", offload {' + '.join(offload)} to CPU" if offload else "") + f", {plan.dtype}",
         *plan.drafter.lines(),
         f"  memory/GPU  model states {m.model_states / GIB:7.1f} GiB  ({m.model_states_rule})",
-        f"              step peak    {m.step_peak / GIB:7.1f} GiB  (TTT activations + logits + loss, "
+        f"              step peak    {m.step_peak / GIB:7.1f} GiB  ({plan.step_peak_holds}, "
         f"{plan.micro_batch_tokens} tokens/micro-batch)",
         *([f"              DDP buckets  {m.ddp_buckets / GIB:7.1f} GiB  (the reducer's fp32 copy of the gradients)"]
           if m.ddp_buckets else []),

@@ -88,6 +88,8 @@ class DrafterArithmetic(Protocol):
     """One drafter kind's arithmetic, as `plan` uses it."""
 
     feature_hidden: int  # the verifier hidden size of the features a token's training reads
+    step_peak_holds: str  # what the step peak is made of, as the plan prints it
+    zero3_gathers: str  # what ZeRO-3 gathers more than once per micro-batch, as the plan's note says it
 
     def record(self) -> DrafterRecord: ...
 
@@ -106,6 +108,9 @@ class DrafterArithmetic(Protocol):
 class Eagle3Arithmetic:
     """EAGLE-3's: one decoder layer unrolled `ttt_steps` times over fc(three aux states), the verifier's embedding
     frozen, the teacher's rows attached for the soft cross-entropy."""
+
+    step_peak_holds = "TTT activations + logits + loss"
+    zero3_gathers = "the frozen embedding and the layer at every TTT step"
 
     def __init__(self, config: Eagle3Config, ttt_steps: int, freeze_lm_head: bool = False):
         nkv, hd, target = config.num_key_value_heads, config.head_dim, config.target_hidden_size
@@ -226,9 +231,10 @@ def eagle3_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vo
     return Eagle3Arithmetic(config, steps, bool(recipe.get("freeze_lm_head", False)))
 
 
-# A DFlash entry belongs here once its config module is on this branch: N Qwen3 layers + fc + norms trained, the
-# verifier's embedding and head frozen and shared; FLOPs per token of fc on the context and the block's layers
-# over anchors x block_size tokens attending to context + block.
+# The drafter kinds plan knows: name -> (recipe, verifier text config, draft vocabulary) -> its arithmetic. DFlash's
+# belongs here next to EAGLE-3's once its config (model/configuration_dflash.py) is importable here: parameters of
+# its N Qwen3 layers + fc + norms trained, the verifier's embedding and lm_head frozen and shared; FLOPs per token
+# of fc on the context and of the block's layers over anchors x block_size tokens attending to context + block.
 DRAFTER_KINDS = {"eagle3": eagle3_arithmetic}
 
 
