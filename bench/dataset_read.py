@@ -170,10 +170,11 @@ def node_need(recipe_path: str, verifier_config: str | None, accelerate_config: 
     launch = read_launch(accelerate_config, recipe)
     plan = build_plan(recipe, launch, verifier_text_config(recipe, verifier_config), 1e6,
                       mean_document=float(recipe.get("max_seq_len", 2048)))
-    data = plan["data"]
-    return {"recipe": recipe_path, "gpus": launch.num_processes, "mfu": data["mfu"],
-            "tok_s": round(data["read_tokens_per_s_per_node"], 1),
-            "feature_gb_s": round(data["read_bytes_per_s_per_node"] / 1e9, 3)}
+    data = plan.data
+    assert data is not None  # a dataset size was given
+    return {"recipe": recipe_path, "gpus": launch.num_processes, "mfu": data.mfu,
+            "tok_s": round(data.read_tokens_per_s_per_node, 1),
+            "feature_gb_s": round(data.read_bytes_per_s_per_node / 1e9, 3)}
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def main() -> None:
     from eagle3_hf.data.fingerprint import tokenizer_fingerprint
     from eagle3_hf.data.prepared_samples import PreparedDataset
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
-    from eagle3_hf.features.commands.serve_features import start_feature_server
+    from eagle3_hf.features.commands.serve_features import ServerSettings, start_feature_server
     from eagle3_hf.features.packing import PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
     from eagle3_hf.verifier.loading import default_verifier_dir
@@ -134,7 +134,8 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     server_cpu, trainer_cpu = ({cpus[-1]}, {cpus[0]}) if len(cpus) > 1 else (set(cpus), set(cpus))
     os.sched_setaffinity(0, server_cpu)  # the server (and every thread it starts) inherits this
-    server = start_feature_server(str(vdir), max_model_len=args.max_seq_len + 1, threads=1, timeout=1800)
+    server = start_feature_server(ServerSettings(str(vdir), max_model_len=args.max_seq_len + 1), threads=1,
+                                  timeout=1800)
     runs: dict[str, list[dict]] = {"offline": [], "online": []}
     with server:
         os.sched_setaffinity(0, trainer_cpu)

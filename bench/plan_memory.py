@@ -90,14 +90,15 @@ def measure(shape: tuple, ttt_steps: int = 3) -> dict:
 
 def predicted(shape: tuple, measured: dict, ttt_steps: int = 3) -> int:
     from eagle3_hf.model.configuration_eagle3 import Eagle3Config
-    from eagle3_hf.train.plan import step_peak_bytes
+    from eagle3_hf.train.plan_drafter import Eagle3Arithmetic
 
     hidden, heads, kv_heads, head_dim, inter, vocab, draft, length, docs = shape
     config = Eagle3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                           num_key_value_heads=kv_heads, head_dim=head_dim, draft_vocab_size=draft,
                           target_hidden_size=hidden)
-    return step_peak_bytes(config, length, ttt_steps, grad_bytes=4 * measured["trainable_params"], dtype="fp32",
-                           loss_fraction=measured["loss_tokens"] / length)
+    return Eagle3Arithmetic(config, ttt_steps).step_peak_bytes(length, grad_bytes=4 * measured["trainable_params"],
+                                                               dtype="fp32",
+                                                               loss_fraction=measured["loss_tokens"] / length)
 
 
 def main() -> None:

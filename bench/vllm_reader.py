@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,7 @@ def measure_shape(name: str, work: Path, args: argparse.Namespace) -> dict[str, 
         "tokens_per_s": rate,
         "ratio_over_before": {k: round(v / rate["before"], 2) for k, v in rate.items() if k != "before"},
         "reader_gbps_1": round(rate["reader_only_1"] * file_bytes / 1e9, 3),
-        "plan": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in plan.items()},
+        "plan": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(plan).items()},
         "seconds": {k: [round(x, 3) for x in v] for k, v in seconds.items()},
     }
 

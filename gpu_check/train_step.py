@@ -11,7 +11,8 @@ import torch
 
 from eagle3_hf import Eagle3Config, Eagle3DraftModel
 from eagle3_hf.train.loss import drafter_loss
-from eagle3_hf.train.plan import GIB, model_state_bytes, param_counts, step_peak_bytes, train_flops_per_token
+from eagle3_hf.train.plan import GIB, model_state_bytes
+from eagle3_hf.train.plan_drafter import Eagle3Arithmetic
 from eagle3_hf.train.plan_inputs import Launch
 
 MAX_SYNCS = 2  # per micro-step, as tests/train/test_host_syncs.py holds it on the CPU
@@ -188,12 +189,13 @@ def train_step_check(name: str, config: Eagle3Config, attn: str, device: str, bf
     peak = memory.peak()
     loss_values = [first_loss, *(float(x) for x in losses)]
     step_s = statistics.median(times)
-    params = param_counts(config)
-    flops = row_len * train_flops_per_token(config, ttt_steps, row_len / documents)
-    states = model_state_bytes(params, Launch())["gpu"]
+    arithmetic = Eagle3Arithmetic(config, ttt_steps)
+    params = arithmetic.params()
+    flops = row_len * arithmetic.train_flops_per_token(row_len / documents)
+    states = model_state_bytes(params, Launch()).gpu
     dtype = "bf16" if bf16 else "fp32"
-    autocast = params["trained"] if bf16 else 0
-    step_pred = step_peak_bytes(config, row_len, ttt_steps, 4 * params["trained"], dtype, autocast_params=autocast)
+    autocast = params.trained if bf16 else 0
+    step_pred = arithmetic.step_peak_bytes(row_len, 4 * params.trained, dtype, autocast_params=autocast)
     measured_step = peak - before
     result = {
         "shape": name, "attn_implementation": attn, "dtype": dtype, "tokens": row_len, "documents": documents,
@@ -205,7 +207,7 @@ def train_step_check(name: str, config: Eagle3Config, attn: str, device: str, bf
         **syncs,
     }
     if device == "cuda":  # the allocator's peak is absolute: compare it with the plan's per-GPU total
-        plan_total = states + step_peak_bytes(config, row_len, ttt_steps, 0, dtype, autocast_params=autocast)
+        plan_total = states + arithmetic.step_peak_bytes(row_len, 0, dtype, autocast_params=autocast)
         result.update(plan_total_gib=plan_total / GIB, peak_measured_over_plan_total=peak / plan_total)
     if peak_flops:
         result["mfu"] = flops / step_s / peak_flops

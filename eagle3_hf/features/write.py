@@ -15,10 +15,10 @@ tokens is extracted. vLLM needs that one free position (it refuses a prompt as l
 must generate a token), and the transformers route keeps the same samples so that both routes' directories hold
 the same ones for the same command line. A longer sample is skipped alone; the rank goes on.
 
-Over several nodes that merge reads every node's journals, so the output directory must be shared:
-`check_output_shared` says so at launch, or, with `--per-node-output` on directories local to each node, has
-each node's first process merge its own node's ranks into a node part (a manifest with `node_part`), which
-`train --per-node-features` reads on every node.
+Over several nodes that merge reads every node's journals, so the output directory must be shared: `extract`
+checks that at launch (features/commands/extract.py), or, with `--per-node-output` on directories local to each
+node, this loop has each node's first process merge its own node's ranks into a node part (a manifest with
+`node_part`), which `train --per-node-features` reads on every node.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 
 from .. import nodes
 from ..data.prepared_samples import PreparedDataset
-from ..errors import UsageError
 from .interface import CapturedSource, FeatureSource, SampleFeatures
 from .records import FeatureHeader, NodePart
 from .shard_writer import ShardWriter
@@ -257,30 +256,6 @@ def node_part(layout: nodes.NodeLayout, all_ids: list[str]) -> NodePart:
     digest = hashlib.sha256("\n".join(all_ids).encode("utf-8")).hexdigest()
     return NodePart(node=layout.node, nodes=layout.nodes, host=layout.host, dataset_samples=len(all_ids),
                     dataset_ids_sha256=digest)
-
-
-def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
-    """At launch, before any verifier is loaded: over several nodes, rank 0's merge reads every node's journals,
-    so `out_dir` must be one directory for all of them. Not shared: refused in one line, or with `per_node`
-    (each node's own local directory) each node's first process merges its own node's ranks
-    (`write_features`). Shared, `per_node` changes nothing: rank 0 merges everything."""
-    if not nodes.multi_node():
-        return
-    with nodes.ProcessGroup():
-        layout = nodes.gather_layout()
-        views = nodes.check_shared(out_dir, layout)
-    seen = views[layout.rank]
-    if min(views) == layout.nodes:
-        return
-    if not per_node:
-        raise UsageError(nodes.not_shared(
-            "extract --output", out_dir, layout, seen, "use a shared filesystem, or --per-node-output to have "
-            "each node merge its own ranks' shards into a node part (`train --per-node-features` reads the parts)"))
-    if max(views) > 1:  # some nodes share it, others do not: their node parts would overwrite one another
-        raise UsageError(nodes.not_shared(
-            "extract --output", out_dir, layout, seen, "--per-node-output needs a directory local to each node "
-            "or one shared by all; some nodes share this one"))
-    nodes.remember_node_local(out_dir, layout)
 
 
 def import_features(source: CapturedSource, out_dir: str | Path, *,

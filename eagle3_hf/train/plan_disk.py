@@ -13,6 +13,7 @@ from memory, and then the bound is lower.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .plan_inputs import Launch
@@ -43,8 +44,31 @@ def evaluations(recipe: dict[str, Any], train_tokens: float, launch: Launch, epo
     return (math.ceil(epochs) if strategy == "epoch" else 0) + 1
 
 
+@dataclass(frozen=True)
+class TrainingReads:
+    """What each node reads over the run, how long its disk takes, and what bounds the run (`training_reads`)."""
+
+    read_bytes_per_node: float
+    evaluations: int
+    read_hours: float
+    compute_hours: float
+    run_hours: float
+    bound: str  # "disk" or "compute"
+    disk_gbps: float
+    nodes: int
+
+    def lines(self, epochs: float) -> list[str]:
+        """The plan's disk and run lines."""
+        evals = f" + {self.evaluations} evaluation(s)" if self.evaluations else ""
+        nodes = f" (1/{self.nodes} of the run's)" if self.nodes > 1 else ""
+        return [f"  disk        {epochs:g} epochs{evals} read {self.read_bytes_per_node / 1e9:,.0f} GB per node"
+                f"{nodes}: {self.read_hours:.2f} h at {self.disk_gbps:g} GB/s (--disk-gbps)",
+                f"  run         {self.run_hours:.2f} h (bound: {self.bound}; compute {self.compute_hours:.2f} h, disk "
+                f"{self.read_hours:.2f} h)"]
+
+
 def training_reads(recipe: dict[str, Any], launch: Launch, dataset_tokens: float, bytes_per_token: int,
-                   epochs: float, disk_gbps: float, compute_hours: float) -> dict[str, Any]:
+                   epochs: float, disk_gbps: float, compute_hours: float) -> TrainingReads:
     """Bytes each node reads over the run, how long its disk takes for them, and what bounds the run."""
     validation = float(recipe.get("validation_fraction", 0.0))
     train_tokens, val_tokens = dataset_tokens * (1 - validation), dataset_tokens * validation
@@ -52,38 +76,39 @@ def training_reads(recipe: dict[str, Any], launch: Launch, dataset_tokens: float
     total = (epochs * train_tokens + evals * val_tokens) * bytes_per_token
     nodes = max(1, launch.num_machines)
     read_hours = total / nodes / (disk_gbps * 1e9) / 3600
-    return {"read_bytes_per_node": total / nodes, "evaluations": evals, "read_hours": read_hours,
-            "compute_hours": compute_hours, "run_hours": max(compute_hours, read_hours),
-            "bound": "disk" if read_hours > compute_hours else "compute", "disk_gbps": disk_gbps, "nodes": nodes}
+    return TrainingReads(read_bytes_per_node=total / nodes, evaluations=evals, read_hours=read_hours,
+                         compute_hours=compute_hours, run_hours=max(compute_hours, read_hours),
+                         bound="disk" if read_hours > compute_hours else "compute", disk_gbps=disk_gbps, nodes=nodes)
 
 
-def training_read_lines(x: dict[str, Any]) -> list[str]:
-    """The plan's lines for `training_reads`' entry."""
-    evals = f" + {x['evaluations']} evaluation(s)" if x["evaluations"] else ""
-    nodes = f" (1/{x['nodes']} of the run's)" if x["nodes"] > 1 else ""
-    return [f"  disk        {x['epochs']:g} epochs{evals} read {x['read_bytes_per_node'] / 1e9:,.0f} GB per node"
-            f"{nodes}: {x['read_hours']:.2f} h at {x['disk_gbps']:g} GB/s (--disk-gbps)",
-            f"  run         {x['run_hours']:.2f} h (bound: {x['bound']}; compute {x['compute_hours']:.2f} h, disk "
-            f"{x['read_hours']:.2f} h)"]
+@dataclass(frozen=True)
+class ExtractionBudget:
+    """The extraction's prefill rate against the disks that take its features (`extraction_budget`)."""
+
+    tokens_per_s: float
+    tokens_per_s_from: str
+    write_gbps: float  # per node
+    disk_gbps: float
+    nodes: int
+    bound: str  # "disk" or "verifier"
+    hours: float
+    bytes: float
+
+    def lines(self) -> list[str]:
+        """The extraction's time and disk budget, printed beside the training's."""
+        per_node = " per node" if self.nodes > 1 else ""
+        return [f"  extract at  {self.tokens_per_s:,.0f} tokens/s ({self.tokens_per_s_from})",
+                f"              writes {self.write_gbps:.2f} GB/s{per_node} of bf16 features: {self.bytes / 1e9:,.0f} "
+                f"GB in {self.hours:.2f} h ({self.bound}-bound; disk {self.disk_gbps:g} GB/s{per_node})"]
 
 
 def extraction_budget(dataset_tokens: float, tokens_per_s: float, tokens_per_s_from: str, bytes_per_token: int,
-                      disk_gbps: float, nodes: int) -> dict[str, Any]:
+                      disk_gbps: float, nodes: int) -> ExtractionBudget:
     """The extraction's budget: prefill tokens/s (all its GPUs) against what the nodes' disks take (each node
     writes its share)."""
     disk_tps = disk_gbps * 1e9 / bytes_per_token * max(1, nodes)
-    return {"tokens_per_s": tokens_per_s, "tokens_per_s_from": tokens_per_s_from,
-            "write_gbps": tokens_per_s * bytes_per_token / 1e9 / max(1, nodes), "disk_gbps": disk_gbps,
-            "nodes": max(1, nodes), "bound": "disk" if disk_tps < tokens_per_s else "verifier",
-            "hours": dataset_tokens / min(tokens_per_s, disk_tps) / 3600, "bytes": bytes_per_token * dataset_tokens}
-
-
-def extraction_lines(plan: dict[str, Any]) -> list[str]:
-    """The extraction's time and disk budget, printed beside the training's."""
-    e = plan.get("extraction")
-    if not e:
-        return []
-    per_node = " per node" if e["nodes"] > 1 else ""
-    return [f"  extract at  {e['tokens_per_s']:,.0f} tokens/s ({e['tokens_per_s_from']})",
-            f"              writes {e['write_gbps']:.2f} GB/s{per_node} of bf16 features: {e['bytes'] / 1e9:,.0f} GB "
-            f"in {e['hours']:.2f} h ({e['bound']}-bound; disk {e['disk_gbps']:g} GB/s{per_node})"]
+    return ExtractionBudget(tokens_per_s=tokens_per_s, tokens_per_s_from=tokens_per_s_from,
+                            write_gbps=tokens_per_s * bytes_per_token / 1e9 / max(1, nodes), disk_gbps=disk_gbps,
+                            nodes=max(1, nodes), bound="disk" if disk_tps < tokens_per_s else "verifier",
+                            hours=dataset_tokens / min(tokens_per_s, disk_tps) / 3600,
+                            bytes=bytes_per_token * dataset_tokens)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+from .plan_reader import READER_GBPS
 
 if TYPE_CHECKING:
     from ..verifier.footprint import Footprint
@@ -27,6 +28,31 @@ class Launch:
     offload_param: bool = False
     zero_init: bool = False
     deepspeed_file: str | None = None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan assumes of the machines: a GPU's memory and bf16 peak, the share of it the run reaches, and the
+    rate one node's feature disk sustains."""
+
+    gpu_memory_gib: float = 80.0
+    reserve_gib: float = 2.0  # kept back for the CUDA context, NCCL
+    mfu: float = 0.35
+    peak_tflops: float = 989.0
+    disk_gbps: float = 2.0
+
+
+@dataclass(frozen=True)
+class ExtractionInputs:
+    """How the features are extracted: every node's GPUs (default 8 per machine of the launch), the GPUs one engine
+    spans (default: derived from the verifier's weights), an assumed prefill rate (default: from the FLOPs), one
+    reader thread's GB/s and the verifier's weights as the engines load them (default: its text config in bf16)."""
+
+    gpus: int | None = None
+    gpus_per_engine: int | None = None
+    tokens_per_s: float | None = None
+    reader_gbps: float = READER_GBPS
+    verifier_weights: Footprint | None = None
 
 
 def load_yaml_or_json(path: str | Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ rate (given, or 2 x active FLOPs per token at the assumed MFU).
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 CAPTURED_STATES = 4  # the 3 aux layers + vLLM's id N, per token
 FILE_ELEMENT_BYTES = 2  # bf16, what vLLM computes in on a GPU
@@ -24,8 +24,33 @@ def node_prefill_tokens_per_s(active_params: float, gpus: int, mfu: float, peak_
     return gpus * peak_tflops * 1e12 * mfu / (2 * active_params)
 
 
+@dataclass(frozen=True)
+class ReaderPlan:
+    """The readers that keep up with the engines' files (`reader_plan`)."""
+
+    file_bytes_per_token: int
+    reader_gbps: float
+    tokens_per_s_per_reader: float
+    engines: int
+    gpus_per_engine: int
+    tokens_per_s_per_engine: float
+    readers_per_engine: int
+    nodes: int
+    engines_per_node: int
+    readers_per_node: int
+
+    def lines(self) -> list[str]:
+        """The reader's two lines of `eagle3-hf plan`."""
+        return [f"  vLLM reader {self.file_bytes_per_token:,} B/token of vLLM's files; one reader thread: "
+                f"{self.tokens_per_s_per_reader:,.0f} tokens/s (--reader-gbps {self.reader_gbps:g})",
+                f"              {self.engines} engine(s) x {self.gpus_per_engine} GPU(s)"
+                + (f" on {self.nodes} nodes" if self.nodes > 1 else "")
+                + f" at {self.tokens_per_s_per_engine:,.0f} tokens/s each: --vllm-readers {self.readers_per_engine} "
+                f"per engine ({self.readers_per_node} per node)"]
+
+
 def reader_plan(hidden: int, node_tokens_per_s: float, extract_gpus: int = 8, gpus_per_engine: int = 1,
-                reader_gbps: float = READER_GBPS, nodes: int = 1) -> dict[str, Any]:
+                reader_gbps: float = READER_GBPS, nodes: int = 1) -> ReaderPlan:
     """Each engine's tokens/s against one reader's, and the readers that keep up: per engine (`--vllm-readers`)
     and per node (the threads of the node's own engines: `extract_gpus` and `node_tokens_per_s` count every
     node's)."""
@@ -35,24 +60,23 @@ def reader_plan(hidden: int, node_tokens_per_s: float, extract_gpus: int = 8, gp
     per_engine = node_tokens_per_s / engines
     readers = max(1, math.ceil(per_engine / per_reader))
     engines_per_node = math.ceil(engines / max(1, min(nodes, engines)))
-    return {"file_bytes_per_token": file_bytes, "reader_gbps": reader_gbps, "tokens_per_s_per_reader": per_reader,
-            "engines": engines, "gpus_per_engine": max(1, gpus_per_engine), "tokens_per_s_per_engine": per_engine,
-            "readers_per_engine": readers, "nodes": max(1, nodes), "engines_per_node": engines_per_node,
-            "readers_per_node": engines_per_node * readers}
+    return ReaderPlan(file_bytes, reader_gbps, per_reader, engines, max(1, gpus_per_engine), per_engine, readers,
+                      max(1, nodes), engines_per_node, engines_per_node * readers)
 
 
-def reader_lines(r: dict[str, Any]) -> list[str]:
-    """The reader's two lines of `eagle3-hf plan`."""
-    return [f"  vLLM reader {r['file_bytes_per_token']:,} B/token of vLLM's files; one reader thread: "
-            f"{r['tokens_per_s_per_reader']:,.0f} tokens/s (--reader-gbps {r['reader_gbps']:g})",
-            f"              {r['engines']} engine(s) x {r['gpus_per_engine']} GPU(s)"
-            + (f" on {r['nodes']} nodes" if r.get("nodes", 1) > 1 else "")
-            + f" at {r['tokens_per_s_per_engine']:,.0f} tokens/s each: --vllm-readers {r['readers_per_engine']} per "
-            f"engine ({r['readers_per_node']} per node)"]
+@dataclass(frozen=True)
+class EngineSize:
+    """The GPUs one extraction engine spans (`engine_size`); `problem`: why no engine can hold the weights."""
+
+    gpus_per_engine: int
+    derived: bool  # not given by --extract-gpus-per-engine
+    weight_share: float
+    gpus_at_80: int
+    problem: str | None
 
 
 def engine_size(weight_bytes: float, what: str, gpu_gib: float, gpus_per_node: int,
-                given: int | None = None) -> dict[str, Any]:
+                given: int | None = None) -> EngineSize:
     """The GPUs one extraction engine spans: `given` (--extract-gpus-per-engine), else the fewest (a power of two)
     whose memory at 80 % holds the verifier's weights, at most the node's. `problem`: one line when the weights
     alone exceed the engine's GPUs (`what` describes the weights: footprint.Footprint.describe), else None."""
@@ -72,5 +96,5 @@ def engine_size(weight_bytes: float, what: str, gpu_gib: float, gpus_per_node: i
             problem = (f"the verifier's weights take {what}, more than the {gpus_per_node} GPU(s) of "
                        f"{gpu_gib:g} GiB of a node (--extract-gpus, --gpu-memory-gib) hold: no engine of one node "
                        "can load them")
-    return {"gpus_per_engine": gpus, "derived": given is None, "weight_share": weight_bytes / (gpus * gpu_bytes),
-            "gpus_at_80": engine_gpus(weight_bytes, gpu_bytes), "problem": problem}
+    return EngineSize(gpus, given is None, weight_bytes / (gpus * gpu_bytes), engine_gpus(weight_bytes, gpu_bytes),
+                      problem)

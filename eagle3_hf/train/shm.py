@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,15 +133,13 @@ def shm_problem(need: ShmNeed, path: str = SHM) -> str | None:
             f"--dataloader-prefetch-factor or --per-device-eval-batch-size")
 
 
-def shm_plan(recipe: dict[str, Any], ranks_per_node: int, target_hidden: int) -> dict[str, Any]:
-    """`plan`'s /dev/shm entry for a recipe: the need's terms and its bytes per node."""
-    need = need_from_settings(recipe, ranks_per_node, target_hidden, feature_dtype(recipe.get("features")))
-    return {**asdict(need), "bytes": need.bytes}
+def shm_plan(recipe: dict[str, Any], ranks_per_node: int, target_hidden: int) -> ShmNeed:
+    """`plan`'s /dev/shm need for a recipe, with the stored dtype of its features."""
+    return need_from_settings(recipe, ranks_per_node, target_hidden, feature_dtype(recipe.get("features")))
 
 
-def shm_plan_line(entry: dict[str, Any]) -> str:
-    """`plan`'s line for `shm_plan`'s entry."""
-    need = ShmNeed(**{f.name: entry[f.name] for f in fields(ShmNeed)})
+def shm_plan_line(need: ShmNeed) -> str:
+    """`plan`'s line for `shm_plan`'s need."""
     if not need.bytes:
         return "  /dev/shm    none (no data-loader workers: batches are built in the training processes)"
     return (f"  /dev/shm    {gib(need.bytes)} per node ({need.formula()}); a container needs `--ipc=host` "

@@ -22,8 +22,9 @@ NOT_ON_THE_GPU_IMAGE = ("datasets", "deepspeed", "evaluate", "gguf")
 
 def counted_step_flops(row_len: int, documents: int) -> int:
     """FLOPs of one CPU training step at gpu_check's tiny shape, counted by PyTorch as the step runs (every matmul,
-    forward and backward): independent of the plan's formula (eagle3_hf.train.plan.train_flops_per_token). The
-    CPU's sdpa kernel is not counted: attention is the plan's share beyond this count."""
+    forward and backward): independent of the plan's formula
+    (eagle3_hf.train.plan_drafter.Eagle3Arithmetic.train_flops_per_token). The CPU's sdpa kernel is not counted:
+    attention is the plan's share beyond this count."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from eagle3_hf import Eagle3Config

@@ -205,6 +205,25 @@ def test_cli_extract(tmp_path, tiny_verifier_dir, fingerprint, capsys):
     assert ds.manifest["verifier"]["name"] == str(tiny_verifier_dir)
 
 
+def test_cli_extract_reads_the_prepared_meta_once_and_refuses_other_samples_before_the_verifier_loads(
+        tmp_path, tiny_verifier_dir, fingerprint, capsys, monkeypatch):
+    from eagle3_hf.cli import main
+    from eagle3_hf.data import prepared_format
+    from eagle3_hf.features.commands import extract
+
+    reads: list[str] = []
+    read = prepared_format.read_prepared_meta
+    monkeypatch.setattr(prepared_format, "read_prepared_meta", lambda path: reads.append(str(path)) or read(path))
+    prepared = make_prepared(tmp_path / "prep", fingerprint, n=3)
+    argv = ["extract", "--verifier", str(tiny_verifier_dir), "--output", str(tmp_path / "out"), "--no-progress"]
+    assert main([*argv, "--data", str(prepared)]) == 0 and reads == [str(prepared)]
+    other = make_prepared(tmp_path / "other", "0123456789abcdef", n=3)
+    monkeypatch.setattr(extract, "open_source", lambda request: pytest.fail("the verifier loaded before the refusal"))
+    capsys.readouterr()
+    assert main([*argv, "--data", str(other)]) == 1
+    assert "prepared with tokenizer 0123456789abcdef" in capsys.readouterr().err
+
+
 def test_samples_over_max_model_len_are_skipped_alone_and_counted(tmp_path, tiny_verifier_dir, fingerprint, capsys):
     """`extract --max-model-len M` on a prepared set with longer samples finishes: samples of more than M - 1
     tokens (vLLM's rule, kept on this route too) are skipped, counted in the summary and the manifest; a rerun

@@ -114,21 +114,23 @@ def test_the_feature_read_rate_a_node_needs_is_its_training_tokens_times_their_b
     token's features take, so bench/dataset_read.py's measured rate can be read against it."""
     import yaml
 
-    from eagle3_hf.train.plan import build_plan, train_flops_per_token
+    from eagle3_hf.train.plan import build_plan
+    from eagle3_hf.train.plan_drafter import Eagle3Arithmetic
     from eagle3_hf.train.plan_inputs import read_launch, verifier_text_config
 
     root = Path(__file__).resolve().parents[2]
     recipe = yaml.safe_load((root / "examples/recipes/llama31_8b_8gpu_ddp.yaml").read_text())
     launch = read_launch(str(root / "accelerate_configs/8gpu_ddp.yaml"), recipe)
     text = verifier_text_config(recipe, str(root / "examples/recipes/llama31_8b_text_config.json"))
-    plan = build_plan(recipe, launch, text, 1e6, mean_document=2048.0)
-    data = plan["data"]
-    tokens = data["read_tokens_per_s_per_node"]
-    assert data["read_bytes_per_s_per_node"] == pytest.approx(tokens * feature_bytes_per_token(4096, "bf16"))
+    data = build_plan(recipe, launch, text, 1e6, mean_document=2048.0).data
+    assert data is not None
+    tokens = data.read_tokens_per_s_per_node
+    assert data.read_bytes_per_s_per_node == pytest.approx(tokens * feature_bytes_per_token(4096, "bf16"))
     from eagle3_hf.model.configuration_eagle3 import Eagle3Config
 
     config = Eagle3Config.from_verifier(text, draft_vocab_size=32000, ttt_steps=int(recipe["ttt_steps"]))
-    per_gpu = data["peak_tflops"] * 1e12 * data["mfu"] / train_flops_per_token(config, int(recipe["ttt_steps"]), 2048.0)
+    drafter = Eagle3Arithmetic(config, int(recipe["ttt_steps"]))
+    per_gpu = data.peak_tflops * 1e12 * data.mfu / drafter.train_flops_per_token(2048.0)
     assert tokens == pytest.approx(8 * per_gpu)  # one node of 8 GPUs
 
 
@@ -223,11 +225,11 @@ def test_the_vllm_readers_a_node_needs(capsys, tmp_path):
     assert (r["readers_per_engine"] - 1) * per < 40000 <= r["readers_per_engine"] * per  # the fewest that keep up
     assert f"--vllm-readers {r['readers_per_engine']} per engine" in text
     replicas = reader_plan(4096, 160000, extract_gpus=8, gpus_per_engine=1, reader_gbps=0.5)
-    assert replicas["engines"] == 8 and replicas["tokens_per_s_per_engine"] == 20000
-    assert replicas["readers_per_engine"] == 2 and replicas["readers_per_node"] == 16  # 15,259 tokens/s per reader
+    assert replicas.engines == 8 and replicas.tokens_per_s_per_engine == 20000
+    assert replicas.readers_per_engine == 2 and replicas.readers_per_node == 16  # 15,259 tokens/s per reader
     # 16 replicas over two nodes at twice the rate: each node still runs 8 of them, 16 readers
     two = reader_plan(4096, 320000, extract_gpus=16, gpus_per_engine=1, reader_gbps=0.5, nodes=2)
-    assert two["engines"] == 16 and two["engines_per_node"] == 8 and two["readers_per_node"] == 16
+    assert two.engines == 16 and two.engines_per_node == 8 and two.readers_per_node == 16
 
 
 def test_the_extraction_engine_spans_the_gpus_that_hold_the_verifiers_weights(capsys, tmp_path):
@@ -250,3 +252,17 @@ def test_the_extraction_engine_spans_the_gpus_that_hold_the_verifiers_weights(ca
     llama = json.loads(out.read_text())
     assert llama["verifier"]["gpus_per_engine"] == 1 and llama["reader"]["engines"] == 8
     assert llama["verifier"]["weights_bytes"] / 1e9 == pytest.approx(16.1, rel=0.01)  # 8.03 B x 2 bytes
+
+
+def test_a_drafter_kind_the_plan_has_no_arithmetic_for_is_refused_in_one_line(tmp_path, capsys):
+    """The recipe's `drafter_kind` picks the arithmetic (eagle3 when absent); a kind without one is not planned as
+    EAGLE-3."""
+    recipe = tmp_path / "recipe.yaml"
+    base = (ROOT / "examples/recipes/llama31_8b_8gpu_ddp.yaml").read_text()
+    recipe.write_text(base + "\ndrafter_kind: medusa\n")
+    args = ["plan", str(recipe), "--verifier-config", str(ROOT / "examples/recipes/llama31_8b_text_config.json")]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: the recipe's drafter_kind 'medusa': plan knows eagle3"
+    recipe.write_text(base + "\ndrafter_kind: eagle3\n")
+    assert cli_main(args) == 0 and "drafter     hidden 4096" in capsys.readouterr().out

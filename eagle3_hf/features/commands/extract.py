@@ -5,15 +5,20 @@ The pipeline's offline mode (docs/contracts.md). `--engine` (and `--endpoint`) p
 features are written by `write.write_features`. Under `torchrun` / `accelerate launch` each rank takes samples i
 with i % world_size == rank, writes its own shards and journal, and rank 0 merges all journals into manifest.json
 once every sample is accounted for (over several nodes `--output` must be shared, or `--per-node-output` has each
-node merge its own part: write.py). Killed at any point, the same command resumes (write.py, store.py).
+node merge its own part: write.py; `check_output_shared`, the launch policy of those two flags, says which at
+launch, as train/nodes.py does for training's directories). Killed at any point, the same command resumes
+(write.py, store.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from ... import nodes
 from ...data.prepared_samples import PreparedDataset
+from ...errors import UsageError
 from ..table import (
     SourceRequest,
     add_route_arguments,
@@ -25,7 +30,7 @@ from ..table import (
     open_source,
     options_from_args,
 )
-from ..write import StoreOptions, check_output_shared, write_features
+from ..write import StoreOptions, write_features
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,16 +59,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_route_arguments(parser, extract_kinds())
 
 
-def data_fingerprint(args: argparse.Namespace) -> str:
-    """The fingerprint of --verifier's tokenizer, refused first when its class is not the one that prepared --data
-    (the same --trust-remote-code at every stage)."""
-    from ...data.fingerprint import tokenizer_fingerprint
-    from ...data.prepared_format import check_prepared_tokenizer
+def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
+    """At launch, before any verifier is loaded: over several nodes, rank 0's merge reads every node's journals,
+    so `out_dir` must be one directory for all of them. Not shared: refused in one line, or with `per_node`
+    (each node's own local directory) each node's first process merges its own node's ranks
+    (`write_features`). Shared, `per_node` changes nothing: rank 0 merges everything."""
+    if not nodes.multi_node():
+        return
+    with nodes.ProcessGroup():
+        layout = nodes.gather_layout()
+        views = nodes.check_shared(out_dir, layout)
+    seen = views[layout.rank]
+    if min(views) == layout.nodes:
+        return
+    if not per_node:
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "use a shared filesystem, or --per-node-output to have "
+            "each node merge its own ranks' shards into a node part (`train --per-node-features` reads the parts)"))
+    if max(views) > 1:  # some nodes share it, others do not: their node parts would overwrite one another
+        raise UsageError(nodes.not_shared(
+            "extract --output", out_dir, layout, seen, "--per-node-output needs a directory local to each node "
+            "or one shared by all; some nodes share this one"))
+    nodes.remember_node_local(out_dir, layout)
+
+
+def open_data(args: argparse.Namespace) -> tuple[PreparedDataset, str]:
+    """--data, opened once (its meta read once), and the fingerprint of --verifier's tokenizer: samples another
+    tokenizer prepared, or one of another class (the same --trust-remote-code at every stage), refused here, before
+    the verifier loads, where a refusal costs nothing."""
+    from ...constants import PREPARE_META
+    from ...data.fingerprint import check_tokenizer_class, tokenizer_fingerprint
     from ...verifier.loading import load_tokenizer
 
+    prepared = PreparedDataset(args.data, "all")
     tokenizer = load_tokenizer(args.verifier, revision=args.revision)
-    check_prepared_tokenizer(args.data, tokenizer)
-    return tokenizer_fingerprint(tokenizer)
+    check_tokenizer_class(prepared.tokenizer_record(), tokenizer, str(Path(args.data) / PREPARE_META))
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    prepared.check_fingerprint(fingerprint)
+    return prepared, fingerprint
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,13 +106,12 @@ def run(args: argparse.Namespace) -> int:
     kind = engine_kind(args.engine, bool(args.endpoint))
     options = options_from_args(kind, args)  # read and checked once, before anything loads
     try:
-        fingerprint = data_fingerprint(args)  # before the verifier loads: a refusal costs nothing
+        prepared, fingerprint = open_data(args)
         source = open_source(SourceRequest(kind, args.verifier, args.verifier, args.revision,
                                            None if aux is None else tuple(aux), args.features_dtype,
                                            tokenizer_fingerprint=fingerprint, options=options))
         # as many shards written at once as a route reads samples at once (vLLM's readers)
         store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
-        prepared = PreparedDataset(args.data, "all", tokenizer_fingerprint=fingerprint)
         summary = write_features(source, prepared, args.output, store=store, progress=not args.no_progress,
                                  desc="extract" if args.engine == engines()[0] else f"extract {args.engine}")
     finally:

@@ -21,7 +21,8 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +39,36 @@ if TYPE_CHECKING:
 KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
 
-def server_request(verifier: str, revision: str | None = None, aux_indices: Sequence[int] | None = None,
-                   dtype: str = "auto", max_model_len: int | None = None, host: str = "127.0.0.1", port: int = 0,
-                   engine: dict[str, Any] | None = None, batch_size: int = 8, connector: str = "auto",
-                   fingerprint: str | None = None, max_queue: int = 64) -> dict[str, Any]:
-    """The feature server's request for `verifier` (its config and tokenizer read here, its weights by vLLM)."""
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a server serves and where (the options `add_server_arguments` reads, as `serve-features` and
+    `serve-vllm` share them), plus the feature server's own batching and queue and serve-vllm's connector."""
+
+    verifier: str
+    revision: str | None = None
+    aux_indices: Sequence[int] | None = None
+    dtype: str = "auto"  # auto: the checkpoint's
+    max_model_len: int | None = None  # None: the verifier's max_position_embeddings, else 4096
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: Mapping[str, Any] | None = None  # vLLM engine settings (engines/vllm_args.py)
+    batch_size: int = 8
+    connector: str = "auto"
+    fingerprint: str | None = None  # None: computed from the verifier's tokenizer
+    max_queue: int = 64
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **extra: Any) -> ServerSettings:
+        """The shared options as parsed (`add_server_arguments`), and `extra` a command's own."""
+        aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
+        return cls(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
+                   max_model_len=args.max_model_len, host=args.host, port=args.port, engine=engine_from_args(args),
+                   **extra)
+
+
+def server_request(settings: ServerSettings) -> dict[str, Any]:
+    """The feature server's request for `settings.verifier` (its config and tokenizer read here, its weights by
+    vLLM): what the server process is sent, as JSON."""
 
     from ...data.fingerprint import tokenizer_fingerprint
     from ...verifier.checkpoint_files import CheckpointFiles
@@ -50,45 +76,46 @@ def server_request(verifier: str, revision: str | None = None, aux_indices: Sequ
     from ...verifier.identity import teacher_hashes
     from ...verifier.loading import load_tokenizer, resolve_verifier
 
-    path = resolve_verifier(str(verifier))
+    verifier, revision, engine = str(settings.verifier), settings.revision, dict(settings.engine or {})
+    path = resolve_verifier(verifier)
     # config.json read as a file (its text_config where nested): no model class needed, so a family transformers
     # lacks (kimi_k2) serves without remote code in this process; vLLM gets --trust-remote-code itself
     config = text_config(CheckpointFiles(path, revision).config())
     layers = int(config["num_hidden_layers"])
-    indices = check_aux_indices(aux_indices or default_aux_indices(layers), layers)
+    indices = check_aux_indices(settings.aux_indices or default_aux_indices(layers), layers)
+    fingerprint = settings.fingerprint
     if fingerprint is None:
-        fingerprint = tokenizer_fingerprint(load_tokenizer(str(verifier), revision=revision))
-    if dtype == "auto":
-        dtype = checkpoint_dtype(path)
-    max_model_len = int(max_model_len or config.get("max_position_embeddings") or 4096)
-    check_batched_tokens(dict(engine or {}), max_model_len)
-    return {"verifier": path, "name": str(verifier), "verifier_revision": revision,
-            "verifier_identity": teacher_hashes(str(verifier), revision), "dtype": dtype,
+        fingerprint = tokenizer_fingerprint(load_tokenizer(verifier, revision=revision))
+    dtype = checkpoint_dtype(path) if settings.dtype == "auto" else settings.dtype
+    max_model_len = int(settings.max_model_len or config.get("max_position_embeddings") or 4096)
+    check_batched_tokens(dict(engine), max_model_len)
+    return {"verifier": path, "name": verifier, "verifier_revision": revision,
+            "verifier_identity": teacher_hashes(verifier, revision), "dtype": dtype,
             "max_model_len": max_model_len,
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
-            "tokenizer_fingerprint": fingerprint, "host": host, "port": int(port),
-            "engine": dict(engine or {}), "batch_size": int(batch_size), "connector": connector,
-            "max_queue": int(max_queue)}
+            "tokenizer_fingerprint": fingerprint, "host": settings.host, "port": int(settings.port),
+            "engine": engine, "batch_size": int(settings.batch_size), "connector": settings.connector,
+            "max_queue": int(settings.max_queue)}
 
 
-def start_feature_server(verifier: str, threads: int = 1, debug: bool = False, timeout: float | None = None,
-                         log_file: str | Path | None = None, api_key: str | None = None,
-                         **kwargs: Any) -> VllmFeatureServer:
-    """A VllmFeatureServer for `verifier` (enter it to start; `.url` once it listens). Without `api_key` a host
+def start_feature_server(settings: ServerSettings, *, threads: int = 1, debug: bool = False,
+                         timeout: float | None = None, log_file: str | Path | None = None,
+                         api_key: str | None = None) -> VllmFeatureServer:
+    """A VllmFeatureServer for `settings` (enter it to start; `.url` once it listens). Without `api_key` a host
     other than loopback is refused (one line) before anything loads."""
     from ...engines.vllm_env import vllm_python
     from ...engines.vllm_feature_launcher import VllmFeatureServer
 
-    check_bind(str(kwargs.get("host", "127.0.0.1")), api_key, "serve-features")
+    check_bind(settings.host, api_key, "serve-features")
     vllm_python()  # vLLM missing: one line, before anything loads
-    return VllmFeatureServer(server_request(verifier, **kwargs), threads=threads, debug=debug, timeout=timeout,
+    return VllmFeatureServer(server_request(settings), threads=threads, debug=debug, timeout=timeout,
                              log_file=log_file, api_key=api_key)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, host_help: str, port_default: int,
                          port_help: str | None = None) -> None:
     """The options `serve-features` and `serve-vllm` share, in their --help order: what is served (the
-    verifier, its layers and engine settings, as `server_request` takes them) and where. The address's
+    verifier, its layers and engine settings: `ServerSettings.from_args`) and where. The address's
     help and the port's default differ: a feature server picks a free port, vLLM's server vLLM's usual one."""
     parser.add_argument("--verifier", default="smollm2-135m-instruct", help="verifier name, Hub id or local path")
     parser.add_argument("--revision", default=None)
@@ -123,14 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     check_offline(engine_from_args(args))  # one vllm.LLM: data parallelism is one server per replica
-    debug = debug_requested()
-    server = start_feature_server(args.verifier, threads=args.threads, debug=debug, timeout=args.timeout,
-                                  log_file=args.log_file, revision=args.revision, aux_indices=aux,
-                                  dtype=args.torch_dtype, max_model_len=args.max_model_len, host=args.host,
-                                  port=args.port, engine=engine_from_args(args),
-                                  batch_size=args.batch_size, max_queue=args.max_queue, api_key=api_key(args.api_key))
+    settings = ServerSettings.from_args(args, batch_size=args.batch_size, max_queue=args.max_queue)
+    server = start_feature_server(settings, threads=args.threads, debug=debug_requested(), timeout=args.timeout,
+                                  log_file=args.log_file, api_key=api_key(args.api_key))
     with server:
         who = server.identity
         print(f"feature server: {server.url} (verifier {who['verifier']}, hidden {who['hidden_size']}, "

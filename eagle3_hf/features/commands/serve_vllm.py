@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...engines.vllm_args import engine_from_args
 from ...errors import debug_requested
 from ..api_key import API_KEY_ENV, api_key, check_bind
-from .serve_features import add_process_arguments, add_server_arguments, server_request
+from .serve_features import ServerSettings, add_process_arguments, add_server_arguments, server_request
 
 DEFAULT_PORT = 8000
 PRINTED_STORAGE = "/tmp/eagle3_vllm_storage"
@@ -49,12 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from ...engines.vllm_env import VllmError, vllm_python
     from ...engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
 
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     key = api_key(args.api_key)
     check_bind(args.host, key, "serve-vllm")
-    request = server_request(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
-                             max_model_len=args.max_model_len, host=args.host, port=args.port,
-                             engine=engine_from_args(args), connector=args.connector)
+    request = server_request(ServerSettings.from_args(args, connector=args.connector))
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
                               "engine": request["engine"], "revision": args.revision, "connector": args.connector}
     client = (f"{API_KEY_ENV + '=... ' if key else ''}eagle3-hf extract --engine vllm --endpoint "
