@@ -102,7 +102,10 @@ class StepStats:
             loss_sum, loss_tokens = (zero, zero) if step_losses is None else step_losses[i]
             per_step.append(torch.stack([scored.sum().double(), right.sum().double(), cond.sum().double(),
                                          (right & cond).sum().double(), loss_sum.double(), loss_tokens.double()]))
-        added = torch.stack(per_step, dim=1)  # [6, steps]
+        self.add(torch.stack(per_step, dim=1))  # [6, steps]
+
+    def add(self, added: torch.Tensor) -> None:
+        """Add one batch's counts [6, steps] (`_FIELDS` x steps), made by `update` or by the DFlash loss."""
         self.totals = added if self.totals is None else self.totals + added.to(self.totals.device)
         self._host = None
 
