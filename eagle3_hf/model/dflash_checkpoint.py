@@ -77,9 +77,10 @@ def served_state_dict(state_dict: Mapping[str, torch.Tensor], config: DFlashConf
     return out
 
 
-def read_dflash_checkpoint(name_or_path: str | os.PathLike) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+def read_dflash_checkpoint(name_or_path: str | os.PathLike,
+                           revision: str | None = None) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """config and tensors of a DFlash checkpoint (a directory or Hub repo id), every name and shape asserted."""
-    path: Path = resolve_checkpoint(name_or_path)
+    path: Path = resolve_checkpoint(name_or_path, revision=revision)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} is missing")
@@ -99,3 +100,12 @@ def read_dflash_checkpoint(name_or_path: str | os.PathLike) -> tuple[DFlashConfi
 def is_dflash_config(raw: Mapping[str, Any]) -> bool:
     """A config.json of a DFlash drafter (by its architectures, as vLLM picks the model class)."""
     return DFLASH_ARCHITECTURE in (raw.get("architectures") or [])
+
+
+def is_dflash_checkpoint(name_or_path: str | os.PathLike, revision: str | None = None) -> bool:
+    """Whether a drafter directory or Hub repo holds a DFlash drafter (its config.json's architectures)."""
+    config_file = resolve_checkpoint(name_or_path, revision=revision) / "config.json"
+    if not config_file.is_file():
+        return False
+    with open(config_file, encoding="utf-8") as f:
+        return is_dflash_config(json.load(f))

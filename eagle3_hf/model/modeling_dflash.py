@@ -171,6 +171,15 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.teacher_logit_softcap = logit_softcap
         self.verifier_weights_loaded = True
 
+    def load_verifier_embeddings(self, verifier: PreTrainedModel) -> None:
+        """The verifier's embedding, lm_head and soft-cap from the model itself (what `evaluate` calls on any
+        drafter; EAGLE-3's takes the embedding alone)."""
+        from ..verifier.family import logit_softcap
+
+        embed = cast(torch.Tensor, verifier.get_input_embeddings().weight)
+        head = cast(torch.Tensor, verifier.get_output_embeddings().weight)
+        self.load_verifier_weights(embed, head, logit_softcap(verifier))
+
     def _check_verifier_weights(self) -> None:
         if not self.verifier_weights_loaded:
             raise RuntimeError("this DFlash drafter has no verifier embedding / lm_head (engines share the "
@@ -324,11 +333,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
     @classmethod
     def from_pretrained(  # type: ignore[override]  # a directory, the verifier's weights by keyword
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, verifier: PreTrainedModel | None = None,
-        dtype: torch.dtype | None = None, device: str | torch.device | None = None, **kwargs: Any,
+        revision: str | None = None, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
+        **kwargs: Any,
     ) -> DFlashDraftModel:
         """Load the served layout (`dflash_checkpoint.read_dflash_checkpoint`: names and shapes asserted);
         `verifier` (a model) fills the embedding and lm_head."""
-        from ..verifier.family import logit_softcap
         from .dflash_checkpoint import read_dflash_checkpoint
 
         if args:
@@ -337,17 +346,17 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         attn = kwargs.pop("attn_implementation", None)
         if kwargs:
             raise TypeError(f"unsupported from_pretrained arguments: {sorted(kwargs)}")
-        config, tensors = read_dflash_checkpoint(pretrained_model_name_or_path)
+        config, tensors = read_dflash_checkpoint(pretrained_model_name_or_path, revision)
         config._attn_implementation = attn or "sdpa"
         model = cls(config)
         result = model.load_state_dict(tensors, strict=False)
         if result.unexpected_keys or [k for k in result.missing_keys if k not in NOT_SAVED]:
             raise ValueError(f"{pretrained_model_name_or_path}: state dict mismatch {result}")
         if verifier is not None:
-            embed = cast(torch.Tensor, verifier.get_input_embeddings().weight)
-            head = cast(torch.Tensor, verifier.get_output_embeddings().weight)
-            model.load_verifier_weights(embed, head, logit_softcap(verifier))
-        if dtype is not None:
+            model.load_verifier_embeddings(verifier)
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        if isinstance(dtype, torch.dtype):
             model.to(dtype)  # type: ignore[arg-type]
         if device is not None:
             model.to(device)  # type: ignore[arg-type]
