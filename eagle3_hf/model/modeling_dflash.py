@@ -133,6 +133,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     drafter_kind = "dflash"
     source_layout = "dflash"
+    anchors_per_row = 64  # blocks per packed row in training (train --dflash-anchors); not part of the checkpoint
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
@@ -148,7 +149,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.verifier_weights_loaded = False
+        self._loaded: set[str] = set()  # which of the verifier's weights are in place
         self.teacher_logit_softcap: float | None = None
         self.post_init()
         self.embed_tokens.weight.requires_grad_(False)
@@ -160,25 +161,43 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                               logit_softcap: float | None = None) -> None:
         """The verifier's raw input embedding [V, H] and lm_head [V, H] (the engines share both); the soft-cap applies
         to the teacher only (vLLM's DFlash logits processor applies none, and an argmax does not see it)."""
-        for name, module, weight in (("embedding", self.embed_tokens, embed), ("lm_head", self.lm_head, head)):
-            if tuple(weight.shape[-2:]) != tuple(module.weight.shape) and not (
-                    weight.shape[0] >= module.weight.shape[0] and weight.shape[1] == module.weight.shape[1]):
-                raise ValueError(f"verifier {name} {tuple(weight.shape)} does not fit the drafter's "
-                                 f"{tuple(module.weight.shape)} (vocab_size x hidden_size)")
-            with torch.no_grad():
-                module.weight.copy_(weight[: module.weight.shape[0]].to(module.weight.dtype))
-            module.weight.requires_grad_(False)
+        self._copy_frozen("embedding", self.embed_tokens, embed)
+        self._copy_frozen("lm_head", self.lm_head, head)
         self.teacher_logit_softcap = logit_softcap
-        self.verifier_weights_loaded = True
+        self._loaded = {"embedding", "lm_head"}
 
-    def load_verifier_embeddings(self, verifier: PreTrainedModel) -> None:
-        """The verifier's embedding, lm_head and soft-cap from the model itself (what `evaluate` calls on any
-        drafter; EAGLE-3's takes the embedding alone)."""
+    def load_verifier_embeddings(self, verifier: PreTrainedModel | torch.Tensor) -> None:
+        """A verifier model: its embedding, lm_head and soft-cap (what `evaluate` calls on any drafter); a tensor
+        [V, H]: the embedding alone (the training script's call, `attach_teacher` then gives the head)."""
+        if isinstance(verifier, torch.Tensor):
+            self._copy_frozen("embedding", self.embed_tokens, verifier)
+            self._loaded.add("embedding")
+            return
         from ..verifier.family import logit_softcap
 
         embed = cast(torch.Tensor, verifier.get_input_embeddings().weight)
         head = cast(torch.Tensor, verifier.get_output_embeddings().weight)
         self.load_verifier_weights(embed, head, logit_softcap(verifier))
+
+    def attach_teacher(self, head: torch.Tensor, logit_softcap: float | None = None) -> None:
+        """The verifier's lm_head [V, H]: the drafter's own head and the teacher's alike (full vocabulary)."""
+        self._copy_frozen("lm_head", self.lm_head, head)
+        self.teacher_logit_softcap = logit_softcap
+        self._loaded.add("lm_head")
+
+    @property
+    def verifier_weights_loaded(self) -> bool:
+        return self._loaded == {"embedding", "lm_head"}
+
+    @staticmethod
+    def _copy_frozen(name: str, module: nn.Embedding | nn.Linear, weight: torch.Tensor) -> None:
+        rows, width = module.weight.shape
+        if weight.dim() != 2 or weight.shape[0] < rows or weight.shape[1] != width:
+            raise ValueError(f"verifier {name} {tuple(weight.shape)} does not fit the drafter's {(rows, width)} "
+                             "(vocab_size x hidden_size)")
+        with torch.no_grad():
+            module.weight.copy_(weight[:rows].to(module.weight.dtype))
+        module.weight.requires_grad_(False)
 
     def _check_verifier_weights(self) -> None:
         if not self.verifier_weights_loaded:
@@ -210,7 +229,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                            positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Fused context [B, C, H] at positions [B, C] -> per layer (k, v) [B, kv, C, hd]."""
         cos, sin = self._cos_sin(context, positions)
-        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+        return [cast(DFlashDecoderLayer, layer).self_attn.key_value(context, cos, sin) for layer in self.layers]
 
     def run_block(self, block_ids: torch.Tensor, block_positions: torch.Tensor,
                   context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:

@@ -154,6 +154,6 @@ def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_
         batch = collate([packed[r] for r in range(start, min(start + batch_size, len(packed)))])
         batch = {k: v.to(device) for k, v in batch.items()}
         step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
-        assert step.outputs.logits is not None
+        assert isinstance(step.outputs.logits, tuple)  # an EAGLE-3 drafter: one logits tensor per TTT step
         stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses)  # every position's logits
     return stats.metrics()
