@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..model.dflash_checkpoint import is_dflash_config
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
+from .dflash_rules import check_dflash_config, check_dflash_weights
 from .report import ENGINES, LEVELS, Finding, Report
 from .rope_rules import check_rope
 from .rules import (
@@ -103,6 +105,8 @@ def check_drafter(
         return [Finding("error", "missing-config", f"no config.json in {path_or_repo}")]
     except json.JSONDecodeError as exc:
         return [Finding("error", "bad-config", f"config.json in {path_or_repo} is not valid JSON: {exc}")]
+    if is_dflash_config(cfg):  # a DFlash block drafter: its own layout and rules
+        return _check_dflash(root, cfg, rep, verifier, path_or_repo)
     if cfg.get("speculators_model_type") or "Eagle3Speculator" in (cfg.get("architectures") or []):
         rep.add("error", "speculators-layout", "speculators layout (Eagle3Speculator): SGLang cannot load it "
                 "(it drops layers.0.* silently); export the standard layout", ("sglang",))
@@ -138,6 +142,29 @@ def check_drafter(
             check_vocab_mapping(cfg, w, rep, (vcfg or {}).get("vocab_size"))
             if vcfg is not None:
                 check_verifier(cfg, w, rep, vcfg, (lambda: _verifier_embedding(vpath)) if vpath else None)
+    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+
+
+def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None,
+                  path_or_repo: str | os.PathLike) -> list[Finding]:
+    """`check_drafter` for a DFlash drafter (publish/dflash_rules.py)."""
+    vcfg = None
+    if verifier is not None:
+        try:
+            vcfg = _load_verifier(verifier)[0]
+        except Exception as exc:  # noqa: BLE001
+            rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
+    check_dflash_config(cfg, rep, vcfg)
+    files = _weight_files(root)
+    if not files:
+        rep.add("error", "missing-weights-file", f"no *.safetensors in {path_or_repo}")
+    else:
+        try:
+            w = CheckpointWeights(files)
+        except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
+            rep.add("error", "bad-weights-file", f"cannot read safetensors in {path_or_repo}: {exc}")
+        else:
+            check_dflash_weights(cfg, w, rep)
     return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
