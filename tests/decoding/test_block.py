@@ -134,3 +134,26 @@ def test_drafts_per_block_are_bounded_by_the_block(verifier):
         speculative_decode(verifier, drafter, PROMPT, steps=4, max_new_tokens=8)
     with pytest.raises(ValueError, match="not a tree"):
         speculative_decode(verifier, drafter, PROMPT, steps=3, topk=2, max_new_tokens=8)
+
+
+def test_evaluate_cli_serves_a_dflash_drafter_by_its_architectures(tmp_path, tiny_verifier_dir):
+    """`eagle3-hf evaluate --drafter DIR` on a saved DFlash drafter: picked by config.json, the verifier's
+    embedding and lm_head filled in, lossless, τ within 1 + k."""
+    import json
+
+    from eagle3_hf.cli import main
+    from eagle3_hf.verifier.loading import load_verifier
+
+    verifier = load_verifier(str(tiny_verifier_dir))
+    drafter_dir = tmp_path / "drafter"
+    random_dflash(verifier, block_size=4).save_pretrained(drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q1", "prompt": "Name a color."}\n')
+    out = tmp_path / "eval"
+    code = main(["evaluate", "--drafter", str(drafter_dir), "--verifier", str(tiny_verifier_dir), "--prompts",
+                 str(prompts), "--k", "3", "--max-new-tokens", "8", "--output", str(out), "--no-progress",
+                 "--device", "cpu"])
+    assert code == 0
+    summary = json.loads((out / "eagle3_evaluation.json").read_text())
+    assert summary["lossless"] is True and summary["k"] == 3 and 1.0 <= summary["acceptance_length"] <= 4.0
+    assert len(summary["per_position_acceptance"]) == 3
