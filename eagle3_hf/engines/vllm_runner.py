@@ -97,7 +97,7 @@ def run(request: dict) -> dict:
         start = time.perf_counter()  # prompt's two runs are timed back to back under the same machine load
         kwargs: dict[str, Any] = {}
         if mode == "spec":
-            speculative: dict[str, Any] = {"method": "eagle3", "model": request["drafter"],
+            speculative: dict[str, Any] = {"method": request.get("method", "eagle3"), "model": request["drafter"],
                            "num_speculative_tokens": int(request["k"])}
             if request.get("drafter_revision"):
                 speculative["revision"] = request["drafter_revision"]

@@ -1,16 +1,15 @@
 """`eagle3-hf evaluate --engine vllm`: the drafter served by vLLM, beside our own decoder on the same prompts.
 
-The prompts are rendered with the verifier's chat template here, exactly as `evaluate` renders them, and
-passed to vLLM as token ids, so both engines read identical inputs. vLLM runs in its own venv (vllm_env.py):
-plain, then with the drafter (`speculative_config` method eagle3), with the engine options every vLLM route takes
-(engines/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after the other,
-each in its own process, so the plain one has exited, its memory freed, before the speculative one loads: a
-verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
+The prompts are rendered with the verifier's chat template here, exactly as `evaluate` renders them, and passed to
+vLLM as token ids, so both engines read identical inputs. vLLM runs in its own venv (vllm_env.py): plain, then with
+the drafter (`speculative_config` method eagle3, or dflash for a DFlash drafter), with the engine options every vLLM
+route takes (engines/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after
+the other, each in its own process, so the plain one has exited, its memory freed, before the speculative one loads:
+a verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
 and each prompt's two runs are timed back to back (`--vllm-engines` chooses). τ and per-position acceptance come
-from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the lossless check compares
-token ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless --skip-transformers,
-`evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed as one number: vLLM τ minus
-transformers τ.
+from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the lossless check compares token
+ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless --skip-transformers, `evaluate_drafter`
+runs the same prompts in-process and the train/serve gap is printed as one number: vLLM τ minus transformers τ.
 """
 
 from __future__ import annotations
@@ -226,6 +225,8 @@ def run_engine(args: argparse.Namespace) -> int:
 
     from ..data.prepare import use_chat_template
     from ..engines.vllm_env import vllm_python
+    from ..model.dflash_checkpoint import is_dflash_checkpoint
+    from ..model.modeling_dflash import DFlashDraftModel
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
     from ..verifier.remote_code import trusted
@@ -259,7 +260,9 @@ def run_engine(args: argparse.Namespace) -> int:
     debug = debug_requested()
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
+    dflash = is_dflash_checkpoint(args.drafter, args.revision)  # vLLM's "dflash" method, by config.json
+    drafter: Any = (DFlashDraftModel if dflash else Eagle3DraftModel).from_pretrained(
+        args.drafter, revision=args.revision, dtype=dtype)
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)
@@ -271,7 +274,8 @@ def run_engine(args: argparse.Namespace) -> int:
     request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                "dtype": dtype, "max_model_len": max_model_len, "k": args.k,
-               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine}
+               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine,
+               "method": "dflash" if dflash else "eagle3"}
     print(f"vLLM: {len(ids)} prompts, plain and with the drafter {args.drafter} (k={args.k}, {dtype}), "
           f"{layout_line(layout, engine, cpu)} ...", file=sys.stderr)
     result = run_engines(request, args.drafter, args.revision, layout, cpu, threads=threads, debug=debug)
