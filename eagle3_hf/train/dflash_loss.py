@@ -5,7 +5,8 @@ A block anchored at position a of a document (the anchor is the data token there
 k = 1 .. B - 1, the token at a + k. Its teacher is the verifier's distribution at a + k - 1 (the softmax of its
 lm_head over its final state there, full vocabulary: the drafter shares it) and its greedy reference
 `verifier_greedy[a + k - 1]`; it counts where a + k is an assistant token of the same document. Anchors are drawn
-where position 1 counts and the anchor has context (not its document's first token), at most `anchors_per_row`
+on assistant tokens where position 1 counts and the anchor has context (as SpecForge's DFlash training samples
+them inside the loss mask; at decoding time every anchor is a generated token), at most `anchors_per_row`
 per packed row, uniformly without replacement. Position k's loss is weighted exp(-(k - 1) / decay)
 (`DFlashConfig.block_loss_decay`), i.e. gamma^(k - 1) with gamma = exp(-1 / decay), and the sum is normalised by
 the anchors of the whole optimizer step (the Trainer's `num_items_in_batch`), as the TTT loss by its step-0 tokens.
@@ -27,11 +28,13 @@ DEFAULT_ANCHORS_PER_ROW = 64
 
 
 def anchor_candidates(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[B, L] bool: positions a whose next token is an assistant token of the same document, with a >= 1 in it."""
-    doc, pos = batch["document_ids"], batch["position_ids"]
+    """[B, L] bool: assistant positions a >= 1 of a document whose next token is an assistant token of it too. At
+    decoding time every anchor is a generated token (the first is the verifier's answer to the prompt), so an
+    anchor on a prompt token would train a block the engine never drafts."""
+    doc, pos, assistant = batch["document_ids"], batch["position_ids"], batch["loss_mask"].bool()
     nxt = torch.zeros_like(doc, dtype=torch.bool)
-    nxt[:, :-1] = (doc[:, 1:] == doc[:, :-1]) & batch["loss_mask"][:, 1:].bool()
-    return nxt & (doc >= 0) & (pos >= 1)
+    nxt[:, :-1] = (doc[:, 1:] == doc[:, :-1]) & assistant[:, 1:]
+    return nxt & assistant & (doc >= 0) & (pos >= 1)
 
 
 def sample_anchors(batch: dict[str, torch.Tensor], anchors_per_row: int,

@@ -99,7 +99,7 @@ def test_anchors_and_targets_stay_in_their_document():
             if a < 0:
                 continue
             assert batch["position_ids"][b, a] >= 1 and batch["document_ids"][b, a + 1] == batch["document_ids"][b, a]
-            assert batch["loss_mask"][b, a + 1] == 1
+            assert batch["loss_mask"][b, a] == 1 and batch["loss_mask"][b, a + 1] == 1
     greedy, scored = block_targets(batch, anchors, BLOCK)
     valid = anchors[anchors >= 0]
     rows = (anchors >= 0).nonzero()
