@@ -18,10 +18,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .loss import DrafterLoss
+from .loss import DrafterLoss, _SoftCrossEntropy
 
 ANCHORS_KEY = "dflash_anchors"  # where the Trainer leaves a micro-batch's anchors in the batch dict
 DEFAULT_ANCHORS_PER_ROW = 64
@@ -79,6 +78,25 @@ def block_targets(batch: dict[str, torch.Tensor], anchors: torch.Tensor,
     return greedy[valid], scored[valid]
 
 
+def soft_cross_entropy_per_position(logits: torch.Tensor, teacher: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """[S - 1]: Σ over scored anchors of CE(teacher, softmax(logits)) per block position, logits and teacher
+    [N, S - 1, V]. The EAGLE-3 loss's blockwise soft cross-entropy (`loss._SoftCrossEntropy`): no log-softmaxed or
+    gathered copy of the [N, S - 1, V] logits is made, which matters at a full vocabulary."""
+    vocab = logits.shape[-1]
+    flat_logits, flat_teacher = logits.reshape(-1, vocab), teacher.reshape(-1, vocab)
+    rows = torch.arange(scored.numel(), device=scored.device).view_as(scored)  # row n * (S - 1) + k
+    out = []
+    for k in range(scored.shape[1]):
+        at = rows[:, k][scored[:, k]]
+        if at.numel() == 0:
+            out.append(flat_logits.sum() * 0.0)
+            continue
+        loss: torch.Tensor = _SoftCrossEntropy.apply(  # type: ignore[no-untyped-call]
+            flat_logits, flat_teacher, at, at)
+        out.append(loss)
+    return torch.stack(out)
+
+
 def position_weights(block_size: int, decay: float, device: torch.device | None = None) -> torch.Tensor:
     """exp(-(k - 1) / decay) for k = 1 .. B - 1."""
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32, device=device) / decay)
@@ -123,9 +141,7 @@ def dflash_loss(model: nn.Module, batch: dict[str, Any], anchors_per_row: int = 
     logits = outputs.logits  # [N, S - 1, V]
     total = per_position = None
     if outputs.teacher_probs is not None:
-        ce = -(outputs.teacher_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [N, S - 1]
-        ce = ce * scored
-        per_position = ce.sum(0)  # [S - 1]
+        per_position = soft_cross_entropy_per_position(logits, outputs.teacher_probs, scored)  # [S - 1]
         total = (per_position * position_weights(size, float(config.block_loss_decay), per_position.device)).sum()
     anchors_count = (anchors >= 0).sum()
     step_losses = None if per_position is None else [(per_position[k].detach(), scored[:, k].sum())

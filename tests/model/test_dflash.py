@@ -164,3 +164,25 @@ def test_a_misnamed_weight_is_refused(tmp_path):
     state["layers.0.self_attn.qkv_proj.weight"] = state.pop("layers.0.self_attn.q_proj.weight")
     with pytest.raises(ValueError, match="qkv_proj"):
         model.save_pretrained(tmp_path, state_dict=state)
+
+
+def test_the_loss_is_the_decayed_soft_cross_entropy_over_scored_positions():
+    """Σ_k exp(-(k - 1) / decay) Σ_anchors CE(teacher, draft) over scored positions, / anchors: recomputed here with
+    plain autograd ops, gradients included."""
+    model = tiny_dflash(layers=1).train()
+    batch = packed([[10, 13]], 23, seed=4)
+    batch["dflash_anchors"] = sample_anchors(batch, 6, torch.Generator().manual_seed(1))
+    step = dflash_loss(model, batch)
+    loss = step.normalised()
+    (grad,) = torch.autograd.grad(loss, model.fc.weight)
+
+    out = model(batch["input_ids"], batch["aux_hidden_states"], batch["dflash_anchors"], batch["position_ids"],
+                batch["document_ids"], batch["last_hidden_state"])
+    _, scored = block_targets(batch, batch["dflash_anchors"], BLOCK)
+    ce = -(out.teacher_probs * torch.log_softmax(out.logits, -1)).sum(-1) * scored  # [N, B - 1]
+    weights = torch.exp(-torch.arange(BLOCK - 1.0) / model.config.block_loss_decay)
+    expected = (ce.sum(0) * weights).sum() / (batch["dflash_anchors"] >= 0).sum()
+    (expected_grad,) = torch.autograd.grad(expected, model.fc.weight)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-4)
+    assert bool((~scored).any()) and bool(scored.any())  # both kinds of position are in the batch
