@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
         data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
               "num_train_rows": train.stats["rows"], "packing": train.stats, "shards_hashed_at_start": hashed},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
-                "online": features.online},
+                "online": features.online, "drafter_kind": model_args.drafter_kind,
+                **({"block_size": model_args.block_size, "dflash_layers": model_args.dflash_layers,
+                    "dflash_anchors": model_args.dflash_anchors, "block_loss_decay": model_args.block_loss_decay,
+                    "mask_token_id": init["mask_token_id"]} if dflash else {})},
     )
     summary["log_history"] = trainer.state.log_history
     if args.should_save:  # rank 0, or each node's first process with --save_on_each_node

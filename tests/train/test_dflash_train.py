@@ -40,6 +40,7 @@ def test_dflash_training_learns_the_first_block_position_and_saves_the_served_la
     assert train_logs[0]["loss"] > 5 * train_logs[-1]["loss"] and train_logs[0]["acc_0"] < 0.05
     logged = set(train_logs[-1])
     assert {"acc_2", "cond_acc_2", "simulated_acceptance_length"} <= logged and "acc_3" not in logged
+    assert summary["recipe"]["drafter_kind"] == "dflash" and summary["recipe"]["mask_token_id"] == mask
     metrics = summary["metrics"]
     assert len(metrics["step_accuracy"]) == 3 and metrics["step_accuracy"][0] > 0.1  # chance: 1 in 256
     assert metrics["simulated_acceptance_length"] == pytest.approx(
