@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss import DrafterLoss, _SoftCrossEntropy
+from .loss import DrafterLoss, soft_cross_entropy_rows
 
 ANCHORS_KEY = "dflash_anchors"  # where the Trainer leaves a micro-batch's anchors in the batch dict
 DEFAULT_ANCHORS_PER_ROW = 64
@@ -80,7 +80,7 @@ def block_targets(batch: dict[str, torch.Tensor], anchors: torch.Tensor,
 
 def soft_cross_entropy_per_position(logits: torch.Tensor, teacher: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """[S - 1]: Σ over scored anchors of CE(teacher, softmax(logits)) per block position, logits and teacher
-    [N, S - 1, V]. The EAGLE-3 loss's blockwise soft cross-entropy (`loss._SoftCrossEntropy`): no log-softmaxed or
+    [N, S - 1, V]. The EAGLE-3 loss's blockwise soft cross-entropy (`soft_cross_entropy_rows`): no log-softmaxed or
     gathered copy of the [N, S - 1, V] logits is made, which matters at a full vocabulary."""
     vocab = logits.shape[-1]
     flat_logits, flat_teacher = logits.reshape(-1, vocab), teacher.reshape(-1, vocab)
@@ -91,9 +91,7 @@ def soft_cross_entropy_per_position(logits: torch.Tensor, teacher: torch.Tensor,
         if at.numel() == 0:
             out.append(flat_logits.sum() * 0.0)
             continue
-        loss: torch.Tensor = _SoftCrossEntropy.apply(  # type: ignore[no-untyped-call]
-            flat_logits, flat_teacher, at, at)
-        out.append(loss)
+        out.append(soft_cross_entropy_rows(flat_logits, flat_teacher, at, at))
     return torch.stack(out)
 
 

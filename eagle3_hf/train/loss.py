@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..model.modeling_eagle3 import Eagle3Output
 
 __all__ = ["PLAN_KEY", "BatchPlan", "DrafterLoss", "StepTargets", "count_loss_tokens", "drafter_loss", "head_positions",
-           "soft_cross_entropy_at", "step_targets", "ttt_loss"]
+           "soft_cross_entropy_at", "soft_cross_entropy_rows", "step_targets", "ttt_loss"]
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
@@ -53,6 +53,15 @@ class _SoftCrossEntropy(torch.autograd.Function):
             q = F.softmax(student[s].float(), dim=-1)
             grad[s] = ((q * p.sum(-1, keepdim=True) - p) * grad_output).to(grad.dtype)
         return grad, None, None, None
+
+
+def soft_cross_entropy_rows(student: torch.Tensor, probs: torch.Tensor, student_rows: torch.Tensor,
+                            teacher_rows: torch.Tensor) -> torch.Tensor:
+    """Σ_k CE(probs[teacher_rows[k]], student[student_rows[k]]), blockwise (`_SoftCrossEntropy`): the DFlash loss
+    scores its block positions with it."""
+    loss: torch.Tensor = _SoftCrossEntropy.apply(student, probs, student_rows,  # type: ignore[no-untyped-call]
+                                                 teacher_rows)
+    return loss
 
 
 def _row_blocks(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
