@@ -80,9 +80,10 @@ class LlamaServer(ServerProcess):
 
     def __init__(self, build: LlamaCpp, model: Path, log_path: Path, *, draft: Path | None = None, k: int = 3,
                  p_min: float = 0.0, threads: int = 1, ctx_size: int = 2048, timeout: float = 600.0,
-                 debug: bool = False):
+                 debug: bool = False, spec_type: str = "draft-eagle3"):
         super().__init__(timeout, debug)
         self.build, self.model, self.draft, self.k, self.p_min = build, model, draft, k, p_min
+        self.spec_type = spec_type  # draft-eagle3, or draft-dflash for a DFlash drafter
         self.threads, self.ctx_size, self.port = threads, ctx_size, free_port()
         self._log_path = log_path
 
@@ -91,7 +92,7 @@ class LlamaServer(ServerProcess):
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size",
                 str(self.ctx_size), "--parallel", "1", "--no-webui"]
         if self.draft is not None:
-            argv += ["--spec-draft-model", str(self.draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max",
+            argv += ["--spec-draft-model", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max",
                      str(self.k), "--spec-draft-p-min", f"{self.p_min:g}", "--spec-draft-threads", str(self.threads),
                      "--spec-draft-threads-batch", str(self.threads)]
         return argv

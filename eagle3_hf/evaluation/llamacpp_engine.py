@@ -138,6 +138,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     from ..data.prepare import use_chat_template
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
+    from ..model.dflash_checkpoint import is_dflash_checkpoint
     from ..publish.export import drafter_gguf, local_verifier_dir, refuse_for_llamacpp, verifier_gguf_of
     from ..verifier.loading import cache_dir, load_tokenizer
     from .evaluate import copy_to_drafter, load_prompts, prompt_turns, render_prompt, write_outputs
@@ -169,8 +170,10 @@ def run_llamacpp(args: argparse.Namespace) -> int:
           file=sys.stderr)
     servers = [LlamaServer(build, model_gguf, out / "llama-server-plain.log", threads=threads, ctx_size=ctx,
                            debug=debug)]
+    spec_type = "draft-dflash" if is_dflash_checkpoint(args.drafter, args.revision) else "draft-eagle3"
     servers += [LlamaServer(build, model_gguf, out / f"llama-server-p{p:g}.log", draft=draft_file, k=args.k,
-                            p_min=p, threads=threads, ctx_size=ctx, debug=debug) for p in args.spec_draft_p_min]
+                            p_min=p, threads=threads, ctx_size=ctx, debug=debug, spec_type=spec_type)
+                for p in args.spec_draft_p_min]
     runs: list[list[Any]] = [[] for _ in servers]
     started: list[LlamaServer] = []
     try:

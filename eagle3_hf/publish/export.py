@@ -59,11 +59,15 @@ def local_verifier_dir(verifier: str, given_gguf: str | None) -> Path:
 
 def drafter_gguf(build: Any, drafter: str, verifier_dir: Path, outfile: Path, outtype: str,
                  revision: str | None = None) -> Path:
-    """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first."""
+    """The drafter (any layout we read, local or on the Hub) as a GGUF: rewritten in the standard layout first (a
+    DFlash drafter: in its own served layout, which llama.cpp's converter reads as `DFlashDraftModel`)."""
     from ..engines.llamacpp_convert import convert_drafter
+    from ..model.dflash_checkpoint import is_dflash_checkpoint
+    from ..model.modeling_dflash import DFlashDraftModel
     from ..model.modeling_eagle3 import Eagle3DraftModel
 
-    model = Eagle3DraftModel.from_pretrained(drafter, revision=revision, dtype="float32")
+    model: Any = (DFlashDraftModel if is_dflash_checkpoint(drafter, revision) else Eagle3DraftModel).from_pretrained(
+        drafter, revision=revision, dtype="float32")
     with tempfile.TemporaryDirectory(prefix="eagle3_gguf_") as tmp:
         model.save_pretrained(tmp)
         return convert_drafter(build, Path(tmp), verifier_dir, outfile, outtype)
