@@ -158,6 +158,14 @@ def test_two_steps_lower_the_loss_and_save_reload_keeps_logits(tmp_path):
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_the_eagle3_reader_names_a_dflash_checkpoint(tmp_path):
+    from eagle3_hf import Eagle3DraftModel
+
+    tiny_dflash(layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is a DFlash drafter, not an EAGLE-3 one"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+
+
 def test_a_misnamed_weight_is_refused(tmp_path):
     model = tiny_dflash(layers=1)
     state = model.state_dict()
