@@ -1,14 +1,17 @@
 """A DFlash export served by llama.cpp and vLLM beside our own decoder: the accepted drafts per cycle, engine by engine.
 
     .venv/bin/python -m experiments.dflash_served --out /tmp/dflash_served [--alpha 0.5] [--engines llamacpp vllm]
+    .venv/bin/python -m experiments.dflash_served --out /tmp/dflash_served2 --alpha 0.4 --num-prompts 8 \
+        --max-new-tokens 48 --engines vllm
 
 Builds a random 6-layer Llama verifier (hidden 256, head_dim 64, which vLLM's CPU attention takes) with the
 embedded default's tokenizer, whose greedy answers repeat one token per prompt, and a 2-layer DFlash drafter with
 block 5 whose mask token is that token and whose o_proj / down_proj are scaled by `--alpha`: at 0.5 its blocks are
 accepted whole in some cycles and not at all in others, so the per-cycle records compare the drafter's math across
-engines (at small alpha every draft is accepted, at large none). Then runs `eagle3-hf evaluate --engine llamacpp`
-and `--engine vllm` (4 prompts x 24 tokens, k = 4, fp32, CPU), which print τ and how many prompts have equal
-accepted drafts at every cycle. The result is stated in docs/contracts.md ("A block drafter: DFlash").
+engines (at small alpha every draft is accepted, at large none; at 0.4 the drafts drift off the repeated token
+after some cycles). Then runs `eagle3-hf evaluate --engine llamacpp` and `--engine vllm` (k = 4, fp32, CPU), which
+print τ and how many prompts have equal accepted drafts at every cycle. The results are stated in docs/contracts.md
+("A block drafter: DFlash").
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = ["Name a color.", "What is two plus two?", "Write a haiku about the sea.", "Hello!"]
+PROMPTS = ["Name a color.", "What is two plus two?", "Write a haiku about the sea.", "Hello!", "Tell me a joke.",
+           "What is the capital of France?", "List three fruits.", "Why is the sky blue?"]
 
 
-def build(out: Path, alpha: float) -> None:
+def build(out: Path, alpha: float, num_prompts: int = 4) -> None:
     """The verifier, the drafter and the prompts under `out`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -56,27 +60,29 @@ def build(out: Path, alpha: float) -> None:
     drafter.load_verifier_embeddings(verifier)
     drafter.save_pretrained(out / "drafter")
     (out / "prompts.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
-                                               for i, p in enumerate(PROMPTS)))
+                                               for i, p in enumerate(PROMPTS[:num_prompts])))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--num-prompts", type=int, default=4, choices=range(1, len(PROMPTS) + 1))
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--engines", nargs="+", choices=["llamacpp", "vllm"], default=["llamacpp", "vllm"])
     args = parser.parse_args(argv)
     from eagle3_hf.cli import main as cli
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    build(out, args.alpha)
+    build(out, args.alpha, args.num_prompts)
     codes = []
     for engine in args.engines:
         extra = ["--verifier-gguf", "convert"] if engine == "llamacpp" else []
         codes.append(cli(["evaluate", "--engine", engine, "--drafter", str(out / "drafter"), "--verifier",
                           str(out / "verifier"), "--prompts", str(out / "prompts.jsonl"), "--k", "4",
-                          "--max-new-tokens", "24", "--output", str(out / f"eval_{engine}"), "--no-progress",
-                          *extra]))
+                          "--max-new-tokens", str(args.max_new_tokens), "--output", str(out / f"eval_{engine}"),
+                          "--no-progress", *extra]))
     return max(codes, default=0)
 
 
