@@ -75,3 +75,44 @@ def test_the_default_mask_token_is_the_highest_unused_special_token():
     with pytest.raises(UsageError, match="pass --mask-token-id"):
         choose_mask_token(Tokenizer(), present)
     assert choose_mask_token(Tokenizer(), present, requested=15) == 15
+
+
+def test_the_trainer_normalises_by_the_anchors_of_the_whole_optimizer_step(tmp_path):
+    """Each micro-batch's anchors are drawn where the Trainer counts num_items_in_batch, and the loss of a
+    micro-batch is its weighted sum over that count (not its own anchors): packing and accumulation don't change it."""
+    from transformers import LlamaConfig
+
+    from eagle3_hf.model.configuration_dflash import DFlashConfig
+    from eagle3_hf.train.arguments import Eagle3TrainingArguments
+    from eagle3_hf.train.dflash_loss import ANCHORS_KEY, dflash_loss
+    from eagle3_hf.train.trainer import Eagle3Trainer
+
+    vocab, hidden = 61, 32
+    config = DFlashConfig.from_verifier(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
+                                                    num_hidden_layers=6, num_attention_heads=2,
+                                                    num_key_value_heads=1), mask_token_id=vocab - 1,
+                                        num_hidden_layers=1, block_size=3)
+    torch.manual_seed(0)
+    model = DFlashDraftModel(config)
+    model.load_verifier_weights(torch.randn(vocab, hidden), torch.randn(vocab, hidden))
+    model.anchors_per_row = 5
+    args = Eagle3TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Eagle3Trainer(model=model, args=args)
+
+    def batch(length: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_ids": torch.randint(0, vocab - 1, (1, length), generator=g),
+                "aux_hidden_states": torch.randn(1, length, 3 * hidden, generator=g),
+                "last_hidden_state": torch.randn(1, length, hidden, generator=g),
+                "verifier_greedy": torch.randint(0, vocab - 1, (1, length), generator=g),
+                "position_ids": torch.arange(length)[None], "document_ids": torch.zeros(1, length, dtype=torch.long),
+                "loss_mask": torch.ones(1, length, dtype=torch.long)}
+
+    batches = [batch(12, 0), batch(4, 1)]  # 5 anchors, then fewer: the second row has 2 candidates
+    count = trainer._get_num_items_in_batch(batches, torch.device("cpu"))
+    assert int(count) == 5 + 2 == sum(int((b[ANCHORS_KEY] >= 0).sum()) for b in batches)
+    model.train()
+    loss = trainer.compute_loss(model, batches[1], num_items_in_batch=count)
+    own = dflash_loss(model, batches[1])
+    assert own.total is not None
+    torch.testing.assert_close(loss, own.total / 7)
