@@ -19,9 +19,11 @@ from transformers import Qwen3Config
 from ..verifier.family import check_aux_indices, default_aux_indices, drafter_rope, text_config_dict
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-DEFAULT_BLOCK_SIZE = 16  # the paper's Qwen3 drafters (z-lab's "-b16")
+DEFAULT_BLOCK_SIZE = 16  # z-lab's Qwen3 drafters ("-b16"); SpecForge's Qwen3-8B DFlash config: 5 layers, blocks of 16
 DEFAULT_LAYERS = 5
-DEFAULT_LOSS_DECAY = 7.0  # weight exp(-(k - 1) / decay) of block position k: the paper's value for blocks of 16
+# weight exp(-(k - 1) / decay) of block position k, the form of SpecForge's `loss_decay_gamma` (which is off by
+# default there); 7 is our choice, not a measured optimum
+DEFAULT_LOSS_DECAY = 7.0
 
 
 @strict
