@@ -1,7 +1,7 @@
 """A DFlash export served by llama.cpp and vLLM beside our own decoder: the accepted drafts per cycle, engine by engine.
 
-    .venv/bin/python -m experiments.dflash_served --out /tmp/dflash_served [--alpha 0.5] [--engines llamacpp vllm]
-    .venv/bin/python -m experiments.dflash_served --out /tmp/dflash_served2 --alpha 0.4 --num-prompts 8 \
+    .venv/bin/python -m experiments.dflash_served --out runs/dflash_served [--alpha 0.5] [--engines llamacpp vllm]
+    .venv/bin/python -m experiments.dflash_served --out runs/dflash_served2 --alpha 0.4 --num-prompts 8 \
         --max-new-tokens 48 --engines vllm
 
 Builds a random 6-layer Llama verifier (hidden 256, head_dim 64, which vLLM's CPU attention takes) with the
