@@ -2,7 +2,7 @@
 
     .venv/bin/python -m experiments.dflash_served --out runs/dflash_served [--alpha 0.5] [--engines llamacpp vllm]
     .venv/bin/python -m experiments.dflash_served --out runs/dflash_served2 --alpha 0.4 --num-prompts 8 \
-        --max-new-tokens 48 --engines vllm
+        --max-new-tokens 48
 
 Builds a random 6-layer Llama verifier (hidden 256, head_dim 64, which vLLM's CPU attention takes) with the
 embedded default's tokenizer, whose greedy answers repeat one token per prompt, and a 2-layer DFlash drafter with
