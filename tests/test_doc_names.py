@@ -33,7 +33,8 @@ EXTERNAL_FLAGS = {
 }
 # files of other projects that the documents cite by name (SGLang's, vLLM's, speculators', transformers', llama.cpp's)
 EXTERNAL_FILES = {"llama_eagle3.py", "algos.py", "model_runner.py", "extract_hidden_states.py", "modeling_llama.py",
-                  "configuration_llama.py", "arg_utils.py", "cli_args.py", "convert_hf_to_gguf.py"}
+                  "configuration_llama.py", "arg_utils.py", "cli_args.py", "convert_hf_to_gguf.py",
+                  "qwen3_dflash.py", "dflash_worker_v2.py", "dflash_utils.py", "dflash.cpp", "speculative.cpp"}
 COMMAND = re.compile(r"eagle3-hf\s+(?:--debug\s+)?([a-z][\w-]*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*[\w]")
 PATH = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)+(?:[\w.-]+)?)")

@@ -139,7 +139,6 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     from ..data.prepare import use_chat_template
     from ..engines.llamacpp_env import find_llamacpp
     from ..engines.llamacpp_server import LlamaServer
-    from ..engines.table import EAGLE3
     from ..publish.export import (
         drafter_gguf,
         drafter_kind_of,
@@ -159,9 +158,6 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         raise UsageError(f"--spec-draft-p-min {args.spec_draft_p_min}: each must be within 0..1")
     build = find_llamacpp()  # fail first, in one line, when llama.cpp is not built
     kind = drafter_kind_of(args.drafter, args.revision)  # its config.json says eagle3 or dflash
-    if kind is not EAGLE3 and not args.skip_transformers:
-        raise UsageError(f"--engine llamacpp on a {kind.label} drafter measures llama.cpp alone: add "
-                         "--skip-transformers (our decoder's side of the comparison is EAGLE-3's)")
     prompts, name = load_prompts(args.prompts, args.num_prompts)
     verifier_dir = local_verifier_dir(args.verifier, args.verifier_gguf)
     refuse_for_llamacpp(args.drafter, verifier_dir, args.revision)

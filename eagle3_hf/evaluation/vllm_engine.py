@@ -8,10 +8,9 @@ dflash), with the engine options every vLLM route takes
 each in its own process, so the plain one has exited, its memory freed, before the speculative one loads: a
 verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
 and each prompt's two runs are timed back to back (`--vllm-engines` chooses). τ and per-position acceptance come
-from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the lossless check compares
-token ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless --skip-transformers,
-`evaluate_drafter` runs the same prompts in-process and the train/serve gap is printed as one number: vLLM τ minus
-transformers τ.
+from vLLM's own counters (`vllm:spec_decode_*`), the speedup from its own timings, the lossless check compares token
+ids with plain vLLM (top-2 logprob gaps tell numerical ties apart). Unless --skip-transformers, `evaluate_drafter`
+runs the same prompts in-process and the train/serve gap is printed as one number: vLLM τ minus transformers τ.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines import vllm_args
-from ..engines.table import EAGLE3, checkpoint_kind, evaluated_engines
+from ..engines.table import DFLASH, checkpoint_kind, evaluated_engines
 from ..engines.vllm_env import run_vllm
 from ..errors import UsageError, debug_requested
 
@@ -230,6 +229,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
     from ..data.prepare import use_chat_template
     from ..engines.vllm_env import vllm_python
+    from ..model.modeling_dflash import DFlashDraftModel
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
     from ..verifier.remote_code import trusted
@@ -261,23 +261,18 @@ def run_engine(args: argparse.Namespace) -> int:
                          "--enable-expert-parallel for a MoE verifier)")
     vllm_python()  # fail first, in one line, when vLLM is not installed
     kind = checkpoint_kind(resolve_drafter(args.drafter, args.revision))  # its config.json says eagle3 or dflash
-    if kind is not EAGLE3 and not args.skip_transformers:
-        raise UsageError(f"--engine vllm on a {kind.label} drafter measures vLLM alone: add --skip-transformers "
-                         "(our decoder's side of the comparison is EAGLE-3's)")
     prompts, name = load_prompts(args.prompts, args.num_prompts)  # then when the prompt set is missing
     cpu = vllm_args.on_cpu(args.vllm_device)
     layout, dtype = engine_layout(args.vllm_engines, cpu), default_dtype(args.torch_dtype, cpu)
     debug = debug_requested()
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter = None
-    if kind is EAGLE3:
-        drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
-        vconfig = load_config(verifier_path, revision=args.verifier_revision)
-        for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
-            print(f"WARNING: {warning}", file=sys.stderr)
-    mode = None if drafter is None else drafter_mode(drafter)
-    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}], mode)
+    drafter_class: Any = DFlashDraftModel if kind is DFLASH else Eagle3DraftModel
+    drafter = drafter_class.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
+    vconfig = load_config(verifier_path, revision=args.verifier_revision)
+    for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
+        print(f"WARNING: {warning}", file=sys.stderr)
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": (prompt_turns(p) or [""])[0]}], drafter_mode(drafter))
            for p in prompts]
     threads = torch.get_num_threads()
     # the context a prompt needs: itself, its answer and the drafts past the answer's end
@@ -301,7 +296,6 @@ def run_engine(args: argparse.Namespace) -> int:
     if not args.skip_transformers:
         from .evaluate import evaluate_drafter, place_verifier
 
-        assert drafter is not None  # an EAGLE-3 drafter: the others need --skip-transformers (above)
         verifier, device = place_verifier(args, dtype)  # after vLLM has exited: its GPUs are free again
         drafter.to(device)
         drafter.load_verifier_embeddings(verifier)

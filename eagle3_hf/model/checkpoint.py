@@ -352,6 +352,9 @@ def read_drafter_checkpoint(name_or_path: str | os.PathLike, revision: str | Non
         raise FileNotFoundError(f"{config_file} is missing")
     with open(config_file, encoding="utf-8") as f:
         raw = json.load(f)
+    if "DFlashDraftModel" in (raw.get("architectures") or []):  # model/dflash_checkpoint.py reads those
+        raise ValueError(f"{name_or_path} is a DFlash drafter, not an EAGLE-3 one: load it with DFlashDraftModel "
+                         "(`evaluate`, `check` and `export --format gguf` take it as it is)")
     speculators = is_speculators_config(raw)
     refuse_non_drafter(name_or_path, path, raw)
     tensors = standard_names(read_safetensors_dir(path), speculators)

@@ -112,7 +112,7 @@ def check_drafter(
     except json.JSONDecodeError as exc:
         return [Finding("error", "bad-config", f"config.json in {path_or_repo} is not valid JSON: {exc}")]
     if drafter_kind(cfg) is DFLASH:
-        return _check_dflash(root, cfg, rep, verifier, str(path_or_repo))
+        return _check_dflash(root, cfg, rep, verifier, str(path_or_repo), served_kwargs)
     if cfg.get("speculators_model_type") or "Eagle3Speculator" in (cfg.get("architectures") or []):
         rep.add("error", "speculators-layout", "speculators layout (Eagle3Speculator): SGLang cannot load it "
                 "(it drops layers.0.* silently); export the standard layout", ("sglang",))
@@ -154,17 +154,22 @@ def check_drafter(
     return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
-def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str) -> list[Finding]:
-    """A DFlash drafter's findings (publish/dflash_rules.py), errors first."""
+def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str,
+                  served_kwargs: dict[str, Any] | None = None) -> list[Finding]:
+    """A DFlash drafter's findings (publish/dflash_rules.py), errors first; what does not depend on the drafter's kind
+    applies as to EAGLE-3: llama.cpp's verifier graphs (its DFlash reads the same captured layer inputs) and the
+    thinking mode."""
     from .dflash_rules import check_dflash_config, check_dflash_weights
 
-    vcfg = None
+    vcfg, varch = None, list(cfg.get("verifier_architectures") or [])
     if verifier is not None:
         try:
-            vcfg = _load_verifier(verifier)[0]
+            vcfg, _, varch = _load_verifier(verifier)
         except Exception as exc:  # noqa: BLE001
             rep.add("error", "verifier-not-found", f"cannot read the verifier config from {verifier}: {exc}")
     ids = check_dflash_config(cfg, rep, vcfg)
+    check_llamacpp_verifier(varch, rep)
+    check_thinking_mode(cfg, rep, served_kwargs)
     files = _weight_files(root)
     if not files:
         rep.add("error", "missing-weights-file", f"no *.safetensors in {name}")

@@ -74,6 +74,12 @@ def check_dflash_config(cfg: dict, rep: Report, verifier: dict | None) -> list[i
         rep.add("error", "dflash-aux-ids-mismatch", f"top-level eagle_aux_hidden_state_layer_ids {top} is read by "
                 f"vLLM before dflash_config.target_layer_ids {ids} (as indices: it expects {[i + 1 for i in ids]}), "
                 "while SGLang and llama.cpp read only the latter: drop the top-level key", ("vllm",))
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested is not None and ids and list(nested) != [i + 1 for i in ids]:  # v1/worker/gpu_model_runner.py
+        rep.add("error", "dflash-aux-ids-mismatch", f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} "
+                f"overrides dflash_config.target_layer_ids {ids} in vLLM's model runner "
+                "(`_get_eagle3_aux_layers_from_config`, as indices), while SGLang and llama.cpp read only the latter: "
+                "drop eagle_config", ("vllm",))
     block = _int(dflash.get("block_size")) or _int(cfg.get("block_size"))
     if block is None:
         rep.add("warning", "dflash-block-size", f"no block_size (top level or dflash_config): SGLang and llama.cpp "

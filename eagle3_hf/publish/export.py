@@ -128,13 +128,30 @@ def export_gguf(args: argparse.Namespace) -> tuple[Path, Path]:
     return drafter, verifier
 
 
+def dflash_drafts(drafter: str, revision: str | None) -> int:
+    """A DFlash drafter's drafts per block, block_size - 1 (llama.cpp clamps --spec-draft-n-max to it)."""
+    import json
+
+    from ..model.checkpoint import resolve_checkpoint
+
+    raw = json.loads((resolve_checkpoint(drafter, revision=revision) / "config.json").read_text())
+    return int((raw.get("dflash_config") or {}).get("block_size") or raw.get("block_size") or 16) - 1
+
+
 def run(args: argparse.Namespace) -> int:
+    dflash = drafter_kind_of(args.drafter, args.revision) is not EAGLE3
     if args.format == "gguf":
         drafter_file, verifier_file = export_gguf(args)
         kind = drafter_kind_of(args.drafter, args.revision)
+        drafts = dflash_drafts(args.drafter, args.revision) if dflash else 3
         print(f"wrote {drafter_file} (verifier: {verifier_file}); serve it with\n  llama-server -m {verifier_file} "
-              f"-md {drafter_file} --spec-type {kind.llamacpp_spec_type} --spec-draft-n-max 3 --spec-draft-p-min 0")
+              f"-md {drafter_file} --spec-type {kind.llamacpp_spec_type} --spec-draft-n-max {drafts} "
+              "--spec-draft-p-min 0")
         return 0
+    if dflash:
+        raise UsageError(f"{args.drafter} is a DFlash drafter: its directory is already the layout vLLM, SGLang and "
+                         "llama.cpp's converter read (--format gguf converts it); --format standard and speculators "
+                         "are EAGLE-3 layouts")
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_verifier
 

@@ -19,6 +19,7 @@ from transformers.hf_argparser import DataClassType
 
 from ..errors import UsageError
 from ..features.table import features_syntax
+from ..model.configuration_dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DEFAULT_LOSS_DECAY
 from ..model.configuration_eagle3 import Eagle3Config
 from .objective import DEFAULT_LK_ETA, OBJECTIVES, Objective
 
@@ -120,6 +121,22 @@ def refuse_unsupported(gradient_checkpointing: bool, hidden_optimizer: str, deep
 
 @dataclass
 class ModelArguments:
+    drafter_kind: str = field(
+        default="eagle3", metadata={"help": "eagle3: one layer drafting a chain, token by token; dflash: a block "
+                                            "drafter (DFlash) drafting --block-size - 1 tokens per forward, from the "
+                                            "same features", "choices": ["eagle3", "dflash"]})
+    block_size: int = field(
+        default=DEFAULT_BLOCK_SIZE, metadata={"help": "dflash: tokens per block, the anchor included (drafts per "
+                                                      "verify forward: block size - 1)"})
+    dflash_layers: int = field(default=DEFAULT_LAYERS, metadata={"help": "dflash: decoder layers of the drafter"})
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "dflash: the token fed at masked block positions; must not occur in the "
+                                        "data (default: the tokenizer's highest unused special token)"})
+    block_loss_decay: float = field(
+        default=DEFAULT_LOSS_DECAY, metadata={"help": "dflash: block position k's loss is weighted "
+                                                      "exp(-(k - 1) / decay)"})
+    dflash_anchors: int = field(
+        default=64, metadata={"help": "dflash: blocks per packed row, anchored at random assistant positions"})
     verifier: str | None = field(
         default=None, metadata={"help": "verifier name, path or repo id (default: the one --features names, "
                                         "else smollm2-135m-instruct); the features' verifier must be it"})

@@ -20,10 +20,12 @@ from .targets import PLAN_KEY, BatchPlan, StepTargets, batch_plan, count_loss_to
 
 if TYPE_CHECKING:
     from ..model.head_rows import HeadRows
+    from ..model.modeling_dflash import DFlashOutput
     from ..model.modeling_eagle3 import Eagle3Output
 
 __all__ = ["PLAN_KEY", "BatchPlan", "DrafterLoss", "Objective", "StepTargets", "acceptance_objective",
-           "count_loss_tokens", "drafter_loss", "head_positions", "soft_cross_entropy_at", "step_targets", "ttt_loss"]
+           "count_loss_tokens", "drafter_loss", "head_positions", "soft_cross_entropy_at", "step_targets",
+           "ttt_loss"]
 
 
 LOSS_CHUNK_ELEMENTS = 1 << 23  # rows x draft vocab per block of the soft cross-entropy (32 MiB in fp32)
@@ -166,10 +168,11 @@ class DrafterLoss:
     total: torch.Tensor | None  # Σ_i γ^i Σ_t CE_i(t) over the batch's loss positions (None without a teacher)
     loss_tokens: torch.Tensor  # step-0 loss positions of this batch (the Trainer's num_items_in_batch share)
     step_losses: list[tuple[torch.Tensor, torch.Tensor]] | None  # per step (loss sum, loss tokens)
-    outputs: Eagle3Output  # the model's forward output
+    outputs: Eagle3Output | DFlashOutput  # the model's forward output
     logits_mask: tuple[torch.Tensor, ...] | None  # where each step's logits were computed (None: every position)
     head_rows: HeadRows | None = None  # the same as row indices (what StepStats.update reads without a sync)
     step_alphas: list[torch.Tensor] | None = None  # per step Σ α over its loss positions (with a teacher's mass)
+    counts: torch.Tensor | None = None  # DFlash: the metric counts [8, B - 1] (`StepStats.add`), made with the loss
 
     def normalised(self, num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The loss the optimizer sees: `total` over the step-0 loss tokens of the whole optimizer step.

@@ -122,7 +122,10 @@ class StepStats:
             per_step.append(torch.stack([scored.sum().double(), right.sum().double(), cond.sum().double(),
                                          (right & cond).sum().double(), loss_sum.double(), loss_tokens.double(),
                                          alpha_sum.double(), alpha_rows.double()]))
-        added = torch.stack(per_step, dim=1)  # [8, steps]
+        self.add(torch.stack(per_step, dim=1))  # [8, steps]
+
+    def add(self, added: torch.Tensor) -> None:
+        """Add one batch's counts [8, steps] (`_FIELDS` x steps), made by `update` or by the DFlash loss."""
         self.totals = added if self.totals is None else self.totals + added.to(self.totals.device)
         self._host = None
 
@@ -176,7 +179,7 @@ def drafter_step_accuracies(model: Eagle3DraftModel, dataset: SampleSource, max_
         batch = collate([packed[r] for r in range(start, min(start + batch_size, len(packed)))])
         batch = {k: v.to(device) for k, v in batch.items()}
         step = drafter_loss(model, batch, model.t2d, steps, model.config.ttt_step_weight, heads_where_read=False)
-        assert step.outputs.logits is not None
+        assert isinstance(step.outputs.logits, tuple)  # an EAGLE-3 drafter: one logits tensor per TTT step
         stats.update(step.outputs.logits, batch, model.d2t, model.t2d, step.step_losses,  # every position's logits
                      step_alphas=step.step_alphas)
     return stats.metrics()

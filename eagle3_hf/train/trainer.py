@@ -22,6 +22,7 @@ from transformers import Trainer
 from ..constants import TRAINING_ARGS_FILE
 from ..errors import NonFiniteError, describe_non_finite, non_finite_names
 from .arguments import refuse_unsupported
+from .dflash_loss import ANCHORS_KEY, dflash_loss, ensure_anchors, sample_anchors, step_weight
 from .loss import drafter_loss
 from .metrics import StepStats
 from .nodes import NodeRows
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset, Sampler
     from transformers.trainer_utils import EvalLoopOutput
 
+    from ..model.modeling_dflash import DFlashDraftModel
     from ..model.modeling_eagle3 import Eagle3DraftModel
     from .arguments import Eagle3TrainingArguments
 
@@ -52,6 +54,23 @@ class Eagle3Trainer(Trainer):
         run = self.args
         refuse_unsupported(bool(run.gradient_checkpointing), run.hidden_optimizer, self.is_deepspeed_enabled)
         drafter = self.accelerator.unwrap_model(self.model)
+        # a DFlash drafter (model/modeling_dflash.py) scores block positions 1 .. B - 1 where EAGLE-3 scores TTT steps;
+        # its head is the verifier's own (frozen), so the lm_head options do not apply to it
+        self.dflash = getattr(drafter, "drafter_kind", "eagle3") == "dflash"
+        self.loss_objective: Objective = self.args.training_objective()  # what each scored row trains
+        if self.dflash:
+            if not drafter.verifier_weights_loaded:
+                raise ValueError("load the verifier's embedding and lm_head first: model.load_verifier_weights(...)")
+            self.metric_steps = drafter.config.max_drafts
+            self.step_weight = step_weight(drafter.config.block_loss_decay)
+        else:
+            self._init_eagle3(drafter)
+            self.metric_steps, self.step_weight = self.args.ttt_steps, self.args.ttt_step_weight
+        steps = self.metric_steps
+        self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
+        self._guard_loss: torch.Tensor | None = None  # the first non-finite loss of this optimizer step, if any
+
+    def _init_eagle3(self, drafter: Eagle3DraftModel) -> None:
         if getattr(drafter, "verifier_lm_head", None) is None:
             raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
         # The run's TTT settings become the drafter's: its config.json records them, and what reads a drafter
@@ -64,13 +83,10 @@ class Eagle3Trainer(Trainer):
         if self.args.freeze_lm_head:
             drafter.freeze_lm_head()
         drafter.packed_attention = self.args.packed_attention
-        self.loss_objective: Objective = self.args.training_objective()
-        if self.loss_objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
-            raise ValueError(f"--objective {self.loss_objective.name} needs the verifier's mass outside the draft "
+        objective = self.args.training_objective()
+        if objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
+            raise ValueError(f"--objective {objective.name} needs the verifier's mass outside the draft "
                              "vocabulary: attach the teacher with model.attach_teacher(verifier, in_vocab_mass=True)")
-        steps = self.args.ttt_steps
-        self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
-        self._guard_loss: torch.Tensor | None = None  # the first non-finite loss of this optimizer step, if any
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
@@ -105,31 +121,49 @@ class Eagle3Trainer(Trainer):
         drafter: Eagle3DraftModel = self.accelerator.unwrap_model(self.model)
         return drafter
 
+    def _dflash_drafter(self) -> DFlashDraftModel:
+        drafter: DFlashDraftModel = self.accelerator.unwrap_model(self.model)
+        return drafter
+
     def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
         """The optimizer step's loss tokens; on the way, each micro-batch's plan (`targets.BatchPlan`: where the
         heads and the loss read, as indices), all made with one read of the device, so that the micro-steps
-        make none."""
-        plans = plan_batches(batch_samples, self.args.ttt_steps, self._drafter().t2d)
-        for batch, plan in zip(batch_samples, plans):
-            batch[PLAN_KEY] = plan
-        count = torch.tensor(sum(plan.loss_counts[0] for plan in plans), device=device)
+        make none. DFlash: each micro-batch's anchors, drawn here, and their number."""
+        if self.dflash:
+            per_row = self._dflash_drafter().anchors_per_row
+            count = torch.tensor(sum(int((ensure_anchors(b, per_row) >= 0).sum()) for b in batch_samples),
+                                 device=device)
+        else:
+            plans = plan_batches(batch_samples, self.args.ttt_steps, self._drafter().t2d)
+            for batch, plan in zip(batch_samples, plans):
+                batch[PLAN_KEY] = plan
+            count = torch.tensor(sum(plan.loss_counts[0] for plan in plans), device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return count
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """Σ_i γ^i Σ_t loss(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch,
-        the loss being the run's objective (the soft cross-entropy by default)."""
-        drafter = self._drafter()
+        """Σ_i γ^i Σ_t loss(teacher_{t+1+i}, draft_i(t)) over loss positions / loss tokens in the global batch (a
+        DFlash drafter: Σ_k w_k Σ_anchors loss at block position k, over the step's anchors), the loss being the
+        run's objective (the soft cross-entropy by default)."""
         noise = self.args.feature_noise_std if model.training else 0.0
-        step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise,
-                            objective=self.loss_objective)
-        outputs = step.outputs
-        assert outputs.logits is not None  # the TTT forward returns every step's logits
         stats = self._train_stats if model.training else self._eval_stats
-        stats.update(outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses, logits_mask=step.logits_mask,
-                     head_rows=step.head_rows, step_alphas=step.step_alphas)
+        if self.dflash:
+            per_row = self._dflash_drafter().anchors_per_row
+            if not model.training and ANCHORS_KEY not in inputs:  # the same blocks at every evaluation
+                inputs[ANCHORS_KEY] = sample_anchors(inputs, per_row, torch.Generator().manual_seed(0))
+            step = dflash_loss(model, inputs, per_row, noise, self.loss_objective)
+            assert step.counts is not None
+            stats.add(step.counts)
+        else:
+            drafter = self._drafter()
+            step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise,
+                                objective=self.loss_objective)
+            assert isinstance(step.outputs.logits, tuple)  # the TTT forward returns every step's logits
+            stats.update(step.outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses,
+                         logits_mask=step.logits_mask, head_rows=step.head_rows, step_alphas=step.step_alphas)
+        outputs = step.outputs
         loss = step.normalised(num_items_in_batch)
         if model.training:
             self._guard_non_finite(loss)
@@ -169,7 +203,7 @@ class Eagle3Trainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
             logs.update({k: round(v, 4) for k, v in self._reduced(self._train_stats).items()})
-            self._train_stats = StepStats(self.args.ttt_steps)
+            self._train_stats = StepStats(self.metric_steps)
         super().log(logs, start_time)
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], prediction_loss_only: bool,
@@ -184,12 +218,12 @@ class Eagle3Trainer(Trainer):
     def evaluation_loop(self, dataloader: DataLoader[dict[str, Any]], description: str,
                         prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None,
                         metric_key_prefix: str = "eval") -> EvalLoopOutput:
-        self._eval_stats = StepStats(self.args.ttt_steps)
+        self._eval_stats = StepStats(self.metric_steps)
         output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         reduced = self._reduced_stats(self._eval_stats)
         metrics = reduced.metrics()
         # the training loss's quantity over the whole evaluation set: Σ_i γ^i S_i / N_0, per step-0 loss token
-        metrics["loss"] = reduced.weighted_loss(self.args.ttt_step_weight)
+        metrics["loss"] = reduced.weighted_loss(self.step_weight)
         assert output.metrics is not None  # the Trainer's loop always returns its metrics
         output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in metrics.items()})
         return output
@@ -222,20 +256,20 @@ def node_sampler(rows: NodeRows, batch_size: int, shuffle: bool, seed: int) -> S
 
 def training_summary(trainer: Eagle3Trainer, eval_metrics: dict[str, float], **extra: Any) -> dict[str, Any]:
     """`eagle3_training.json`: what the model card reports (recipe + measured per-step metrics)."""
-    steps = trainer.args.ttt_steps
+    steps = trainer.metric_steps  # TTT steps, or a DFlash drafter's block positions 1 .. B - 1
     metrics: dict[str, Any] = {
         "step_accuracy": [eval_metrics.get(f"eval_acc_{i}") for i in range(steps)],
         "step_conditional_accuracy": [eval_metrics.get(f"eval_cond_acc_{i}") for i in range(steps)],
         "simulated_acceptance_length": eval_metrics.get("eval_simulated_acceptance_length"),
     }
-    if "eval_simulated_acceptance_length_t1" in eval_metrics:  # measured with the teacher's mass (--objective lk-*)
+    if "eval_simulated_acceptance_length_t1" in eval_metrics:  # measured with the teacher's mass
         metrics["step_alpha"] = [eval_metrics.get(f"eval_alpha_{i}") for i in range(steps)]
         metrics["simulated_acceptance_length_t1"] = eval_metrics["eval_simulated_acceptance_length_t1"]
     return {
         **extra,
         "recipe": {**extra.get("recipe", {}), "epochs": trainer.args.num_train_epochs,
                    "learning_rate": trainer.args.learning_rate, "ttt_steps": steps,
-                   "step_weight": trainer.args.ttt_step_weight, "init_lm_head": trainer.args.init_lm_head,
+                   "step_weight": trainer.step_weight, "init_lm_head": trainer.args.init_lm_head,
                    "freeze_lm_head": trainer.args.freeze_lm_head, "objective": trainer.args.objective,
                    **({"lk_eta": trainer.args.lk_eta} if trainer.args.objective == "lk-hybrid" else {})},
         "metrics": metrics,
