@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .chain import verify_sampled
+from .chain import accept_chain
 from .core import (
     crop,
     eos_ids,
@@ -81,15 +81,7 @@ def block_speculative_generate(verifier: PreTrainedModel, drafter: DFlashDraftMo
             drafts = [sample(q, generator) for q in qs]
         ids = torch.tensor([[tokens[-1]] + drafts], device=device)
         v_logits, v_aux = verifier_forward(verifier, ids, cache, aux_indices)  # [m+1, V], [1, m+1, 3H]
-        if greedy:
-            choice = v_logits.argmax(-1).tolist()
-            accepted = 0
-            while accepted < depth and drafts[accepted] == choice[accepted]:
-                accepted += 1
-            bonus = choice[accepted]
-        else:
-            p = probabilities(v_logits, temperature)
-            accepted, bonus = verify_sampled(p, qs, drafts, generator)
+        accepted, bonus = accept_chain(v_logits, drafts, None if greedy else qs, temperature, generator)
         new = drafts[:accepted] + [bonus]
         new_margins = top2_margins(v_logits[: accepted + 1])
         stop = next((j for j, t in enumerate(new) if t in eos), None)

@@ -52,6 +52,21 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int],
     return len(drafts), sample(p[len(drafts)], generator)
 
 
+def accept_chain(v_logits: torch.Tensor, drafts: Sequence[int], qs: torch.Tensor | None, temperature: float,
+                 generator: torch.Generator | None = None) -> tuple[int, int]:
+    """(accepted, next_token) for drafts verified in one forward, v_logits [m+1, V] at [last, d_1 .. d_m]: greedy
+    at temperature 0 (drafts kept while they equal the verifier's argmax, then its token), speculative sampling
+    against the drafts' probabilities qs [m, V] above. Shared by the chain and the block decoders."""
+    if temperature <= 0:
+        choice = v_logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+            accepted += 1
+        return accepted, choice[accepted]
+    p = probabilities(v_logits, temperature)
+    return verify_sampled(p, qs if qs is not None else p[:0], drafts, generator)
+
+
 @prepacked
 @torch.inference_mode()
 def speculative_generate(verifier: PreTrainedModel, drafter: Eagle3DraftModel, input_ids: Sequence[int] | torch.Tensor,
@@ -90,15 +105,7 @@ def speculative_generate(verifier: PreTrainedModel, drafter: Eagle3DraftModel, i
         # verify: one forward over [last, d_1 .. d_m] at positions n .. n + m
         ids = torch.tensor([[state.last] + drafts], device=device)
         v_logits, v_aux = verifier_forward(verifier, ids, state.cache, state.aux_indices)  # [m+1, V], [1, m+1, 3H]
-        if greedy:
-            choice = v_logits.argmax(-1).tolist()
-            accepted = 0
-            while accepted < chain and drafts[accepted] == choice[accepted]:
-                accepted += 1
-            bonus = choice[accepted]
-        else:
-            p = probabilities(v_logits, temperature)
-            accepted, bonus = verify_sampled(p, torch.stack(qs) if qs else p[:0], drafts, generator)
+        accepted, bonus = accept_chain(v_logits, drafts, torch.stack(qs) if qs else None, temperature, generator)
         state.commit(drafts[:accepted], bonus, list(range(accepted + 1)), v_logits, v_aux, depth=chain,
                      proposals=drafts)
     return state.result(start)

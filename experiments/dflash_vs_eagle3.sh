@@ -1,0 +1,42 @@
+#!/bin/bash
+# The DFlash go/no-go (docs/results/dflash.md): today's EAGLE-3 recipe against DFlash drafters on the demo's
+# features, each training run one process with OMP_NUM_THREADS=1 so that its CPU seconds are its own (the page
+# compares them), then our decoder on the same MT-bench questions (chain k=3 against blocks of 4: three drafts per
+# verify either way, greedy). One row per call, so a session can run the rows it has time for:
+#   bash experiments/dflash_vs_eagle3.sh data                 # the demo's regenerate + vocab (600 prompts), once
+#   bash experiments/dflash_vs_eagle3.sh eagle3 SEED          # examples/recipes/small_cpu.yaml, 6 epochs
+#   bash experiments/dflash_vs_eagle3.sh dflash SEED ANCHORS STEPS [LAYERS] [BLOCK]
+#   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS]  # NAME: a run directory under $T (default 20 prompts)
+# Each training run's `/usr/bin/time -v` (user + sys seconds) is in its log: DFlash's STEPS are chosen so that its
+# CPU seconds match the EAGLE-3 run's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+T=${T:-runs/dflash_vs_eagle3}; V=smollm2-135m-instruct; F=$T/data/features
+mkdir -p "$T"
+case "${1:-}" in
+  data)
+    mkdir -p $T/data
+    python -c "import json; from eagle3_hf.demo_data.prompts import short_prompts
+[print(json.dumps(p)) for p in short_prompts(600)]" > $T/data/prompts.jsonl
+    eagle3-hf regenerate --input $T/data/prompts.jsonl --output $T/data/conversations.jsonl --verifier $V \
+      --max-new-tokens 128 --batch-size 64 --num-workers 2 --features-out $F --prepared-out $T/data/prepared \
+      --max-seq-len 1024 --features-dtype bf16
+    eagle3-hf vocab --data $T/data/prepared --draft-vocab-size 4096 --output $F/vocab.safetensors ;;
+  eagle3)
+    seed=$2
+    /usr/bin/time -v eagle3-hf train --config examples/recipes/small_cpu.yaml --verifier $V --features $F \
+      --output-dir $T/e3_seed$seed --max-seq-len 256 --seed "$seed" > $T/e3_seed$seed.log 2>&1 ;;
+  dflash)
+    seed=$2 anchors=$3 steps=$4 layers=${5:-1} block=${6:-4}
+    name=df_b${block}_l${layers}_a${anchors}_s${steps}_seed$seed
+    /usr/bin/time -v eagle3-hf train --config examples/recipes/small_cpu.yaml --verifier $V --features $F \
+      --output-dir $T/$name --max-seq-len 256 --seed "$seed" --drafter-kind dflash --block-size "$block" \
+      --dflash-layers "$layers" --dflash-anchors "$anchors" --max-steps "$steps" \
+      --eval-strategy steps --eval-steps $((steps / 2)) --save-strategy steps --save-steps $((steps / 2)) \
+      > $T/$name.log 2>&1 ;;
+  eval)
+    eagle3-hf evaluate --drafter $T/$2 --verifier $V --prompts mt-bench --num-prompts "${3:-20}" \
+      --max-new-tokens 64 --k 3 --temperature 0 --output $T/eval_$2 --no-progress ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac
