@@ -12,6 +12,7 @@ nothing of the package, gets the method in its request.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -46,12 +47,20 @@ class DrafterKind:
     vllm_method: str  # speculative_config "method"
     sglang_algorithm: str  # --speculative-algorithm
     llamacpp_spec_type: str  # llama-server --spec-type
+    model: str  # "module:Class" of its PreTrainedModel, imported when asked for (this table imports no torch)
+
+    def model_class(self) -> Any:
+        """The drafter's PreTrainedModel class (`from_pretrained` reads this kind's layout)."""
+        module, name = self.model.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 EAGLE3 = DrafterKind("eagle3", "EAGLE-3", ("LlamaForCausalLMEagle3", "Eagle3"), vllm_method="eagle3",
-                     sglang_algorithm="EAGLE3", llamacpp_spec_type="draft-eagle3")
+                     sglang_algorithm="EAGLE3", llamacpp_spec_type="draft-eagle3",
+                     model="eagle3_hf.model.modeling_eagle3:Eagle3DraftModel")
 DFLASH = DrafterKind("dflash", "DFlash", ("DFlashDraftModel", "DFlash"), vllm_method="dflash",
-                     sglang_algorithm="DFLASH", llamacpp_spec_type="draft-dflash")
+                     sglang_algorithm="DFLASH", llamacpp_spec_type="draft-dflash",
+                     model="eagle3_hf.model.modeling_dflash:DFlashDraftModel")
 KINDS: tuple[DrafterKind, ...] = (EAGLE3, DFLASH)
 
 

@@ -322,9 +322,7 @@ def load_for_evaluation(args: argparse.Namespace):
     with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
     from ..data.prepare import use_chat_template
     from ..errors import NonFiniteError, describe_non_finite, non_finite_names
-    from ..model.dflash_checkpoint import is_dflash_checkpoint
-    from ..model.modeling_dflash import DFlashDraftModel
-    from ..model.modeling_eagle3 import Eagle3DraftModel
+    from ..model.dflash_checkpoint import checkpoint_drafter_kind
     from ..verifier.loading import load_tokenizer
 
     if args.k < 1 or args.max_new_tokens < 1:
@@ -334,11 +332,8 @@ def load_for_evaluation(args: argparse.Namespace):
     dtype = default_dtype(args.torch_dtype, cpu)
     verifier, device = place_verifier(args, dtype)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    if is_dflash_checkpoint(args.drafter, args.revision):  # by config.json's architectures, as vLLM picks the class
-        drafter: Any = DFlashDraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype,
-                                                        device=device)
-    else:
-        drafter = Eagle3DraftModel.from_pretrained(args.drafter, revision=args.revision, dtype=dtype, device=device)
+    kind = checkpoint_drafter_kind(args.drafter, args.revision)  # by config.json's architectures, as vLLM picks
+    drafter: Any = kind.model_class().from_pretrained(args.drafter, revision=args.revision, dtype=dtype, device=device)
     bad = non_finite_names(drafter.state_dict())
     if bad:  # τ and "lossless" of a NaN drafter would look fine: it drafts nothing the verifier accepts
         raise NonFiniteError(f"drafter {args.drafter}: {describe_non_finite(bad)}; refusing to evaluate "

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines import vllm_args
-from ..engines.table import DFLASH, checkpoint_kind, evaluated_engines
+from ..engines.table import checkpoint_kind, evaluated_engines
 from ..engines.vllm_env import run_vllm
 from ..errors import UsageError, debug_requested
 
@@ -229,8 +229,6 @@ def run_engine(args: argparse.Namespace) -> int:
 
     from ..data.prepare import use_chat_template
     from ..engines.vllm_env import vllm_python
-    from ..model.modeling_dflash import DFlashDraftModel
-    from ..model.modeling_eagle3 import Eagle3DraftModel
     from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
     from ..verifier.remote_code import trusted
     from .evaluate import (
@@ -267,8 +265,7 @@ def run_engine(args: argparse.Namespace) -> int:
     debug = debug_requested()
     verifier_path = resolve_verifier(args.verifier)
     tokenizer = use_chat_template(load_tokenizer(args.verifier, revision=args.verifier_revision), args.chat_template)
-    drafter_class: Any = DFlashDraftModel if kind is DFLASH else Eagle3DraftModel
-    drafter = drafter_class.from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
+    drafter: Any = kind.model_class().from_pretrained(args.drafter, revision=args.revision, dtype=dtype)
     vconfig = load_config(verifier_path, revision=args.verifier_revision)
     for warning in check_pair(vconfig, drafter, tokenizer):  # a mismatch is one line before vLLM even starts
         print(f"WARNING: {warning}", file=sys.stderr)

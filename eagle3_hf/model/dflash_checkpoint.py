@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                  "post_attention_layernorm.weight")
+if TYPE_CHECKING:
+    from ..engines.table import DrafterKind
+
 NOT_SERVED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
 
 
@@ -107,8 +110,18 @@ def is_dflash_config(raw: Mapping[str, Any]) -> bool:
 
 def is_dflash_checkpoint(name_or_path: str | os.PathLike, revision: str | None = None) -> bool:
     """Whether a drafter directory or Hub repo holds a DFlash drafter (its config.json's architectures)."""
+    from ..engines.table import DFLASH
+
+    return checkpoint_drafter_kind(name_or_path, revision) is DFLASH
+
+
+def checkpoint_drafter_kind(name_or_path: str | os.PathLike, revision: str | None = None) -> DrafterKind:
+    """The drafter kind (engines/table.py) a directory or Hub repo declares in its config.json; EAGLE-3 without one
+    (the EAGLE-3 reader then names what is missing)."""
+    from ..engines.table import EAGLE3, drafter_kind
+
     config_file = resolve_checkpoint(name_or_path, revision=revision) / "config.json"
     if not config_file.is_file():
-        return False
+        return EAGLE3
     with open(config_file, encoding="utf-8") as f:
-        return is_dflash_config(json.load(f))
+        return drafter_kind(json.load(f))
