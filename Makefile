@@ -22,7 +22,7 @@ SPECULATORS_VENV ?= $(or $(EAGLE3_HF_SPECULATORS_VENV),$(HOME)/.cache/eagle3_hf/
 # (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log; PYTEST_ARGS="-n 0" runs serially
 PYTEST_XDIST := -n 2 --dist loadgroup --durations=25
 
-.PHONY: venv vllm sglang-rope speculators llamacpp vllm-server lint test test-fast demo demo-large demo-vllm constraints clean
+.PHONY: venv vllm sglang-rope speculators llamacpp vllm-server lint test test-fast demo demo-large demo-vllm demo-dflash constraints clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS) scripts/torch_index.py
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ demo: venv $(if $(filter vllm,$(DEMO_ENGINE)),vllm)
 
 demo-large: venv
 	DEMO_SIZE=large PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+
+# the demo with a DFlash drafter (block 4, 1 layer): the demo's data when `make demo` made it, else its own; served by
+# vLLM / llama.cpp where `make vllm` / `make llamacpp` installed them (DEMO_SIZE=tiny: a smoke run)
+demo-dflash: venv
+	EAGLE3_HF_VLLM_VENV="$(VLLM_VENV)" PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo_dflash.sh
 
 # the small demo's drafter served by vLLM, beside our decoder, on the demo's evaluation prompts
 DEMO_VLLM_OUT ?= demo_out/small

@@ -12,6 +12,7 @@ The live half lives here, below the lint, because it reads prompt sets and talks
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from ..errors import UsageError
@@ -62,16 +63,20 @@ def live_finding(args: argparse.Namespace) -> tuple[Finding, AcceptanceCompariso
     from ..features.api_key import api_key
     from ..publish.served_acceptance import compare, recorded_accuracies
     from .evaluate import load_prompts, prompt_turns
-    from .live_check import measure, resolve_drafter
+    from .live_check import measure, recorded_chat_template_kwargs, resolve_drafter
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.min_verify_steps < 1:
         raise UsageError("--num-prompts, --max-new-tokens and --min-verify-steps must be >= 1")
-    recorded = recorded_accuracies(resolve_drafter(args.drafter, args.revision), args.drafter)
+    drafter_dir = resolve_drafter(args.drafter, args.revision)
+    recorded = recorded_accuracies(drafter_dir, args.drafter)
+    mode = recorded_chat_template_kwargs(drafter_dir)  # rendered in the thinking mode the drafter was trained in
     rows, _name = load_prompts(args.prompts, args.num_prompts)
     prompts = [(prompt_turns(row) or [""])[0] for row in rows]
-    print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy) to {args.endpoint} ...",
-          file=sys.stderr)
-    served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key())
+    rendered = f", chat_template_kwargs {json.dumps(mode)}" if mode else ""
+    print(f"sending {len(prompts)} prompts ({args.max_new_tokens} tokens each, greedy{rendered}) to {args.endpoint} "
+          "...", file=sys.stderr)
+    served = measure(args.endpoint, prompts, args.max_new_tokens, engine=args.engine, key=api_key(),
+                     chat_template_kwargs=mode)
     comparison = compare(served, recorded, tolerance=args.tolerance, min_steps=args.min_verify_steps)
     level = {"pass": "info", "fail": "error", "undecided": "warning"}[comparison.verdict]
     return Finding(level, "served-acceptance", comparison.line(served.engine)), comparison

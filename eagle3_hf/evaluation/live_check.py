@@ -15,7 +15,9 @@ The engines report acceptance differently, as read in their source:
   `speculative_num_steps` from GET /server_info (else proposed / verify steps, a chain's k).
 
 Prompts go to /v1/chat/completions one at a time (the server renders them with the verifier's chat template, as
-it serves), greedy (temperature 0: acceptance then tests the drafter's argmax, the quantity training recorded).
+it serves), greedy (temperature 0: acceptance then tests the drafter's argmax, the quantity training recorded), each
+with the drafter's recorded thinking mode as `chat_template_kwargs` (a request's own kwargs override the server's
+`--default-chat-template-kwargs` in both engines), so the text served is the kind the drafter was validated on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +159,11 @@ def detect_engine(url: str, key: str | None) -> str:
 
 
 def measure(url: str, prompts: Sequence[str], max_new_tokens: int, engine: str = "all", key: str | None = None,
-            model: str | None = None, progress: Callable[[str], None] | None = None) -> ServedCounts:
-    """Send `prompts` (one user turn each) to the server at `url`, greedy, one at a time; its acceptance counts."""
+            model: str | None = None, progress: Callable[[str], None] | None = None,
+            chat_template_kwargs: Mapping[str, Any] | None = None) -> ServedCounts:
+    """Send `prompts` (one user turn each) to the server at `url`, greedy, one at a time; its acceptance counts.
+    `chat_template_kwargs` (the drafter's recorded thinking mode) go with every request, so the server renders the
+    prompts in the mode the drafter was trained in whatever its --default-chat-template-kwargs."""
     url = url.rstrip("/")
     engine = detect_engine(url, key) if engine == "all" else engine
     if engine not in live_engines():
@@ -171,6 +176,8 @@ def measure(url: str, prompts: Sequence[str], max_new_tokens: int, engine: str =
     def ask(prompt: str, extra: dict[str, Any]) -> dict[str, Any]:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new_tokens,
                 "temperature": 0.0, **extra}
+        if chat_template_kwargs:
+            body["chat_template_kwargs"] = dict(chat_template_kwargs)
         return _json(url + "/v1/chat/completions", key, REQUEST_TIMEOUT_S, body)
 
     started = time.monotonic()
@@ -207,3 +214,16 @@ def resolve_drafter(path_or_repo: str, revision: str | None) -> Path:
     from ..publish.check import resolve_checkpoint
 
     return resolve_checkpoint(path_or_repo, revision, ["*.json"])
+
+
+def recorded_chat_template_kwargs(drafter_dir: Path) -> dict[str, Any]:
+    """The chat-template kwargs the drafter's training text was rendered with (its config.json's
+    `verifier_chat_template_kwargs`, either drafter kind); {} where none were recorded."""
+    config = drafter_dir / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        found = json.loads(config.read_text()).get("verifier_chat_template_kwargs")
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{config} is not valid JSON ({exc})") from None
+    return dict(found) if isinstance(found, dict) else {}

@@ -183,3 +183,20 @@ def test_a_server_without_a_drafter_or_no_server_is_one_line(drafter, capsys, tm
     (drafter / "eagle3_training.json").unlink()
     code = main(["check", str(drafter), "--endpoint", url, "--num-prompts", "1"])
     assert code == 1 and "has no eagle3_training.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_check_endpoint_renders_in_the_thinking_mode_the_drafter_was_trained_in(engine, tmp_path, capsys):
+    """A drafter trained on text rendered with {"thinking": true} is measured on that mode: every request carries
+    its recorded kwargs, whatever the server's default; a drafter that recorded none sends none."""
+    trained = write_drafter(tmp_path / "thinking", verifier_chat_template_kwargs={"thinking": True})
+    plain = write_drafter(tmp_path / "plain")
+    for path in (trained, plain):
+        (path / "eagle3_training.json").write_text(json.dumps({"metrics": {"step_conditional_accuracy": RECORDED}}))
+    with EngineStub(engine, [SERVED_WELL]) as stub:
+        assert main(["check", str(trained), "--endpoint", stub.url, "--engine", engine, "--num-prompts", "8"]) == 0
+    assert len(stub.requests) == 8 and all(r["chat_template_kwargs"] == {"thinking": True} for r in stub.requests)
+    assert 'chat_template_kwargs {"thinking": true}' in capsys.readouterr().err
+    with EngineStub(engine, [SERVED_WELL]) as stub:
+        assert main(["check", str(plain), "--endpoint", stub.url, "--engine", engine, "--num-prompts", "8"]) == 0
+    assert stub.requests and all("chat_template_kwargs" not in r for r in stub.requests)
