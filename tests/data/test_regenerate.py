@@ -382,7 +382,8 @@ def test_rejections_in_a_row_stop_the_run_even_after_an_answer(tmp_path, capsys)
     assert err[-1].startswith("error: conversation x16: the server rejected 16 conversations in a row "
                               "(--max-consecutive-rejects 16); last: ")
     assert "(1 answered, 16 rejected, 183 not finished) (finished ones are saved" in err[-1]
-    assert asked < 20 and len(load_conversations(str(tmp_path / "out.jsonl"))) == 1
+    # stopped long before the 200 (a loaded machine lets a few more requests start before the stop: 22 seen once)
+    assert asked < 50 and len(load_conversations(str(tmp_path / "out.jsonl"))) == 1
     # the rule off: every conversation asked, the 199 rejections skipped and counted
     with OpenAIStub(reject=lambda m: _asked(m) > 0) as stub:
         argv[2] = stub.url
