@@ -263,6 +263,57 @@ def test_a_drafter_kind_the_plan_has_no_arithmetic_for_is_refused_in_one_line(tm
     args = ["plan", str(recipe), "--verifier-config", str(ROOT / "examples/recipes/llama31_8b_text_config.json")]
     assert cli_main(args) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "error: the recipe's drafter_kind 'medusa': plan knows eagle3"
+    assert err == "error: the recipe's drafter_kind 'medusa': plan knows dflash, eagle3"
     recipe.write_text(base + "\ndrafter_kind: eagle3\n")
     assert cli_main(args) == 0 and "drafter     hidden 4096" in capsys.readouterr().out
+
+
+QWEN = str(ROOT / "examples/recipes/qwen3_8b_text_config.json")
+
+
+def test_a_dflash_recipe_plans_its_blocks_and_full_vocabulary_logits(tmp_path, capsys):
+    """`drafter_kind: dflash` plans the block drafter with the training defaults (5 layers, blocks of 16, 64 anchors
+    per row); its features are EAGLE-3's, and each added vocabulary entry costs the step peak what the logits, the
+    fp32 teacher and the three gradients of the logits alive in the loss's backward take at every scored row."""
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    base = (ROOT / "examples/recipes/qwen3_8b_8gpu_ddp.yaml").read_text()
+    plans = {}
+    for kind in ("eagle3", "dflash"):
+        recipe = tmp_path / f"{kind}.yaml"
+        recipe.write_text(base + f"\ndrafter_kind: {kind}\n")
+        out = tmp_path / f"{kind}.json"
+        assert cli_main(["plan", str(recipe), "--accelerate-config", str(ROOT / "accelerate_configs/8gpu_ddp.yaml"),
+                         "--verifier-config", QWEN, "--dataset-tokens", "17.3e6", "--json", str(out)]) == 0
+        plans[kind] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    d = plans["dflash"]
+    assert "drafter     DFlash, 5 layers, hidden 4096" in text and "blocks of 16 at 64 anchors per row" in text
+    assert (d["drafter"]["layers"], d["drafter"]["block_size"], d["drafter"]["anchors_per_row"]) == (5, 16, 64)
+    assert d["drafter"]["vocab_size"] == 151936 and d["memory"]["step_peak"] > 0 and d["data"]["epoch_flops"] > 0
+    assert d["data"]["disk_bf16"] == plans["eagle3"]["data"]["disk_bf16"]  # the same features
+    cfg = json.loads(Path(QWEN).read_text())
+    recipe = {"drafter_kind": "dflash", "max_seq_len": 2048}
+    small = drafter_arithmetic(recipe, cfg, 32000).step_peak_bytes(2048, 0, "bf16")
+    large = drafter_arithmetic(recipe, cfg | {"vocab_size": 2 * cfg["vocab_size"]}, 32000).step_peak_bytes(
+        2048, 0, "bf16")
+    scored = 64 * 15
+    per_vocab = scored * (2 + 4 + 3 * 2)  # bf16 logits, fp32 teacher, three bf16 gradients
+    assert large - small == pytest.approx(per_vocab * cfg["vocab_size"], rel=2e-3)  # (the loss blocks: ~constant)
+    assert per_vocab * cfg["vocab_size"] > small / 2  # the full-vocabulary terms are most of the step peak
+
+
+def test_dflash_plan_counts_the_parameters_the_real_drafter_trains_and_freezes():
+    from eagle3_hf.model.configuration_dflash import DFlashConfig
+    from eagle3_hf.model.modeling_dflash import DFlashDraftModel
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    verifier = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 512}
+    counted = drafter_arithmetic({"drafter_kind": "dflash", "dflash_layers": 3, "block_size": 4}, verifier,
+                                 32000).params()
+    model = DFlashDraftModel(DFlashConfig.from_verifier(verifier, mask_token_id=299, num_hidden_layers=3,
+                                                        block_size=4))
+    assert counted.trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counted.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad) == 2 * 300 * 64
+    assert counted.largest_layer == 300 * 64
