@@ -7,6 +7,7 @@ kind is one class here and one entry in `DRAFTER_KINDS`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -398,7 +399,8 @@ def dflash_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vo
 
 
 # The drafter kinds plan knows: name -> (recipe, verifier text config, draft vocabulary) -> its arithmetic.
-DRAFTER_KINDS = {"eagle3": eagle3_arithmetic, "dflash": dflash_arithmetic}
+DRAFTER_KINDS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], DrafterArithmetic]] = {
+    "eagle3": eagle3_arithmetic, "dflash": dflash_arithmetic}
 
 
 def drafter_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vocab: int) -> DrafterArithmetic:

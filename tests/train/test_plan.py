@@ -63,9 +63,10 @@ def test_kimi_verifier_parameters_match_the_published_counts():
 
 
 @pytest.mark.slow
-def test_activation_model_within_15_percent_of_a_measured_step():
+@pytest.mark.parametrize("shape", ["h256-L2048", "dflash-h256-V32k"])
+def test_activation_model_within_15_percent_of_a_measured_step(shape):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/plan_memory.py"), "--shapes", "h256-L2048", "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/plan_memory.py"), "--shapes", shape, "--json",
                            "/dev/stdout"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout[proc.stdout.index("["):])[0]
