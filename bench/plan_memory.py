@@ -7,10 +7,12 @@ AdamW). Measured = the process's resident high-water mark during the step minus 
 (so parameters and optimizer state are excluded: they are resident before the step). Predicted = the plan's
 step peak for the same shape: activations and logits of the unroll plus the parameter gradients.
 
-DFlash shapes (`dflash-*`) run `DFlashDraftModel` and `dflash_loss` the same way against `DFlashArithmetic`.
+DFlash shapes (`dflash-*`) run `DFlashDraftModel` and `dflash_loss` the same way against `DFlashArithmetic`;
+`--bf16` runs them under CPU bf16 autocast (bf16 features, fp32 weights, as the Trainer's `--bf16`) against the
+plan's bf16 peak with autocast's weight copies.
 
     python -m bench.plan_memory            # the three shapes of docs/results/plan.md, ~1 min
-    python -m bench.plan_memory --shapes dflash-h256-V32k,dflash-h512-V8k
+    python -m bench.plan_memory --shapes dflash-h256-V32k,dflash-h512-V8k [--bf16]
     python -m bench.plan_memory --json out.json
 """
 
@@ -121,7 +123,7 @@ def _dflash_config(shape: tuple):
     return config
 
 
-def measure_dflash(shape: tuple) -> dict:
+def measure_dflash(shape: tuple, bf16: bool = False) -> dict:
     """One DFlash training step at `shape` in this process, as `measure` does for EAGLE-3."""
     import torch
 
@@ -137,9 +139,14 @@ def measure_dflash(shape: tuple) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
     batch = _packed_batch(vocab - 1, hidden, length, docs)  # the mask token never occurs
+    if bf16:
+        batch["aux_hidden_states"], batch["last_hidden_state"] = (batch[k].bfloat16() for k in
+                                                                  ("aux_hidden_states", "last_hidden_state"))
 
     def step(b: dict) -> None:
-        dflash_loss(model, b, anchors).normalised().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = dflash_loss(model, b, anchors).normalised()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -154,13 +161,15 @@ def measure_dflash(shape: tuple) -> dict:
             "anchors": int((batch[ANCHORS_KEY] >= 0).sum()), "trainable_params": sum(p.numel() for p in trainable)}
 
 
-def predicted_dflash(shape: tuple, measured: dict) -> int:
+def predicted_dflash(shape: tuple, measured: dict, bf16: bool = False) -> int:
     from eagle3_hf.train.plan_drafter import DFlashArithmetic
 
     anchors, length = shape[8], shape[9]
     arithmetic = DFlashArithmetic(_dflash_config(shape), anchors, length)
-    return arithmetic.step_peak_bytes(length, grad_bytes=4 * measured["trainable_params"], dtype="fp32",
-                                      loss_fraction=measured["anchors"] / arithmetic.anchors)
+    trained = measured["trainable_params"]
+    return arithmetic.step_peak_bytes(length, grad_bytes=4 * trained, dtype="bf16" if bf16 else "fp32",
+                                      loss_fraction=measured["anchors"] / arithmetic.anchors,
+                                      autocast_params=trained if bf16 else 0)
 
 
 def predicted(shape: tuple, measured: dict, ttt_steps: int = 3) -> int:
@@ -181,10 +190,11 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated, from {list(SHAPES) + list(DFLASH_SHAPES)}")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--bf16", action="store_true", help="DFlash shapes under bf16 autocast")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure_dflash(DFLASH_SHAPES[args.worker]) if args.worker in DFLASH_SHAPES
+        print(json.dumps(measure_dflash(DFLASH_SHAPES[args.worker], args.bf16) if args.worker in DFLASH_SHAPES
                          else measure(SHAPES[args.worker])))
         return
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
@@ -192,11 +202,15 @@ def main() -> None:
     rows = []
     print(f"{'shape':16s} {'tokens':>6s} {'predicted MiB':>13s} {'measured MiB':>12s} {'pred/meas':>9s}")
     for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        proc = subprocess.run([sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env)
+        if args.bf16 and name not in DFLASH_SHAPES:
+            raise SystemExit(f"{name}: --bf16 is for the DFlash shapes")
+        proc = subprocess.run([sys.executable, __file__, "--worker", name, *(["--bf16"] if args.bf16 else [])],
+                              capture_output=True, text=True, env=env)
         if proc.returncode:
             raise SystemExit(f"{name}: worker failed\n{proc.stderr[-3000:]}")
         got = json.loads(proc.stdout.strip().splitlines()[-1])
-        pred = predicted_dflash(DFLASH_SHAPES[name], got) if name in DFLASH_SHAPES else predicted(SHAPES[name], got)
+        pred = (predicted_dflash(DFLASH_SHAPES[name], got, args.bf16) if name in DFLASH_SHAPES
+                else predicted(SHAPES[name], got))
         row = {"shape": name, **got, "predicted_bytes": pred, "ratio": pred / got["measured_bytes"]}
         rows.append(row)
         print(f"{name:16s} {got['tokens']:6d} {pred / 2**20:13.0f} {got['measured_bytes'] / 2**20:12.0f} "
