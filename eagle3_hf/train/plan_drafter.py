@@ -348,31 +348,28 @@ class DFlashArithmetic:
         return int(max(forward_end, loss_backward, layers_backward))
 
     def train_flops_per_token(self, mean_document: float) -> float:
-        """Model FLOPs of a training step per token: 6 x fc and each layer's context k/v projections for every
-        token; per block token (anchors x block_size per row of `row_length`) 6 x the layer's linears and 12 x
-        nh*hd per attended key (the context before the anchor, half a document on average, and the block); per
-        scored position 4 x the frozen lm_head (forward and input gradient) and 2 x for the teacher."""
+        """Model FLOPs of a training step per token: 4 x fc (the features need no gradient) and 6 x each layer's
+        context k/v projections for every token; per block token (anchors x block_size per row of `row_length`)
+        6 x the layer's linears and 12 x nh*hd per attended key (the context before the anchor, half a document on
+        average, and the block); per scored position 4 x the frozen lm_head (forward and input gradient) and 2 x
+        for the teacher."""
         c = self.config
         h, inter, v, nh, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads, \
             c.num_hidden_layers
         nkv, hd, target, size = self.kv_heads, self.head_dim, self.feature_hidden, int(c.block_size)
-        context = 6 * 3 * target * h + layers * 6 * 2 * h * nkv * hd
-        layer = 2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
+        context = 4 * 3 * target * h + layers * 6 * 2 * h * nkv * hd
+        layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
         keys = min(mean_document, self.row_length) / 2 + size
         block_tokens = self.anchors * size / self.row_length
         scored = self.anchors * (size - 1) / self.row_length
         return context + block_tokens * layers * (6 * layer + 12 * nh * hd * keys) + scored * 6 * v * h
 
     def zero3_gathered_bytes(self) -> int:
-        """bf16 bytes ZeRO-3 all-gathers per micro-step: fc, the norms and every layer forward and backward, the
-        frozen embedding once, the frozen lm_head for the logits, the teacher and the logits' backward."""
+        """bf16 bytes ZeRO-3 all-gathers per micro-step: fc, the norms and every layer (the trained parameters)
+        forward and backward, the frozen embedding once, the frozen lm_head for the logits, the teacher and the
+        logits' backward."""
         c = self.config
-        h, inter, v, nh, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads, \
-            c.num_hidden_layers
-        nkv, hd, target = self.kv_heads, self.head_dim, self.feature_hidden
-        layer = 2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + 2 * h + 2 * hd
-        trained = layers * layer + 3 * target * h + 2 * h
-        return 2 * (2 * trained + v * h + 3 * v * h)
+        return 2 * (2 * self.params().trained + 4 * c.vocab_size * c.hidden_size)
 
     def feature_bytes_per_token(self, dtype: str) -> int:
         """A token's stored features: the same as EAGLE-3's (aux states for the context, the last hidden state for

@@ -318,3 +318,37 @@ def test_dflash_plan_counts_the_parameters_the_real_drafter_trains_and_freezes()
     assert counted.trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert counted.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad) == 2 * 300 * 64
     assert counted.largest_layer == 300 * 64
+
+
+def test_dflash_plan_counts_the_linear_flops_of_a_real_training_step():
+    """FLOPs per token of `plan` against torch's count of a real DFlash step (forward, loss, backward): fc (no
+    gradient for the features), the context k/v projections, the layers over the blocks, the frozen head and the
+    teacher. torch does not count the CPU attention kernel, so the plan's attention term (12 x nh*hd per key: half
+    a document of context, plus the block) is taken off."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eagle3_hf.model.configuration_dflash import DFlashConfig
+    from eagle3_hf.model.modeling_dflash import DFlashDraftModel
+    from eagle3_hf.train.dflash_loss import ANCHORS_KEY, dflash_loss, sample_anchors
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    verifier = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 512}
+    length, anchors, size, layers = 128, 8, 4, 2
+    torch.manual_seed(0)
+    model = DFlashDraftModel(DFlashConfig.from_verifier(verifier, mask_token_id=299, num_hidden_layers=layers,
+                                                        block_size=size))
+    model.load_verifier_weights(torch.randn(300, 64), torch.randn(300, 64))
+    batch = {"input_ids": torch.randint(0, 299, (1, length)), "aux_hidden_states": torch.randn(1, length, 3 * 64),
+             "last_hidden_state": torch.randn(1, length, 64), "document_ids": torch.zeros(1, length, dtype=torch.long),
+             "position_ids": torch.arange(length)[None], "loss_mask": torch.ones(1, length, dtype=torch.long),
+             "verifier_greedy": torch.randint(0, 299, (1, length))}
+    batch[ANCHORS_KEY] = sample_anchors(batch, anchors)
+    with FlopCounterMode(display=False) as counter:
+        dflash_loss(model, batch, anchors).normalised().backward()
+    counted = counter.get_total_flops() / length
+    recipe = {"drafter_kind": "dflash", "dflash_layers": layers, "block_size": size, "dflash_anchors": anchors,
+              "max_seq_len": length}
+    planned = drafter_arithmetic(recipe, verifier, 32000).train_flops_per_token(length)
+    attention = anchors * size / length * layers * 12 * 4 * 16 * (length / 2 + size)
+    assert planned - attention == pytest.approx(counted, rel=1e-6)
