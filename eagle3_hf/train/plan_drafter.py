@@ -7,12 +7,14 @@ kind is one class here and one entry in `DRAFTER_KINDS`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import UsageError
 
 if TYPE_CHECKING:
+    from ..model.configuration_dflash import DFlashConfig
     from ..model.configuration_eagle3 import Eagle3Config
 
 
@@ -231,11 +233,171 @@ def eagle3_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vo
     return Eagle3Arithmetic(config, steps, bool(recipe.get("freeze_lm_head", False)))
 
 
-# The drafter kinds plan knows: name -> (recipe, verifier text config, draft vocabulary) -> its arithmetic. DFlash's
-# belongs here next to EAGLE-3's once its config (model/configuration_dflash.py) is importable here: parameters of
-# its N Qwen3 layers + fc + norms trained, the verifier's embedding and lm_head frozen and shared; FLOPs per token
-# of fc on the context and of the block's layers over anchors x block_size tokens attending to context + block.
-DRAFTER_KINDS = {"eagle3": eagle3_arithmetic}
+@dataclass(frozen=True)
+class DFlashDrafter:
+    """A DFlash drafter's line of the plan: its shape, the blocks a packed row trains, and its parameter counts."""
+
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    layers: int
+    block_size: int
+    anchors_per_row: int
+    params: ParamCounts
+
+    def lines(self) -> list[str]:
+        p = self.params
+        return [f"  drafter     DFlash, {self.layers} layers, hidden {self.hidden_size}, {self.heads} heads x "
+                f"{self.head_dim} ({self.kv_heads} KV), intermediate {self.intermediate_size}, full vocab "
+                f"{self.vocab_size}, blocks of {self.block_size} at {self.anchors_per_row} anchors per row",
+                f"              {p.trained / 1e9:.3f} B trained + {p.frozen / 1e9:.3f} B frozen "
+                "(verifier embedding, lm_head)"]
+
+
+class DFlashArithmetic:
+    """DFlash's: fc(aux states) gives every token's context keys and values in each of N layers; `anchors_per_row`
+    blocks of `block_size` tokens per packed row run through the layers, attending to their document's context and
+    themselves; logits and the teacher are over the verifier's full vocabulary at block positions 1 .. B - 1."""
+
+    step_peak_holds = "block activations + full-vocabulary logits + teacher + loss"
+    zero3_gathers = "every layer each way, the frozen embedding, and the frozen lm_head for the logits, the teacher " \
+                    "and the backward"
+
+    def __init__(self, config: DFlashConfig, anchors_per_row: int, row_length: int):
+        nkv, hd, target = config.num_key_value_heads, config.head_dim, config.target_hidden_size
+        assert nkv is not None and hd is not None and target is not None  # DFlashConfig.from_verifier fills them
+        self.config, self.row_length = config, row_length
+        self.anchors = max(1, min(anchors_per_row, row_length))  # at most one anchor per position
+        self.kv_heads, self.head_dim, self.feature_hidden = nkv, hd, target
+
+    def record(self) -> DFlashDrafter:
+        c = self.config
+        return DFlashDrafter(c.hidden_size, c.num_attention_heads, self.kv_heads, self.head_dim, c.intermediate_size,
+                             c.vocab_size, c.num_hidden_layers, c.block_size, self.anchors, self.params())
+
+    def params(self) -> ParamCounts:
+        """Trained (fc, layers, norms) / frozen (the verifier's embedding and lm_head) parameters of the model built
+        on the meta device, and its largest module."""
+        import torch
+
+        from ..model.modeling_dflash import DFlashDraftModel
+
+        with torch.device("meta"):
+            model = DFlashDraftModel(self.config)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        return ParamCounts(trained, frozen, largest)
+
+    def activation_elements(self, rows: int, valid_anchors: float) -> ActivationElements:
+        """Elements alive at the step's candidate peaks, by what holds them.
+
+        Per context token (rows x row length): fc's output, hidden_norm's normed state and output, cos and sin,
+        and per layer the context keys' k_proj output and k_norm's normed state (RoPE saves only cos and sin) and
+        the keys and values the attention saves (2 x nh*hd after the GQA repeat, 2 x nkv*hd without one). Per
+        block token (rows x anchors x block_size, invalid anchors included: they run, then are dropped): cos and
+        sin, the final norm's two, and per layer 6 x hidden (two RMSNorms' inputs, normed states and outputs),
+        5 x nh*hd (q's projection, its normed state and RoPE'd copy, the attention output and its reshaped copy),
+        the block keys' 2 x nkv*hd, the attention's keys and values and 4 x intermediate (the MLP). The attention
+        turns the boolean mask into an additive one per layer: (block query, key) elements each. Logits
+        [anchors x (B - 1), V] and the fp32 teacher are over the full vocabulary; the loss runs per block position
+        over blocks of `LOSS_CHUNK_ELEMENTS`, and each position's backward makes a whole gradient of the logits that
+        autograd adds to the sum so far out of place: three alive."""
+        from .loss import LOSS_CHUNK_ELEMENTS
+
+        c = self.config
+        h, inter, v, nh, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads, \
+            c.num_hidden_layers
+        nkv, hd, size = self.kv_heads, self.head_dim, int(c.block_size)
+        a, kv = nh * hd, nkv * hd
+        attn_kv = 2 * (a if nh > nkv else kv)
+        context, block = rows * self.row_length, rows * self.anchors * size
+        scored = valid_anchors * (size - 1)
+        per_context = 3 * h + 2 * hd + layers * (2 * kv + nkv + attn_kv)
+        per_block = 2 * h + 2 * hd + layers * (6 * h + 5 * a + 2 * kv + attn_kv + 4 * inter + 2 * nh + nkv)
+        masks = layers * rows * self.anchors * size * (self.row_length + self.anchors * size)
+        norm_inputs = context * (h + layers * kv) + block * (h + layers * (2 * h + a + kv))
+        return ActivationElements(
+            fp32_norm_inputs=norm_inputs,
+            saved=context * per_context + block * per_block + masks,
+            logits=scored * v,
+            teacher_probs=scored * v,
+            loss_block=min(max(1, LOSS_CHUNK_ELEMENTS // v), math.ceil(valid_anchors)) * v,  # one position's rows
+            logit_grad=3 * scored * v)
+
+    def step_peak_bytes(self, tokens: int, grad_bytes: float, dtype: str = "fp32", loss_fraction: float = 1.0,
+                        autocast_params: int = 0) -> int:
+        """Peak bytes of one micro-batch step above the resident model states: the largest of the teacher's
+        softmax at the end of the forward (its fp32 logits beside its probabilities), the loss's backward (the
+        logits' gradients) and the layers' backward with all gradients allocated. `loss_fraction`: share of the
+        anchor slots that hold an anchor. bf16: 2-byte activations and logits, fp32 RMSNorm inputs, teacher and
+        loss blocks; `autocast_params` fp32 weights that autocast holds a bf16 copy of while it runs."""
+        rows = max(1, tokens // self.row_length)
+        e = self.activation_elements(rows, rows * self.anchors * loss_fraction)
+        act = 4 if dtype == "fp32" else 2
+        fp32_extra = 0 if dtype == "fp32" else 2 * e.fp32_norm_inputs
+        saved = e.saved * act + fp32_extra
+        held = saved + 2 * autocast_params + e.logits * act + e.teacher_probs * 4
+        block = e.loss_block * 4
+        forward_end = held + max(e.teacher_probs * 4, 3 * block)  # the teacher's fp32 logits beside its softmax
+        loss_backward = held + e.logit_grad * act + 4 * block
+        layers_backward = held + grad_bytes
+        return int(max(forward_end, loss_backward, layers_backward))
+
+    def train_flops_per_token(self, mean_document: float) -> float:
+        """Model FLOPs of a training step per token: 4 x fc (the features need no gradient) and 6 x each layer's
+        context k/v projections for every token; per block token (anchors x block_size per row of `row_length`)
+        6 x the layer's linears and 12 x nh*hd per attended key (the context before the anchor, half a document on
+        average, and the block); per scored position 4 x the frozen lm_head (forward and input gradient) and 2 x
+        for the teacher."""
+        c = self.config
+        h, inter, v, nh, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_attention_heads, \
+            c.num_hidden_layers
+        nkv, hd, target, size = self.kv_heads, self.head_dim, self.feature_hidden, int(c.block_size)
+        context = 4 * 3 * target * h + layers * 6 * 2 * h * nkv * hd
+        layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
+        keys = min(mean_document, self.row_length) / 2 + size
+        block_tokens = self.anchors * size / self.row_length
+        scored = self.anchors * (size - 1) / self.row_length
+        return context + block_tokens * layers * (6 * layer + 12 * nh * hd * keys) + scored * 6 * v * h
+
+    def zero3_gathered_bytes(self) -> int:
+        """bf16 bytes ZeRO-3 all-gathers per micro-step: fc, the norms and every layer (the trained parameters)
+        forward and backward, the frozen embedding once, the frozen lm_head for the logits, the teacher and the
+        logits' backward."""
+        c = self.config
+        return 2 * (2 * self.params().trained + 4 * c.vocab_size * c.hidden_size)
+
+    def feature_bytes_per_token(self, dtype: str) -> int:
+        """A token's stored features: the same as EAGLE-3's (aux states for the context, the last hidden state for
+        the teacher)."""
+        return feature_bytes_per_token(self.feature_hidden, dtype)
+
+
+def dflash_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vocab: int) -> DFlashArithmetic:
+    """DFlash's arithmetic for a recipe on a verifier: `block_size`, `dflash_layers` and `dflash_anchors` with the
+    training defaults; the vocabulary is the verifier's whole one (`draft_vocab` does not apply)."""
+    from ..model.configuration_dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DFlashConfig
+    from .dflash_loss import DEFAULT_ANCHORS_PER_ROW
+
+    try:
+        config = DFlashConfig.from_verifier(text_cfg, mask_token_id=0,  # any id: no parameter depends on it
+                                            num_hidden_layers=int(recipe.get("dflash_layers", DEFAULT_LAYERS)),
+                                            block_size=int(recipe.get("block_size", DEFAULT_BLOCK_SIZE)))
+    except ValueError as e:
+        raise UsageError(f"the recipe's DFlash drafter: {e}") from None
+    anchors = int(recipe.get("dflash_anchors", DEFAULT_ANCHORS_PER_ROW))
+    if anchors < 1:
+        raise UsageError(f"the recipe's dflash_anchors {anchors} must be at least 1")
+    return DFlashArithmetic(config, anchors, int(recipe.get("max_seq_len", 2048)))
+
+
+# The drafter kinds plan knows: name -> (recipe, verifier text config, draft vocabulary) -> its arithmetic.
+DRAFTER_KINDS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], DrafterArithmetic]] = {
+    "eagle3": eagle3_arithmetic, "dflash": dflash_arithmetic}
 
 
 def drafter_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vocab: int) -> DrafterArithmetic:

@@ -63,9 +63,10 @@ def test_kimi_verifier_parameters_match_the_published_counts():
 
 
 @pytest.mark.slow
-def test_activation_model_within_15_percent_of_a_measured_step():
+@pytest.mark.parametrize("shape", ["h256-L2048", "dflash-h256-V32k"])
+def test_activation_model_within_15_percent_of_a_measured_step(shape):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/plan_memory.py"), "--shapes", "h256-L2048", "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/plan_memory.py"), "--shapes", shape, "--json",
                            "/dev/stdout"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout[proc.stdout.index("["):])[0]
@@ -263,6 +264,91 @@ def test_a_drafter_kind_the_plan_has_no_arithmetic_for_is_refused_in_one_line(tm
     args = ["plan", str(recipe), "--verifier-config", str(ROOT / "examples/recipes/llama31_8b_text_config.json")]
     assert cli_main(args) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "error: the recipe's drafter_kind 'medusa': plan knows eagle3"
+    assert err == "error: the recipe's drafter_kind 'medusa': plan knows dflash, eagle3"
     recipe.write_text(base + "\ndrafter_kind: eagle3\n")
     assert cli_main(args) == 0 and "drafter     hidden 4096" in capsys.readouterr().out
+
+
+QWEN = str(ROOT / "examples/recipes/qwen3_8b_text_config.json")
+
+
+def test_a_dflash_recipe_plans_its_blocks_and_full_vocabulary_logits(tmp_path, capsys):
+    """`drafter_kind: dflash` plans the block drafter with the training defaults (5 layers, blocks of 16, 64 anchors
+    per row); its features are EAGLE-3's, and each added vocabulary entry costs the step peak what the logits, the
+    fp32 teacher and the three gradients of the logits alive in the loss's backward take at every scored row."""
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    base = (ROOT / "examples/recipes/qwen3_8b_8gpu_ddp.yaml").read_text()
+    plans = {}
+    for kind in ("eagle3", "dflash"):
+        recipe = tmp_path / f"{kind}.yaml"
+        recipe.write_text(base + f"\ndrafter_kind: {kind}\n")
+        out = tmp_path / f"{kind}.json"
+        assert cli_main(["plan", str(recipe), "--accelerate-config", str(ROOT / "accelerate_configs/8gpu_ddp.yaml"),
+                         "--verifier-config", QWEN, "--dataset-tokens", "17.3e6", "--json", str(out)]) == 0
+        plans[kind] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    d = plans["dflash"]
+    assert "drafter     DFlash, 5 layers, hidden 4096" in text and "blocks of 16 at 64 anchors per row" in text
+    assert (d["drafter"]["layers"], d["drafter"]["block_size"], d["drafter"]["anchors_per_row"]) == (5, 16, 64)
+    assert d["drafter"]["vocab_size"] == 151936 and d["memory"]["step_peak"] > 0 and d["data"]["epoch_flops"] > 0
+    assert d["data"]["disk_bf16"] == plans["eagle3"]["data"]["disk_bf16"]  # the same features
+    cfg = json.loads(Path(QWEN).read_text())
+    recipe = {"drafter_kind": "dflash", "max_seq_len": 2048}
+    small = drafter_arithmetic(recipe, cfg, 32000).step_peak_bytes(2048, 0, "bf16")
+    large = drafter_arithmetic(recipe, cfg | {"vocab_size": 2 * cfg["vocab_size"]}, 32000).step_peak_bytes(
+        2048, 0, "bf16")
+    scored = 64 * 15
+    per_vocab = scored * (2 + 4 + 3 * 2)  # bf16 logits, fp32 teacher, three bf16 gradients
+    assert large - small == pytest.approx(per_vocab * cfg["vocab_size"], rel=2e-3)  # (the loss blocks: ~constant)
+    assert per_vocab * cfg["vocab_size"] > small / 2  # the full-vocabulary terms are most of the step peak
+
+
+def test_dflash_plan_counts_the_parameters_the_real_drafter_trains_and_freezes():
+    from eagle3_hf.model.configuration_dflash import DFlashConfig
+    from eagle3_hf.model.modeling_dflash import DFlashDraftModel
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    verifier = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 512}
+    counted = drafter_arithmetic({"drafter_kind": "dflash", "dflash_layers": 3, "block_size": 4}, verifier,
+                                 32000).params()
+    model = DFlashDraftModel(DFlashConfig.from_verifier(verifier, mask_token_id=299, num_hidden_layers=3,
+                                                        block_size=4))
+    assert counted.trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counted.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad) == 2 * 300 * 64
+    assert counted.largest_layer == 300 * 64
+
+
+def test_dflash_plan_counts_the_linear_flops_of_a_real_training_step():
+    """FLOPs per token of `plan` against torch's count of a real DFlash step (forward, loss, backward): fc (no
+    gradient for the features), the context k/v projections, the layers over the blocks, the frozen head and the
+    teacher. torch does not count the CPU attention kernel, so the plan's attention term (12 x nh*hd per key: half
+    a document of context, plus the block) is taken off."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eagle3_hf.model.configuration_dflash import DFlashConfig
+    from eagle3_hf.model.modeling_dflash import DFlashDraftModel
+    from eagle3_hf.train.dflash_loss import ANCHORS_KEY, dflash_loss, sample_anchors
+    from eagle3_hf.train.plan_drafter import drafter_arithmetic
+
+    verifier = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 512}
+    length, anchors, size, layers = 128, 8, 4, 2
+    torch.manual_seed(0)
+    model = DFlashDraftModel(DFlashConfig.from_verifier(verifier, mask_token_id=299, num_hidden_layers=layers,
+                                                        block_size=size))
+    model.load_verifier_weights(torch.randn(300, 64), torch.randn(300, 64))
+    batch = {"input_ids": torch.randint(0, 299, (1, length)), "aux_hidden_states": torch.randn(1, length, 3 * 64),
+             "last_hidden_state": torch.randn(1, length, 64), "document_ids": torch.zeros(1, length, dtype=torch.long),
+             "position_ids": torch.arange(length)[None], "loss_mask": torch.ones(1, length, dtype=torch.long),
+             "verifier_greedy": torch.randint(0, 299, (1, length))}
+    batch[ANCHORS_KEY] = sample_anchors(batch, anchors)
+    with FlopCounterMode(display=False) as counter:
+        dflash_loss(model, batch, anchors).normalised().backward()
+    counted = counter.get_total_flops() / length
+    recipe = {"drafter_kind": "dflash", "dflash_layers": layers, "block_size": size, "dflash_anchors": anchors,
+              "max_seq_len": length}
+    planned = drafter_arithmetic(recipe, verifier, 32000).train_flops_per_token(length)
+    attention = anchors * size / length * layers * 12 * 4 * 16 * (length / 2 + size)
+    assert planned - attention == pytest.approx(counted, rel=1e-6)
