@@ -19,7 +19,7 @@ from .errors import DEBUG_ENV, run_reporting_user_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("eagle3_hf.data.prepare", "render conversations with the verifier's chat template + loss masks"),
-    "regenerate": ("eagle3_hf.features.transformers_generation",
+    "regenerate": ("eagle3_hf.features.commands.regenerate",
                    "rewrite assistant turns with the verifier (in-process or endpoint); --features-out: + features"),
     "extract": ("eagle3_hf.features.commands.extract",
                 "run the verifier and write hidden states to sharded safetensors"),

@@ -5,7 +5,9 @@ Each assistant turn is regenerated from the conversation up to it, earlier turns
 gets a final answer. Assistant turns that call tools are kept verbatim (the tool results that follow
 depend on them). Two backends (regenerate_backends.py): in-process transformers (batched, left padding) or an
 OpenAI-compatible `/v1/chat/completions` endpoint (SGLang, vLLM) with concurrent requests and retries. This module
-walks the conversations (`ConversationTurns`), drives a backend over them and is the command (`add_arguments`, `run`).
+walks the conversations (`ConversationTurns`), drives a backend over them, holds what the command hands a route
+(`RegenerateJob`) and is the endpoint route (`EndpointOptions`, `run_route`); the command, its engine choices and
+the in-process route are in features/ (commands/regenerate.py, generators.py).
 
 Output is JSONL, one finished conversation per line, flushed and fsync'd; a restart skips the ids
 already there, so a killed run resumes with nothing lost or duplicated. A conversation the server rejects for
@@ -277,7 +279,43 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
     return stats
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class RegenerateJob:
+    """What `regenerate` hands the route it runs (features/generators.py), read once from the command's shared
+    flags: the conversations (--input, --split, --limit), where the answers go (and with `features` the features,
+    with `prepared` the prepared dataset), how answers are generated, the verifier (None: a server answers), the
+    thinking mode, and the features' own settings for a route that writes them."""
+
+    input: str
+    output: Path
+    generation: GenerationOptions
+    split: str = "train"
+    limit: int | None = None
+    features: Path | None = None
+    prepared: Path | None = None
+    verifier: str | None = None
+    endpoint: str | None = None
+    revision: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    retry_skipped: bool = False
+    aux_indices: tuple[int, ...] | None = None
+    features_dtype: str = "bf16"
+    samples_per_shard: int = 64
+
+    def conversations(self) -> Iterable[dict]:
+        from .conversations import load_conversations
+
+        return load_conversations(self.input, limit=self.limit, split=self.split)
+
+    def feature_outputs(self) -> RegenerateOutputs:
+        """Where a route that writes features writes (`features` given: the command checked it)."""
+        assert self.features is not None, "a route writing features runs with --features-out"
+        return RegenerateOutputs(self.output, self.features, self.prepared)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """`regenerate`'s flags every route reads: the conversations, the answering side (a verifier here or a server),
+    the verifier's revision and dtype, and sampling. Each route's own flags are its options class's group."""
     parser.add_argument("--input", required=True,
                         help="JSONL/JSON file, saved dataset dir, Hub dataset id, or 'default'")
     parser.add_argument("--split", default="train")
@@ -288,30 +326,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--verifier", help="in-process transformers verifier: name, Hub id or path")
     src.add_argument("--endpoint", help="OpenAI-compatible server, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--model", help="model name for --endpoint")
-    parser.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                        help="env var holding the API key (never printed)")
-    parser.add_argument("--concurrency", type=int, default=16, help="parallel requests (--endpoint)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (--endpoint)")
-    parser.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
-    parser.add_argument("--wait-for-server", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
-                        help="wait this long for a server still loading (GET /health or /v1/models) before the "
-                             "first request (--endpoint; 0: do not wait)")
     parser.add_argument("--retry-skipped", action="store_true",
                         help="ask again the conversations the server rejected (HTTP 400/413/422) in an earlier run "
                              "(they are listed in the summary beside --output)")
-    parser.add_argument("--max-consecutive-rejects", type=int, default=MAX_CONSECUTIVE_REJECTS, metavar="N",
-                        help="stop the run when the server rejects N conversations in a row (--endpoint; the "
-                             "settings are wrong, not the samples; 0: never) (default: %(default)s)")
-    parser.add_argument("--max-reject-share", type=float, default=MAX_REJECT_SHARE, metavar="SHARE",
-                        help=f"stop the run when more than this share of the results are rejections, judged once "
-                             f"{SHARE_AFTER} conversations were answered or rejected (--endpoint; 1: never) "
-                             "(default: %(default)s)")
     parser.add_argument("--revision", default=None)
-    parser.add_argument("--device", default=None)
     parser.add_argument("--torch-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the verifier's compute dtype (auto: the checkpoint's)")
-    parser.add_argument("--batch-size", type=int, default=8, help="conversations per batch (--verifier)")
     parser.add_argument("--max-new-tokens", type=int, default=1024,
                         help="token budget per answer; a thinking model's reasoning counts: give it room (e.g. "
                              "32768); answers cut at it are counted and listed in the summary")
@@ -324,40 +344,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in (sent as the request's chat_template_kwargs to --endpoint); give prepare the same")
 
 
-def run(args: argparse.Namespace) -> int:
-    from eagle3_hf.data.conversations import load_conversations
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of regenerate without its feature routes: the shared ones and the endpoint's group."""
+    add_common_arguments(parser)
+    EndpointOptions.add_arguments(parser)
 
-    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
-    limits = RejectLimits(args.max_consecutive_rejects, args.max_reject_share)
-    backend: TransformersBackend | EndpointBackend
-    if args.endpoint:
-        if not args.model:
-            print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
-            return 2
-        backend = EndpointBackend(args.endpoint, args.model, api_key=os.environ.get(args.api_key_env),
-                                  timeout=args.timeout, max_retries=args.max_retries,
-                                  chat_template_kwargs=args.chat_template_kwargs, **gen)
-        backend.wait_for_server(args.wait_for_server)
-    else:
-        import torch
 
-        torch.manual_seed(args.seed)
-        backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
-                                      chat_template_kwargs=args.chat_template_kwargs, **gen)
-    conversations = load_conversations(args.input, limit=args.limit, split=args.split)
-    stats = regenerate(conversations, args.output, backend, concurrency=args.concurrency, batch_size=args.batch_size,
-                       max_turns=args.max_turns, retry_skipped=args.retry_skipped, limits=limits)
+@dataclass(frozen=True)
+class EndpointOptions:
+    """The endpoint route's own options (`regenerate --endpoint URL`): the served model's name, where its API key
+    is (an environment variable, never printed), requests in flight, seconds and retries per request, how long to
+    wait for a server still loading, and when its rejections stop the run."""
+
+    model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 16
+    timeout: float = 600.0
+    max_retries: int = 5
+    wait_for_server: float = DEFAULT_WAIT_S
+    limits: RejectLimits = RejectLimits()
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("--endpoint URL (any OpenAI-compatible server answers: SGLang, vLLM, ...)")
+        group.add_argument("--model", help="model name for --endpoint")
+        group.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                           help="env var holding the API key (never printed)")
+        group.add_argument("--concurrency", type=int, default=16, help="parallel requests (--endpoint)")
+        group.add_argument("--timeout", type=float, default=600.0, help="seconds per request (--endpoint)")
+        group.add_argument("--max-retries", type=int, default=5, help="retries with backoff (--endpoint)")
+        group.add_argument("--wait-for-server", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                           help="wait this long for a server still loading (GET /health or /v1/models) before the "
+                                "first request (--endpoint; 0: do not wait)")
+        group.add_argument("--max-consecutive-rejects", type=int, default=MAX_CONSECUTIVE_REJECTS, metavar="N",
+                           help="stop the run when the server rejects N conversations in a row (--endpoint; the "
+                                "settings are wrong, not the samples; 0: never) (default: %(default)s)")
+        group.add_argument("--max-reject-share", type=float, default=MAX_REJECT_SHARE, metavar="SHARE",
+                           help=f"stop the run when more than this share of the results are rejections, judged once "
+                                f"{SHARE_AFTER} conversations were answered or rejected (--endpoint; 1: never) "
+                                "(default: %(default)s)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EndpointOptions:
+        return cls(args.model, args.api_key_env, args.concurrency, args.timeout, args.max_retries,
+                   args.wait_for_server, RejectLimits(args.max_consecutive_rejects, args.max_reject_share))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def run_route(job: RegenerateJob, options: EndpointOptions) -> int:
+    """`regenerate --endpoint URL`: the server answers every conversation (no hidden states)."""
+    if not options.model:
+        print("regenerate: --endpoint needs --model (the served model's name)", file=sys.stderr)
+        return 2
+    assert job.endpoint is not None, "the command selects this route with --endpoint"
+    gen = job.generation
+    backend = EndpointBackend(job.endpoint, options.model, api_key=os.environ.get(options.api_key_env),
+                              timeout=options.timeout, max_retries=options.max_retries,
+                              chat_template_kwargs=job.chat_template_kwargs, max_new_tokens=gen.max_new_tokens,
+                              temperature=gen.temperature, top_p=gen.top_p)
+    backend.wait_for_server(options.wait_for_server)
+    stats = regenerate(job.conversations(), job.output, backend, concurrency=options.concurrency,
+                       max_turns=gen.max_turns, retry_skipped=job.retry_skipped, limits=options.limits)
+    report(stats, job)
+    return 0
+
+
+def report(stats: dict, job: RegenerateJob) -> None:
+    """A run's counts on stderr, and what the user may want to do about its cut or skipped turns."""
     print(f"regenerate: {stats['written']} conversations written, {stats['already_done']} already done, "
           f"{stats['turns']} turns, {stats['tokens']} tokens in {stats['seconds']:.1f}s "
-          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {args.output}", file=sys.stderr)
+          f"({stats['tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) -> {job.output}", file=sys.stderr)
     cut = stats["cut_at_max_new_tokens"]
     if cut:
-        print(f"regenerate: {cut} turns hit --max-new-tokens {args.max_new_tokens} and are cut short (ids in "
-              f"{stats['summary']}; a thinking model needs room for its reasoning)", file=sys.stderr)
+        print(f"regenerate: {cut} turns hit --max-new-tokens {job.generation.max_new_tokens} and are cut short (ids "
+              f"in {stats['summary']}; a thinking model needs room for its reasoning)", file=sys.stderr)
     if stats["skipped"]:
         print(f"regenerate: skipped {len(stats['skipped'])} conversations the server rejected (ids and errors in "
               f"{stats['summary']}; --retry-skipped asks them again)", file=sys.stderr)
     if stats["skipped_before"]:
         print(f"regenerate: {stats['skipped_before']} conversations rejected in an earlier run not asked again "
               f"(--retry-skipped)", file=sys.stderr)
-    return 0

@@ -17,6 +17,7 @@ new route is listed everywhere by its row alone.
 
 Adding an engine is one module in `routes/` with `open_source` and its options class, one row here, and the
 contract test (tests/features/test_sources_contract.py), which runs over every row (docs/development.md).
+An engine that answers conversations (`regenerate --engine`) is a row of the other table, generators.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`eagle3-hf regenerate --verifier V --features-out DIR`: answers, features and the prepared dataset in one pass.
+"""`eagle3-hf regenerate --verifier V [--features-out DIR]`: the in-process route; with features, answers, features and
+the prepared dataset in one pass.
 
 `regenerate` -> `prepare` -> `extract` runs the verifier twice over every answer token. Here the generation's
 own hidden states are written (FeatureGenerator, eagle3_hf/verifier/generation.py): the same shards, journals,
@@ -25,8 +26,9 @@ takes fewer). Resume: a conversation is done once its sample or refusal is journ
 answers to OUTPUT.rNNN.pending (fsync'd) before their shard can be journaled, and they move to OUTPUT when
 that shard is; a kill at any point loses and duplicates nothing.
 
-This module is the command and its driver; a batch of conversations becomes samples in generated_samples.py,
-and the processes and their crash-safe answers live in generation_workers.py.
+This module is the route (its row in generators.py; the command is commands/regenerate.py) and its driver; a
+batch of conversations becomes samples in generated_samples.py, and the processes and their crash-safe answers
+live in generation_workers.py.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data import regenerate as plain
-from ..data.regenerate import ConversationTurns, GenerationOptions, RegenerateOutputs
+from ..data.regenerate import ConversationTurns, GenerationOptions, RegenerateJob, RegenerateOutputs, regenerate, report
 from ..data.regenerate_backends import TransformersBackend
 from ..verifier.family import check_aux_indices, default_aux_indices
 from .generated_samples import Template
@@ -162,55 +164,59 @@ def regenerate_with_features(conversations: list[dict[str, Any]], outputs: Regen
     return summary
 
 
-# ------------------------------------------------------------ CLI (`eagle3-hf regenerate`, with or without features)
+# ------------------------------------------------------------ the route (`regenerate --engine transformers`)
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    plain.add_arguments(parser)
-    feats = parser.add_argument_group("features in the same pass (--verifier only; replaces prepare + extract)")
-    feats.add_argument("--features-out", default=None,
-                       help="also write the verifier's features of prompt + answer here, as `extract` writes them")
-    feats.add_argument("--prepared-out", default=None, help="and the prepared dataset (`prepare`'s output) here")
-    feats.add_argument("--num-workers", type=int, default=1,
-                       help="processes generating in parallel (each a rank of --features-out; threads are split)")
-    feats.add_argument("--features-dtype", default="bf16", help="bf16 (default), fp8 (e4m3 + per-row scale) or fp32")
-    feats.add_argument("--aux-layers", default=None, help="three output_hidden_states indices (default 2,N//2,N-3)")
-    feats.add_argument("--max-seq-len", type=int, default=None, help="truncate samples to this many tokens")
-    feats.add_argument("--samples-per-shard", type=int, default=64)
-    from .vllm_generation import add_arguments as add_vllm_arguments
+@dataclass(frozen=True)
+class InProcessOptions:
+    """The in-process route's own options: where the verifier runs and in which dtype, conversations per batch, and
+    the processes generating in parallel (with --features-out)."""
 
-    add_vllm_arguments(parser)
+    device: str | None = None
+    torch_dtype: str = "auto"
+    batch_size: int = 8
+    num_workers: int = 1
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("--engine transformers (the verifier in this process: --verifier)")
+        group.add_argument("--device", default=None)
+        group.add_argument("--batch-size", type=int, default=8, help="conversations per batch (--verifier)")
+        group.add_argument("--num-workers", type=int, default=1,
+                           help="processes generating in parallel (each a rank of --features-out; threads are split)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> InProcessOptions:
+        return cls(args.device, args.torch_dtype, args.batch_size, args.num_workers)
+
+    def close(self) -> None:
+        """Nothing to release: the verifier belongs to the run."""
 
 
-def run(args: argparse.Namespace) -> int:
-    from . import vllm_generation
-
-    if vllm_generation.chosen(args):
-        return vllm_generation.run(args)
-    if not args.features_out:
-        return plain.run(args)
-    if not args.verifier:
-        raise ValueError("regenerate: --features-out needs the in-process --verifier (an endpoint returns no "
-                         "hidden states)")
-    from ..data.conversations import load_conversations
-
-    torch.manual_seed(args.seed)
-    backend = TransformersBackend(args.verifier, revision=args.revision, device=args.device, dtype=args.torch_dtype,
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  chat_template_kwargs=args.chat_template_kwargs)
-    conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),
-                                Path(args.prepared_out) if args.prepared_out else None)
-    generation = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_turns,
-                                   args.max_seq_len)
-    summary = regenerate_with_features(conversations, outputs, backend, generation=generation,
-                                       num_workers=args.num_workers, batch_size=args.batch_size,
-                                       dtype=args.features_dtype, aux_indices=aux,
-                                       store=StoreOptions(args.samples_per_shard))
+def run_route(job: RegenerateJob, options: InProcessOptions) -> int:
+    """`regenerate --verifier V`: the verifier answers here, batched; with `job.features` its features, answers and
+    (with `job.prepared`) the prepared dataset are written in the same pass."""
+    assert job.verifier is not None, "the command selects this route without --endpoint, so with --verifier"
+    gen = job.generation
+    torch.manual_seed(gen.seed)
+    backend = TransformersBackend(job.verifier, revision=job.revision, device=options.device,
+                                  dtype=options.torch_dtype, max_new_tokens=gen.max_new_tokens,
+                                  temperature=gen.temperature, top_p=gen.top_p,
+                                  chat_template_kwargs=job.chat_template_kwargs)
+    if job.features is None:
+        stats = regenerate(job.conversations(), job.output, backend, batch_size=options.batch_size,
+                           max_turns=gen.max_turns, retry_skipped=job.retry_skipped)
+        report(stats, job)
+        return 0
+    outputs = job.feature_outputs()
+    summary = regenerate_with_features(list(job.conversations()), outputs, backend, generation=gen,
+                                       num_workers=options.num_workers, batch_size=options.batch_size,
+                                       dtype=job.features_dtype,
+                                       aux_indices=None if job.aux_indices is None else list(job.aux_indices),
+                                       store=StoreOptions(job.samples_per_shard))
     route = summary.route
     print(f"regenerate: {route['conversations']} conversations written, {route['already_done']} already done, "
           f"{summary.written_tokens} sample tokens ({route['generated']} generated) in {summary.seconds:.1f}s "
           f"({summary.written_tokens / max(summary.seconds, 1e-9):.1f} tok/s, {route['workers']} worker(s)) "
-          f"-> {args.output}, {args.features_out}" + (f", {args.prepared_out}" if args.prepared_out else ""),
+          f"-> {outputs.conversations}, {outputs.features}" + (f", {outputs.prepared}" if outputs.prepared else ""),
           file=sys.stderr)
     return 0

@@ -43,6 +43,7 @@ from ..data.regenerate import (
     ConversationTurns,
     ConversationWriter,
     GenerationOptions,
+    RegenerateJob,
     RegenerateOutputs,
     completed_ids,
 )
@@ -281,55 +282,54 @@ def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: i
     return [(list(answers[k]["output_ids"]), str(answers[k]["finish_reason"])) for k in range(len(prompts))], result
 
 
-# ------------------------------------------------------------ CLI (`regenerate --engine vllm`)
+# ------------------------------------------------------------ the route (`regenerate --engine vllm`)
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine choice and vLLM's knobs, in regenerate's parser (transformers_generation.add_arguments)."""
-    group = parser.add_argument_group("--engine vllm (answers and features from vLLM, one engine load; `make vllm`)")
-    group.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
-                       help="with --features-out: transformers (in this process) or vllm (generate, prepare, then "
-                            "prefill through the same vLLM engine, as extract --engine vllm)")
-    add_run_arguments(group, "samples")
-    group.add_argument("--no-progress", action="store_true")
-    add_engine_arguments(parser)
+@dataclasses.dataclass(frozen=True)
+class VllmGenerationOptions(VllmOptions):
+    """`regenerate --engine vllm`'s options: vLLM's record (VllmOptions) read with regenerate's flags and refusals,
+    and whether a progress bar shows. Its --endpoint is an answering server, not a vLLM that captures states: an
+    engine of our own here."""
+
+    progress: bool = True
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        title = "--engine vllm (answers and features from vLLM, one engine load; `make vllm`)"
+        group = parser.add_argument_group(title)
+        add_run_arguments(group, "samples")
+        group.add_argument("--no-progress", action="store_true")
+        add_engine_arguments(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VllmGenerationOptions:
+        """Checked: a verifier vLLM loads, one process, no placement, no thinking-mode kwargs yet; then vLLM's own
+        checks (VllmOptions.from_args)."""
+        if not args.verifier:
+            raise ValueError("regenerate --engine vllm needs --verifier (the checkpoint vLLM loads)")
+        if args.num_workers != 1:
+            raise ValueError("regenerate --engine vllm: --num-workers is for the in-process engine; vLLM batches "
+                             "itself (--tensor-parallel-size for more devices)")
+        if args.device:
+            raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
+        if args.chat_template_kwargs:
+            raise ValueError("regenerate --engine vllm does not take --chat-template-kwargs yet (its prompts render "
+                             "with the template's default mode): use the in-process route, or regenerate against a "
+                             "server (--endpoint) and then prepare and extract with the same --chat-template-kwargs")
+        options = cast(VllmGenerationOptions, super().from_args(args))  # a record of this class (cls)
+        return dataclasses.replace(options, endpoint=None, storage=None, progress=not args.no_progress)
 
 
-def chosen(args: argparse.Namespace) -> bool:
-    """Whether `regenerate`'s arguments take this route (--engine vllm) instead of the in-process one."""
-    return getattr(args, "engine", "transformers") == "vllm"
-
-
-def run(args: argparse.Namespace) -> int:
+def run_route(job: RegenerateJob, options: VllmGenerationOptions) -> int:
     """`regenerate --engine vllm --features-out F`; prints the summary as one JSON line on stdout."""
-    from ..data.conversations import load_conversations
-
-    if not args.features_out:
-        raise ValueError("regenerate --engine vllm writes features: give --features-out (and --prepared-out)")
-    if not args.verifier:
-        raise ValueError("regenerate --engine vllm needs --verifier (the checkpoint vLLM loads)")
-    if args.num_workers != 1:
-        raise ValueError("regenerate --engine vllm: --num-workers is for the in-process engine; vLLM batches itself "
-                         "(--tensor-parallel-size for more devices)")
-    if args.device:
-        raise ValueError("regenerate --engine vllm places the verifier itself: drop --device")
-    if args.chat_template_kwargs:
-        raise ValueError("regenerate --engine vllm does not take --chat-template-kwargs yet (its prompts render with "
-                         "the template's default mode): use the in-process route, or regenerate against a server "
-                         "(--endpoint) and then prepare and extract with the same --chat-template-kwargs")
-    # regenerate's --endpoint is an answering server, not a vLLM that captures states: an engine of our own here
-    options = dataclasses.replace(VllmOptions.from_args(args), endpoint=None, storage=None)  # checked there, first
-    conversations = list(load_conversations(args.input, limit=args.limit, split=args.split))
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    outputs = RegenerateOutputs(Path(args.output), Path(args.features_out),
-                                Path(args.prepared_out) if args.prepared_out else None)
-    generation = GenerationOptions(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_turns,
-                                   args.max_seq_len)
-    summary = regenerate_vllm(conversations, outputs, args.verifier, revision=args.revision, aux_indices=aux,
-                              dtype=args.features_dtype, generation=generation, options=options,
-                              store=StoreOptions(args.samples_per_shard), progress=not args.no_progress).as_dict()
+    assert job.verifier is not None, "VllmGenerationOptions refused a run without --verifier"
+    outputs = job.feature_outputs()
+    summary = regenerate_vllm(list(job.conversations()), outputs, job.verifier, revision=job.revision,
+                              aux_indices=None if job.aux_indices is None else list(job.aux_indices),
+                              dtype=job.features_dtype, generation=job.generation, options=options,
+                              store=StoreOptions(job.samples_per_shard), progress=options.progress).as_dict()
     print(json.dumps(summary))
     print(f"regenerate --engine vllm: {summary.get('conversations', 0)} conversations answered, "
           f"{summary['already_answered']} already answered, {summary['written_samples']} samples written "
-          f"({summary['total_samples']} in all) -> {args.output}, {args.features_out}"
-          + (f", {args.prepared_out}" if args.prepared_out else ""), file=sys.stderr)
+          f"({summary['total_samples']} in all) -> {outputs.conversations}, {outputs.features}"
+          + (f", {outputs.prepared}" if outputs.prepared else ""), file=sys.stderr)
     return 0
