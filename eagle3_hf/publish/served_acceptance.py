@@ -165,7 +165,8 @@ class AcceptanceComparison:
 
 
 def implied_tau(conditional: list[float]) -> float:
-    """1 + Σ_k Π_{j≤k} c_j: the acceptance length the conditional rates imply (train/metrics.py's simulated τ)."""
+    """1 + Σ_k Π_{j≤k} c_j: the acceptance length the conditional rates imply, the verifier's bonus token plus the
+    expected accepted drafts (≤ K + 1). Training's simulated τ (train/metrics.py) and the live check both use it."""
     total, running = 1.0, 1.0
     for c in conditional:
         running *= c

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..model.checkpoint import draft_to_target
+from ..publish.served_acceptance import implied_tau  # 1 + Σ_k Π_{j≤k} c_j, one formula for training and serving
 from .loss import drafter_loss, step_targets
 
 if TYPE_CHECKING:
@@ -145,22 +146,12 @@ class StepStats:
             caccs.append(cacc)
             if rows["loss_tokens"][i]:
                 out[f"loss_{i}"] = rows["loss_sum"][i] / rows["loss_tokens"][i]
-        out["simulated_acceptance_length"] = simulated_acceptance_length(caccs)
+        out["simulated_acceptance_length"] = implied_tau(caccs)
         if any(rows["alpha_rows"]):  # the teacher gave its mass: α measured
             alphas = [a / max(n, 1.0) for a, n in zip(rows["alpha_sum"], rows["alpha_rows"])]
             out.update({f"alpha_{i}": a for i, a in enumerate(alphas)})
-            out["simulated_acceptance_length_t1"] = simulated_acceptance_length(alphas)
+            out["simulated_acceptance_length_t1"] = implied_tau(alphas)
         return out
-
-
-def simulated_acceptance_length(conditional_accuracies: list[float]) -> float:
-    """1 + Σ_k Π_{j≤k} cacc_j: the verifier's bonus token plus the expected accepted drafts (≤ K + 1); with the
-    per-step mean α in place of cacc, the same at temperature 1."""
-    total, running = 1.0, 1.0
-    for cacc in conditional_accuracies:
-        running *= cacc
-        total += running
-    return total
 
 
 @torch.no_grad()
