@@ -4,7 +4,7 @@
 # compares them), then our decoder on the same MT-bench questions (chain k=3 against blocks of 4: three drafts per
 # verify either way, greedy). One row per call, so a session can run the rows it has time for:
 #   bash experiments/dflash_vs_eagle3.sh data                 # the demo's regenerate + vocab (600 prompts), once
-#   bash experiments/dflash_vs_eagle3.sh eagle3 SEED          # examples/recipes/small_cpu.yaml, 6 epochs
+#   bash experiments/dflash_vs_eagle3.sh eagle3 SEED [OBJECTIVE]  # examples/recipes/small_cpu.yaml, 6 epochs (kl)
 #   bash experiments/dflash_vs_eagle3.sh dflash SEED ANCHORS STEPS [LAYERS] [BLOCK]
 #   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS]  # NAME: a run directory under $T (default 20 prompts)
 # Each training run's `/usr/bin/time -v` (user + sys seconds) is in its log: DFlash's STEPS are chosen so that its
@@ -24,9 +24,10 @@ case "${1:-}" in
       --max-seq-len 1024 --features-dtype bf16
     eagle3-hf vocab --data $T/data/prepared --draft-vocab-size 4096 --output $F/vocab.safetensors ;;
   eagle3)
-    seed=$2
+    seed=$2 objective=${3:-kl}
+    name=e3_seed$seed; [ "$objective" = kl ] || name=e3_${objective}_seed$seed
     /usr/bin/time -v eagle3-hf train --config examples/recipes/small_cpu.yaml --verifier $V --features $F \
-      --output-dir $T/e3_seed$seed --max-seq-len 256 --seed "$seed" > $T/e3_seed$seed.log 2>&1 ;;
+      --output-dir $T/$name --max-seq-len 256 --seed "$seed" --objective "$objective" > $T/$name.log 2>&1 ;;
   dflash)
     seed=$2 anchors=$3 steps=$4 layers=${5:-1} block=${6:-4}
     name=df_b${block}_l${layers}_a${anchors}_s${steps}_seed$seed
