@@ -136,21 +136,13 @@ def check_drafter(
     check_rope(cfg, rep, engine_versions or {})
     check_llamacpp_rope(cfg, rep)
     check_thinking_mode(cfg, rep, served_kwargs)
-    files = _weight_files(root)
-    if not files:
-        extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
-        rep.add("error", "missing-weights-file", f"no *.safetensors in {path_or_repo}{extra}")
-    else:
-        try:
-            w = CheckpointWeights(files)
-        except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
-            rep.add("error", "bad-weights-file", f"cannot read safetensors in {path_or_repo}: {exc}")
-        else:
-            check_names_and_shapes(cfg, w, rep)
-            check_values(cfg, w, rep)
-            check_vocab_mapping(cfg, w, rep, (vcfg or {}).get("vocab_size"))
-            if vcfg is not None:
-                check_verifier(cfg, w, rep, vcfg, (lambda: _verifier_embedding(vpath)) if vpath else None)
+    w = _read_weights(root, str(path_or_repo), rep)
+    if w is not None:
+        check_names_and_shapes(cfg, w, rep)
+        check_values(cfg, w, rep)
+        check_vocab_mapping(cfg, w, rep, (vcfg or {}).get("vocab_size"))
+        if vcfg is not None:
+            check_verifier(cfg, w, rep, vcfg, (lambda: _verifier_embedding(vpath)) if vpath else None)
     return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
@@ -170,17 +162,25 @@ def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name
     ids = check_dflash_config(cfg, rep, vcfg)
     check_llamacpp_verifier(varch, rep)
     check_thinking_mode(cfg, rep, served_kwargs)
+    weights = _read_weights(root, name, rep)
+    if weights is not None:
+        check_dflash_weights(cfg, weights, rep, ids)
+    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+
+
+def _read_weights(root: Path, name: str, rep: Report) -> CheckpointWeights | None:
+    """The checkpoint's safetensors, or None with the finding that says why not (none, or unreadable), for either
+    kind's weight rules."""
     files = _weight_files(root)
     if not files:
-        rep.add("error", "missing-weights-file", f"no *.safetensors in {name}")
-    else:
-        try:
-            weights = CheckpointWeights(files)
-        except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
-            rep.add("error", "bad-weights-file", f"cannot read safetensors in {name}: {exc}")
-        else:
-            check_dflash_weights(cfg, weights, rep, ids)
-    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+        extra = " (pickle checkpoints are not read; save with safetensors)" if list(root.glob("*.bin")) else ""
+        rep.add("error", "missing-weights-file", f"no *.safetensors in {name}{extra}")
+        return None
+    try:
+        return CheckpointWeights(files)
+    except Exception as exc:  # noqa: BLE001 - truncated / corrupt file
+        rep.add("error", "bad-weights-file", f"cannot read safetensors in {name}: {exc}")
+        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
