@@ -50,3 +50,27 @@ class ConversationWriter:
 
     def close(self) -> None:
         self.f.close()
+
+
+def put_in_input_order(path: str | Path, order: list[str]) -> bool:
+    """Rewrite the answers file with its conversations in the input's order (ids not in `order` last, as they were).
+
+    Requests answered concurrently finish in any order, and the file is appended as they do; left so, the same
+    prompts and seed would train a different drafter each run (prepare and the packing keep the file's order).
+    Replaced atomically, only when the order differs. Returns whether it rewrote the file."""
+    path = Path(path)
+    if not path.exists():
+        return False
+    lines = [line for line in path.read_bytes().split(b"\n") if line.strip()]
+    rank = {conv_id: i for i, conv_id in enumerate(order)}
+    keys = [rank.get(str(json.loads(line)["id"]), len(rank)) for line in lines]
+    ordered = [line for _, _, line in sorted(zip(keys, range(len(lines)), lines, strict=True))]
+    if ordered == lines:
+        return False
+    tmp = path.with_name(path.name + ".ordering")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in ordered))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return True

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EndpointError, json_object
-from .answers_file import ConversationWriter, completed_ids  # noqa: F401 (their home for other importers)
+from .answers_file import ConversationWriter, completed_ids, put_in_input_order  # noqa: F401 (their home for other importers)
 from .regenerate_backends import Completion, EndpointBackend, TransformersBackend
 from .regenerate_summary import (
     MAX_CONSECUTIVE_REJECTS,
@@ -272,6 +272,7 @@ def regenerate(conversations: Iterable[dict], output: str | Path, backend: Trans
                      chat_template_kwargs=backend.chat_template_kwargs or None,  # the thinking mode asked in
                      last_run={k: stats[k] for k in ("input", "already_done", "skipped_before", "written", "turns",
                                                      "tokens", "finish_reasons", "seconds")})
+    put_in_input_order(output, [str(c["id"]) for c in conversations])  # reproducible: the same input, the same file
     if todo and stats["skipped"] and not stats["written"]:
         first = next(iter(stats["skipped"].items()))
         raise EndpointError(f"the server rejected every conversation asked ({len(stats['skipped'])}; e.g. "
