@@ -1,10 +1,10 @@
-"""A DFlash drafter served by the engines (slow): written by hand in the one layout vLLM, SGLang and llama.cpp all
-read (docs/contracts.md, "What engines read for DFlash"), with random weights, for the tiny next-token verifier the
-EAGLE-3 engine tests serve (tests/helpers/served_pair.py). vLLM's CPU build serves it with the method "dflash"
-(`evaluate --engine vllm`), llama.cpp converts it with its own converter (`export --format gguf`) and serves it with
-`--spec-type draft-dflash` (`evaluate --engine llamacpp`): each answers token-identically to its plain decoding and
-reports the drafts it offered and accepted. Random weights accept little; what is tested is that the engines load
-the layout, draft with it and stay lossless."""
+"""A DFlash drafter of our own class served by the engines (slow), beside our decoder on the same 10 MT-bench
+questions: vLLM's CPU build serves it with the method "dflash" (`evaluate --engine vllm`), llama.cpp converts it
+with its own converter (`export --format gguf`) and serves it with `--spec-type draft-dflash` (`evaluate --engine
+llamacpp`). Each answers token-identically to its plain decoding, and accepts what our decoder accepts: the drafter
+(tests/helpers/dflash_drafters.accepting_dflash_pair) has its blocks accepted whole in some cycles and partly or
+not at all in others (τ about 2.2 of 5), so an engine reading the layout otherwise (aux layers, mask token, block
+attention, RoPE) moves τ by more than the 0.02 asserted."""
 
 from __future__ import annotations
 
@@ -18,33 +18,37 @@ import pytest
 
 from eagle3_hf.engines.llamacpp_env import STAMP, llamacpp_dir
 
-from tests.helpers.dflash_drafters import write_dflash_drafter
-from tests.helpers.served_pair import chain_verifier
+from tests.helpers.dflash_drafters import ACCEPTING_BLOCK, accepting_dflash_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
-PROMPTS = ("--prompts", "mt-bench", "--num-prompts", "3", "--max-new-tokens", "24", "--k", "3")
-BLOCK = 4  # the drafter's block: the anchor and 3 masks, so --k 3 drafts every mask
+K = ACCEPTING_BLOCK - 1  # every mask of the block drafted
+PROMPTS = ("--prompts", "mt-bench", "--num-prompts", "10", "--max-new-tokens", "24", "--k", str(K))
+TAU_GAP = 0.02  # the engine's τ (counted as evaluate counts it) against our decoder's
 
 
 @pytest.fixture(scope="module")
 def dflash_pair(tmp_path_factory, tokenizer):
-    """(verifier dir with the SmolLM2 tokenizer, DFlash drafter dir in the engines' layout)."""
-    root = tmp_path_factory.mktemp("dflash_pair")
-    verifier = chain_verifier()
-    verifier.save_pretrained(root / "verifier")
-    tokenizer.save_pretrained(root / "verifier")
-    drafter = write_dflash_drafter(root / "drafter", verifier.config.to_dict(), layers=2, block_size=BLOCK)
-    return root / "verifier", drafter
+    """(verifier dir with the SmolLM2 tokenizer, DFlash drafter dir)."""
+    return accepting_dflash_pair(tmp_path_factory.mktemp("dflash_pair"), tokenizer, questions=10)
 
 
 def evaluate(engine: str, verifier: Path, drafter: Path, out: Path, *extra: str) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", engine, "--skip-transformers", "--drafter",
+    result = subprocess.run([EAGLE3_HF, "evaluate", "--engine", engine, "--drafter",
                              str(drafter), "--verifier", str(verifier), *PROMPTS, *extra, "--no-progress",
                              "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((out / f"eagle3_evaluation_{engine}.json").read_text())
+    served = json.loads((out / f"eagle3_evaluation_{engine}.json").read_text())
+    ours = json.loads((out / "eagle3_evaluation.json").read_text())
+    assert ours["lossless"] is True and ours["acceptance_length"] > 1.5, ours["acceptance_length"]  # drafts accepted
+    return served
+
+
+def assert_accepts_as_ours(served: dict) -> None:
+    """The engine's τ as evaluate counts it within TAU_GAP of our decoder's on the same questions."""
+    assert abs(served["gap"]) <= TAU_GAP, (served["acceptance_length_as_evaluate_counts"],
+                                           served["transformers_acceptance_length"], served["prompt_agreement"])
 
 
 @pytest.mark.slow
@@ -59,10 +63,10 @@ def test_vllm_serves_a_dflash_drafter_losslessly(dflash_pair, tmp_path):
     # token-identical to plain vLLM at temperature 0
     assert served["lossless"] is True and served["mismatches"] == 0
     # vLLM's own counters: a verify step per cycle, k drafts each, per-position acceptance for the k positions
-    assert served["num_drafts"] > 0 and len(served["per_position_acceptance"]) == 3
-    assert served["acceptance_length"] >= 1.0
+    assert served["num_drafts"] > 0 and len(served["per_position_acceptance"]) == K
     steps = [a for row in served["per_prompt"] for a in row["accepted_per_step"]]
-    assert steps and all(0 <= a <= 3 for a in steps)
+    assert steps and all(0 <= a <= K for a in steps) and 0 in steps and K in steps  # whole blocks and none
+    assert_accepts_as_ours(served)
 
 
 def llamacpp_built() -> bool:
@@ -89,4 +93,5 @@ def test_llamacpp_converts_and_serves_a_dflash_drafter_losslessly(dflash_pair, t
     # the server's draft counters: drafts offered every cycle (p-min 0), at most k each, the stream's cycles adding up
     assert served["num_drafts"] > 0 and served["counters_agree"]
     drafted = [d for row in served["per_prompt"] for d in row["drafted_per_step"]]
-    assert drafted and max(drafted) <= 3
+    assert drafted and max(drafted) <= K
+    assert_accepts_as_ours(served)

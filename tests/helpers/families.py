@@ -106,18 +106,22 @@ def save_family_verifier(family: str, path: Path, tokenizer, seed: int = 0, **ov
     return model
 
 
-def make_learnable(model, kept, damping: float = 0.1):
+def make_learnable(model, kept, damping: float = 0.1, successor: bool = False):
     """Make a random verifier one a drafter learns in seconds (in place; returns it): embeddings N(0, 1), every
     attention and MLP output (o_proj, down_proj, the experts' included) damped so that each final state stays near
     its token's embedding, and lm_head row j the embedding of j for the ids in `kept`, zero elsewhere. Its greedy
     next token is then the current one wherever that is in `kept` (the tokens of its answers: they repeat), and a
-    token of `kept` elsewhere (a prompt's last token), after which the answer repeats that token."""
+    token of `kept` elsewhere (a prompt's last token), after which the answer repeats that token.
+
+    With `successor`, row j is the embedding of the kept id before j (in sorted order, cyclically): the greedy next
+    token of a kept token is the next kept id, so answers walk through every kept token instead of repeating one,
+    and a drafter's τ on them averages over many transitions it saw in training (a repeated pair it never saw)."""
     with torch.no_grad():
         embed = model.get_input_embeddings().weight.normal_(0, 1.0)
         head = model.get_output_embeddings().weight
         head.zero_()
         ids = torch.tensor(sorted(set(kept)), dtype=torch.long)
-        head[ids] = embed[ids]
+        head[ids.roll(1) if successor else ids] = embed[ids]
         for name, param in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
                 param.mul_(damping)
