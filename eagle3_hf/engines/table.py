@@ -48,19 +48,30 @@ class DrafterKind:
     sglang_algorithm: str  # --speculative-algorithm
     llamacpp_spec_type: str  # llama-server --spec-type
     model: str  # "module:Class" of its PreTrainedModel, imported when asked for (this table imports no torch)
+    training: str  # "module:Class" of how the Trainer trains it (train/kind_training.py: KindTraining)
 
     def model_class(self) -> Any:
         """The drafter's PreTrainedModel class (`from_pretrained` reads this kind's layout)."""
-        module, name = self.model.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.model)
+
+    def training_class(self) -> Any:
+        """Its KindTraining: the loss items, loss and metric counts of one micro-batch, for the Trainer."""
+        return _imported(self.training)
+
+
+def _imported(where: str) -> Any:
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 EAGLE3 = DrafterKind("eagle3", "EAGLE-3", ("LlamaForCausalLMEagle3", "Eagle3"), vllm_method="eagle3",
                      sglang_algorithm="EAGLE3", llamacpp_spec_type="draft-eagle3",
-                     model="eagle3_hf.model.modeling_eagle3:Eagle3DraftModel")
+                     model="eagle3_hf.model.modeling_eagle3:Eagle3DraftModel",
+                     training="eagle3_hf.train.chain_training:ChainTraining")
 DFLASH = DrafterKind("dflash", "DFlash", ("DFlashDraftModel", "DFlash"), vllm_method="dflash",
                      sglang_algorithm="DFLASH", llamacpp_spec_type="draft-dflash",
-                     model="eagle3_hf.model.modeling_dflash:DFlashDraftModel")
+                     model="eagle3_hf.model.modeling_dflash:DFlashDraftModel",
+                     training="eagle3_hf.train.dflash_training:BlockTraining")
 KINDS: tuple[DrafterKind, ...] = (EAGLE3, DFLASH)
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import read_safetensors_dir, resolve_checkpoint
+from .checkpoint import checkpoint_drafter_kind, read_safetensors_dir, resolve_checkpoint
 from .configuration_dflash import DFLASH_ARCHITECTURE, DFlashConfig
 
 LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -28,7 +28,7 @@ LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                  "post_attention_layernorm.weight")
 if TYPE_CHECKING:
-    from ..engines.table import DrafterKind
+    pass
 
 NOT_SERVED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
 
@@ -113,15 +113,3 @@ def is_dflash_checkpoint(name_or_path: str | os.PathLike, revision: str | None =
     from ..engines.table import DFLASH
 
     return checkpoint_drafter_kind(name_or_path, revision) is DFLASH
-
-
-def checkpoint_drafter_kind(name_or_path: str | os.PathLike, revision: str | None = None) -> DrafterKind:
-    """The drafter kind (engines/table.py) a directory or Hub repo declares in its config.json; EAGLE-3 without one
-    (the EAGLE-3 reader then names what is missing)."""
-    from ..engines.table import EAGLE3, drafter_kind
-
-    config_file = resolve_checkpoint(name_or_path, revision=revision) / "config.json"
-    if not config_file.is_file():
-        return EAGLE3
-    with open(config_file, encoding="utf-8") as f:
-        return drafter_kind(json.load(f))

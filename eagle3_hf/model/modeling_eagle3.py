@@ -84,6 +84,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel, Eagle3VerifierWeights):
     # the TTT unroll's attention (ttt_attention.packed_keys): "auto" = per document on a CPU, one call per step
     # over the batch elsewhere; not part of the checkpoint
     packed_attention: str = "auto"
+    drafter_kind = "eagle3"  # its row in engines/table.py: how it is trained, served and checked
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)

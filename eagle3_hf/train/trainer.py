@@ -22,24 +22,22 @@ from transformers import Trainer
 from ..constants import TRAINING_ARGS_FILE
 from ..errors import NonFiniteError, describe_non_finite, non_finite_names
 from .arguments import refuse_unsupported
-from .dflash_loss import ANCHORS_KEY, dflash_loss, ensure_anchors, sample_anchors, step_weight
-from .loss import drafter_loss
+from .kind_training import KindTraining, kind_training
 from .metrics import StepStats
 from .nodes import NodeRows
 from .objective import Objective
-from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset, Sampler
     from transformers.trainer_utils import EvalLoopOutput
 
-    from ..model.modeling_dflash import DFlashDraftModel
-    from ..model.modeling_eagle3 import Eagle3DraftModel
+    from transformers import PreTrainedModel
     from .arguments import Eagle3TrainingArguments
 
 
 class Eagle3Trainer(Trainer):
-    """Trainer for `Eagle3DraftModel` on batches from `PackedCollator` (or the online collator).
+    """Trainer for a drafter of any kind in engines/table.py on batches from `PackedCollator` (or the online
+    collator); what differs by kind is the kind's own step (kind_training.KindTraining).
 
     The model must have its vocabulary mapping installed and its teacher attached
     (`model.attach_teacher(verifier)`) before the Trainer is built.
@@ -53,40 +51,13 @@ class Eagle3Trainer(Trainer):
         # DeepSpeed may come from the accelerate config rather than --deepspeed: refuse Muon there too
         run = self.args
         refuse_unsupported(bool(run.gradient_checkpointing), run.hidden_optimizer, self.is_deepspeed_enabled)
-        drafter = self.accelerator.unwrap_model(self.model)
-        # a DFlash drafter (model/modeling_dflash.py) scores block positions 1 .. B - 1 where EAGLE-3 scores TTT steps;
-        # its head is the verifier's own (frozen), so the lm_head options do not apply to it
-        self.dflash = getattr(drafter, "drafter_kind", "eagle3") == "dflash"
         self.loss_objective: Objective = self.args.training_objective()  # what each scored row trains
-        if self.dflash:
-            if not drafter.verifier_weights_loaded:
-                raise ValueError("load the verifier's embedding and lm_head first: model.load_verifier_weights(...)")
-            self.metric_steps = drafter.config.max_drafts
-            self.step_weight = step_weight(drafter.config.block_loss_decay)
-        else:
-            self._init_eagle3(drafter)
-            self.metric_steps, self.step_weight = self.args.ttt_steps, self.args.ttt_step_weight
+        # the kind's own step (engines/table.py names it): EAGLE-3 scores TTT steps, DFlash block positions
+        self.kind: KindTraining = kind_training(self._drafter(), self.args, self._drafter)
+        self.metric_steps, self.step_weight = self.kind.metric_steps, self.kind.step_weight
         steps = self.metric_steps
         self._train_stats, self._eval_stats = StepStats(steps), StepStats(steps)
         self._guard_loss: torch.Tensor | None = None  # the first non-finite loss of this optimizer step, if any
-
-    def _init_eagle3(self, drafter: Eagle3DraftModel) -> None:
-        if getattr(drafter, "verifier_lm_head", None) is None:
-            raise ValueError("attach the verifier's lm_head first: model.attach_teacher(verifier)")
-        # The run's TTT settings become the drafter's: its config.json records them, and what reads a drafter
-        # later (drafter_step_accuracies, the speculators export) takes them from there.
-        drafter.config.ttt_steps, drafter.config.ttt_step_weight = self.args.ttt_steps, self.args.ttt_step_weight
-        if self.args.init_lm_head not in ("random", "verifier"):
-            raise ValueError(f"init_lm_head must be 'random' or 'verifier', not {self.args.init_lm_head!r}")
-        if self.args.init_lm_head == "verifier":  # before the optimizer exists; a resumed checkpoint overrides it
-            drafter.init_lm_head_from_verifier()
-        if self.args.freeze_lm_head:
-            drafter.freeze_lm_head()
-        drafter.packed_attention = self.args.packed_attention
-        objective = self.args.training_objective()
-        if objective.needs_in_vocab_mass and not drafter.teacher_in_vocab_mass:
-            raise ValueError(f"--objective {objective.name} needs the verifier's mass outside the draft "
-                             "vocabulary: attach the teacher with model.attach_teacher(verifier, in_vocab_mass=True)")
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW through the Trainer, or Muon on the hidden matrices + AdamW on the rest."""
@@ -117,27 +88,15 @@ class Eagle3Trainer(Trainer):
 
     # ------------------------------------------------------------------ loss
 
-    def _drafter(self) -> Eagle3DraftModel:
-        drafter: Eagle3DraftModel = self.accelerator.unwrap_model(self.model)
-        return drafter
-
-    def _dflash_drafter(self) -> DFlashDraftModel:
-        drafter: DFlashDraftModel = self.accelerator.unwrap_model(self.model)
+    def _drafter(self) -> PreTrainedModel:
+        drafter: PreTrainedModel = self.accelerator.unwrap_model(self.model)
         return drafter
 
     def _get_num_items_in_batch(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
-        """The optimizer step's loss tokens; on the way, each micro-batch's plan (`targets.BatchPlan`: where the
-        heads and the loss read, as indices), all made with one read of the device, so that the micro-steps
-        make none. DFlash: each micro-batch's anchors, drawn here, and their number."""
-        if self.dflash:
-            per_row = self._dflash_drafter().anchors_per_row
-            count = torch.tensor(sum(int((ensure_anchors(b, per_row) >= 0).sum()) for b in batch_samples),
-                                 device=device)
-        else:
-            plans = plan_batches(batch_samples, self.args.ttt_steps, self._drafter().t2d)
-            for batch, plan in zip(batch_samples, plans):
-                batch[PLAN_KEY] = plan
-            count = torch.tensor(sum(plan.loss_counts[0] for plan in plans), device=device)
+        """The optimizer step's loss items, counted by the drafter's kind, which prepares each micro-batch on the way
+        (EAGLE-3's plan of where the heads and the loss read, DFlash's anchors) with one read of the device, so
+        that the micro-steps make none."""
+        count = self.kind.loss_items(batch_samples, device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return count
@@ -149,20 +108,7 @@ class Eagle3Trainer(Trainer):
         run's objective (the soft cross-entropy by default)."""
         noise = self.args.feature_noise_std if model.training else 0.0
         stats = self._train_stats if model.training else self._eval_stats
-        if self.dflash:
-            per_row = self._dflash_drafter().anchors_per_row
-            if not model.training and ANCHORS_KEY not in inputs:  # the same blocks at every evaluation
-                inputs[ANCHORS_KEY] = sample_anchors(inputs, per_row, torch.Generator().manual_seed(0))
-            step = dflash_loss(model, inputs, per_row, noise, self.loss_objective)
-            assert step.counts is not None
-            stats.add(step.counts)
-        else:
-            drafter = self._drafter()
-            step = drafter_loss(model, inputs, drafter.t2d, self.args.ttt_steps, self.args.ttt_step_weight, noise,
-                                objective=self.loss_objective)
-            assert isinstance(step.outputs.logits, tuple)  # the TTT forward returns every step's logits
-            stats.update(step.outputs.logits, inputs, drafter.d2t, drafter.t2d, step.step_losses,
-                         logits_mask=step.logits_mask, head_rows=step.head_rows, step_alphas=step.step_alphas)
+        step = self.kind.loss(model, inputs, noise, self.loss_objective, stats)
         outputs = step.outputs
         loss = step.normalised(num_items_in_batch)
         if model.training:
