@@ -3,7 +3,8 @@ engines/table.py (its model class, its KindTraining), so a third kind adds a row
 Trainer, `evaluate` and the engine evaluations stay as they are. Read from the source with `ast` (an import inside
 a function counts too; a docstring does not):
 
-- the Trainer (train/trainer.py, train/kind_training.py) and every module of evaluation/ import no module of a kind
+- the Trainer (train/trainer.py, train/kind_training.py), the training script and every module of evaluation/
+  import no module of a kind
   (one whose file name carries a kind's name, or that a row names as its model or training);
 - nor compare anything with a kind's name (a string constant equal to one).
 """
@@ -17,7 +18,7 @@ from eagle3_hf.engines.table import KINDS
 
 from tests.test_layering import PACKAGE, imported, module_name
 
-GENERIC = [PACKAGE / "train" / "trainer.py", PACKAGE / "train" / "kind_training.py",
+GENERIC = [PACKAGE / "train" / "trainer.py", PACKAGE / "train" / "kind_training.py", PACKAGE / "scripts" / "train.py",
            *sorted((PACKAGE / "evaluation").glob("*.py"))]
 # EAGLE-3-only features of evaluation/ present when this test was written (tree sweeps, per-step accuracies from
 # two feature sets): they take an EAGLE-3 drafter by design. A new one fails the test; the list may only shrink.

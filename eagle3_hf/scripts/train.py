@@ -31,24 +31,22 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 from transformers import set_seed
 from transformers.trainer_utils import IntervalStrategy
 
 from eagle3_hf.constants import TRAINING_FILE
+from eagle3_hf.engines.table import kind
 from eagle3_hf.features.store import merge_manifests
 from eagle3_hf.train.arguments import parse_args
-from eagle3_hf.train.dflash_setup import build_dflash_drafter, feature_samples
-from eagle3_hf.train.nodes import check_same_vocabulary, check_training_nodes, spread_over_nodes
-from eagle3_hf.train.setup import build_drafter, finetune_advice, finish_process
+from eagle3_hf.train.nodes import check_training_nodes, spread_over_nodes
+from eagle3_hf.train.setup import finetune_advice, finish_process
 from eagle3_hf.train.shm import check_at_start
 from eagle3_hf.train.trainer import Eagle3Trainer, training_summary, write_json
 from eagle3_hf.train.training_data import (
     build_datasets,
     check_features_fit,
     endpoint_loader_workers,
-    load_vocabulary,
     resolve_features_verifier,
     verify_features,
     warn_untrained_tails,
@@ -57,10 +55,6 @@ from eagle3_hf.verifier.checkpoint_files import verifier_io_weights
 from eagle3_hf.verifier.family import logit_softcap, text_config
 from eagle3_hf.verifier.loading import load_config, resolve_verifier
 from eagle3_hf.verifier.remote_code import set_trusted
-
-if TYPE_CHECKING:
-    from eagle3_hf.model.modeling_dflash import DFlashDraftModel
-    from eagle3_hf.model.modeling_eagle3 import Eagle3DraftModel
 
 logger = logging.getLogger("eagle3_hf.train")
 
@@ -100,31 +94,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dataloader_num_workers == 0:  # a DataLoader without workers takes neither
         args.dataloader_persistent_workers, args.dataloader_prefetch_factor = False, None
     check_features_fit(features, verifier_config, model_args)
-    dflash = model_args.drafter_kind == "dflash"  # a block drafter: the verifier's full vocabulary, no d2t
-    if not dflash:
-        d2t, t2d = load_vocabulary(data_args, features, verifier_config)
-        if nodes:
-            check_same_vocabulary(d2t, nodes.layout)
     if not len(evals) and args.eval_strategy != "no":  # nothing to measure: no accuracy 0 / τ 1.0 logged as measured
         logger.warning("the validation split is empty (--validation-fraction %s): evaluation is off, no accuracy or "
                        "simulated τ is reported", data_args.validation_fraction)
         args.eval_strategy = IntervalStrategy.NO
         args.load_best_model_at_end = False  # no evaluation, no best checkpoint: the last one is kept
 
-    # 3. Drafter: one Llama layer sized from the verifier, from scratch (seeded here, so the seed also fixes
-    #    its initialisation) or --finetune-from an existing drafter (mismatches are logged loudly); or, with
-    #    --drafter-kind dflash, a DFlash block drafter from scratch.
+    # 3. Drafter: built by its kind (engines/table.py: EAGLE-3's one Llama layer over the draft vocabulary, from
+    #    scratch or --finetune-from; DFlash's block drafter), seeded here so the seed also fixes its
+    #    initialisation; the thinking mode the data was rendered in recorded with it.
     set_seed(args.seed)
-    model: Eagle3DraftModel | DFlashDraftModel
-    mode = features.tokenizer.get("chat_template_kwargs")  # the thinking mode the data was rendered in
-    if dflash:  # N Qwen3 layers drafting a block per forward (DFlash), its mask token one the data never contains
-        model, init = build_dflash_drafter(model_args, verifier_config, list(features.identity.aux_layer_indices),
-                                           features.identity.tokenizer_fingerprint,
-                                           features.tokenizer.get("tokenizer_class"), feature_samples(features), mode)
-    else:
-        model, init = build_drafter(model_args, verifier_config, d2t, t2d, list(features.identity.aux_layer_indices),
-                                    features.identity.tokenizer_fingerprint, features.tokenizer.get("tokenizer_class"),
-                                    mode)
+    model, init, kind_recipe = kind(model_args.drafter_kind).training_class().build(
+        model_args, data_args, verifier_config, features, nodes)
 
     # 4. Teacher: the verifier's embedding (frozen; engines share it at serving) and its lm_head rows for the
     #    draft vocabulary (DFlash: all of them, its own head too), read by tensor name so a huge verifier is never
@@ -167,10 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         data={"name": features.source, "num_samples": train.stats["samples"], "num_tokens": train.stats["tokens"],
               "num_train_rows": train.stats["rows"], "packing": train.stats, "shards_hashed_at_start": hashed},
         recipe={"max_seq_len": data_args.max_seq_len, "init": init["init"], "features": data_args.features,
-                "online": features.online, "drafter_kind": model_args.drafter_kind,
-                **({"block_size": model_args.block_size, "dflash_layers": model_args.dflash_layers,
-                    "dflash_anchors": model_args.dflash_anchors, "block_loss_decay": model_args.block_loss_decay,
-                    "mask_token_id": init["mask_token_id"]} if dflash else {})},
+                "online": features.online, "drafter_kind": model_args.drafter_kind, **kind_recipe},
     )
     summary["log_history"] = trainer.state.log_history
     if args.should_save:  # rank 0, or each node's first process with --save_on_each_node

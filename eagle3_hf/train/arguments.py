@@ -17,6 +17,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import DataClassType
 
+from ..engines.table import KINDS
 from ..errors import UsageError
 from ..features.table import features_syntax
 from ..model.configuration_dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DEFAULT_LOSS_DECAY
@@ -124,7 +125,7 @@ class ModelArguments:
     drafter_kind: str = field(
         default="eagle3", metadata={"help": "eagle3: one layer drafting a chain, token by token; dflash: a block "
                                             "drafter (DFlash) drafting --block-size - 1 tokens per forward, from the "
-                                            "same features", "choices": ["eagle3", "dflash"]})
+                                            "same features", "choices": [k.name for k in KINDS]})
     block_size: int = field(
         default=DEFAULT_BLOCK_SIZE, metadata={"help": "dflash: tokens per block, the anchor included (drafts per "
                                                       "verify forward: block size - 1)"})

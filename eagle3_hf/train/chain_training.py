@@ -13,13 +13,35 @@ from .loss import DrafterLoss, drafter_loss
 from .targets import PLAN_KEY, plan_batches
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from ..model.modeling_eagle3 import Eagle3DraftModel
-    from .arguments import Eagle3TrainingArguments
+    from .arguments import DataArguments, Eagle3TrainingArguments, ModelArguments
     from .metrics import StepStats
+    from .nodes import TrainingNodes
     from .objective import Objective
+    from .training_data import TrainingFeatures
 
 
 class ChainTraining:
+    @staticmethod
+    def build(model_args: ModelArguments, data_args: DataArguments, verifier_config: PreTrainedConfig,
+              features: TrainingFeatures, nodes: TrainingNodes | None,
+              ) -> tuple[Eagle3DraftModel, dict[str, Any], dict[str, Any]]:
+        """One Llama layer sized from the verifier over the draft vocabulary (the same on every node), from
+        scratch or --finetune-from an existing drafter (mismatches are logged loudly)."""
+        from .nodes import check_same_vocabulary
+        from .setup import build_drafter
+        from .training_data import load_vocabulary
+
+        d2t, t2d = load_vocabulary(data_args, features, verifier_config)
+        if nodes:
+            check_same_vocabulary(d2t, nodes.layout)
+        model, init = build_drafter(model_args, verifier_config, d2t, t2d, list(features.identity.aux_layer_indices),
+                                    features.identity.tokenizer_fingerprint, features.tokenizer.get("tokenizer_class"),
+                                    features.tokenizer.get("chat_template_kwargs"))
+        return model, init, {}
+
     def __init__(self, drafter: Eagle3DraftModel, args: Eagle3TrainingArguments,
                  unwrapped: Callable[[], nn.Module]):
         if getattr(drafter, "verifier_lm_head", None) is None:

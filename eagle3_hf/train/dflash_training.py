@@ -14,14 +14,35 @@ from torch import nn
 from .dflash_loss import ANCHORS_KEY, dflash_loss, ensure_anchors, sample_anchors, step_weight
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from ..model.modeling_dflash import DFlashDraftModel
-    from .arguments import Eagle3TrainingArguments
+    from .arguments import DataArguments, Eagle3TrainingArguments, ModelArguments
     from .loss import DrafterLoss
     from .metrics import StepStats
+    from .nodes import TrainingNodes
     from .objective import Objective
+    from .training_data import TrainingFeatures
 
 
 class BlockTraining:
+    @staticmethod
+    def build(model_args: ModelArguments, data_args: DataArguments, verifier_config: PreTrainedConfig,
+              features: TrainingFeatures, nodes: TrainingNodes | None,
+              ) -> tuple[DFlashDraftModel, dict[str, Any], dict[str, Any]]:
+        """N Qwen3 layers drafting a block per forward over the verifier's whole vocabulary (no d2t), from scratch,
+        its mask token one the data never contains."""
+        from .dflash_setup import build_dflash_drafter, feature_samples
+
+        model, init = build_dflash_drafter(model_args, verifier_config, list(features.identity.aux_layer_indices),
+                                           features.identity.tokenizer_fingerprint,
+                                           features.tokenizer.get("tokenizer_class"), feature_samples(features),
+                                           features.tokenizer.get("chat_template_kwargs"))
+        recipe = {"block_size": model_args.block_size, "dflash_layers": model_args.dflash_layers,
+                  "dflash_anchors": model_args.dflash_anchors, "block_loss_decay": model_args.block_loss_decay,
+                  "mask_token_id": init["mask_token_id"]}
+        return model, init, recipe
+
     def __init__(self, drafter: DFlashDraftModel, args: Eagle3TrainingArguments,
                  unwrapped: Callable[[], nn.Module]):
         if not drafter.verifier_weights_loaded:

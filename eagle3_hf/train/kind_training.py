@@ -12,10 +12,14 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .arguments import Eagle3TrainingArguments
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    from .arguments import DataArguments, Eagle3TrainingArguments, ModelArguments
     from .loss import DrafterLoss
     from .metrics import StepStats
+    from .nodes import TrainingNodes
     from .objective import Objective
+    from .training_data import TrainingFeatures
 
 
 class KindTraining(Protocol):
@@ -24,6 +28,13 @@ class KindTraining(Protocol):
 
     metric_steps: int
     step_weight: float
+
+    @staticmethod
+    def build(model_args: ModelArguments, data_args: DataArguments, verifier_config: PreTrainedConfig,
+              features: TrainingFeatures, nodes: TrainingNodes | None,
+              ) -> tuple[PreTrainedModel, dict[str, Any], dict[str, Any]]:
+        """(drafter, how it was initialised, the kind's own recipe fields for the training record): the training
+        script's step 3, seeded before it."""
 
     def loss_items(self, batch_samples: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
         """The optimizer step's loss items (tokens or block positions), preparing each micro-batch on the way so

@@ -29,9 +29,9 @@ from .objective import Objective
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset, Sampler
+    from transformers import PreTrainedModel
     from transformers.trainer_utils import EvalLoopOutput
 
-    from transformers import PreTrainedModel
     from .arguments import Eagle3TrainingArguments
 
 
