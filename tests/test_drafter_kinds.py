@@ -13,7 +13,7 @@ import torch
 from eagle3_hf.decoding import greedy_generate, speculative_decode
 from eagle3_hf.engines.table import KINDS, DrafterKind, drafter_kind
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.model.checkpoint import checkpoint_drafter_kind
+from eagle3_hf.model.drafter_kind import checkpoint_drafter_kind
 from eagle3_hf.publish.check import check_drafter
 from eagle3_hf.scripts.train import main as train_main
 from eagle3_hf.train.dflash_setup import tokens_present

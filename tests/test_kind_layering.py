@@ -16,7 +16,7 @@ from pathlib import Path
 
 from eagle3_hf.engines.table import KINDS
 
-from tests.test_layering import PACKAGE, imported, module_name
+from tests.helpers.source_imports import PACKAGE, imported, module_name
 
 GENERIC = [PACKAGE / "train" / "trainer.py", PACKAGE / "train" / "kind_training.py", PACKAGE / "scripts" / "train.py",
            *sorted((PACKAGE / "evaluation").glob("*.py"))]

@@ -322,7 +322,7 @@ def load_for_evaluation(args: argparse.Namespace):
     with a non-finite weight is refused, a mismatched pair is refused or warned about by name."""
     from ..data.prepare import use_chat_template
     from ..errors import NonFiniteError, describe_non_finite, non_finite_names
-    from ..model.checkpoint import checkpoint_drafter_kind
+    from ..model.drafter_kind import checkpoint_drafter_kind
     from ..verifier.loading import load_tokenizer
 
     if args.k < 1 or args.max_new_tokens < 1:

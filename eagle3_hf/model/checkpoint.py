@@ -35,8 +35,6 @@ from .configuration_eagle3 import Eagle3Config
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..engines.table import DrafterKind
-
 EMBED_KEY = "embed_tokens.weight"
 LAYER_WEIGHTS = (  # every weight of the standard layout, in the order errors list them
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
@@ -424,15 +422,3 @@ def write_speculators(state_dict: dict[str, torch.Tensor], config: Eagle3Config,
     with open(out / "config.json", "w", encoding="utf-8") as f:
         json.dump(speculators_config(config, verifier_architectures), f, indent=2)
     return out
-
-
-def checkpoint_drafter_kind(name_or_path: str | os.PathLike, revision: str | None = None) -> DrafterKind:
-    """The drafter kind (engines/table.py) a directory or Hub repo declares in its config.json; EAGLE-3 without one
-    (the EAGLE-3 reader then names what is missing)."""
-    from ..engines.table import EAGLE3, drafter_kind
-
-    config_file = resolve_checkpoint(name_or_path, revision=revision) / "config.json"
-    if not config_file.is_file():
-        return EAGLE3
-    with open(config_file, encoding="utf-8") as f:
-        return drafter_kind(json.load(f))

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import checkpoint_drafter_kind, read_safetensors_dir, resolve_checkpoint
+from .checkpoint import read_safetensors_dir, resolve_checkpoint
 from .configuration_dflash import DFLASH_ARCHITECTURE, DFlashConfig
+from .drafter_kind import checkpoint_drafter_kind
 
 LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",

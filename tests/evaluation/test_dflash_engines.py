@@ -1,10 +1,10 @@
 """A DFlash drafter of our own class served by the engines (slow), beside our decoder on the same 10 MT-bench
 questions: vLLM's CPU build serves it with the method "dflash" (`evaluate --engine vllm`), llama.cpp converts it
 with its own converter (`export --format gguf`) and serves it with `--spec-type draft-dflash` (`evaluate --engine
-llamacpp`). Each answers token-identically to its plain decoding, and accepts what our decoder accepts: the drafter
-(tests/helpers/dflash_drafters.accepting_dflash_pair) has its blocks accepted whole in some cycles and partly or
-not at all in others (τ about 2.2 of 5), so an engine reading the layout otherwise (aux layers, mask token, block
-attention, RoPE) moves τ by more than the 0.02 asserted."""
+llamacpp`). Each answers token-identically to its plain decoding, and accepts what our decoder accepts: the
+drafter (`accepting_dflash_pair` in tests/helpers/dflash_drafters.py) has its blocks accepted whole in some cycles
+and partly or not at all in others (τ about 2.2 of 5), so an engine reading the layout otherwise (aux layers, mask
+token, block attention, RoPE) moves τ by more than the 0.02 asserted."""
 
 from __future__ import annotations
 
