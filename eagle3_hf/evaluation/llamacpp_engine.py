@@ -26,6 +26,7 @@ from typing import Any
 from ..constants import LLAMACPP_EVALUATION_FILE
 from ..errors import UsageError, debug_requested
 from .recommend import speedup_interval
+from .train_serve_gap import compare_engines
 
 
 def add_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,23 +92,6 @@ def summarize(plain: list[Any], spec: list[Any], k: int, temperature: float, p_m
         "mismatches": statuses.count("mismatch") if greedy else None,
         "per_prompt": rows,
     }
-
-
-def compare_engines(served: dict[str, Any], transformers: dict[str, Any]) -> dict[str, Any]:
-    """The train/serve gap: llama.cpp τ as evaluate counts it minus evaluate's τ; per prompt "equal" (same tokens,
-    same accepted drafts at every cycle), "numerics" (the answers differ: the verifiers' kernels or weights differ,
-    so the cycles are not comparable) or "differ" (same tokens, other acceptance)."""
-    tau_l, tau_t = served["acceptance_length_as_evaluate_counts"], transformers["acceptance_length"]
-    kinds = []
-    for s, t in zip(served["per_prompt"], transformers["per_prompt"]):
-        if s["tokens"] != t.get("tokens", s["tokens"]):
-            kinds.append("numerics")
-        else:
-            kinds.append("equal" if s["accepted_per_step"] == list(t["accepted_per_step"]) else "differ")
-    return {"transformers_acceptance_length": tau_t,
-            "gap": tau_l - tau_t if tau_l is not None and tau_t is not None else None,
-            "prompts_equal": kinds.count("equal"), "prompts_numerics": kinds.count("numerics"),
-            "prompts_differ": kinds.count("differ"), "num_compared": len(kinds), "prompt_agreement": kinds}
 
 
 def format_llamacpp_summary(summary: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from ..engines import vllm_args
 from ..engines.table import checkpoint_kind, evaluated_engines
 from ..engines.vllm_env import run_vllm
 from ..errors import UsageError, debug_requested
+from .train_serve_gap import compare_engines
 
 VLLM_DEFAULT_MEMORY = 0.9  # vLLM's own default gpu_memory_utilization (vllm/engine/arg_utils.py)
 ENGINE_LAYOUTS = ("auto", "sequential", "together")
@@ -114,28 +115,6 @@ def summarize(plain: dict, spec: dict, k: int, temperature: float, max_new_token
         "mismatches": statuses.count("mismatch") if greedy else None,
         "per_prompt": rows,
     }
-
-
-def compare_engines(vllm: dict[str, Any], transformers: dict[str, Any]) -> dict[str, Any]:
-    """The train/serve gap and where it comes from, prompt by prompt.
-
-    gap = vLLM τ counted as evaluate counts it (final step cut, `cut_final_step`) minus evaluate's τ: zero
-    when vLLM accepts exactly what our decoder accepts. Per prompt: "equal" (same tokens, same accepted
-    drafts at every step), "numerics" (the two engines' greedy outputs differ, at a near-tie of their
-    different kernels: the steps are not comparable), "differ" (same tokens, different acceptance: a real
-    train/serve mismatch).
-    """
-    tau_v, tau_t = vllm["acceptance_length_as_evaluate_counts"], transformers["acceptance_length"]
-    kinds = []
-    for v, t in zip(vllm["per_prompt"], transformers["per_prompt"]):
-        if v["tokens"] != t.get("tokens", v["tokens"]):
-            kinds.append("numerics")
-        else:
-            kinds.append("equal" if v["accepted_per_step_cut"] == list(t["accepted_per_step"]) else "differ")
-    return {"transformers_acceptance_length": tau_t,
-            "gap": tau_v - tau_t if tau_v is not None and tau_t is not None else None,
-            "prompts_equal": kinds.count("equal"), "prompts_numerics": kinds.count("numerics"),
-            "prompts_differ": kinds.count("differ"), "num_compared": len(kinds), "prompt_agreement": kinds}
 
 
 def format_vllm_summary(summary: dict[str, Any]) -> str:
@@ -301,7 +280,7 @@ def run_engine(args: argparse.Namespace) -> int:
                                 progress=not args.no_progress)
         ours.update(verifier=args.verifier, drafter=args.drafter)
         written += list(write_outputs(out, ours))
-        summary.update(compare_engines(summary, ours))
+        summary.update(compare_engines(summary, ours, steps="accepted_per_step_cut"))
     else:  # nothing in-process to compare with: compare with what training recorded instead
         against = served_against_training(summary, args.drafter, args.revision)
         if against:
