@@ -58,7 +58,6 @@ def write_dflash_drafter(path: Path, verifier: dict[str, Any], seed: int = 0,
     return write_checkpoint(path, cfg, tensors)
 
 
-
 ACCEPTING_BLOCK = 5  # the accepting drafter's block: k = 4 drafts per cycle
 
 
@@ -67,10 +66,9 @@ def accepting_dflash_pair(root: Path, tokenizer, questions: int = 10, alpha: flo
     """(verifier dir, drafter dir): a random 6-layer Llama verifier (hidden 256, head_dim 64: vLLM's CPU attention
     refuses head_dim 16) with `tokenizer`, whose greedy answers end repeating one token (on most of the first
     `questions` MT-bench questions the same one), and a DFlash drafter of our own class (block 5) whose mask token
-    is the token most of them repeat and whose o_proj / down_proj are scaled by `alpha`: its blocks
-    are accepted whole in some cycles and partly or not at all in others, so τ is neither 1 nor k + 1 and the
-    accepted drafts per cycle compare the drafter's math across engines (smaller alpha: every draft accepted;
-    larger: none)."""
+    is the token most of them repeat and whose o_proj / down_proj are scaled by `alpha`: its blocks are accepted
+    whole in some cycles and partly or not at all in others, so τ is neither 1 nor k + 1 and the accepted drafts
+    per cycle compare the drafter's math across engines (smaller alpha: every draft accepted; larger: none)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle3_hf.decoding import greedy_generate
