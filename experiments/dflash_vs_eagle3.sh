@@ -6,7 +6,8 @@
 #   bash experiments/dflash_vs_eagle3.sh data                 # the demo's regenerate + vocab (600 prompts), once
 #   bash experiments/dflash_vs_eagle3.sh eagle3 SEED [OBJECTIVE]  # examples/recipes/small_cpu.yaml, 6 epochs (kl)
 #   bash experiments/dflash_vs_eagle3.sh dflash SEED ANCHORS STEPS [LAYERS] [BLOCK]
-#   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS]  # NAME: a run directory under $T (default 20 prompts)
+#   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS] [TEMPERATURE]  # NAME: a run directory under $T
+#                                                             (default 20 prompts, greedy; T > 0 writes eval_T<t>_NAME)
 # Each training run's `/usr/bin/time -v` (user + sys seconds) is in its log: DFlash's STEPS are chosen so that its
 # CPU seconds match the EAGLE-3 run's.
 set -euo pipefail
@@ -37,7 +38,8 @@ case "${1:-}" in
       --eval-strategy steps --eval-steps $((steps / 2)) --save-strategy steps --save-steps $((steps / 2)) \
       > $T/$name.log 2>&1 ;;
   eval)
+    temperature=${4:-0} out=$T/eval_$2; [ "$temperature" = 0 ] || out=$T/eval_T${temperature}_$2
     eagle3-hf evaluate --drafter $T/$2 --verifier $V --prompts mt-bench --num-prompts "${3:-20}" \
-      --max-new-tokens 64 --k 3 --temperature 0 --output $T/eval_$2 --no-progress ;;
+      --max-new-tokens 64 --k 3 --temperature "$temperature" --output "$out" --no-progress ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
