@@ -44,6 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: rank.get(group(item.nodeid), len(FIRST)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_vllm():
+    """One warm vLLM process per worker that the vLLM runners fork from (tests/helpers/vllm.py)."""
+    from tests.helpers.vllm import start_warm_vllm, stop_warm_vllm
+
+    started = start_warm_vllm()
+    yield
+    stop_warm_vllm(started)
+
+
 @pytest.fixture(scope="session")
 def default_verifier_dir():
     """The embedded default verifier, converted from its GGUF once and cached (about 35 s the first time)."""

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
+from .warm_launch import WarmProcess, launch
+
 _S = TypeVar("_S", bound="ServerProcess")
 
 
@@ -36,7 +38,7 @@ class ServerProcess:
 
     def __init__(self, timeout: float, debug: bool = False):
         self.timeout, self.debug = timeout, debug
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | WarmProcess | None = None
         self._log_path: Path | None = None
 
     # ------------------------------------------------------------ what a subclass supplies
@@ -62,13 +64,15 @@ class ServerProcess:
 
     # ------------------------------------------------------------ the process
 
-    def _launch(self, argv: list[str], env: dict[str, str]) -> None:
-        """Popen `argv` in its own process group, its output into `_log_path` (the terminal with `debug`)."""
+    def _launch(self, argv: list[str], env: dict[str, str], warm: bool = False) -> None:
+        """Start `argv` in its own process group, its output into `_log_path` (the terminal with `debug`);
+        `warm`: a vLLM runner, forked from the warm vLLM process when one listens (warm_launch.py)."""
         assert self._log_path is not None, "set _log_path before _launch"
         log = None if self.debug else open(self._log_path, "w", encoding="utf-8")
         try:
-            self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=None if log is None else subprocess.STDOUT,
-                                          start_new_session=True)
+            err = None if log is None else subprocess.STDOUT
+            self._proc = (launch(argv, env, stdout=log, stderr=err, start_new_session=True) if warm else
+                          subprocess.Popen(argv, env=env, stdout=log, stderr=err, start_new_session=True))
         finally:
             if log is not None:
                 log.close()

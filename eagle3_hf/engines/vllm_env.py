@@ -21,6 +21,7 @@ from ..errors import Eagle3Error
 from .child_env import engine_environment
 from .vllm_args import replica_environment
 from .vllm_extract_runner import process_alive
+from .warm_launch import WarmProcess, launch
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 STAMP = ".eagle3_hf_vllm"
@@ -135,15 +136,18 @@ def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, tim
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request), encoding="utf-8")
         env = vllm_environment(vllm_venv(), threads, offline, debug)
+        log_path = Path(tmp) / "vllm.log"
+        with open(log_path, "w", encoding="utf-8") as log_file:
+            proc = launch([str(python), str(RUNNER), str(req), str(res)], env, stdout=None if debug else log_file,
+                          stderr=None if debug else subprocess.STDOUT)
         try:
-            proc = subprocess.run([str(python), str(RUNNER), str(req), str(res)], env=env,
-                                  stdout=None if debug else subprocess.PIPE,
-                                  stderr=None if debug else subprocess.STDOUT, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise VllmError(f"vLLM ({python}) did not finish within {timeout:.0f} s and was stopped "
-                            f"({TIMEOUT_ENV} sets the limit)", details=out) from None
-        log = proc.stdout or ""
+                            f"({TIMEOUT_ENV} sets the limit)", details=log_path.read_text(errors="replace")) from None
+        log = log_path.read_text(encoding="utf-8", errors="replace")
         if not res.is_file():
             tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or [f"exit status {proc.returncode}"]
             raise VllmError(f"vLLM ({python}) ended without a result: {tail[0].strip()}", details=log)
@@ -219,7 +223,7 @@ class VllmExtraction:
         self.storage_dir = storage_dir
         self.result: dict[str, Any] | None = None
         self.peak_pending_bytes = 0
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | WarmProcess | None = None
         self._rounds, self._offset, self._buffer = 0, 0, b""
 
     def __enter__(self) -> VllmExtraction:
@@ -245,9 +249,9 @@ class VllmExtraction:
         self._python = python
         log = None if self.debug else open(self._log, "w", encoding="utf-8")
         try:
-            self._proc = subprocess.Popen([str(python), str(EXTRACT_RUNNER), str(tmp / "request.json"),
-                                           str(self._result)], env=env, stdout=log,
-                                          stderr=None if log is None else subprocess.STDOUT, start_new_session=True)
+            self._proc = launch([str(python), str(EXTRACT_RUNNER), str(tmp / "request.json"), str(self._result)],
+                                env, stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                                start_new_session=True)
         finally:
             if log is not None:
                 log.close()

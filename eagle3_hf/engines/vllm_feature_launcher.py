@@ -58,7 +58,7 @@ class VllmFeatureServer(ServerProcess):
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         self._python = python
-        self._launch([str(python), str(FEATURE_SERVER), str(tmp / "request.json")], env)
+        self._launch([str(python), str(FEATURE_SERVER), str(tmp / "request.json")], env, warm=True)
 
     def __enter__(self) -> VllmFeatureServer:
         super().__enter__()

@@ -3,7 +3,9 @@ per test, when `EAGLE3_HF_TEST_CPU_LOG=FILE` is set (every xdist worker appends 
 
 The suite is bound by CPU time on two cores, not by scheduling (docs/development.md), so what a cut is worth is
 read in CPU seconds, not wall seconds. A test's own subprocesses and engines count once they are reaped, so a session
-fixture's engine lands on the test that set it up (its setup) or on the one that tore it down.
+fixture's engine lands on the test that set it up (its setup) or on the one that tore it down. The runners forked
+from the session's warm vLLM process (tests/helpers/vllm.py) are its children, not the test's: their CPU seconds,
+which it sums for us, count among the test's children all the same.
 `python scripts/cpu_table.py FILE` turns the lines into docs/development.md's table.
 """
 
@@ -14,16 +16,28 @@ import os
 import resource
 import time
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 
 LOG_VARIABLE = "EAGLE3_HF_TEST_CPU_LOG"
 
 
+def _warm_children_seconds() -> float:
+    """CPU seconds of the runners the warm vLLM process reaped so far (engines/vllm_warm.py writes them)."""
+    from eagle3_hf.engines.warm_launch import WARM_ENV
+
+    path = os.environ.get(WARM_ENV)
+    try:
+        return float(Path(path + ".cpu").read_text(encoding="utf-8")) if path else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 def _cpu_seconds() -> tuple[float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + _warm_children_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
