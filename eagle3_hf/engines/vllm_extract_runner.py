@@ -304,25 +304,15 @@ def run(request: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as f:
-        request = json.load(f)
+    from vllm_runner import request_main  # this directory: the script's own (sys.path[0])
+
     try:
-        result, status = run(request), 0
+        return request_main(argv, run, __doc__, passes=(ReaderGone,))
     except ReaderGone:  # its temporary directory (request, prompts, progress, log) would outlive it otherwise
         import shutil
 
         shutil.rmtree(os.path.dirname(os.path.abspath(argv[0])), ignore_errors=True)
         return 3
-    except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
-        from vllm_runner import error_result  # this directory: the script's own (sys.path[0])
-
-        result, status = error_result(exc), 3
-    with open(argv[1], "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return status
 
 
 if __name__ == "__main__":

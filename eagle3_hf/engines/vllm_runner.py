@@ -28,6 +28,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -152,19 +153,29 @@ def error_result(exc: BaseException) -> dict:
                       "full_message": str(exc), "traceback": traceback.format_exc()}}
 
 
-def main(argv: list[str]) -> int:
+def request_main(argv: list[str], run: Callable[[dict], dict], usage: str | None,
+                 passes: tuple[type[BaseException], ...] = ()) -> int:
+    """The command line of the runners that answer one request (this one, vllm_extract_runner.py):
+    REQUEST.json RESULT.json; the result, or the error as the caller reads it, with exit status 3. An exception
+    of a type in `passes` is the runner's own to handle (raised, nothing written)."""
     if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     with open(argv[0], encoding="utf-8") as f:
         request = json.load(f)
     try:
         result, status = run(request), 0
+    except passes:
+        raise
     except BaseException as exc:  # the caller turns it into one line; the traceback travels with it
         result, status = error_result(exc), 3
     with open(argv[1], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return status
+
+
+def main(argv: list[str]) -> int:
+    return request_main(argv, run, __doc__)
 
 
 if __name__ == "__main__":
