@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_hf.engines.table import EAGLE3
 from eagle3_hf.engines.vllm_env import VllmError, run_vllm
+from eagle3_hf.engines.vllm_request import GenerationRequest
 from eagle3_hf.evaluation.evaluate import load_prompts, render_prompt
 from eagle3_hf.evaluation.vllm_engine import cut_final_step
 from eagle3_hf.publish.check import check_drafter
@@ -142,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.verifier)
     prompts, _ = load_prompts("mt-bench", args.num_prompts)
     ids = [render_prompt(tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in prompts]
-    request = {"verifier": resolve_verifier(args.verifier), "prompts": ids, "max_new_tokens": args.max_new_tokens,
-               "temperature": 0.0, "seed": 0, "k": 3, "dtype": "float32", "max_model_len": 2048, "logprobs": None,
-               "method": EAGLE3.vllm_method}
-    plain = run_vllm(dict(request, drafter=None), threads=torch.get_num_threads())["plain"]["outputs"]
+    request = GenerationRequest(verifier=resolve_verifier(args.verifier), prompts=ids,
+                                max_new_tokens=args.max_new_tokens, k=3, method=EAGLE3.vllm_method)
+    plain = run_vllm(request, threads=torch.get_num_threads())["plain"]["outputs"]
     rows = []
     for name, (what, edit) in VARIANTS.items():
         if args.only and name not in args.only:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings = sorted({f.code for f in findings if f.level == "warning"})
         start = time.perf_counter()
         try:
-            res = run_vllm(dict(request, drafter=str(path), plain=False), threads=torch.get_num_threads())["spec"]
+            res = run_vllm(request.replace(drafter=str(path), plain=False), threads=torch.get_num_threads())["spec"]
             steps = [a for o, c in zip(res["outputs"], res["spec"])
                      for a in cut_final_step(c["per_step_accepted"], len(o), args.max_new_tokens)]
             drafts = sum(c["drafts"] for c in res["spec"])

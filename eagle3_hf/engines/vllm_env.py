@@ -21,6 +21,7 @@ from ..errors import Eagle3Error
 from .child_env import engine_environment
 from .vllm_args import replica_environment
 from .vllm_extract_runner import process_alive
+from .vllm_request import GenerationRequest
 from .warm_launch import WarmProcess, launch
 
 RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
@@ -124,17 +125,17 @@ def one_line(error: dict[str, Any]) -> str:
     return found if found.startswith(kind + ":") else f"{kind}: {found}"
 
 
-def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, timeout: float | None = None) -> dict:
+def run_vllm(request: GenerationRequest, threads: int = 1, debug: bool = False, timeout: float | None = None) -> dict:
     """Run one vllm_runner.py request in the vLLM venv; its JSON result, or VllmError with one line.
 
     The runner is killed after `timeout` seconds (default `default_timeout()`), which is a VllmError too."""
     python = vllm_python()
     timeout = default_timeout() if timeout is None else timeout
-    names = [request.get("verifier"), request.get("drafter")]
+    names = [request.verifier, request.drafter]
     offline = all(n is None or Path(str(n)).exists() for n in names)  # repo ids: this process only goes online
     with tempfile.TemporaryDirectory(prefix="eagle3_vllm_") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request), encoding="utf-8")
+        req.write_text(json.dumps(request.to_json()), encoding="utf-8")
         env = vllm_environment(vllm_venv(), threads, offline, debug)
         log_path = Path(tmp) / "vllm.log"
         with open(log_path, "w", encoding="utf-8") as log_file:
@@ -155,8 +156,8 @@ def run_vllm(request: dict[str, Any], threads: int = 1, debug: bool = False, tim
     if "error" in result:
         if debug:
             print(result["error"].get("traceback", ""), file=sys.stderr)
-        what = "the drafter" if request.get("drafter") else "the verifier"
-        name = request.get("drafter") or request.get("verifier")
+        what = "the drafter" if request.drafter else "the verifier"
+        name = request.drafter or request.verifier
         raise VllmError(f"vLLM refused {what} {name}: {one_line(result['error'])}",
                         details=log + "\n" + result["error"].get("traceback", ""))
     return result

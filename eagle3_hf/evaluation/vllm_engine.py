@@ -26,6 +26,7 @@ from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
 from ..engines import vllm_args
 from ..engines.table import checkpoint_kind, evaluated_engines
 from ..engines.vllm_env import run_vllm
+from ..engines.vllm_request import GenerationRequest
 from ..errors import UsageError, debug_requested
 from .train_serve_gap import compare_engines
 
@@ -148,7 +149,7 @@ def split_memory(engine: dict[str, Any], engines: int) -> dict[str, Any]:
     return dict(engine, gpu_memory_utilization=round(share, 4))
 
 
-def run_engines(request: dict[str, Any], drafter: str, revision: str | None, layout: str, cpu: bool,
+def run_engines(request: GenerationRequest, drafter: str, revision: str | None, layout: str, cpu: bool,
                 runner: Callable[..., dict] | None = None, **runner_kwargs: Any) -> dict[str, Any]:
     """vLLM's plain and speculative runs of `request`: {"vllm_version", "plain": RUN, "spec": RUN} (vllm_runner.py).
 
@@ -158,12 +159,12 @@ def run_engines(request: dict[str, Any], drafter: str, revision: str | None, lay
     process's run (default vllm_env.run_vllm).
     """
     runner = runner or run_vllm
-    spec_request = dict(request, drafter=drafter, drafter_revision=revision)
+    spec_request = request.replace(drafter=drafter, drafter_revision=revision)
     if layout == "together":
-        engine = dict(request.get("engine") or {})
-        return runner(dict(spec_request, engine=engine if cpu else split_memory(engine, 2)), **runner_kwargs)
-    plain = runner(dict(request, drafter=None, drafter_revision=None), **runner_kwargs)
-    spec = runner(dict(spec_request, plain=False), **runner_kwargs)
+        engine = dict(request.engine)
+        return runner(spec_request.replace(engine=engine if cpu else split_memory(engine, 2)), **runner_kwargs)
+    plain = runner(request.replace(drafter=None, drafter_revision=None), **runner_kwargs)
+    spec = runner(spec_request.replace(plain=False), **runner_kwargs)
     return {"vllm_version": spec.get("vllm_version"), "plain": plain["plain"], "spec": spec["spec"]}
 
 
@@ -254,10 +255,11 @@ def run_engine(args: argparse.Namespace) -> int:
     # the context a prompt needs: itself, its answer and the drafts past the answer's end
     max_model_len = args.max_model_len or max(len(i) for i in ids) + args.max_new_tokens + args.k + 1
     engine["trust_remote_code"] = trusted()
-    request = {"verifier": verifier_path, "verifier_revision": args.verifier_revision, "prompts": ids,
-               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-               "dtype": dtype, "max_model_len": max_model_len, "k": args.k,
-               "logprobs": 2 if args.temperature <= 0 else None, "engine": engine, "method": kind.vllm_method}
+    request = GenerationRequest(verifier=verifier_path, verifier_revision=args.verifier_revision, prompts=ids,
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                                dtype=dtype, max_model_len=max_model_len, k=args.k,
+                                logprobs=2 if args.temperature <= 0 else None, engine=engine,
+                                method=kind.vllm_method)
     print(f"vLLM: {len(ids)} prompts, plain and with the {kind.label} drafter {args.drafter} (k={args.k}, {dtype}), "
           f"{layout_line(layout, engine, cpu)} ...", file=sys.stderr)
     result = run_engines(request, args.drafter, args.revision, layout, cpu, threads=threads, debug=debug)

@@ -15,6 +15,7 @@ import pytest
 
 from eagle3_hf.engines.child_env import LAUNCHER_VARIABLES, engine_environment, launcher_variable
 from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction, run_vllm, vllm_environment
+from eagle3_hf.engines.vllm_request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 # what `torchrun --nnodes 2 --nproc-per-node 8` gives rank 9 (the second node's second process)
@@ -85,7 +86,7 @@ def test_a_runner_started_from_a_torchrun_rank_gets_no_rank_variables(recording_
     """`evaluate --engine vllm`'s runner (run_vllm) and `extract --engine vllm`'s (VllmExtraction), with a repo id
     (so not offline by our choice): the user's settings as they were, none of torchrun's."""
     with pytest.raises(VllmError, match="ended without a result"):
-        run_vllm({"verifier": "org/not-a-local-path", "prompts": []})
+        run_vllm(GenerationRequest(verifier="org/not-a-local-path", prompts=[]))
     child = json.loads(recording_venv.read_text())
     assert not [k for k in child if launcher_variable(k)]
     assert {k: child.get(k) for k in USER} == USER
@@ -116,8 +117,10 @@ def test_the_same_under_torchrun_itself(recording_venv, tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     script = tmp_path / "rank.py"
     script.write_text("import os\nfrom eagle3_hf.engines.vllm_env import run_vllm\n"
+                      "from eagle3_hf.engines.vllm_request import GenerationRequest\n"
                       "os.environ['ENV_DUMP'] += os.environ['RANK']\n"
-                      "try:\n    run_vllm({'verifier': 'org/x', 'prompts': []})\nexcept Exception:\n    pass\n")
+                      "try:\n    run_vllm(GenerationRequest(verifier='org/x', prompts=[]))\n"
+                      "except Exception:\n    pass\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300)
