@@ -13,12 +13,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .block import block_speculative_generate
-from .chain import speculative_generate
 from .plain import greedy_generate
 from .result import DecodeResult, SpeculativeResult
 from .stats import acceptance_stats, compare_to_greedy
-from .tree import num_candidates, tree_speculative_generate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,17 +36,10 @@ def speculative_decode(verifier: PreTrainedModel, drafter: Eagle3DraftModel | DF
     root included (default: every candidate of S steps, 1 + K + (S - 1) K^2), drafted under `tree_attention`
     ("sglang" as SGLang drafts, or "ancestors"; a chain is the same under both). A DFlash drafter drafts S tokens
     per block (at most its block_size - 1), no tree."""
-    if getattr(drafter, "drafter_kind", "eagle3") == "dflash":
-        if topk > 1:
-            raise ValueError(f"--topk {topk}: a DFlash drafter drafts one block, not a tree (use --topk 1)")
-        return block_speculative_generate(verifier, cast("DFlashDraftModel", drafter), input_ids, k=steps,
-                                          max_new_tokens=max_new_tokens, temperature=temperature,
-                                          generator=generator, eos_token_id=eos_token_id)
-    drafter = cast("Eagle3DraftModel", drafter)
-    if topk <= 1:
-        return speculative_generate(verifier, drafter, input_ids, k=steps, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, generator=generator, eos_token_id=eos_token_id)
-    size = num_draft_tokens if num_draft_tokens is not None else 1 + num_candidates(steps, topk)
-    return tree_speculative_generate(verifier, drafter, input_ids, steps=steps, topk=topk, num_draft_tokens=size,
-                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
-                                     eos_token_id=eos_token_id, tree_attention=tree_attention)
+    from ..engines.table import kind
+
+    decode = kind(getattr(drafter, "drafter_kind", "eagle3")).decoder_function()  # the drafter's row decides
+    return cast("SpeculativeResult", decode(
+        verifier, drafter, input_ids, steps=steps, topk=topk, num_draft_tokens=num_draft_tokens,
+        max_new_tokens=max_new_tokens, temperature=temperature, generator=generator, eos_token_id=eos_token_id,
+        tree_attention=tree_attention))

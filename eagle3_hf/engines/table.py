@@ -49,6 +49,9 @@ class DrafterKind:
     llamacpp_spec_type: str  # llama-server --spec-type
     model: str  # "module:Class" of its PreTrainedModel, imported when asked for (this table imports no torch)
     training: str  # "module:Class" of how the Trainer trains it (train/kind_training.py: KindTraining)
+    decoder: str  # "module:function" decoding with it in our decoder (decoding/kind_decoders.py)
+    plan: str  # "module:function" of `eagle3-hf plan`'s arithmetic for it (train/plan_drafter.py)
+    checks: str  # "module:function" of `eagle3-hf check`'s rules for its checkpoints (publish/check.py)
 
     def model_class(self) -> Any:
         """The drafter's PreTrainedModel class (`from_pretrained` reads this kind's layout)."""
@@ -57,6 +60,18 @@ class DrafterKind:
     def training_class(self) -> Any:
         """Its KindTraining: the loss items, loss and metric counts of one micro-batch, for the Trainer."""
         return _imported(self.training)
+
+    def decoder_function(self) -> Any:
+        """Speculative decoding with a drafter of this kind (decoding/kind_decoders.py's signature)."""
+        return _imported(self.decoder)
+
+    def plan_function(self) -> Any:
+        """(recipe, verifier text config, draft vocabulary) -> the plan's DrafterArithmetic for this kind."""
+        return _imported(self.plan)
+
+    def checks_function(self) -> Any:
+        """`check`'s rules for a checkpoint of this kind (publish/check.py's KindChecks signature)."""
+        return _imported(self.checks)
 
 
 def _imported(where: str) -> Any:
@@ -67,11 +82,17 @@ def _imported(where: str) -> Any:
 EAGLE3 = DrafterKind("eagle3", "EAGLE-3", ("LlamaForCausalLMEagle3", "Eagle3"), vllm_method="eagle3",
                      sglang_algorithm="EAGLE3", llamacpp_spec_type="draft-eagle3",
                      model="eagle3_hf.model.modeling_eagle3:Eagle3DraftModel",
-                     training="eagle3_hf.train.chain_training:ChainTraining")
+                     training="eagle3_hf.train.chain_training:ChainTraining",
+                     decoder="eagle3_hf.decoding.kind_decoders:decode_chain_or_tree",
+                     plan="eagle3_hf.train.plan_drafter:eagle3_arithmetic",
+                     checks="eagle3_hf.publish.check:check_eagle3")
 DFLASH = DrafterKind("dflash", "DFlash", ("DFlashDraftModel", "DFlash"), vllm_method="dflash",
                      sglang_algorithm="DFLASH", llamacpp_spec_type="draft-dflash",
                      model="eagle3_hf.model.modeling_dflash:DFlashDraftModel",
-                     training="eagle3_hf.train.dflash_training:BlockTraining")
+                     training="eagle3_hf.train.dflash_training:BlockTraining",
+                     decoder="eagle3_hf.decoding.kind_decoders:decode_blocks",
+                     plan="eagle3_hf.train.plan_drafter:dflash_arithmetic",
+                     checks="eagle3_hf.publish.check:check_dflash")
 KINDS: tuple[DrafterKind, ...] = (EAGLE3, DFLASH)
 
 
@@ -106,7 +127,11 @@ def kind(name: str) -> DrafterKind:
     for row in KINDS:
         if row.name == name:
             return row
-    raise ValueError(f"unknown drafter kind {name!r}: expected one of {', '.join(k.name for k in KINDS)}")
+    raise ValueError(f"unknown drafter kind {name!r}: expected one of {', '.join(kind_names())}")
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(row.name for row in KINDS)
 
 
 def drafter_kind(config: dict[str, Any]) -> DrafterKind:

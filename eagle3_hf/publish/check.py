@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..engines.table import DFLASH, checkpoint_engines, drafter_kind, engine_row
+from ..engines.table import checkpoint_engines, drafter_kind, engine_row
 from ..errors import UsageError, json_object
 from ..verifier.family import text_config
 from .aux_id_rules import sglang_family
@@ -94,8 +94,8 @@ def check_drafter(
     served_kwargs: dict[str, Any] | None = None,
 ) -> list[Finding]:
     """Every reason this checkpoint would serve badly in the engines asked about (SGLang, vLLM, llama.cpp; "all" or
-    one name or several), errors first: an EAGLE-3 drafter's rules (rules.py and the rule modules it names) or, when
-    config.json's architectures declare a DFlash drafter (engines/table.py), dflash_rules.py's. `engine_versions`:
+    one name or several), errors first: the rules of the kind config.json's architectures declare (its row in
+    engines/table.py names them: `check_eagle3`, `check_dflash` below). `engine_versions`:
     the release of each engine to check the version-dependent rules against (none: every release read);
     `served_kwargs`: the chat-template kwargs the server renders with (the thinking mode; None: unknown)."""
     rep = Report(engine)
@@ -111,8 +111,14 @@ def check_drafter(
         return [Finding("error", "missing-config", f"no config.json in {path_or_repo}")]
     except json.JSONDecodeError as exc:
         return [Finding("error", "bad-config", f"config.json in {path_or_repo} is not valid JSON: {exc}")]
-    if drafter_kind(cfg) is DFLASH:
-        return _check_dflash(root, cfg, rep, verifier, str(path_or_repo), served_kwargs)
+    checks = drafter_kind(cfg).checks_function()  # the kind's row (engines/table.py) names its rules
+    checks(root, cfg, rep, verifier, str(path_or_repo), served_kwargs, engine_versions or {})
+    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
+
+
+def check_eagle3(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str,
+                 served_kwargs: dict[str, Any] | None, engine_versions: dict[str, str | None]) -> None:
+    """An EAGLE-3 drafter's findings into `rep` (rules.py and the rule modules it names)."""
     if cfg.get("speculators_model_type") or "Eagle3Speculator" in (cfg.get("architectures") or []):
         rep.add("error", "speculators-layout", "speculators layout (Eagle3Speculator): SGLang cannot load it "
                 "(it drops layers.0.* silently); export the standard layout", ("sglang",))
@@ -133,22 +139,21 @@ def check_drafter(
     num_layers = (vcfg or {}).get("num_hidden_layers") or cfg.get("verifier_num_hidden_layers")
     check_config(cfg, rep, int(num_layers) if num_layers else None, sglang_family(varch))
     check_llamacpp_verifier(varch, rep)
-    check_rope(cfg, rep, engine_versions or {})
+    check_rope(cfg, rep, engine_versions)
     check_llamacpp_rope(cfg, rep)
     check_thinking_mode(cfg, rep, served_kwargs)
-    w = _read_weights(root, str(path_or_repo), rep)
+    w = _read_weights(root, name, rep)
     if w is not None:
         check_names_and_shapes(cfg, w, rep)
         check_values(cfg, w, rep)
         check_vocab_mapping(cfg, w, rep, (vcfg or {}).get("vocab_size"))
         if vcfg is not None:
             check_verifier(cfg, w, rep, vcfg, (lambda: _verifier_embedding(vpath)) if vpath else None)
-    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
-def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str,
-                  served_kwargs: dict[str, Any] | None = None) -> list[Finding]:
-    """A DFlash drafter's findings (publish/dflash_rules.py), errors first; what does not depend on the drafter's kind
+def check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name: str,
+                 served_kwargs: dict[str, Any] | None, engine_versions: dict[str, str | None]) -> None:
+    """A DFlash drafter's findings into `rep` (publish/dflash_rules.py); what does not depend on the drafter's kind
     applies as to EAGLE-3: llama.cpp's verifier graphs (its DFlash reads the same captured layer inputs) and the
     thinking mode."""
     from .dflash_rules import check_dflash_config, check_dflash_weights
@@ -165,7 +170,6 @@ def _check_dflash(root: Path, cfg: dict, rep: Report, verifier: str | None, name
     weights = _read_weights(root, name, rep)
     if weights is not None:
         check_dflash_weights(cfg, weights, rep, ids)
-    return sorted(rep.findings, key=lambda f: LEVELS.index(f.level))
 
 
 def _read_weights(root: Path, name: str, rep: Report) -> CheckpointWeights | None:

@@ -1,15 +1,14 @@
 """The plan's drafter arithmetic: per drafter kind, one object that knows its parameters, the activation memory of a
 training step, its FLOPs per token and the features it reads. `plan` picks it by the recipe's `drafter_kind`
 (default eagle3) and computes everything else (model states, disk, time) from what it answers, so a new drafter
-kind is one class here and one entry in `DRAFTER_KINDS`.
+kind is one class here, named by its row in engines/table.py (`plan`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import UsageError
 
@@ -395,14 +394,14 @@ def dflash_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vo
     return DFlashArithmetic(config, anchors, int(recipe.get("max_seq_len", 2048)))
 
 
-# The drafter kinds plan knows: name -> (recipe, verifier text config, draft vocabulary) -> its arithmetic.
-DRAFTER_KINDS: dict[str, Callable[[dict[str, Any], dict[str, Any], int], DrafterArithmetic]] = {
-    "eagle3": eagle3_arithmetic, "dflash": dflash_arithmetic}
-
-
 def drafter_arithmetic(recipe: dict[str, Any], text_cfg: dict[str, Any], draft_vocab: int) -> DrafterArithmetic:
-    """The arithmetic of the recipe's `drafter_kind` (default eagle3); an unknown kind is refused in one line."""
-    kind = str(recipe.get("drafter_kind", "eagle3"))
-    if kind not in DRAFTER_KINDS:
-        raise UsageError(f"the recipe's drafter_kind {kind!r}: plan knows {', '.join(sorted(DRAFTER_KINDS))}")
-    return DRAFTER_KINDS[kind](recipe, text_cfg, draft_vocab)
+    """The arithmetic of the recipe's `drafter_kind` (default eagle3), from its row in engines/table.py; an unknown
+    kind is refused in one line."""
+    from ..engines.table import kind, kind_names
+
+    name = str(recipe.get("drafter_kind", "eagle3"))
+    try:
+        row = kind(name)
+    except ValueError:
+        raise UsageError(f"the recipe's drafter_kind {name!r}: plan knows {', '.join(sorted(kind_names()))}") from None
+    return cast("DrafterArithmetic", row.plan_function()(recipe, text_cfg, draft_vocab))

@@ -42,6 +42,36 @@ def test_each_kind_has_its_name_in_each_engine():
                                                                                         "draft-dflash")
 
 
+def test_each_kind_s_row_names_what_the_package_does_with_it_by_kind(monkeypatch):
+    """The decoder, the plan's arithmetic and check's rules are found through the row: a kind whose row names
+    other functions gets those, so nothing else picks by the kind's name."""
+    import inspect
+
+    from eagle3_hf.decoding import speculative_decode
+    from eagle3_hf.decoding.kind_decoders import decode_blocks, decode_chain_or_tree
+    from eagle3_hf.publish.check import check_dflash, check_eagle3
+    from eagle3_hf.train.plan_drafter import dflash_arithmetic, drafter_arithmetic, eagle3_arithmetic
+
+    rows = {EAGLE3: (decode_chain_or_tree, eagle3_arithmetic, check_eagle3),
+            DFLASH: (decode_blocks, dflash_arithmetic, check_dflash)}
+    assert set(rows) == set(table.KINDS)
+    for row, expected in rows.items():
+        assert (row.decoder_function(), row.plan_function(), row.checks_function()) == expected
+        assert row.model_class().drafter_kind == row.name  # the model says which row it is
+    decoders = [inspect.signature(f) for f, _, _ in rows.values()]
+    assert [list(s.parameters) for s in decoders] == [list(decoders[0].parameters)] * len(decoders)
+    assert list(decoders[0].parameters)[3:] == list(inspect.signature(speculative_decode).parameters)[3:]
+
+    swapped = tuple(table.DrafterKind(**{**vars(k), "plan": f"{__name__}:stand_in_arithmetic"}) if k is EAGLE3 else k
+                    for k in table.KINDS)
+    monkeypatch.setattr(table, "KINDS", swapped)
+    assert drafter_arithmetic({"drafter_kind": "eagle3"}, {}, 8) == ("stand-in", 8)
+
+
+def stand_in_arithmetic(recipe, text_cfg, draft_vocab):
+    return "stand-in", draft_vocab
+
+
 def test_the_engine_lists_are_the_table_s():
     assert report.ENGINES == table.engine_names() == ("sglang", "vllm", "llamacpp")
     assert report.SERVERS == table.checkpoint_engines() == ("sglang", "vllm")  # `check --engine all`
