@@ -8,6 +8,9 @@
 #   bash experiments/dflash_vs_eagle3.sh dflash SEED ANCHORS STEPS [LAYERS] [BLOCK]
 #   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS] [TEMPERATURE]  # NAME: a run directory under $T
 #                                                             (default 20 prompts, greedy; T > 0 writes eval_T<t>_NAME)
+#   bash experiments/dflash_vs_eagle3.sh served NAME ENGINE [q4|f32]  # ENGINE vllm or llamacpp: tokens/s against
+#                                 plain decoding in that engine, 10 questions (llama.cpp: the embedded Q4_1 verifier
+#                                 GGUF, or the verifier converted at f32); an EAGLE-3 run is exported first
 # Each training run's `/usr/bin/time -v` (user + sys seconds) is in its log: DFlash's STEPS are chosen so that its
 # CPU seconds match the EAGLE-3 run's.
 set -euo pipefail
@@ -41,5 +44,16 @@ case "${1:-}" in
     temperature=${4:-0} out=$T/eval_$2; [ "$temperature" = 0 ] || out=$T/eval_T${temperature}_$2
     eagle3-hf evaluate --drafter $T/$2 --verifier $V --prompts mt-bench --num-prompts "${3:-20}" \
       --max-new-tokens 64 --k 3 --temperature "$temperature" --output "$out" --no-progress ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  served)
+    name=$2 engine=$3 gguf=${4:-q4} drafter=$T/$2 extra=()
+    kind=$(python -c "from eagle3_hf.engines.table import checkpoint_kind; print(checkpoint_kind('$drafter').name)")
+    if [ "$kind" = eagle3 ]; then  # the training layout: the engines read the standard export
+      [ -f "$T/${name}_export/config.json" ] || eagle3-hf export "$drafter" --output "$T/${name}_export" --format standard
+      drafter=$T/${name}_export
+    fi
+    [ "$gguf" = f32 ] && extra=(--verifier-gguf convert)
+    eagle3-hf evaluate --engine "$engine" --skip-transformers --drafter "$drafter" --verifier $V --prompts mt-bench \
+      --num-prompts 10 --max-new-tokens 64 --k 3 --temperature 0 --output "$T/served_${engine}_${gguf}_$name" \
+      --no-progress "${extra[@]}" ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
 esac
