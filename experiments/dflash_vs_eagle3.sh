@@ -51,7 +51,7 @@ case "${1:-}" in
       [ -f "$T/${name}_export/config.json" ] || eagle3-hf export "$drafter" --output "$T/${name}_export" --format standard
       drafter=$T/${name}_export
     fi
-    [ "$gguf" = f32 ] && extra=(--verifier-gguf convert)
+    [ "$engine" = llamacpp ] && [ "$gguf" = f32 ] && extra=(--verifier-gguf convert)
     eagle3-hf evaluate --engine "$engine" --skip-transformers --drafter "$drafter" --verifier $V --prompts mt-bench \
       --num-prompts 10 --max-new-tokens 64 --k 3 --temperature 0 --output "$T/served_${engine}_${gguf}_$name" \
       --no-progress "${extra[@]}" ;;
