@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_hf.features.engine_states import check_states
 from eagle3_hf.features.interface import PreparedSample
 from eagle3_hf.features.shard_writer import ShardWriter
-from eagle3_hf.features.vllm_spec import VllmFeatureSpec, default_readers
+from eagle3_hf.features.vllm.vllm_spec import VllmFeatureSpec, default_readers
 from eagle3_hf.train.plan import verifier_params
 from eagle3_hf.train.plan_reader import node_prefill_tokens_per_s, reader_plan
 from eagle3_hf.verifier.capture import greedy_tokens

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle3_hf.data.conversations import write_jsonl
     from eagle3_hf.demo_data.prompts import short_prompts
-    from eagle3_hf.features.vllm_generation import generate_plain, prompt_ids
+    from eagle3_hf.features.vllm.vllm_generation import generate_plain, prompt_ids
     from eagle3_hf.verifier.loading import load_tokenizer
 
     prompts = short_prompts(args.prompts)

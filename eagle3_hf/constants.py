@@ -23,5 +23,5 @@ LLAMACPP_EVALUATION_FILE = "eagle3_evaluation_llamacpp.json"  # `evaluate --engi
 
 # ---------------------------------------------------------------- servers
 # The API key of `serve-features` / `serve-vllm` and their clients (features/api_key.py). The feature server
-# script (engines/vllm_feature_server.py) runs without this package and spells the name itself.
+# script (engines/vllm/vllm_feature_server.py) runs without this package and spells the name itself.
 API_KEY_ENV = "EAGLE3_HF_API_KEY"

@@ -99,7 +99,7 @@ timed check eagle3-hf check "$OUT/export" --verifier "$VERIFIER" --engine all
 
 # A real engine: vLLM's CPU build serves the export on the same questions (token-identical to plain vLLM at
 # temperature 0, τ from vLLM's own metrics). Runs when `make vllm` installed it (DEMO_VLLM=0 skips it).
-if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm_env import vllm_python; vllm_python()" 2>/dev/null; then
+if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm.vllm_env import vllm_python; vllm_python()" 2>/dev/null; then
   stage "vllm: the export served by vLLM on the same $EVAL_Q MT-bench questions (k=3, greedy)"
   timed vllm eagle3-hf evaluate --engine vllm --skip-transformers --drafter "$OUT/export" --verifier "$VERIFIER" \
     --prompts mt-bench --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k 3 --temperature 0 \

@@ -76,7 +76,7 @@ stage "check the drafter for SGLang, vLLM and llama.cpp"
 timed check eagle3-hf check "$OUT/drafter" --verifier "$VERIFIER" --engine all
 timed check_llamacpp eagle3-hf check "$OUT/drafter" --verifier "$VERIFIER" --engine llamacpp
 
-if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm_env import vllm_python; vllm_python()" 2>/dev/null; then
+if [ "${DEMO_VLLM:-1}" != 0 ] && python -c "from eagle3_hf.engines.vllm.vllm_env import vllm_python; vllm_python()" 2>/dev/null; then
   stage "vllm: the drafter served by vLLM (method dflash) on the same $EVAL_Q MT-bench questions (k=$K, greedy)"
   timed vllm eagle3-hf evaluate --engine vllm --skip-transformers --drafter "$OUT/drafter" --verifier "$VERIFIER" \
     --prompts mt-bench --num-prompts "$EVAL_Q" --max-new-tokens "$EVAL_TOKENS" --k "$K" --temperature 0 \

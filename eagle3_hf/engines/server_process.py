@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
-from .warm_launch import WarmProcess, launch
+from .vllm.warm_launch import WarmProcess, launch
 
 _S = TypeVar("_S", bound="ServerProcess")
 

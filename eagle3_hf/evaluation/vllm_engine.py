@@ -4,7 +4,7 @@ The prompts are rendered with the verifier's chat template here, exactly as `eva
 passed to vLLM as token ids, so both engines read identical inputs. vLLM runs in its own venv (vllm_env.py):
 plain, then with the drafter (`speculative_config` with the method of the drafter's kind, engines/table.py: eagle3 or
 dflash), with the engine options every vLLM route takes
-(engines/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after the other,
+(engines/vllm/vllm_args.py: tensor and expert parallelism, memory). On a GPU the two engines run one after the other,
 each in its own process, so the plain one has exited, its memory freed, before the speculative one loads: a
 verifier that takes a node (Kimi-K2.5 over 8 GPUs) is evaluated on that node. On the CPU both share one process
 and each prompt's two runs are timed back to back (`--vllm-engines` chooses). τ and per-position acceptance come
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import VLLM_EVALUATION_FILE  # the model card reads it
-from ..engines import vllm_args
 from ..engines.table import checkpoint_kind, evaluated_engines
-from ..engines.vllm_env import run_vllm
-from ..engines.vllm_request import GenerationRequest
+from ..engines.vllm import vllm_args
+from ..engines.vllm.vllm_env import run_vllm
+from ..engines.vllm.vllm_request import GenerationRequest
 from ..errors import UsageError, debug_requested
 from .train_serve_gap import compare_engines
 
@@ -208,7 +208,7 @@ def run_engine(args: argparse.Namespace) -> int:
     import torch
 
     from ..data.prepare import use_chat_template
-    from ..engines.vllm_env import vllm_python
+    from ..engines.vllm.vllm_env import vllm_python
     from ..verifier.loading import load_config, load_tokenizer, resolve_verifier
     from ..verifier.remote_code import trusted
     from .evaluate import (

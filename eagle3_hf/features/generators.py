@@ -58,7 +58,7 @@ GENERATORS: dict[str, GeneratorRow] = {row.name: row for row in (
     GeneratorRow("transformers", "eagle3_hf.features.transformers_generation", "InProcessOptions",
                  summary="the verifier in this process (--verifier), batched; with --features-out its hidden "
                          "states are written in the same pass", engine="transformers", features="optional"),
-    GeneratorRow("vllm", "eagle3_hf.features.vllm_generation", "VllmGenerationOptions",
+    GeneratorRow("vllm", "eagle3_hf.features.vllm.vllm_generation", "VllmGenerationOptions",
                  summary="vLLM (its own venv) generates, prepare runs here, then the same engine prefills the "
                          "samples, as extract --engine vllm; needs --features-out", engine="vllm", features="always"),
     GeneratorRow("endpoint", "eagle3_hf.data.regenerate", "EndpointOptions",

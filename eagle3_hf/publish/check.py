@@ -213,7 +213,7 @@ def installed_version(engine: str) -> tuple[str, str] | None:
     import importlib.metadata
 
     if engine == "vllm":
-        from ..engines.vllm_env import STAMP, vllm_venv
+        from ..engines.vllm.vllm_env import STAMP, vllm_venv
 
         stamp = vllm_venv() / STAMP
         pin = re.search(r"==(\S+)", stamp.read_text()) if stamp.is_file() else None

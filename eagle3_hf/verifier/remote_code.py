@@ -3,7 +3,7 @@
 A checkpoint whose config or tokenizer names its own Python code (`auto_map`: Kimi-K2.5's tokenizer and config,
 DeepSeek's older releases) runs that code when loaded. Never by default: the command's flag sets it for the
 process (`set_trusted`, called by the CLI and the training script), transformers gets it explicitly (never its
-interactive prompt), and vLLM gets it through the engine options (engines/vllm_args.py). Without it, such a model
+interactive prompt), and vLLM gets it through the engine options (engines/vllm/vllm_args.py). Without it, such a model
 fails in one line naming the flag; with it, code that imports a package this environment lacks (Kimi-K2.5's
 tokenizer imports `tiktoken`) fails in one line naming the package and how to install it. Ranks of one launch load
 that code one at a time, local rank 0 first (code_cache.py: a cold modules cache is otherwise a copy race).

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_hf.engines.child_env import LAUNCHER_VARIABLES, engine_environment, launcher_variable
-from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction, run_vllm, vllm_environment
-from eagle3_hf.engines.vllm_request import GenerationRequest
+from eagle3_hf.engines.vllm.vllm_env import STAMP, VllmError, VllmExtraction, run_vllm, vllm_environment
+from eagle3_hf.engines.vllm.vllm_request import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 # what `torchrun --nnodes 2 --nproc-per-node 8` gives rank 9 (the second node's second process)
@@ -101,7 +101,7 @@ def test_a_runner_started_from_a_torchrun_rank_gets_no_rank_variables(recording_
 
 
 def test_the_openai_servers_command_gets_no_rank_variables(recording_venv, tmp_path):
-    from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
+    from eagle3_hf.engines.vllm.vllm_openai import VllmOpenAIServer
 
     server = VllmOpenAIServer("org/verifier", [1, 2, 3, 4], port=8000, storage=tmp_path / "s",
                               engine={"device": "cpu"})
@@ -116,8 +116,8 @@ def test_the_same_under_torchrun_itself(recording_venv, tmp_path, monkeypatch):
     for name in TORCHRUN:
         monkeypatch.delenv(name)
     script = tmp_path / "rank.py"
-    script.write_text("import os\nfrom eagle3_hf.engines.vllm_env import run_vllm\n"
-                      "from eagle3_hf.engines.vllm_request import GenerationRequest\n"
+    script.write_text("import os\nfrom eagle3_hf.engines.vllm.vllm_env import run_vllm\n"
+                      "from eagle3_hf.engines.vllm.vllm_request import GenerationRequest\n"
                       "os.environ['ENV_DUMP'] += os.environ['RANK']\n"
                       "try:\n    run_vllm(GenerationRequest(verifier='org/x', prompts=[]))\n"
                       "except Exception:\n    pass\n")

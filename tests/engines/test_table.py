@@ -17,7 +17,7 @@ import pytest
 from eagle3_hf.engines import table
 from eagle3_hf.engines.llamacpp_server import LlamaServer
 from eagle3_hf.engines.table import DFLASH, EAGLE3, checkpoint_kind, drafter_kind
-from eagle3_hf.engines.vllm_env import RUNNER
+from eagle3_hf.engines.vllm.vllm_env import RUNNER
 from eagle3_hf.errors import UsageError
 from eagle3_hf.evaluation import command, live_check
 from eagle3_hf.publish import report

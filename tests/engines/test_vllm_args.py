@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from eagle3_hf import cli
-from eagle3_hf.engines import vllm_args
-from eagle3_hf.engines.vllm_env import vllm_venv
+from eagle3_hf.engines.vllm import vllm_args
+from eagle3_hf.engines.vllm.vllm_env import vllm_venv
 
 VLLM_ROUTES = ("extract", "regenerate", "serve-features", "serve-vllm", "evaluate")
 ENGINE_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
@@ -109,7 +109,7 @@ def test_each_extraction_route_refuses_too_few_batched_tokens(command, tiny_veri
 
 def test_the_offline_request_is_checked_against_the_longest_sample():
     """Without --max-model-len the context is the longest sample + 1, known once the samples are read."""
-    from eagle3_hf.features.vllm_spec import VllmFeatureSpec
+    from eagle3_hf.features.vllm.vllm_spec import VllmFeatureSpec
 
     spec = VllmFeatureSpec.__new__(VllmFeatureSpec)  # only `request` is exercised: no verifier needed
     spec.path, spec.revision, spec.vllm_dtype, spec.layer_ids = "v", None, "bfloat16", [1, 2, 3, 4]

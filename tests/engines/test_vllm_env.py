@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from eagle3_hf.engines.vllm_env import EXTRACT_PREFIX, remove_orphaned_extractions
-from eagle3_hf.engines.vllm_extract_runner import process_alive
-from eagle3_hf.engines.vllm_feature_launcher import FEATURE_SERVER
+from eagle3_hf.engines.vllm.vllm_env import EXTRACT_PREFIX, remove_orphaned_extractions
+from eagle3_hf.engines.vllm.vllm_extract_runner import process_alive
+from eagle3_hf.engines.vllm.vllm_feature_launcher import FEATURE_SERVER
 
 
 def feature_server_script():
@@ -84,7 +84,7 @@ def test_a_killed_feature_servers_storage_is_removed_by_the_next_start(tmp_path)
 
 
 def test_a_killed_vllm_servers_storage_and_log_are_removed_by_the_next_start(tmp_path):
-    from eagle3_hf.engines.vllm_openai import STORAGE_PREFIX
+    from eagle3_hf.engines.vllm.vllm_openai import STORAGE_PREFIX
 
     dead = exited_pid()
     killed, running = tmp_path / f"{STORAGE_PREFIX}killed", tmp_path / f"{STORAGE_PREFIX}running"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_hf.engines.vllm_env import STAMP
+from eagle3_hf.engines.vllm.vllm_env import STAMP
 
 from tests.helpers.served_pair import VLLM_EVALUATION_ARGS, chain_verifier, trained_drafter
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_hf import cli
-from eagle3_hf.engines import vllm_args
+from eagle3_hf.engines.vllm import vllm_args
 from eagle3_hf.evaluation import vllm_engine
 
 from tests.helpers.served_pair import VLLM_EVALUATION_ARGS

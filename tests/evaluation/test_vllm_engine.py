@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_hf.cli import main
-from eagle3_hf.engines.vllm_env import one_line
+from eagle3_hf.engines.vllm.vllm_env import one_line
 from eagle3_hf.evaluation.vllm_engine import cut_final_step
 
 ROOT = Path(__file__).resolve().parents[2]

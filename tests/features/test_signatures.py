@@ -61,8 +61,8 @@ DICT_RETURNS = {
     "features/routes/engine_files.py": 3, "features/packing.py": 3, "features/prepared_from_shards.py": 1,
     "features/reader.py": 3, "features/routes/directory.py": 1, "features/commands/serve_features.py": 1,
     "features/routes/sglang_server_client.py": 2, "features/interface.py": 2, "features/verify.py": 2,
-    "features/vllm_features.py": 1,
-    "features/routes/vllm_server_client.py": 3, "features/vllm_spec.py": 1, "features/write.py": 1,
+    "features/vllm/vllm_features.py": 1,
+    "features/routes/vllm_server_client.py": 3, "features/vllm/vllm_spec.py": 1, "features/write.py": 1,
     "train/arguments.py": 1, "train/nodes.py": 1, "train/optim.py": 1, "train/plan.py": 1,
     "train/plan_inputs.py": 2, "train/trainer.py": 1,
 }

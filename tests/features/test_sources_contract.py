@@ -44,7 +44,7 @@ def vllm(ctx: dict) -> SourceRequest:
 
 
 def vllm_server(ctx: dict) -> SourceRequest:
-    from eagle3_hf.features.vllm_spec import VllmOptions
+    from eagle3_hf.features.vllm.vllm_spec import VllmOptions
 
     from tests.helpers.completions_stub import CompletionsStub
 

@@ -23,7 +23,7 @@ from eagle3_hf.data.prepare import prepare_conversations
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.routes.transformers import extract_features
-from eagle3_hf.features.vllm_generation import eos_ids, generate_plain, prompt_ids
+from eagle3_hf.features.vllm.vllm_generation import eos_ids, generate_plain, prompt_ids
 from eagle3_hf.features.write import StoreOptions
 
 from tests.helpers.data import kill_after_shards
@@ -135,7 +135,7 @@ def test_vllm_missing_is_one_line_and_writes_nothing(tmp_path, monkeypatch, caps
 
 def test_layer_ids_out_of_range_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, tiny_verifier_dir):
     from eagle3_hf.cli import main
-    from eagle3_hf.engines.vllm_env import STAMP
+    from eagle3_hf.engines.vllm.vllm_env import STAMP
 
     venv = tmp_path / "vllm-venv"  # a venv that passes the install check; vLLM itself is never started
     (venv / "bin").mkdir(parents=True)

@@ -23,12 +23,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_hf.cli import main
-from eagle3_hf.engines.vllm_env import STAMP, VllmError, VllmExtraction
+from eagle3_hf.engines.vllm.vllm_env import STAMP, VllmError, VllmExtraction
 from eagle3_hf.evaluation.feature_diff import diff_features
 from eagle3_hf.features.engine_states import features_from_states, vllm_layer_ids
 from eagle3_hf.features.reader import FeatureDataset
 from eagle3_hf.features.routes.transformers import extract_features
-from eagle3_hf.features.vllm_spec import read_states
+from eagle3_hf.features.vllm.vllm_spec import read_states
 from eagle3_hf.features.write import StoreOptions
 from eagle3_hf.verifier.capture import capture_features, final_norm
 from eagle3_hf.verifier.family import logit_softcap
@@ -179,7 +179,7 @@ def test_samples_over_max_model_len_are_skipped_counted_and_never_sent(tmp_path,
     context M."""
     import datasets
 
-    import eagle3_hf.engines.vllm_env as vllm_env
+    import eagle3_hf.engines.vllm.vllm_env as vllm_env
 
     monkeypatch.setattr(vllm_env, "vllm_python", lambda: "python")
     monkeypatch.setattr(vllm_env, "VllmExtraction", StandInRun)

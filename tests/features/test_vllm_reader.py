@@ -18,7 +18,7 @@ from eagle3_hf.data.prepared_samples import PreparedDataset
 from eagle3_hf.features.interface import PreparedSample, SampleFeatures
 from eagle3_hf.features.quantize import as_stored
 from eagle3_hf.features.reader import FeatureDataset
-from eagle3_hf.features.vllm_spec import VllmFeatureSpec
+from eagle3_hf.features.vllm.vllm_spec import VllmFeatureSpec
 from eagle3_hf.features.write import StoreOptions, write_features
 
 from tests.helpers.data import feature_files, make_prepared

@@ -192,7 +192,7 @@ def test_the_printed_server_command_is_the_extraction_config(serveable_dir, caps
 @pytest.mark.slow
 def test_vllm_openai_server_features_equal_extracts(tmp_path, serveable_model, serveable_dir, fingerprint):
     vllm_or_fail()
-    from eagle3_hf.engines.vllm_openai import VllmOpenAIServer
+    from eagle3_hf.engines.vllm.vllm_openai import VllmOpenAIServer
     from eagle3_hf.features.routes.transformers import extract_features
     from eagle3_hf.features.write import StoreOptions
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_hf.engines.vllm_openai import STORAGE_NAME, layers_name
+from eagle3_hf.engines.vllm.vllm_openai import STORAGE_NAME, layers_name
 
 from tests.helpers.feature_stub import LAYER_IDS, vllm_layout
 from tests.helpers.loopback import LoopbackServer, QuietHandler

@@ -24,8 +24,8 @@ LOG_VARIABLE = "EAGLE3_HF_TEST_CPU_LOG"
 
 
 def _warm_children_seconds() -> float:
-    """CPU seconds of the runners the warm vLLM process reaped so far (engines/vllm_warm.py writes them)."""
-    from eagle3_hf.engines.warm_launch import WARM_ENV
+    """CPU seconds of the runners the warm vLLM process reaped so far (engines/vllm/vllm_warm.py writes them)."""
+    from eagle3_hf.engines.vllm.warm_launch import WARM_ENV
 
     path = os.environ.get(WARM_ENV)
     try:

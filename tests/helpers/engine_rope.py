@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_hf.engines.vllm_env import vllm_environment, vllm_python, vllm_venv
+from eagle3_hf.engines.vllm.vllm_env import vllm_environment, vllm_python, vllm_venv
 
 from tests.helpers.vllm import skipping_vllm, vllm_or_fail
 

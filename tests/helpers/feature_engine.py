@@ -1,4 +1,4 @@
-"""The real feature server (engines/vllm_feature_server.py: its handler, its engine thread's batching and queue)
+"""The real feature server (engines/vllm/vllm_feature_server.py: its handler, its engine thread's batching and queue)
 on loopback, with vLLM's `generate` replaced by a stand-in: for the trust tests, no vLLM needed.
 
 `FakeEngine.prefill` answers each job with {hidden_states [T, 1, 4] (the ids, as floats), token_ids [T]} and,
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as save_safetensors
 
-from eagle3_hf.engines.vllm_feature_launcher import FEATURE_SERVER
+from eagle3_hf.engines.vllm.vllm_feature_launcher import FEATURE_SERVER
 
 from tests.helpers.loopback import LoopbackServer
 

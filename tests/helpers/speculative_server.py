@@ -12,9 +12,9 @@ import torch
 
 from eagle3_hf.constants import TRAINING_FILE
 from eagle3_hf.engines.server_process import ServerProcess
-from eagle3_hf.engines.vllm_args import server_flags
-from eagle3_hf.engines.vllm_env import VllmError, vllm_environment, vllm_python, vllm_venv
-from eagle3_hf.engines.vllm_openai import API_SERVER, server_models
+from eagle3_hf.engines.vllm.vllm_args import server_flags
+from eagle3_hf.engines.vllm.vllm_env import VllmError, vllm_environment, vllm_python, vllm_venv
+from eagle3_hf.engines.vllm.vllm_openai import API_SERVER, server_models
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_hf.engines.vllm_env import STAMP, vllm_venv
+from eagle3_hf.engines.vllm.vllm_env import STAMP, vllm_venv
 
 
 def skipping_vllm() -> bool:
@@ -31,11 +31,11 @@ COLD_ENV = "EAGLE3_HF_TEST_COLD_VLLM"  # 1: every runner a fresh process (to mea
 
 
 def start_warm_vllm() -> tuple[Any, str] | None:
-    """The session's warm vLLM process (engines/warm_launch.py), when vLLM is installed and not skipped: every
+    """The session's warm vLLM process (engines/vllm/warm_launch.py), when vLLM is installed and not skipped: every
     vLLM runner the tests start (here or in a CLI subprocess, which inherits the variable) forks from it. It
     imports vLLM while the first tests run; a runner that starts before it listens is a fresh process."""
-    from eagle3_hf.engines.vllm_env import vllm_environment, vllm_python
-    from eagle3_hf.engines.warm_launch import WARM_ENV, start_warm
+    from eagle3_hf.engines.vllm.vllm_env import vllm_environment, vllm_python
+    from eagle3_hf.engines.vllm.warm_launch import WARM_ENV, start_warm
 
     if skipping_vllm() or os.environ.get(COLD_ENV, "").strip() not in ("", "0"):
         return None
@@ -50,7 +50,7 @@ def start_warm_vllm() -> tuple[Any, str] | None:
 
 
 def stop_warm_vllm(started: tuple[Any, str] | None) -> None:
-    from eagle3_hf.engines.warm_launch import WARM_ENV
+    from eagle3_hf.engines.vllm.warm_launch import WARM_ENV
 
     if started is None:
         return

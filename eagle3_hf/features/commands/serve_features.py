@@ -1,6 +1,6 @@
 """`eagle3-hf serve-features`: vLLM loaded once with extract_hidden_states, serving hidden states over HTTP.
 
-The server (engines/vllm_feature_server.py, in the vLLM venv) answers a trainer started with
+The server (engines/vllm/vllm_feature_server.py, in the vLLM venv) answers a trainer started with
 `--features URL`: token ids in, the states vLLM's connector wrote out (the file deleted once read).
 It serves the layers `extract --engine vllm` captures (the aux indices + N) with the same engine settings,
 and tells who it is on GET /identity: hidden size, layer count, aux indices, and the tokenizer fingerprint
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...engines.vllm_args import add_engine_arguments, check_batched_tokens, check_offline, engine_from_args
+from ...engines.vllm.vllm_args import add_engine_arguments, check_batched_tokens, check_offline, engine_from_args
 from ...errors import debug_requested
 from ...verifier.family import check_aux_indices, default_aux_indices
 from ..api_key import API_KEY_ENV, api_key, check_bind
 from ..engine_states import vllm_layer_ids
-from ..vllm_spec import checkpoint_dtype
+from ..vllm.vllm_spec import checkpoint_dtype
 
 if TYPE_CHECKING:
-    from ...engines.vllm_feature_launcher import VllmFeatureServer
+    from ...engines.vllm.vllm_feature_launcher import VllmFeatureServer
 
 KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 
@@ -51,7 +51,7 @@ class ServerSettings:
     max_model_len: int | None = None  # None: the verifier's max_position_embeddings, else 4096
     host: str = "127.0.0.1"
     port: int = 0
-    engine: Mapping[str, Any] | None = None  # vLLM engine settings (engines/vllm_args.py)
+    engine: Mapping[str, Any] | None = None  # vLLM engine settings (engines/vllm/vllm_args.py)
     batch_size: int = 8
     connector: str = "auto"
     fingerprint: str | None = None  # None: computed from the verifier's tokenizer
@@ -103,8 +103,8 @@ def start_feature_server(settings: ServerSettings, *, threads: int = 1, debug: b
                          api_key: str | None = None) -> VllmFeatureServer:
     """A VllmFeatureServer for `settings` (enter it to start; `.url` once it listens). Without `api_key` a host
     other than loopback is refused (one line) before anything loads."""
-    from ...engines.vllm_env import vllm_python
-    from ...engines.vllm_feature_launcher import VllmFeatureServer
+    from ...engines.vllm.vllm_env import vllm_python
+    from ...engines.vllm.vllm_feature_launcher import VllmFeatureServer
 
     check_bind(settings.host, api_key, "serve-features")
     vllm_python()  # vLLM missing: one line, before anything loads

@@ -3,7 +3,7 @@
 The route a run at scale takes when the verifier is already served by vLLM: one server (tensor parallel as
 vLLM does it), and `extract --engine vllm --endpoint URL` as its client on the same machine. The server
 captures the layers `extract --engine vllm` captures (the aux indices + N) with the same engine settings
-(engines/vllm_openai.py); every completion writes one hidden-states file into its storage directory, which
+(engines/vllm/vllm_openai.py); every completion writes one hidden-states file into its storage directory, which
 the client reads and deletes.
 
     eagle3-hf serve-vllm --verifier V --port 8000          # foreground; prints the URL and the client's command
@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...engines.vllm_env import VllmError, vllm_python
-    from ...engines.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
+    from ...engines.vllm.vllm_env import VllmError, vllm_python
+    from ...engines.vllm.vllm_openai import VllmOpenAIServer, server_arguments, shell_command
 
     key = api_key(args.api_key)
     check_bind(args.host, key, "serve-vllm")

@@ -118,7 +118,7 @@ class SglangClient:
         self.parser, self.loads = json_parser()
 
     def call(self, path: str, body: dict[str, Any] | None, limit: int, what: str) -> Any:
-        from ...engines.vllm_openai import read_answer
+        from ...engines.vllm.vllm_openai import read_answer
 
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(self.retries + 1):

@@ -2,7 +2,7 @@
 its venv; a running server is routes/vllm_server_client.py), in our shard format.
 
 The engine that will serve the drafter computes the states it is trained on. vLLM (its own venv,
-engines/vllm_extract_runner.py) prefills each sample's token ids once (max_tokens=1) with its
+engines/vllm/vllm_extract_runner.py) prefills each sample's token ids once (max_tokens=1) with its
 `extract_hidden_states` method at ids = the aux indices + [N]: vLLM's id k < N is transformers'
 `output_hidden_states` index k (the residual stream entering layer k), and id N is the last layer's output
 *before* the final norm. So the aux states are stored as vLLM wrote them, and here, in this venv, the
@@ -30,8 +30,8 @@ from ...data.prepared_samples import PreparedDataset
 from ...errors import UsageError
 from ..table import FeatureKind, SourceRequest
 from ..table import open_source as open_source_of
-from ..vllm_features import VllmFeatures
-from ..vllm_spec import VllmFeatureSpec, VllmOptions
+from ..vllm.vllm_features import VllmFeatures
+from ..vllm.vllm_spec import VllmFeatureSpec, VllmOptions
 from ..write import ExtractionSummary, StoreOptions, write_features
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 def open_source(request: SourceRequest) -> VllmFeatures:
     """The table's opener (table.py) of `--engine vllm`: an engine of our own in vLLM's venv; `request.options`
     is a `VllmOptions` (None: its defaults). A running server is the vllm-server row (routes/vllm_server_client.py)."""
-    from ...engines.vllm_env import vllm_python
+    from ...engines.vllm.vllm_env import vllm_python
 
     options = request.options if isinstance(request.options, VllmOptions) else VllmOptions()
     if options.endpoint is not None:

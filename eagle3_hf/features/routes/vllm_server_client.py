@@ -1,7 +1,7 @@
 """`extract --engine vllm --endpoint URL`: the features of a prepared dataset from a running vLLM OpenAI server.
 
 The server is vLLM's own API server started with the extraction config (`eagle3-hf serve-vllm`,
-engines/vllm_openai.py). Each sample is one completion request (its token ids as the prompt, max_tokens=1,
+engines/vllm/vllm_openai.py). Each sample is one completion request (its token ids as the prompt, max_tokens=1,
 greedy, `return_token_ids`); vLLM answers with `kv_transfer_params.hidden_states_path`, the file its
 hidden-states connector writes. This client waits on the file's `.lock` (LOCK_SH: vLLM's worker holds
 LOCK_EX until the file is whole), hands the path to the same reader as the offline route
@@ -48,8 +48,8 @@ from typing import Any
 from ...errors import EndpointError
 from ..api_key import api_key, auth_headers, refused_line
 from ..table import SourceRequest
-from ..vllm_features import VllmFeatures
-from ..vllm_spec import VllmFeatureSpec, VllmOptions
+from ..vllm.vllm_features import VllmFeatures
+from ..vllm.vllm_spec import VllmFeatureSpec, VllmOptions
 from ..write import sample_token_limit
 
 ENDPOINT_TIMEOUT_S = 600.0  # one completion (and its file) from a running server; --vllm-timeout overrides
@@ -158,7 +158,7 @@ def wait_for_lock(path: str, deadline: float) -> None:
 
 
 class EndpointExtraction:
-    """The records of `VllmExtraction` (engines/vllm_env.py), from a running server: {"key", "path",
+    """The records of `VllmExtraction` (engines/vllm/vllm_env.py), from a running server: {"key", "path",
     "next_token"} per prompt, in submission order. Use as a context manager: leaving deletes the files of
     requests not yet taken (an error, a Ctrl-C).
 
@@ -182,7 +182,7 @@ class EndpointExtraction:
         return self
 
     def _post(self, ids: list[int], request_id: str) -> dict[str, Any]:
-        from ...engines.vllm_openai import read_answer
+        from ...engines.vllm.vllm_openai import read_answer
 
         body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                            "return_token_ids": True}).encode()
@@ -298,7 +298,7 @@ def check_server(url: str, verifier: str, verifier_path: str, layer_ids: list[in
     counted: write.py). Its "storage" is the directory whose files the client
     may read and delete: `storage` (--vllm-storage), which the server's own must not contradict, else the one
     it names (it must be visible here), else None (the first answer's, StoragePolicy)."""
-    from ...engines.vllm_openai import served_layer_ids, served_storage, server_models
+    from ...engines.vllm.vllm_openai import served_layer_ids, served_storage, server_models
 
     key = api_key()
     try:
@@ -332,7 +332,7 @@ def check_server(url: str, verifier: str, verifier_path: str, layer_ids: list[in
 
 def server_error_line(url: str, exc: Exception, key: str | None) -> str:
     """Why a request failed, one line; a 401 says whether a key was sent (never the key)."""
-    from ...engines.vllm_openai import server_error
+    from ...engines.vllm.vllm_openai import server_error
 
     if isinstance(exc, urllib.error.HTTPError) and exc.code == 401:
         return refused_line(url, key)

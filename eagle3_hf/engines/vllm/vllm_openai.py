@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .server_process import ServerProcess
+from ..server_process import ServerProcess
 from .vllm_env import (
     TIMEOUT_ENV,
     VllmError,

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import Eagle3Error
-from .child_env import engine_environment
+from ...errors import Eagle3Error
+from ..child_env import engine_environment
 from .vllm_args import replica_environment
 from .vllm_extract_runner import process_alive
 from .vllm_request import GenerationRequest
@@ -175,7 +175,7 @@ def remove_orphaned_extractions(root: str, prefix: str = EXTRACT_PREFIX) -> list
     """Remove the temporary directories of extractions whose reader and runner have both exited: a reader
     killed outright cannot clean up, and a runner that finished before the kill never learns of it. A
     runner still running when its reader dies removes its own files (vllm_extract_runner.reader_gone).
-    `prefix`: the same for `serve-vllm`'s storage directories (engines/vllm_openai.py), log beside included."""
+    `prefix`: the same for `serve-vllm`'s storage directories (engines/vllm/vllm_openai.py), log beside included."""
     import shutil
     import time
 

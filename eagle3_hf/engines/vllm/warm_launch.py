@@ -1,6 +1,6 @@
 """Start a vLLM runner as its own process, or as a fork of a warm vLLM process when one is listening.
 
-`EAGLE3_HF_VLLM_WARM=SOCKET` names a warm process (engines/vllm_warm.py, started by `start_warm`): the runner
+`EAGLE3_HF_VLLM_WARM=SOCKET` names a warm process (engines/vllm/vllm_warm.py, started by `start_warm`): the runner
 then starts with vLLM already imported (about 8 s of one core less per engine). The test suite sets it for its
 whole session; without it, or while the warm process is not listening yet, every runner is a fresh process as
 users run them. Either way the caller gets the same handle: `pid`, `poll()`, `wait(timeout)`, `send_signal()`,

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..errors import EndpointError, UsageError, debug_requested
-from ..verifier.family import check_aux_indices, default_aux_indices, logit_softcap
-from ..verifier.head import load_verifier_head
-from .engine_states import PROBE, all_finite, check_states, features_from_states, vllm_layer_ids
-from .interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
-from .records import canonical_dtype
+from ...errors import EndpointError, UsageError, debug_requested
+from ...verifier.family import check_aux_indices, default_aux_indices, logit_softcap
+from ...verifier.head import load_verifier_head
+from ..engine_states import PROBE, all_finite, check_states, features_from_states, vllm_layer_ids
+from ..interface import PreparedSample, SampleFeatures, SourceIdentity, VerifierIdentity
+from ..records import canonical_dtype
 
 SOURCE = "vllm"
 
@@ -78,7 +78,7 @@ class VllmFeatureSpec:
     def __init__(self, verifier: str, tokenizer_fingerprint: str, aux_indices: Sequence[int] | None = None,
                  dtype: str = "bfloat16", verifier_name: str | None = None, verifier_revision: str | None = None,
                  vllm_dtype: str = "auto"):
-        from ..verifier.loading import resolve_verifier
+        from ...verifier.loading import resolve_verifier
 
         self.path = resolve_verifier(str(verifier))
         self.revision = verifier_revision
@@ -104,7 +104,7 @@ class VllmFeatureSpec:
         """The runner's request (vllm_extract_runner.py) for this verifier. `max_pending` (default 2 x batch): the
         runner starts its next batch only while at most that many files wait for the readers, so the engine
         keeps prefilling while the readers are less than two batches behind."""
-        from ..engines.vllm_args import check_batched_tokens
+        from ...engines.vllm.vllm_args import check_batched_tokens
 
         check_batched_tokens(dict(engine or {}), max_model_len)
         max_pending = 2 * batch_size if max_pending is None else max_pending
@@ -119,7 +119,7 @@ class VllmFeatureSpec:
         key is its sample's place in `samples`. Records from a server carry its next token: the first samples are
         held back until those tokens vouch for the layers (check_next_token, refuse_unvouched), so that a
         misconfigured server never leaves a shard behind."""
-        from .ordered_pool import ordered_map
+        from ..ordered_pool import ordered_map
 
         def drop(job: tuple[dict[str, Any], PreparedSample]) -> None:  # reported, never read: delete it as read
             Path(job[0]["path"]).unlink(missing_ok=True)
@@ -146,8 +146,8 @@ class VllmFeatureSpec:
         """One connector file -> the sample as a shard stores it, with its checksum; the file is deleted once
         read. Works in the file's dtype: the aux states are copied once into the storage dtype, only vLLM's id N
         goes to float32 (for the norm and the greedy head)."""
-        from .records import DTYPES
-        from .store import sample_sha256, stored_sample
+        from ..records import DTYPES
+        from ..store import sample_sha256, stored_sample
 
         states = read_states(record["path"], sample.sample_id, sample.input_ids, self.layer_ids, self.hidden)
         dtype = self.identity.dtype
@@ -191,7 +191,7 @@ class VllmFeatureSpec:
 @dataclass(frozen=True)
 class VllmOptions:
     """How vLLM runs (`extract --engine vllm`, `regenerate --engine vllm`): its compute dtype ("auto": the
-    checkpoint's, checkpoint_dtype), context, engine arguments (engines/vllm_args.py), requests per call and files
+    checkpoint's, checkpoint_dtype), context, engine arguments (engines/vllm/vllm_args.py), requests per call and files
     waiting at most, CPU threads, seconds per call, connector, the running server (`endpoint`, its `storage`
     directory) instead of an engine of our own, reader threads, and whether it shows its logs (--debug)."""
 
@@ -211,8 +211,8 @@ class VllmOptions:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """`extract --engine vllm`'s flags: the run's knobs and the server's storage in one group, then vLLM's
-        engine group (engines/vllm_args.py)."""
-        from ..engines.vllm_args import add_engine_arguments, add_run_arguments
+        engine group (engines/vllm/vllm_args.py)."""
+        from ...engines.vllm.vllm_args import add_engine_arguments, add_run_arguments
 
         group = parser.add_argument_group("--engine vllm (the serving engine computes the states; `make vllm`)")
         add_run_arguments(group, "prompts", "; with --endpoint, seconds per request and its file (default 600)")
@@ -225,11 +225,11 @@ class VllmOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> VllmOptions:
-        """From a command's arguments (engines/vllm_args.py's run and engine arguments; --endpoint where it has it),
-        checked: vLLM places the verifier itself, one engine per process, the run's knobs in range, and a context
+        """From a command's arguments (engines/vllm/vllm_args.py's run and engine arguments; --endpoint where it has
+        it), checked: vLLM places the verifier itself, one engine per process, the run's knobs in range, and a context
         the engine can prefill in one step (with an engine of our own; a server's is checked once the longest sample
         is known)."""
-        from ..engines.vllm_args import check_batched_tokens, check_offline, check_run_arguments, engine_from_args
+        from ...engines.vllm.vllm_args import check_batched_tokens, check_offline, check_run_arguments, engine_from_args
 
         if any(getattr(args, name, None) for name in ("device_map", "max_memory", "offload_folder", "device")):
             raise UsageError("--engine vllm places the verifier itself: drop --device-map/--max-memory/"

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .interface import PreparedSample, SampleFeatures
+from ..interface import PreparedSample, SampleFeatures
+from ..write import sample_token_limit
 from .vllm_spec import VllmFeatureSpec, VllmOptions, default_readers
-from .write import sample_token_limit
 
 
 class VllmFeatures:
@@ -29,8 +29,8 @@ class VllmFeatures:
         return sample_token_limit(self.options.max_model_len)
 
     def open_run(self, request: dict[str, Any], prompts: Iterator[tuple[int, list[int]]]) -> Any:
-        """The run that computes the states: vLLM in its venv, its files read back (engines/vllm_env.py)."""
-        from ..engines.vllm_env import VllmExtraction
+        """The run that computes the states: vLLM in its venv, its files read back (engines/vllm/vllm_env.py)."""
+        from ...engines.vllm.vllm_env import VllmExtraction
 
         options = self.options
         return VllmExtraction(request, prompts, threads=options.threads, debug=options.debug, timeout=options.timeout)

@@ -1,6 +1,6 @@
 """`eagle3-hf regenerate --engine vllm --features-out F [--prepared-out P]`: vLLM writes the training data end to end.
 
-One runner process, one engine load (engines/vllm_extract_runner.py with a generate phase):
+One runner process, one engine load (engines/vllm/vllm_extract_runner.py with a generate phase):
 
 1. generate: vLLM answers every conversation not yet in --output, turn by turn as `regenerate` does
    (ConversationTurns; the prompt rendered and tokenized here exactly as the in-process backend renders it;
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ..data.regenerate import (
+from ...data.regenerate import (
     ConversationTurns,
     ConversationWriter,
     GenerationOptions,
@@ -47,16 +47,16 @@ from ..data.regenerate import (
     RegenerateOutputs,
     completed_ids,
 )
-from ..data.thinking_mode import split_emitted
-from ..engines.vllm_args import add_engine_arguments, add_run_arguments
+from ...data.thinking_mode import split_emitted
+from ...engines.vllm.vllm_args import add_engine_arguments, add_run_arguments
+from ..write import ExtractionSummary, StoreOptions
 from .vllm_spec import VllmOptions
-from .write import ExtractionSummary, StoreOptions
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-    from ..engines.vllm_env import VllmExtraction
+    from ...engines.vllm.vllm_env import VllmExtraction
 
 GENERATE_CHUNK = 256  # conversations in flight per round series: a kill loses at most these answers
 
@@ -65,7 +65,7 @@ def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end an answer: the generation config's eos ids and the tokenizer's (as the in-process backend)."""
     from transformers import GenerationConfig
 
-    from ..verifier.loading import load_config
+    from ...verifier.loading import load_config
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
@@ -134,8 +134,8 @@ def generate_answers(run: VllmExtraction, todo: list[dict[str, Any]], tokenizer:
 def prepare_answers(output: Path, wanted: set[str], tokenizer: PreTrainedTokenizerBase, tokenizer_name: str,
                     max_seq_len: int | None) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Phase 2: `prepare`'s dataset and meta for the answered conversations of this input (--output's order)."""
-    from ..data.conversations import load_conversations
-    from ..data.prepare import build_meta, new_stats, prepare_conversations
+    from ...data.conversations import load_conversations
+    from ...data.prepare import build_meta, new_stats, prepare_conversations
 
     convs = [c for c in load_conversations(str(output)) if str(c["id"]) in wanted]
     stats = new_stats()
@@ -166,15 +166,15 @@ def regenerate_vllm(conversations: list[dict[str, Any]], outputs: RegenerateOutp
                     store: StoreOptions | None = None, progress: bool = True) -> ExtractionSummary:
     """Answers, features in `dtype` and (with `outputs.prepared`) the prepared dataset, all from one vLLM engine;
     resumes where a killed run stopped. vLLM's options but the endpoint (an engine of our own here)."""
-    from ..data.fingerprint import tokenizer_fingerprint, tokenizer_record
-    from ..data.prepared_format import save_prepared
-    from ..data.prepared_samples import PreparedDataset
-    from ..data.thinking_mode import served_kwargs, thinking_mode
-    from ..engines.vllm_env import VllmExtraction, vllm_python
-    from ..verifier.loading import load_tokenizer
-    from .records import FeatureHeader
+    from ...data.fingerprint import tokenizer_fingerprint, tokenizer_record
+    from ...data.prepared_format import save_prepared
+    from ...data.prepared_samples import PreparedDataset
+    from ...data.thinking_mode import served_kwargs, thinking_mode
+    from ...engines.vllm.vllm_env import VllmExtraction, vllm_python
+    from ...verifier.loading import load_tokenizer
+    from ..records import FeatureHeader
+    from ..write import FeatureSink
     from .vllm_spec import VllmFeatureSpec, default_readers
-    from .write import FeatureSink
 
     gen_options, options = generation or GenerationOptions(), options or VllmOptions()
     vllm_python()  # vLLM missing: one line, before anything is written
@@ -265,8 +265,8 @@ def generate_plain(verifier: str, prompts: list[list[int]], *, max_new_tokens: i
     """vLLM's plain generation (no speculative method, no connector) of token-id prompts, through the same runner
     and rounds: the reference the tests compare the answers with, and the bench's baseline. Returns
     ([(output ids, finish reason)], the runner's result)."""
-    from ..engines.vllm_env import VllmExtraction
-    from ..verifier.loading import load_tokenizer, resolve_verifier
+    from ...engines.vllm.vllm_env import VllmExtraction
+    from ...verifier.loading import load_tokenizer, resolve_verifier
     from .vllm_spec import checkpoint_dtype
 
     path = resolve_verifier(str(verifier))

@@ -3,7 +3,7 @@
 Runs inside the vLLM venv, executed by path (standard library, torch, safetensors and vllm; never eagle3_hf),
 with vllm_extract_runner.py beside it supplying the engine (`load_llm`: the same LLM, connector and prefill
 settings as `extract --engine vllm`) and `wait_written`. Started by `eagle3-hf serve-features`
-(engines/vllm_feature_launcher.py `VllmFeatureServer`); a trainer with `--features URL` is its client
+(engines/vllm/vllm_feature_launcher.py `VllmFeatureServer`); a trainer with `--features URL` is its client
 (features/routes/feature_server_client.py).
 
     python vllm_feature_server.py REQUEST.json

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..constants import API_KEY_ENV
-from .server_process import ServerProcess
+from ...constants import API_KEY_ENV
+from ..server_process import ServerProcess
 from .vllm_env import TIMEOUT_ENV, VllmError, default_timeout, one_line, vllm_environment, vllm_python, vllm_venv
 
 FEATURE_SERVER = Path(__file__).resolve().parent / "vllm_feature_server.py"
