@@ -240,7 +240,7 @@ class VllmExtraction:
         self._progress, self._result, self._log = tmp / "progress.jsonl", tmp / "result.json", tmp / "vllm.log"
         self._progress.touch()
         request = dict(self.request, storage=str(self.storage), prompts_file=str(tmp / "prompts.jsonl"),
-                       progress_file=str(self._progress))
+                       progress_file=str(self._progress), starter_pid=os.getpid())
         (tmp / "request.json").write_text(json.dumps(request), encoding="utf-8")
         names = [request.get("verifier")]
         offline = all(n is None or Path(str(n)).exists() for n in names)

@@ -15,7 +15,7 @@ connector's directory), "prompts_file" (JSONL, one {"key", "ids"} per line), "pr
 runner appends to), "batch_size", "max_pending" (files written and not yet taken by the reader: the
 runner waits before its next batch while more lie in storage; default 2 x batch_size), "engine" (vllm_args.py:
 tensor / pipeline parallel sizes, expert parallel, memory, trust_remote_code), "seed", "connector" ("auto", "cpu"
-or "stock")}.
+or "stock"), "starter_pid" (the reader's pid; default the parent's)}.
 The request file's directory is this run's own (VllmExtraction's temporary directory): a runner whose reader
 has exited (killed) removes it, files included, and stops at its next batch.
 Each prompt runs prefill only (max_tokens=1, greedy): its line in the progress file is {"key", "path",
@@ -93,10 +93,24 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def reader_gone(storage: str, parent: int) -> bool:
+class Starter:
+    """The process that started this runner (the request's "starter_pid"): its parent when the runner is a
+    fresh process (then its exit shows as a new parent, which a reused pid cannot fake), or any other process when
+    the runner was forked from the warm vLLM process (vllm_warm.py: the parent is that process; then the pid
+    itself is watched)."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = int(pid or os.getppid())
+        self.forked = os.getppid() != self.pid
+
+    def alive(self) -> bool:
+        return process_alive(self.pid) if self.forked else os.getppid() == self.pid
+
+
+def reader_gone(storage: str, parent: Starter) -> bool:
     """True (and this runner's files removed) once the reader that started it has exited: killed, nobody
     will take or delete them, and the temporary directory must not fill the disk."""
-    if os.getppid() == parent:
+    if parent.alive():
         return False
     for name in os.listdir(storage):
         if name.endswith((".safetensors", ".partial", ".lock")):
@@ -107,7 +121,7 @@ def reader_gone(storage: str, parent: int) -> bool:
     return True
 
 
-def wait_for_room(storage: str, max_pending: int, parent: int) -> None:
+def wait_for_room(storage: str, max_pending: int, parent: Starter) -> None:
     """Back-pressure: the reader deletes each file once a shard holds it; wait while too many lie here."""
     while True:
         if reader_gone(storage, parent):
@@ -192,7 +206,7 @@ def generation_params(gen: dict, seed: Any, extract: bool) -> Any:
                           extra_args={"kv_transfer_params": {NO_SAVE: True}} if extract else None)
 
 
-def wait_for_file(path: str, other: str, storage: str, parent: int) -> bool:
+def wait_for_file(path: str, other: str, storage: str, parent: Starter) -> bool:
     """Until `path` or `other` exists (the reader writes either); True for `path`. Stops if the reader is gone."""
     while True:
         if os.path.exists(path):
@@ -204,7 +218,7 @@ def wait_for_file(path: str, other: str, storage: str, parent: int) -> bool:
         time.sleep(0.02)
 
 
-def generate_rounds(llm: LLM, request: dict, progress: Any, parent: int, stock: bool, in_process: bool,
+def generate_rounds(llm: LLM, request: dict, progress: Any, parent: Starter, stock: bool, in_process: bool,
                     extract: bool) -> int:
     """The generate phase: answer each round file the reader writes, until the prompts file appears.
     Returns the tokens generated."""
@@ -260,7 +274,7 @@ def run(request: dict) -> dict:
     stock = kv_config["kv_connector"] == "ExampleHiddenStatesConnector"
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     params = prefill_params()
-    parent = os.getppid()
+    parent = Starter(request.get("starter_pid"))
     batch_size = int(request.get("batch_size", 8))
     max_pending = int(2 * batch_size if request.get("max_pending") is None else request["max_pending"])
     done, generated, t0, generate_seconds = 0, 0, time.perf_counter(), 0.0

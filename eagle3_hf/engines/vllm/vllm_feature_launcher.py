@@ -8,6 +8,7 @@ The server script runs inside the vLLM venv and never imports this package; this
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ class VllmFeatureServer(ServerProcess):
         tmp = Path(self._tmp.name)
         self._ready_file, self._error_file = tmp / "ready.json", tmp / "error.json"
         self._log_path = Path(self.log_file) if self.log_file else tmp / "server.log"
-        request = dict(self.request, ready_file=str(self._ready_file), error_file=str(self._error_file))
+        request = dict(self.request, ready_file=str(self._ready_file), error_file=str(self._error_file),
+                       starter_pid=os.getpid())
         (tmp / "request.json").write_text(json.dumps(request), encoding="utf-8")
         offline = Path(str(request.get("verifier"))).exists()
         env = vllm_environment(vllm_venv(), self.threads, offline, self.debug)

@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from vllm_extract_runner import load_llm, prefill_params, process_alive, wait_written  # noqa: E402  (this directory, above)
+from vllm_extract_runner import Starter, load_llm, prefill_params, process_alive, wait_written  # noqa: E402  (this directory, above)
 from vllm_runner import error_result  # noqa: E402
 
 PREFIX = "eagle3_feature_server_"
@@ -331,10 +331,10 @@ def serve(request: dict) -> None:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        parent = os.getppid()
+        parent = Starter(request.get("starter_pid"))
         if request.get("watch_parent", True):
             def watch() -> None:
-                while os.getppid() == parent:
+                while parent.alive():
                     time.sleep(0.5)
                 stop()  # the process that started this server has exited: nobody will stop it
 
