@@ -335,11 +335,18 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(walk_ext
     out = tmp_path / "f_vllm"
     command = vllm_command(vdir, walk_extracted["prepared"], out)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ours() -> list[Path]:
+        return [d for d in Path(tempfile.gettempdir()).glob("eagle3_vllm_extract_*") if (d / "request.json").is_file()
+                and json.loads((d / "request.json").read_text())["verifier"] == str(vdir)]
+
+    deadline = time.monotonic() + 600
+    while not ours() and proc.poll() is None and time.monotonic() < deadline:  # the reader makes it first
+        time.sleep(0.02)
+    orphaned = ours()
+    assert len(orphaned) == 1  # the reader's directory, soon the killed reader's
     kill_after_shards(proc, out / "manifest.r000.jsonl", shards=2, timeout=600)
     assert not (out / "manifest.json").exists()
-    orphaned = [d for d in Path(tempfile.gettempdir()).glob("eagle3_vllm_extract_*") if (d / "request.json").is_file()
-                and json.loads((d / "request.json").read_text())["verifier"] == str(vdir)]
-    assert len(orphaned) == 1  # the killed reader's directory, its runner still running
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
