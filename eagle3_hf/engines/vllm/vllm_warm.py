@@ -144,9 +144,10 @@ def serve(path: str) -> None:
                     conn.close()
                     continue
                 pid = os.fork()
-                if pid == 0:
-                    server.close()
-                    conn.close()
+                if pid == 0:  # the child keeps none of this process's sockets (another caller's EOF stays theirs)
+                    selector.close()
+                    for sock in (server, conn, *waiting.values()):
+                        sock.close()
                     child(header, fds)
                 for fd in fds:
                     os.close(fd)
