@@ -15,6 +15,7 @@ import pytest
 
 from eagle3_hf import cli
 from eagle3_hf.engines.vllm import vllm_args
+from eagle3_hf.engines.vllm.vllm_request import GenerationRequest
 from eagle3_hf.evaluation import vllm_engine
 
 from tests.helpers.served_pair import VLLM_EVALUATION_ARGS
@@ -37,7 +38,8 @@ class FakeEngines:
         self.alive: list[str] = []
         self.most_at_once = 0
 
-    def __call__(self, request: dict, **_: object) -> dict:
+    def __call__(self, typed: GenerationRequest, **_: object) -> dict:
+        request = typed.to_json()  # what the runner would read
         self.requests.append(request)
         modes = (["plain"] if request.get("plain", True) else []) + (["spec"] if request.get("drafter") else [])
         self.alive += modes  # loaded

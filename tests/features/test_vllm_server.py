@@ -172,7 +172,7 @@ def test_the_printed_server_command_is_the_extraction_config(serveable_dir, caps
                  "--connector", "cpu", "--print-command"]) == 0
     line = capsys.readouterr().out.strip()
     env, python, *argv = shlex.split(line)
-    assert env == f"PYTHONPATH={ROOT / 'eagle3_hf' / 'engines'}"  # where vLLM finds the CPU connector
+    assert env == f"PYTHONPATH={ROOT / 'eagle3_hf' / 'engines' / 'vllm'}"  # where vLLM finds the CPU connector
     assert argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
     args = {key: argv[i + 1] for i, key in enumerate(argv[:-1]) if key.startswith("--")}
     spec = json.loads(args["--speculative-config"])
