@@ -1,7 +1,7 @@
 """A warm vLLM process: imports vLLM once, then forks a child per job that runs one of the runners beside this file.
 
 Runs inside the vLLM venv, executed by path (stdlib and vllm only, as the runners). Why: importing vLLM costs
-about 8 s of one core before any engine starts, and the test suite starts about 30 engines; a fork of this
+about 8 s of one core before any engine starts, and the test suite starts many; a fork of this
 process starts where the import ended. Opt-in (engines/vllm/warm_launch.py: EAGLE3_HF_VLLM_WARM); without it every
 runner is its own process, as users run them.
 
