@@ -42,12 +42,18 @@ def read_prepared_meta(path: str | Path) -> dict:
     return json.loads(meta_path.read_text(encoding="utf-8"))
 
 
-def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None) -> tuple[datasets.Dataset, dict]:
+def load_prepared(path: str | Path, tokenizer_fingerprint: str | None = None,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> tuple[datasets.Dataset, dict]:
     """The prepared Dataset and its meta, checked: refuses a directory without meta or samples, one made
-    with another tokenizer (when `tokenizer_fingerprint` is given), missing columns and repeated ids."""
+    with another tokenizer (when `tokenizer_fingerprint` is given) or another tokenizer class (when `tokenizer`
+    is), missing columns and repeated ids."""
     import datasets
 
     meta = read_prepared_meta(path)
+    if tokenizer is not None:
+        from .fingerprint import check_tokenizer_class, recorded_tokenizer
+
+        check_tokenizer_class(recorded_tokenizer(meta), tokenizer, str(Path(path) / PREPARE_META))
     check_fingerprint(path, meta, tokenizer_fingerprint)
     refuse_empty(path, meta)
     ds = datasets.load_from_disk(str(path))

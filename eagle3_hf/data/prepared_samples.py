@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
     import datasets
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -49,16 +50,26 @@ def select_split(ids: list[str], split: str, validation_fraction: float) -> list
 
 class PreparedDataset(Dataset[dict[str, Any]]):
     """Prepared samples (input_ids, loss_mask, sample_id) with `.lengths`, split by sample id exactly like
-    FeatureDataset; `position(sample_id)` finds a sample of the split by its id."""
+    FeatureDataset; `position(sample_id)` finds a sample of the split by its id.
+
+    Opened with the verifier's `tokenizer` (or its `tokenizer_fingerprint`), a directory another tokenizer (or
+    another tokenizer class) prepared is refused here, before any model loads; `tokenizer_fingerprint` then says
+    which tokenizer the samples were checked against, which the feature write loop requires of them."""
 
     def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
-                 tokenizer_fingerprint: str | None = None) -> None:
+                 tokenizer_fingerprint: str | None = None, *, tokenizer: PreTrainedTokenizerBase | None = None
+                 ) -> None:
         from .prepared_format import load_prepared, open_prepared, prepared_lengths
 
+        if tokenizer is not None and tokenizer_fingerprint is None:
+            from .fingerprint import tokenizer_fingerprint as fingerprint_of
+
+            tokenizer_fingerprint = fingerprint_of(tokenizer)
+        self.tokenizer_fingerprint = tokenizer_fingerprint
         self.meta: dict[str, Any] = {}  # a directory's prepare meta (tokenizer, counts); {} for a Dataset object
         self.path = Path(prepared) if isinstance(prepared, (str, Path)) else None
         if isinstance(prepared, (str, Path)):
-            ds, self.meta = load_prepared(prepared, tokenizer_fingerprint)
+            ds, self.meta = load_prepared(prepared, tokenizer_fingerprint, tokenizer)
         else:
             ds = open_prepared(prepared)
         self._rows = ds.with_format("torch", columns=["input_ids", "loss_mask"])
@@ -103,14 +114,6 @@ class PreparedDataset(Dataset[dict[str, Any]]):
         from .fingerprint import recorded_tokenizer
 
         return recorded_tokenizer(self.meta)
-
-    def check_fingerprint(self, tokenizer_fingerprint: str | None) -> None:
-        """Refuse samples a directory's meta says another tokenizer prepared (as `PreparedDataset(path, ...,
-        tokenizer_fingerprint)` does when opening it)."""
-        from .prepared_format import check_fingerprint
-
-        if self.path is not None:
-            check_fingerprint(self.path, self.meta, tokenizer_fingerprint)
 
     def position(self, sample_id: str) -> int:
         """The index of `sample_id` in this split; KeyError naming it when the split does not hold it."""

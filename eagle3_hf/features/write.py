@@ -220,12 +220,17 @@ def write_features(source: FeatureSource, prepared: PreparedDataset, out_dir: st
                    progress: bool = True, desc: str = "extract",
                    merge_timeout_s: float | None = MERGE_TIMEOUT_S) -> ExtractionSummary:
     """Write `source`'s features for this rank's slice of `prepared` (the samples as training opens them,
-    `PreparedDataset(path, "all", ...)`) to `out_dir`. Samples another tokenizer prepared, and appending to a
-    directory written with another identity (verifier, tokenizer, aux layers, dtype, capture path), are refused."""
+    `PreparedDataset(path, "all", tokenizer_fingerprint=...)`, checked against the source's tokenizer when
+    opened) to `out_dir`. Samples not checked against the source's tokenizer, and appending to a directory written
+    with another identity (verifier, tokenizer, aux layers, dtype, capture path), are refused."""
     env_rank, env_world = dist_env()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
-    prepared.check_fingerprint(source.identity.tokenizer_fingerprint)
+    if prepared.tokenizer_fingerprint != source.identity.tokenizer_fingerprint:
+        raise ValueError(f"{prepared.path or 'the prepared samples'}: opened for tokenizer "
+                         f"{prepared.tokenizer_fingerprint}, but the route's tokenizer is "
+                         f"{source.identity.tokenizer_fingerprint}; open them with PreparedDataset(..., "
+                         "tokenizer_fingerprint=<the route's>), which refuses samples another tokenizer prepared")
     all_ids = list(prepared.sample_ids)
     mine = range(rank, len(prepared), world_size)
     lengths = prepared.lengths

@@ -98,14 +98,19 @@ def test_mismatched_append_refused(tmp_path, verifier, fingerprint):
                             verifier_name="tiny").total_samples == 4
 
 
-def test_write_features_refuses_samples_another_tokenizer_prepared(tmp_path, verifier, fingerprint):
-    """The handle training opens may be opened without a fingerprint: the write loop checks the route's own."""
-    other = PreparedDataset(make_prepared(tmp_path / "prep", "0123456789abcdef", n=3, vocab=V), "all")
-    source = TransformersFeatures(verifier, fingerprint)
+def test_write_features_refuses_samples_not_checked_against_its_route_s_tokenizer(tmp_path, verifier, fingerprint):
+    """Opened for the route's tokenizer, samples another tokenizer prepared are refused at open, before any model
+    loads; opened without it (as training may open them), the write loop refuses them before writing anything."""
+    other = make_prepared(tmp_path / "prep", "0123456789abcdef", n=3, vocab=V)
     with pytest.raises(ValueError, match="prepared with tokenizer 0123456789abcdef"):
-        write_features(source, other, tmp_path / "refused", progress=False)
+        PreparedDataset(other, "all", tokenizer_fingerprint=fingerprint)
+    source = TransformersFeatures(verifier, fingerprint)
+    for unchecked in (PreparedDataset(other, "all"), PreparedDataset(other, "all", 0.05, "0123456789abcdef")):
+        with pytest.raises(ValueError, match=f"opened for tokenizer .*, but the route's tokenizer is {fingerprint}"):
+            write_features(source, unchecked, tmp_path / "refused", progress=False)
     assert not (tmp_path / "refused").exists()  # refused before anything is written
-    same = PreparedDataset(make_prepared(tmp_path / "prep2", fingerprint, n=3, vocab=V), "all")
+    same = PreparedDataset(make_prepared(tmp_path / "prep2", fingerprint, n=3, vocab=V), "all",
+                           tokenizer_fingerprint=fingerprint)
     assert write_features(source, same, tmp_path / "written", progress=False).total_samples == 3
 
 

@@ -104,7 +104,8 @@ def test_speculators_roundtrip(tmp_path, reference, verifier, fingerprint, tiny_
     # the same capture as a FeatureSource through the one write loop, asked for our prepared samples: the same
     # features, the sample without a file recorded as skipped
     source = ImportedFeatures("speculators", src, str(tiny_verifier_dir), fingerprint, AUX, "float32")
-    summary = write_features(source, PreparedDataset(reference / "prep", "all"), tmp_path / "via_source",
+    checked = PreparedDataset(reference / "prep", "all", tokenizer_fingerprint=fingerprint)
+    summary = write_features(source, checked, tmp_path / "via_source",
                              progress=False)
     assert summary.written_samples == 4 and summary.skipped == {"missing_file": 1}
     via_source = FeatureDataset(tmp_path / "via_source", split="all")

@@ -74,7 +74,8 @@ def server(ctx: dict) -> SourceRequest:
 
 def directory(ctx: dict) -> SourceRequest:
     source = open_source(transformers(ctx))
-    write_features(source, PreparedDataset(ctx["prepared"], "all"), ctx["tmp"] / "stored", progress=False)
+    checked = PreparedDataset(ctx["prepared"], "all", tokenizer_fingerprint=ctx["fingerprint"])
+    write_features(source, checked, ctx["tmp"] / "stored", progress=False)
     return request(ctx, "directory", target=str(ctx["tmp"] / "stored"))
 
 
@@ -137,7 +138,8 @@ def test_written_and_online_batches_are_equal(kind, tmp_path, serveable_model, s
         ctx = {"model": serveable_model, "verifier": serveable_dir, "fingerprint": fingerprint,
                "prepared": prepared, "tmp": tmp_path, "enter": stack.enter}
         req = HARNESSES[kind](ctx)
-        summary = write_features(open_source(req), PreparedDataset(prepared, "all"), tmp_path / "written",
+        checked = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+        summary = write_features(open_source(req), checked, tmp_path / "written",
                                  store=StoreOptions(4), progress=False)
         assert summary.written_samples == 8, summary
         offline = PackedDataset(FeatureDataset(tmp_path / "written", "all"), MAX_SEQ_LEN, overlong="split")
@@ -165,7 +167,8 @@ def test_a_skipped_sample_is_recorded_offline_and_refused_online(tmp_path, serve
            "tmp": tmp_path}
     req = speculators(ctx)
     (Path(req.target) / "hidden_states" / "hs_2.safetensors").unlink()
-    summary = write_features(open_source(req), PreparedDataset(prepared, "all"), tmp_path / "written", progress=False)
+    checked = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+    summary = write_features(open_source(req), checked, tmp_path / "written", progress=False)
     assert (summary.written_samples, summary.skipped) == (3, {"missing_file": 1})
     every = PreparedDataset(prepared, "all", 0.0, fingerprint)
     assert FeatureDataset(tmp_path / "written", "all").sample_ids == [s for s in every.sample_ids if s != "w002"]
@@ -235,7 +238,8 @@ def test_every_row_gives_the_verifiers_own_features(kind, tmp_path, serveable_mo
         assert kind in TOLERANCE and (kind in ONLINE_DTYPE) == row.online, (
             f"the table's row {kind!r} needs its tolerance here (TOLERANCE) and, online, the dtype its batches "
             "carry (ONLINE_DTYPE)")
-        write_features(open_source(req), PreparedDataset(prepared, "all"), tmp_path / "written", store=StoreOptions(4),
+        checked = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+        write_features(open_source(req), checked, tmp_path / "written", store=StoreOptions(4),
                        progress=False)
         written = FeatureDataset(tmp_path / "written", "all")
         assert sorted(written.sample_ids) == sorted(want)

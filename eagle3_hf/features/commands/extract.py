@@ -83,20 +83,13 @@ def check_output_shared(out_dir: str | Path, per_node: bool) -> None:
     nodes.remember_node_local(out_dir, layout)
 
 
-def open_data(args: argparse.Namespace) -> tuple[PreparedDataset, str]:
-    """--data, opened once (its meta read once), and the fingerprint of --verifier's tokenizer: samples another
-    tokenizer prepared, or one of another class (the same --trust-remote-code at every stage), refused here, before
-    the verifier loads, where a refusal costs nothing."""
-    from ...constants import PREPARE_META
-    from ...data.fingerprint import check_tokenizer_class, tokenizer_fingerprint
+def open_data(args: argparse.Namespace) -> PreparedDataset:
+    """--data, opened once for --verifier's tokenizer: samples another tokenizer prepared, or one of another class
+    (the same --trust-remote-code at every stage), refused here, before the verifier loads, where a refusal costs
+    nothing."""
     from ...verifier.loading import load_tokenizer
 
-    prepared = PreparedDataset(args.data, "all")
-    tokenizer = load_tokenizer(args.verifier, revision=args.revision)
-    check_tokenizer_class(prepared.tokenizer_record(), tokenizer, str(Path(args.data) / PREPARE_META))
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    prepared.check_fingerprint(fingerprint)
-    return prepared, fingerprint
+    return PreparedDataset(args.data, "all", tokenizer=load_tokenizer(args.verifier, revision=args.revision))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     kind = engine_kind(args.engine, bool(args.endpoint))
     options = options_from_args(kind, args)  # read and checked once, before anything loads
     try:
-        prepared, fingerprint = open_data(args)
+        prepared = open_data(args)
         source = open_source(SourceRequest(kind, args.verifier, args.verifier, args.revision,
                                            None if aux is None else tuple(aux), args.features_dtype,
-                                           tokenizer_fingerprint=fingerprint, options=options))
+                                           tokenizer_fingerprint=prepared.tokenizer_fingerprint or "",
+                                           options=options))
         # as many shards written at once as a route reads samples at once (vLLM's readers)
         store = StoreOptions(args.samples_per_shard, args.max_shard_mb << 20, writers=getattr(source, "readers", 1))
         summary = write_features(source, prepared, args.output, store=store, progress=not args.no_progress,
