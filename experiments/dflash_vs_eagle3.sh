@@ -7,7 +7,8 @@
 #   bash experiments/dflash_vs_eagle3.sh eagle3 SEED [OBJECTIVE]  # examples/recipes/small_cpu.yaml, 6 epochs (kl)
 #   bash experiments/dflash_vs_eagle3.sh dflash SEED ANCHORS STEPS [LAYERS] [BLOCK]
 #   bash experiments/dflash_vs_eagle3.sh eval NAME [PROMPTS] [TEMPERATURE]  # NAME: a run directory under $T
-#                                                             (default 20 prompts, greedy; T > 0 writes eval_T<t>_NAME)
+#                   (PROMPTS: the first N MT-bench questions, default 20, or `dev`: the 40 development prompts, which
+#                    the sweep chooses on; greedy by default; T > 0 writes eval_T<t>_NAME, dev eval_dev_NAME)
 #   bash experiments/dflash_vs_eagle3.sh served NAME ENGINE [q4|f32]  # ENGINE vllm or llamacpp: tokens/s against
 #                                 plain decoding in that engine, 10 questions (llama.cpp: the embedded Q4_1 verifier
 #                                 GGUF, or the verifier converted at f32); an EAGLE-3 run is exported first
@@ -41,8 +42,10 @@ case "${1:-}" in
       --eval-strategy steps --eval-steps $((steps / 2)) --save-strategy steps --save-steps $((steps / 2)) \
       > $T/$name.log 2>&1 ;;
   eval)
-    temperature=${4:-0} out=$T/eval_$2; [ "$temperature" = 0 ] || out=$T/eval_T${temperature}_$2
-    eagle3-hf evaluate --drafter $T/$2 --verifier $V --prompts mt-bench --num-prompts "${3:-20}" \
+    temperature=${4:-0} out=$T/eval_$2 prompts=(--prompts mt-bench --num-prompts "${3:-20}")
+    [ "$temperature" = 0 ] || out=$T/eval_T${temperature}_$2
+    if [ "${3:-}" = dev ]; then prompts=(--prompts dev); out=$T/eval_dev_$2; fi
+    eagle3-hf evaluate --drafter $T/$2 --verifier $V "${prompts[@]}" \
       --max-new-tokens 64 --k 3 --temperature "$temperature" --output "$out" --no-progress ;;
   served)
     name=$2 engine=$3 gguf=${4:-q4} drafter=$T/$2 extra=()
@@ -55,5 +58,5 @@ case "${1:-}" in
     eagle3-hf evaluate --engine "$engine" --skip-transformers --drafter "$drafter" --verifier $V --prompts mt-bench \
       --num-prompts 10 --max-new-tokens 64 --k 3 --temperature 0 --output "$T/served_${engine}_${gguf}_$name" \
       --no-progress "${extra[@]}" ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
