@@ -102,6 +102,7 @@ def main() -> None:
     from eagle3_hf.features.commands.serve_features import ServerSettings, start_feature_server
     from eagle3_hf.features.packing import PackedDataset
     from eagle3_hf.features.reader import FeatureDataset
+    from eagle3_hf.features.vllm.vllm_spec import VllmOptions
     from eagle3_hf.verifier.loading import default_verifier_dir
 
     from tests.helpers.serveable import VOCAB, serveable_verifier, walk_prepared
@@ -134,8 +135,8 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     server_cpu, trainer_cpu = ({cpus[-1]}, {cpus[0]}) if len(cpus) > 1 else (set(cpus), set(cpus))
     os.sched_setaffinity(0, server_cpu)  # the server (and every thread it starts) inherits this
-    server = start_feature_server(ServerSettings(str(vdir), max_model_len=args.max_seq_len + 1), threads=1,
-                                  timeout=1800)
+    server = start_feature_server(ServerSettings(str(vdir), vllm=VllmOptions(max_model_len=args.max_seq_len + 1,
+                                                                              threads=1, timeout=1800)))
     runs: dict[str, list[dict]] = {"offline": [], "online": []}
     with server:
         os.sched_setaffinity(0, trainer_cpu)

@@ -15,15 +15,7 @@ cd "$(dirname "$0")/.."
 SIZE="${DEMO_SIZE:-small}"
 OUT="${DEMO_OUT:-demo_out/$SIZE}"
 VERIFIER="smollm2-135m-instruct"
-case "$SIZE" in
-  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  DRAFT_VOCAB=1024; EVAL_Q=2;  EVAL_TOKENS=12; SWEEP_Q=2; SWEEP_TOKENS=12
-         RECIPE_OVERRIDES=(--num-train-epochs 1 --learning-rate 1e-3 --validation-fraction 0.3) ;;
-  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=4096; EVAL_Q=10; EVAL_TOKENS=64; SWEEP_Q=5; SWEEP_TOKENS=48
-         RECIPE_OVERRIDES=() ;;
-  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; DRAFT_VOCAB=8192; EVAL_Q=80; EVAL_TOKENS=64; SWEEP_Q=10; SWEEP_TOKENS=64
-         RECIPE_OVERRIDES=() ;;
-  *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
-esac
+source examples/demo_sizes.sh  # PROMPTS, GEN_TOKENS, MAX_LEN, DRAFT_VOCAB, EVAL_Q, EVAL_TOKENS, SWEEP_*, RECIPE_OVERRIDES
 # The training recipe is examples/recipes/small_cpu.yaml (chosen by experiments/recipe.py: docs/results/recipe.md):
 # lr 2e-3, cosine, one 256-token row per process and optimizer step (512 tokens with 2 processes), 6 epochs, the
 # epoch with the best simulated τ kept. The tiny size overrides its epochs, lr and validation split.

@@ -20,15 +20,7 @@ VERIFIER="smollm2-135m-instruct"
 # The block: BLOCK tokens, the anchor (the verifier's newest token) and BLOCK - 1 masked positions, so every
 # verify forward checks BLOCK - 1 drafts: evaluate's --k and the engines' draft count.
 BLOCK=4; LAYERS=1; ANCHORS=16; K=$(( BLOCK - 1 ))
-case "$SIZE" in
-  tiny)  PROMPTS=12;   GEN_TOKENS=16;  MAX_LEN=256;  EVAL_Q=2;  EVAL_TOKENS=12
-         RECIPE_OVERRIDES=(--num-train-epochs 1 --learning-rate 1e-3 --validation-fraction 0.3) ;;
-  small) PROMPTS=600;  GEN_TOKENS=128; MAX_LEN=1024; EVAL_Q=10; EVAL_TOKENS=64
-         RECIPE_OVERRIDES=() ;;
-  large) PROMPTS=1200; GEN_TOKENS=128; MAX_LEN=1024; EVAL_Q=80; EVAL_TOKENS=64
-         RECIPE_OVERRIDES=() ;;
-  *) echo "DEMO_SIZE must be tiny, small or large" >&2; exit 2 ;;
-esac
+source examples/demo_sizes.sh  # PROMPTS, GEN_TOKENS, MAX_LEN, DRAFT_VOCAB, EVAL_Q, EVAL_TOKENS, SWEEP_*, RECIPE_OVERRIDES
 # The demo's recipe (examples/recipes/small_cpu.yaml: lr 2e-3, cosine, one 256-token row per process and step,
 # 6 epochs, the epoch with the best simulated τ kept), measured for EAGLE-3; no DFlash recipe is measured yet. Its
 # TTT keys do not apply to a block drafter; the DFlash flags below are the block's shape.

@@ -16,7 +16,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 
-from ..verifier.family import check_aux_indices, default_aux_indices, drafter_rope, text_config_dict
+from ..verifier.family import text_config_dict, verifier_record
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_BLOCK_SIZE = 16  # z-lab's Qwen3 drafters ("-b16"); SpecForge's Qwen3-8B DFlash config: 5 layers, blocks of 16
@@ -149,45 +149,28 @@ class DFlashConfig(Qwen3Config):
         of the verifier (its layers are what the drafter's layers imitate; the verifier's embedding and lm_head are
         shared, so the hidden size must be the verifier's), `num_hidden_layers` full-attention layers."""
         cfg = text_config_dict(verifier_config)
-        top = getattr(verifier_config, "config", verifier_config)
-        archs = top.get("architectures") if isinstance(top, dict) else getattr(top, "architectures", None)
         hidden = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
         vocab = int(cfg["vocab_size"])
         if not 0 <= int(mask_token_id) < vocab:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the verifier's vocabulary of {vocab}")
-        aux = check_aux_indices(aux_hidden_state_indices or default_aux_indices(layers), layers)
         kwargs: dict[str, Any] = dict(
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
             num_hidden_layers=int(num_hidden_layers),
             num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
             hidden_act="silu",
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_parameters=drafter_rope(cfg),
             attention_bias=False,
             use_sliding_window=False,
             sliding_window=None,
             layer_types=["full_attention"] * int(num_hidden_layers),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-            pad_token_id=cfg.get("pad_token_id"),
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
-            target_hidden_size=hidden,
-            aux_hidden_state_indices=aux,
-            verifier_name_or_path=verifier_name_or_path or cfg.get("_name_or_path") or None,
-            verifier_revision=verifier_revision,
-            verifier_num_hidden_layers=layers,
-            verifier_architectures=list(archs) if archs else None,
-            tokenizer_fingerprint=tokenizer_fingerprint,
+            **verifier_record(verifier_config, aux_hidden_state_indices, verifier_name_or_path, verifier_revision,
+                              tokenizer_fingerprint),
         )
         kwargs.update(overrides)
         return cls(**kwargs)

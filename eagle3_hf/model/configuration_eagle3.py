@@ -16,14 +16,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-from ..verifier.family import (
-    aux_indices_from_config,
-    check_aux_indices,
-    default_aux_indices,
-    drafter_rope,
-    engine_aux_layer_ids,
-    text_config_dict,
-)
+from ..verifier.family import aux_indices_from_config, engine_aux_layer_ids, text_config_dict, verifier_record
 
 DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PREFERRED_HEAD_DIM = 128
@@ -199,10 +192,7 @@ class Eagle3Config(LlamaConfig):
         is always one full-attention GQA Llama layer, as the engines' Llama drafter is.
         """
         cfg = text_config_dict(verifier_config)
-        top = getattr(verifier_config, "config", verifier_config)  # a VLM's architectures are outside text_config
-        archs = top.get("architectures") if isinstance(top, dict) else getattr(top, "architectures", None)
         hidden = int(cfg["hidden_size"])
-        num_layers = int(cfg["num_hidden_layers"])
         if hidden % PREFERRED_HEAD_DIM == 0:
             head_dim = PREFERRED_HEAD_DIM
         elif cfg.get("head_dim") and hidden % int(cfg["head_dim"]) == 0:
@@ -219,7 +209,6 @@ class Eagle3Config(LlamaConfig):
             kv_heads = int(verifier_kv)
         else:
             kv_heads = heads
-        aux = check_aux_indices(aux_hidden_state_indices or default_aux_indices(num_layers), num_layers)
         kwargs: dict[str, Any] = dict(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -228,20 +217,9 @@ class Eagle3Config(LlamaConfig):
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             hidden_act="silu",  # the engines' Llama drafter has no other MLP
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_parameters=drafter_rope(cfg),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-            pad_token_id=cfg.get("pad_token_id"),
             draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=hidden,
-            aux_hidden_state_indices=aux,
-            verifier_name_or_path=verifier_name_or_path or cfg.get("_name_or_path") or None,
-            verifier_revision=verifier_revision,
-            verifier_num_hidden_layers=num_layers,
-            verifier_architectures=list(archs) if archs else None,
-            tokenizer_fingerprint=tokenizer_fingerprint,
+            **verifier_record(verifier_config, aux_hidden_state_indices, verifier_name_or_path, verifier_revision,
+                              tokenizer_fingerprint),
         )
         kwargs.update(overrides)
         return cls(**kwargs)

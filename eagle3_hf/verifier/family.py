@@ -183,3 +183,31 @@ def engine_config_problems(cfg: dict[str, Any]) -> list[tuple[str, str]]:
         problems.append(("hidden-act", f"hidden_act {cfg.get('hidden_act')!r}: SGLang's LlamaMLP supports only "
                          "'silu' and refuses to load the drafter"))
     return problems
+
+
+def verifier_record(verifier_config: Any, aux_indices: Iterable[int] | None = None,
+                    name_or_path: str | None = None, revision: str | None = None,
+                    tokenizer_fingerprint: str | None = None) -> dict[str, Any]:
+    """What every drafter kind's config takes from the verifier it drafts for (its `from_verifier`): the aux layers
+    it reads (checked, default `default_aux_indices`), the verifier's width, context, norm epsilon, RoPE
+    (`drafter_rope`) and special tokens, and who it is (name, revision, depth, architectures, tokenizer), which
+    `check` and the engines compare with the verifier they serve beside."""
+    cfg = text_config_dict(verifier_config)
+    top = getattr(verifier_config, "config", verifier_config)  # a VLM's architectures are outside text_config
+    archs = top.get("architectures") if isinstance(top, dict) else getattr(top, "architectures", None)
+    layers = int(cfg["num_hidden_layers"])
+    return dict(
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=drafter_rope(cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+        target_hidden_size=int(cfg["hidden_size"]),
+        aux_hidden_state_indices=check_aux_indices(aux_indices or default_aux_indices(layers), layers),
+        verifier_name_or_path=name_or_path or cfg.get("_name_or_path") or None,
+        verifier_revision=revision,
+        verifier_num_hidden_layers=layers,
+        verifier_architectures=list(archs) if archs else None,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+    )

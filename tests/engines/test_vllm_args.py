@@ -120,9 +120,11 @@ def test_the_offline_request_is_checked_against_the_longest_sample():
 
 def test_the_feature_servers_request_is_checked(tiny_verifier_dir):
     from eagle3_hf.features.commands.serve_features import ServerSettings, server_request
+    from eagle3_hf.features.vllm.vllm_spec import VllmOptions
 
-    ok = server_request(ServerSettings(str(tiny_verifier_dir), max_model_len=512,
-                                       engine={"max_num_batched_tokens": 512}))
+    ok = server_request(ServerSettings(str(tiny_verifier_dir), vllm=VllmOptions(
+        max_model_len=512, engine={"max_num_batched_tokens": 512})))
     assert ok["engine"]["max_num_batched_tokens"] == 512 and ok["max_model_len"] == 512
     with pytest.raises(ValueError, match="below vLLM's context of 2048"):  # the verifier's max_position_embeddings
-        server_request(ServerSettings(str(tiny_verifier_dir), engine={"max_num_batched_tokens": 1024}))
+        server_request(ServerSettings(str(tiny_verifier_dir),
+                                      vllm=VllmOptions(engine={"max_num_batched_tokens": 1024})))

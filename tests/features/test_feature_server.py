@@ -180,6 +180,7 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
     server): equal losses and equal weights, bit for bit at the same bf16 rounding; no feature file left."""
     from eagle3_hf.data.vocab import save_vocab, vocab_from_target_ids
     from eagle3_hf.features.commands.serve_features import ServerSettings, start_feature_server
+    from eagle3_hf.features.vllm.vllm_spec import VllmOptions
 
     vllm_or_fail()
     verifier = serveable_verifier()
@@ -205,7 +206,7 @@ def test_training_online_from_the_vllm_server_equals_offline(tmp_path, tokenizer
     off = _train(common + ["--features", str(feats), "--output-dir", str(tmp_path / "off")], 2, env)
     assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-3000:]
     before = set(Path(tempfile.gettempdir()).glob("eagle3_feature_server_*"))
-    with start_feature_server(ServerSettings(str(vdir), max_model_len=128), timeout=600) as server:
+    with start_feature_server(ServerSettings(str(vdir), vllm=VllmOptions(max_model_len=128, timeout=600))) as server:
         assert server.identity["layer_ids"] == every.manifest["provenance"]["vllm_layer_ids"]
         on = _train(common + ["--features", server.url, "--prepared-dir", str(prepared),
                               "--output-dir", str(tmp_path / "on")], 2, env)

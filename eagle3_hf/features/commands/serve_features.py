@@ -21,8 +21,8 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from ...errors import debug_requested
 from ...verifier.family import check_aux_indices, default_aux_indices
 from ..api_key import API_KEY_ENV, api_key, check_bind
 from ..engine_states import vllm_layer_ids
-from ..vllm.vllm_spec import checkpoint_dtype
+from ..vllm.vllm_spec import VllmOptions, checkpoint_dtype
 
 if TYPE_CHECKING:
     from ...engines.vllm.vllm_feature_launcher import VllmFeatureServer
@@ -42,28 +42,28 @@ KEY_NOTE = f" and {API_KEY_ENV} set to the server's key"
 @dataclass(frozen=True)
 class ServerSettings:
     """What a server serves and where (the options `add_server_arguments` reads, as `serve-features` and
-    `serve-vllm` share them), plus the feature server's own batching and queue and serve-vllm's connector."""
+    `serve-vllm` share them), how vLLM runs it (`vllm`: the options record `extract --engine vllm` and
+    `regenerate --engine vllm` read theirs into, here its dtype, context, engine settings, batch size, connector,
+    threads and load timeout), and the feature server's queue."""
 
     verifier: str
     revision: str | None = None
     aux_indices: Sequence[int] | None = None
-    dtype: str = "auto"  # auto: the checkpoint's
-    max_model_len: int | None = None  # None: the verifier's max_position_embeddings, else 4096
     host: str = "127.0.0.1"
     port: int = 0
-    engine: Mapping[str, Any] | None = None  # vLLM engine settings (engines/vllm/vllm_args.py)
-    batch_size: int = 8
-    connector: str = "auto"
+    vllm: VllmOptions = field(default_factory=VllmOptions)
     fingerprint: str | None = None  # None: computed from the verifier's tokenizer
     max_queue: int = 64
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **extra: Any) -> ServerSettings:
-        """The shared options as parsed (`add_server_arguments`), and `extra` a command's own."""
+    def from_args(cls, args: argparse.Namespace, **vllm: Any) -> ServerSettings:
+        """The shared options as parsed (`add_server_arguments`, `add_process_arguments`), `vllm` a command's own
+        options of vLLM (the feature server's batch size, serve-vllm's connector)."""
         aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
-        return cls(args.verifier, revision=args.revision, aux_indices=aux, dtype=args.torch_dtype,
-                   max_model_len=args.max_model_len, host=args.host, port=args.port, engine=engine_from_args(args),
-                   **extra)
+        options = VllmOptions(dtype=args.torch_dtype, max_model_len=args.max_model_len, engine=engine_from_args(args),
+                              threads=args.threads, timeout=args.timeout, debug=debug_requested(), **vllm)
+        return cls(args.verifier, revision=args.revision, aux_indices=aux, host=args.host, port=args.port,
+                   vllm=options, max_queue=getattr(args, "max_queue", 64))
 
 
 def server_request(settings: ServerSettings) -> dict[str, Any]:
@@ -76,7 +76,8 @@ def server_request(settings: ServerSettings) -> dict[str, Any]:
     from ...verifier.identity import teacher_hashes
     from ...verifier.loading import load_tokenizer, resolve_verifier
 
-    verifier, revision, engine = str(settings.verifier), settings.revision, dict(settings.engine or {})
+    verifier, revision, vllm = str(settings.verifier), settings.revision, settings.vllm
+    engine = dict(vllm.engine or {})
     path = resolve_verifier(verifier)
     # config.json read as a file (its text_config where nested): no model class needed, so a family transformers
     # lacks (kimi_k2) serves without remote code in this process; vLLM gets --trust-remote-code itself
@@ -86,20 +87,19 @@ def server_request(settings: ServerSettings) -> dict[str, Any]:
     fingerprint = settings.fingerprint
     if fingerprint is None:
         fingerprint = tokenizer_fingerprint(load_tokenizer(verifier, revision=revision))
-    dtype = checkpoint_dtype(path) if settings.dtype == "auto" else settings.dtype
-    max_model_len = int(settings.max_model_len or config.get("max_position_embeddings") or 4096)
+    dtype = checkpoint_dtype(path) if vllm.dtype == "auto" else vllm.dtype
+    max_model_len = int(vllm.max_model_len or config.get("max_position_embeddings") or 4096)
     check_batched_tokens(dict(engine), max_model_len)
     return {"verifier": path, "name": verifier, "verifier_revision": revision,
             "verifier_identity": teacher_hashes(verifier, revision), "dtype": dtype,
             "max_model_len": max_model_len,
             "layer_ids": vllm_layer_ids(indices, layers), "aux_layer_indices": list(indices),
             "tokenizer_fingerprint": fingerprint, "host": settings.host, "port": int(settings.port),
-            "engine": engine, "batch_size": int(settings.batch_size), "connector": settings.connector,
+            "engine": engine, "batch_size": int(vllm.batch_size), "connector": vllm.connector,
             "max_queue": int(settings.max_queue)}
 
 
-def start_feature_server(settings: ServerSettings, *, threads: int = 1, debug: bool = False,
-                         timeout: float | None = None, log_file: str | Path | None = None,
+def start_feature_server(settings: ServerSettings, *, log_file: str | Path | None = None,
                          api_key: str | None = None) -> VllmFeatureServer:
     """A VllmFeatureServer for `settings` (enter it to start; `.url` once it listens). Without `api_key` a host
     other than loopback is refused (one line) before anything loads."""
@@ -108,7 +108,8 @@ def start_feature_server(settings: ServerSettings, *, threads: int = 1, debug: b
 
     check_bind(settings.host, api_key, "serve-features")
     vllm_python()  # vLLM missing: one line, before anything loads
-    return VllmFeatureServer(server_request(settings), threads=threads, debug=debug, timeout=timeout,
+    vllm = settings.vllm
+    return VllmFeatureServer(server_request(settings), threads=vllm.threads, debug=vllm.debug, timeout=vllm.timeout,
                              log_file=log_file, api_key=api_key)
 
 
@@ -151,9 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_offline(engine_from_args(args))  # one vllm.LLM: data parallelism is one server per replica
-    settings = ServerSettings.from_args(args, batch_size=args.batch_size, max_queue=args.max_queue)
-    server = start_feature_server(settings, threads=args.threads, debug=debug_requested(), timeout=args.timeout,
-                                  log_file=args.log_file, api_key=api_key(args.api_key))
+    settings = ServerSettings.from_args(args, batch_size=args.batch_size)
+    server = start_feature_server(settings, log_file=args.log_file, api_key=api_key(args.api_key))
     with server:
         who = server.identity
         print(f"feature server: {server.url} (verifier {who['verifier']}, hidden {who['hidden_size']}, "

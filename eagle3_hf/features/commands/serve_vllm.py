@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import debug_requested
 from ..api_key import API_KEY_ENV, api_key, check_bind
 from .serve_features import ServerSettings, add_process_arguments, add_server_arguments, server_request
 
@@ -50,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     key = api_key(args.api_key)
     check_bind(args.host, key, "serve-vllm")
-    request = server_request(ServerSettings.from_args(args, connector=args.connector))
+    settings = ServerSettings.from_args(args, connector=args.connector)
+    request = server_request(settings)
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
                               "engine": request["engine"], "revision": args.revision, "connector": args.connector}
     client = (f"{API_KEY_ENV + '=... ' if key else ''}eagle3-hf extract --engine vllm --endpoint "
@@ -65,11 +65,10 @@ def run(args: argparse.Namespace) -> int:
         print(shell_command(python, argv, key_from=API_KEY_ENV if key else None))
         print(f"# then, on the same machine: {client}", file=sys.stderr)
         return 0
-    debug = debug_requested()
     vllm_python()  # vLLM missing: one line
     server = VllmOpenAIServer(request["verifier"], request["layer_ids"], port=args.port, host=args.host,
-                              storage=args.storage, threads=args.threads, timeout=args.timeout,
-                              log_file=args.log_file, debug=debug, api_key=key, **engine)
+                              storage=args.storage, threads=settings.vllm.threads, timeout=settings.vllm.timeout,
+                              log_file=args.log_file, debug=settings.vllm.debug, api_key=key, **engine)
     with server:
         print(f"vLLM OpenAI server: {server.url} (verifier {request['verifier']}, vLLM layer ids "
               f"{request['layer_ids']}, storage {server.storage}); extract with: {client}", flush=True)
