@@ -91,7 +91,8 @@ def test_extract_writes_what_training_reads(recorded, tmp_path, fingerprint):
     (prepared / "eagle3_prepare.json").write_text(json.dumps({"tokenizer_fingerprint": fingerprint}))
     source = open_source(SourceRequest("sglang-server", stub.url, path, aux_indices=(2, 15, 27),
                                        tokenizer_fingerprint=fingerprint, options=SglangOptions(stub.url)))
-    summary = write_features(source, PreparedDataset(prepared, "all"), tmp_path / "out", progress=False)
+    checked = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+    summary = write_features(source, checked, tmp_path / "out", progress=False)
     assert summary.written_samples == len(rows)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["source"] == "sglang" and manifest["aux_layer_indices"] == [2, 15, 27]
@@ -212,7 +213,8 @@ def test_training_online_from_sglang_equals_training_on_its_extraction(stub_for,
     prepared = walk_prepared(tmp_path / "prepared", fingerprint, n=10)
     source = open_source(SourceRequest("sglang-server", stub.url, str(serveable_dir), dtype="bfloat16",
                                        tokenizer_fingerprint=fingerprint, options=SglangOptions(stub.url)))
-    write_features(source, PreparedDataset(prepared, "all"), tmp_path / "feats", progress=False)
+    checked = PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
+    write_features(source, checked, tmp_path / "feats", progress=False)
     every = FeatureDataset(tmp_path / "feats", split="all")
     greedy = torch.cat([every[i]["verifier_greedy"] for i in range(len(every))]).unique()
     save_vocab(tmp_path / "vocab.safetensors", *vocab_from_target_ids(greedy, VOCAB), fingerprint, coverage=1.0)

@@ -70,9 +70,9 @@ def prepared(tmp_path_factory, fingerprint):
 
 
 @pytest.fixture(scope="module")
-def opened(prepared):
-    """The prepared samples as write_features takes them."""
-    return PreparedDataset(prepared, "all")
+def opened(prepared, fingerprint):
+    """The prepared samples as write_features takes them: checked against the route's tokenizer."""
+    return PreparedDataset(prepared, "all", tokenizer_fingerprint=fingerprint)
 
 
 def samples_of(prepared: Path) -> dict[str, PreparedSample]:

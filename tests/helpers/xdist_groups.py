@@ -1,5 +1,5 @@
-"""The groups pytest-xdist runs `make test`'s workers by (-n 3 --dist loadgroup on two cores): each group runs on one
-worker, in order; tests/conftest.py gives xdist the scheduler that reads them.
+"""The groups pytest-xdist runs `make test`'s two workers by (-n 2 --dist loadgroup, one worker per core): each group
+runs on one worker, in order; tests/conftest.py gives xdist the scheduler that reads them.
 
 The tests that keep both cores busy (two or more training, extraction or engine processes at once) are one group, so
 no two of them ever run together. The users of a costly session fixture share a group, so one worker builds it once;
