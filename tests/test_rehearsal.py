@@ -184,9 +184,10 @@ def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
     v = str(verifier)
 
     # regenerate as the guide writes it: the server still loading when the command starts (nothing listens for 3 s,
-    # then /health says 503 for 2 s), one conversation rejected with 400, the others answered with reasoning
+    # then /health says 503 for 2 s, and at least once however late the command looks), one conversation rejected
+    # with 400, the others answered with reasoning
     port, regen = free_port(), tmp_path / "regen.jsonl"
-    with late_server(port, delay=3.0, loading_s=2.0, reasoning_for=thinking_reasoning,
+    with late_server(port, delay=3.0, loading_s=2.0, loading_checks=1, reasoning_for=thinking_reasoning,
                      reject=lambda messages: messages[-1]["content"].startswith(REJECTED)) as late:
         log = cli("regenerate", "--endpoint", f"http://127.0.0.1:{port}", "--model", "stub-model", "--input",
                   str(prompts(tmp_path / "prompts.jsonl")), "--output", str(regen), "--wait-for-server", "120",

@@ -8,7 +8,8 @@ killed server).
 A thinking model's server: `reasoning_for(messages)` gives the reasoning its parser returns (under `reasoning_key`,
 `reasoning_content` or vLLM's newer `reasoning`), `cut(messages)` answers finish_reason "length". A server still
 loading: `loading_s` seconds of 503 from /health and the chat route after it starts (`late_server` starts one
-only after a delay: nothing listens before).
+only after a delay: nothing listens before), and at least `loading_checks` answers of 503 from /health whenever the
+client first looks (a client slow to start on a loaded machine still sees the server loading).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class OpenAIStub(LoopbackServer):
                  api_key: str | None = None, model: str = "stub-model", drop: set[int] = frozenset(), port: int = 0,
                  reasoning_for: Callable[[list[dict]], str | None] | None = None,
                  reasoning_key: str = "reasoning_content", cut: Callable[[list[dict]], bool] | None = None,
-                 loading_s: float = 0.0, crash: Callable[[list[dict]], bool] | None = None):
+                 loading_s: float = 0.0, crash: Callable[[list[dict]], bool] | None = None, loading_checks: int = 0):
         self.delay, self.fail_first, self.reject, self.api_key, self.model = delay, fail_first, reject, api_key, model
         self.reasoning_for, self.reasoning_key, self.cut, self.crash = reasoning_for, reasoning_key, cut, crash
         self.ready_at = time.monotonic() + loading_s
+        self.loading_checks = loading_checks
         self.gets: list[str] = []
         self.drop = set(drop)
         self.requests: list[dict] = []
@@ -60,7 +62,10 @@ class OpenAIStub(LoopbackServer):
             def do_GET(self):
                 stub.gets.append(self.path)
                 if self.path == "/health":
-                    self._send(200 if time.monotonic() >= stub.ready_at else 503, {})
+                    with stub.lock:
+                        loading = time.monotonic() < stub.ready_at or stub.loading_checks > 0
+                        stub.loading_checks = max(0, stub.loading_checks - 1)
+                    self._send(503 if loading else 200, {})
                 elif self.path.rstrip("/") == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]})
                 else:
