@@ -72,23 +72,6 @@ def check_fingerprint(path: str | Path, meta: dict, tokenizer_fingerprint: str |
         )
 
 
-def prepared_tokenizer(prepared: datasets.Dataset | str | Path) -> dict:
-    """The tokenizer record (class, --trust-remote-code) of a prepared directory's meta; {} for a Dataset object, a
-    directory without meta, or a meta written before it was recorded."""
-    from .fingerprint import recorded_tokenizer
-
-    if not isinstance(prepared, (str, Path)) or not (Path(prepared) / PREPARE_META).is_file():
-        return {}
-    return recorded_tokenizer(read_prepared_meta(prepared))
-
-
-def check_prepared_tokenizer(prepared: datasets.Dataset | str | Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Refuse a tokenizer of another class than the one that prepared `prepared` (one line naming both)."""
-    from .fingerprint import check_tokenizer_class
-
-    check_tokenizer_class(prepared_tokenizer(prepared), tokenizer, f"{Path(str(prepared)) / PREPARE_META}")
-
-
 def open_prepared(prepared: datasets.Dataset | str | Path,
                   tokenizer_fingerprint: str | None = None) -> datasets.Dataset:
     """A prepared `datasets.Dataset` given as itself or as its directory (then `load_prepared` checks it)."""

@@ -54,7 +54,8 @@ class PreparedDataset(Dataset[dict[str, Any]]):
 
     Opened with the verifier's `tokenizer` (or its `tokenizer_fingerprint`), a directory another tokenizer (or
     another tokenizer class) prepared is refused here, before any model loads; `tokenizer_fingerprint` then says
-    which tokenizer the samples were checked against, which the feature write loop requires of them."""
+    which tokenizer the samples were checked against (a `datasets.Dataset` given as itself has no record to check:
+    the caller's word), which the feature write loop requires of them."""
 
     def __init__(self, prepared: datasets.Dataset | str | Path, split: str = "train", validation_fraction: float = 0.05,
                  tokenizer_fingerprint: str | None = None, *, tokenizer: PreTrainedTokenizerBase | None = None

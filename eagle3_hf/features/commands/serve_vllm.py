@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_args(args, connector=args.connector)
     request = server_request(settings)
     engine: dict[str, Any] = {"dtype": request["dtype"], "max_model_len": request["max_model_len"],
-                              "engine": request["engine"], "revision": args.revision, "connector": args.connector}
+                              "engine": request["engine"], "revision": args.revision,
+                              "connector": settings.vllm.connector}
     client = (f"{API_KEY_ENV + '=... ' if key else ''}eagle3-hf extract --engine vllm --endpoint "
               f"http://{args.host}:{args.port} --verifier {args.verifier} --data prepared/ --output features/")
     if args.print_command:
