@@ -15,6 +15,7 @@ import importlib
 import os
 import sys
 
+from .engines.forked import run_entry_in_warm
 from .errors import DEBUG_ENV, run_reporting_user_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error becomes `error: <message>` on stderr and exit status 1."""
+    if argv is None:  # this process's own command: a fork of the test suite's warm process may run it
+        run_entry_in_warm()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = False
     while argv[:1] == ["--debug"]:

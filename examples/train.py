@@ -8,7 +8,7 @@ save). This file runs it, so every `accelerate launch examples/train.py ...` com
 
 import sys
 
-from eagle3_hf.scripts.train import run_script
+from eagle3_hf.scripts import run_training_script
 
 if __name__ == "__main__":
-    sys.exit(run_script(sys.argv[1:]))
+    sys.exit(run_training_script(sys.argv[1:]))

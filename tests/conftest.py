@@ -54,6 +54,16 @@ def warm_vllm():
     stop_warm_vllm(started)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_commands():
+    """One warm process per worker that our own commands' processes fork from (tests/helpers/warm_commands.py)."""
+    from tests.helpers.warm_commands import start_warm_commands, stop_warm_commands
+
+    started = start_warm_commands()
+    yield
+    stop_warm_commands(started)
+
+
 @pytest.fixture(scope="session")
 def default_verifier_dir():
     """The embedded default verifier, converted from its GGUF once and cached (about 35 s the first time)."""

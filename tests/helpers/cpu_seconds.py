@@ -24,14 +24,17 @@ LOG_VARIABLE = "EAGLE3_HF_TEST_CPU_LOG"
 
 
 def _warm_children_seconds() -> float:
-    """CPU seconds of the runners the warm vLLM process reaped so far (engines/vllm/vllm_warm.py writes them)."""
+    """CPU seconds of the processes the warm processes reaped so far (engines/fork_server.py writes them)."""
+    from eagle3_hf.engines.forked import COMMANDS_WARM_ENV
     from eagle3_hf.engines.vllm.warm_launch import WARM_ENV
 
-    path = os.environ.get(WARM_ENV)
-    try:
-        return float(Path(path + ".cpu").read_text(encoding="utf-8")) if path else 0.0
-    except (OSError, ValueError):
-        return 0.0
+    total = 0.0
+    for path in filter(None, (os.environ.get(WARM_ENV), os.environ.get(COMMANDS_WARM_ENV))):
+        try:
+            total += float(Path(path + ".cpu").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 def _cpu_seconds() -> tuple[float, float]:

@@ -96,7 +96,7 @@ def process_alive(pid: int) -> bool:
 class Starter:
     """The process that started this runner (the request's "starter_pid"): its parent when the runner is a
     fresh process (then its exit shows as a new parent, which a reused pid cannot fake), or any other process when
-    the runner was forked from the warm vLLM process (vllm_warm.py: the parent is that process; then the pid
+    the runner was forked from the warm vLLM process (engines/fork_server.py: the parent is that process; then the pid
     itself is watched)."""
 
     def __init__(self, pid: int | None) -> None:
