@@ -66,7 +66,7 @@ class ServerProcess:
 
     def _launch(self, argv: list[str], env: dict[str, str], warm: bool = False) -> None:
         """Start `argv` in its own process group, its output into `_log_path` (the terminal with `debug`);
-        `warm`: a vLLM runner, forked from the warm vLLM process when one listens (warm_launch.py)."""
+        `warm`: a vLLM runner or API server, forked from the warm vLLM process when one listens (warm_launch.py)."""
         assert self._log_path is not None, "set _log_path before _launch"
         log = None if self.debug else open(self._log_path, "w", encoding="utf-8")
         try:

@@ -33,6 +33,14 @@ ROOT = Path(__file__).resolve().parents[2]
 EAGLE3_HF = str(Path(sys.executable).parent / "eagle3-hf")
 
 
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    """A failing stub is retried as a server is (the stub counts the posts), without a real server's waits."""
+    from eagle3_hf.features.routes import vllm_server_client
+
+    monkeypatch.setattr(vllm_server_client, "RETRY_BACKOFF_S", 0.01)
+
+
 @pytest.fixture
 def prepared(tmp_path, fingerprint):
     return walk_prepared(tmp_path / "prepared", fingerprint, n=10)

@@ -40,7 +40,7 @@ class SpeculativeServer(ServerProcess):
                 "--port", str(self.port), "--speculative-config", json.dumps(speculative)]
         env = vllm_environment(vllm_venv(), threads=1, offline=True)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
-        self._launch(argv, env)
+        self._launch(argv, env, warm=True)
 
     def _ready(self) -> bool:
         try:

@@ -210,7 +210,7 @@ class VllmOpenAIServer(ServerProcess):
             self._made = self.storage = Path(tempfile.mkdtemp(prefix=STORAGE_PREFIX))
         argv, env = self.command()
         self._log_path = self.log_file or self.storage.parent / f"{self.storage.name}.log"
-        self._launch(argv, env)
+        self._launch(argv, env, warm=True)
         assert self._proc is not None
         if self._made is not None:
             (self._made / "pids").write_text(f"{os.getpid()} {self._proc.pid}\n", encoding="utf-8")

@@ -157,6 +157,9 @@ def wait_for_lock(path: str, deadline: float) -> None:
         time.sleep(0.01)
 
 
+RETRY_BACKOFF_S = 1.0  # the first wait before retrying a failed completion; each next one doubles
+
+
 class EndpointExtraction:
     """The records of `VllmExtraction` (engines/vllm/vllm_env.py), from a running server: {"key", "path",
     "next_token"} per prompt, in submission order. Use as a context manager: leaving deletes the files of
@@ -166,11 +169,12 @@ class EndpointExtraction:
     names none) and "connector", always None here (the server chose its connector; its answers do not say which)."""
 
     def __init__(self, url: str, prompts: Iterable[tuple[int, list[int]]], model: str, concurrency: int = 8,
-                 timeout: float = 600.0, retries: int = 3, backoff_s: float = 1.0, storage: str | None = None):
+                 timeout: float = 600.0, retries: int = 3, backoff_s: float | None = None, storage: str | None = None):
         self.url, self.model = url.rstrip("/"), model
         self.api_key = api_key()
         self.prompts, self.concurrency = prompts, max(1, int(concurrency))
-        self.timeout, self.retries, self.backoff_s = float(timeout), int(retries), float(backoff_s)
+        self.timeout, self.retries = float(timeout), int(retries)
+        self.backoff_s = RETRY_BACKOFF_S if backoff_s is None else float(backoff_s)
         self.policy = StoragePolicy(self.url, storage)
         self.peak_pending_bytes = 0
         self.result: dict[str, Any] = {"connector": None, "vllm_version": None}
