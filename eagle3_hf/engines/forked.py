@@ -152,6 +152,26 @@ def start_fork_server(python: str | Path, env: dict[str, str], socket_path: str 
                             start_new_session=True)
 
 
+def started_as_entry() -> dict[str, str] | None:
+    """What this interpreter was started to run, {"path": script} or {"module": name}, when its command line
+    (`sys.orig_argv`) is interpreter options, then that script or `-m` module, then this very `sys.argv[1:]`; None
+    for anything else (`-c`, a session, a script or a test that runs the entry in-process with an argv of its own)."""
+    orig = list(getattr(sys, "orig_argv", []))[1:]
+    i = 0
+    while i < len(orig) and orig[i].startswith("-") and orig[i] not in ("-", "-c", "-m"):
+        i += 2 if orig[i] in ("-W", "-X") else 1  # an option and, for these two, its value
+    if i >= len(orig) or orig[i] in ("-", "-c") or (orig[i] == "-m" and i + 1 >= len(orig)):
+        return None
+    run, rest = ({"module": orig[i + 1]}, orig[i + 2:]) if orig[i] == "-m" else ({"path": orig[i]}, orig[i + 1:])
+    if rest != sys.argv[1:]:
+        return None
+    if "path" in run:
+        run["path"] = os.path.abspath(run["path"])
+        return run if os.path.abspath(sys.argv[0]) == run["path"] else None
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return run if spec is not None and spec.name == run["module"] else None
+
+
 # signals a process started from a shell or a test is sent, forwarded to the fork that does its work
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -164,9 +184,9 @@ def run_entry_in_warm() -> None:
     path = os.environ.get(COMMANDS_WARM_ENV, "")
     if not path or os.environ.get(JOB_ENV) == str(os.getpid()):
         return
-    main = sys.modules["__main__"]
-    spec = getattr(main, "__spec__", None)
-    run = {"module": spec.name} if spec is not None else {"path": os.path.abspath(sys.argv[0])}
+    run = started_as_entry()
+    if run is None:  # this code runs inside another program (a test calling the entry in-process): it stays there
+        return
     from .fork_server import interpreter_flags
 
     job = {"python": sys.executable, "run": run, "argv": sys.argv, "env": dict(os.environ), "tied": True,

@@ -134,6 +134,32 @@ def test_a_module_run_as_main_is_not_also_imported(warm, tmp_path):
     assert "RuntimeWarning" not in proc.stderr
 
 
+def test_an_entry_run_in_process_by_another_program_stays_in_it(warm, tmp_path):
+    """A test (or any program) that runs the entry script in-process with an argv of its own must not hand its
+    own process over: only a process started to run the entry does."""
+    script = tmp_path / "entry.py"
+    script.write_text(ENTRY)
+    code = (f"import runpy, sys\nsys.argv = [{str(script)!r}, 'exit', '5']\n"
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    env = warm["env"] | {COMMANDS_WARM_ENV: warm["socket"]}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 5 and job_pid(out) == proc.pid
+
+
+def test_a_warm_process_ends_with_the_process_that_started_it(tmp_path):
+    starter = ("import sys, time\nfrom eagle3_hf.engines.forked import start_fork_server\n"
+               f"p = start_fork_server(sys.executable, {{}}, {str(tmp_path / 's.sock')!r}, ['json'])\n"
+               "print(p.pid, flush=True)\ntime.sleep(1)")
+    out = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    pid = int(out.split()[0])
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), "the warm process outlived the process that started it"
+
+
 def wait_for(path: Path) -> str:
     deadline = time.monotonic() + 60
     while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
