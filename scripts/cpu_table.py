@@ -48,10 +48,26 @@ def cpu_table(records: list[dict[str, float | str]], top: int = 15) -> str:
              "| module | CPU s | share |", "|---|---|---|"]
     for module, seconds in sorted(per_module.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| `{module}` | {seconds:,.1f} | {seconds / total:.1%} |")
+    ends = worker_ends(records)
+    if ends:
+        lines += ["", "Workers' last tests ended at " + ", ".join(f"{w} {t:,.0f} s" for w, t in ends.items())
+                  + " after the first test started (the gap is time one core had nothing left to run)."]
     lines += ["", "| test | CPU s | wall s | share |", "|---|---|---|---|"]
     for test, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| `{test}` | {seconds:,.1f} | {wall[test]:,.1f} | {seconds / total:.1%} |")
     return "\n".join(lines)
+
+
+def worker_ends(records: list[dict[str, float | str]]) -> dict[str, float]:
+    """Seconds from the first test's start to each worker's last test's end (records with `worker` and `ended`)."""
+    timed = [r for r in records if "worker" in r and "ended" in r]
+    if not timed:
+        return {}
+    start = min(float(r["ended"]) - float(r.get("wall", 0.0)) for r in timed)
+    ends: dict[str, float] = {}
+    for r in timed:
+        ends[str(r["worker"])] = max(ends.get(str(r["worker"]), 0.0), float(r["ended"]) - start)
+    return dict(sorted(ends.items()))
 
 
 def write_between_markers(doc: Path, table: str) -> None:

@@ -53,3 +53,13 @@ def test_table_is_written_between_its_markers_only(tmp_path):
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old table" not in text
     assert "| `tests/a.py::t` | 2.0 | 2.0 | 100.0% |" in text
+
+
+def test_each_workers_end_is_measured_from_the_first_start():
+    """The tail line: when each worker's last test ended, counted from the earliest start of any test."""
+    records = [{"test": "a::x", "wall": 10.0, "cpu_own": 1.0, "cpu_children": 0.0, "worker": "gw0", "ended": 110.0},
+               {"test": "a::y", "wall": 5.0, "cpu_own": 1.0, "cpu_children": 0.0, "worker": "gw1", "ended": 150.0},
+               {"test": "a::z", "wall": 30.0, "cpu_own": 1.0, "cpu_children": 0.0, "worker": "gw0", "ended": 140.0}]
+    assert cpu_table.worker_ends(records) == {"gw0": 40.0, "gw1": 50.0}
+    assert "gw0 40 s, gw1 50 s" in cpu_table.cpu_table(records)
+    assert "Workers" not in cpu_table.cpu_table([{k: v for k, v in r.items() if k != "ended"} for r in records])
