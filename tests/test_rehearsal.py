@@ -220,8 +220,9 @@ def test_the_kimi_route_on_two_nodes(tmp_path, tokenizer, default_verifier_dir):
     node = [tmp_path / f"node{n}" for n in (0, 1)]
     for n in (0, 1):
         shutil.copytree(prepared, node[n] / "prepared")
-    extract = [["extract", "--engine", "vllm", "--verifier", v, "--trust-remote-code", "--data",
-                str(node[n] / "prepared"), "--output", str(node[n] / "features"), "--per-node-output",
+    # CPU_MLA: vLLM's own choice on a CPU without AMX; with AMX it picks AMX_MLA, which refuses float32 weights
+    extract = [["extract", "--engine", "vllm", "--verifier", v, "--trust-remote-code", "--attention-backend", "CPU_MLA",
+                "--data", str(node[n] / "prepared"), "--output", str(node[n] / "features"), "--per-node-output",
                 "--max-model-len", str(MAX_MODEL_LEN), "--vllm-batch-size", "4", "--samples-per-shard", "2",
                 "--no-progress"] for n in (0, 1)]
     runs = two_nodes("torchrun", extract, timeout=420)

@@ -16,7 +16,7 @@ from eagle3_hf.engines.vllm.vllm_env import vllm_venv
 VLLM_ROUTES = ("extract", "regenerate", "serve-features", "serve-vllm", "evaluate")
 ENGINE_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
                 "--enable-expert-parallel", "--gpu-memory-utilization", "--max-num-batched-tokens", "--max-model-len",
-                "--vllm-device")
+                "--attention-backend", "--vllm-device")
 
 
 def test_every_vllm_route_has_the_one_group():
@@ -36,6 +36,8 @@ def test_llm_kwargs_and_server_flags():
     assert vllm_args.server_flags(engine, cpu=False) == ["--tensor-parallel-size", "8", "--enable-expert-parallel",
                                                          "--gpu-memory-utilization", "0.85"]
     assert vllm_args.server_flags({"trust_remote_code": True}, cpu=True) == ["--enforce-eager", "--trust-remote-code"]
+    assert vllm_args.llm_kwargs({"attention_backend": "CPU_MLA"}, cpu=True) == {"enforce_eager": True,
+                                                                                "attention_backend": "CPU_MLA"}
     with pytest.raises(ValueError, match="one rank per replica"):
         vllm_args.check_offline({"data_parallel_size": 2})
 
@@ -59,7 +61,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
 keys = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
         "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "enforce_eager", "trust_remote_code",
-        "enable_prefix_caching")
+        "enable_prefix_caching", "attention_backend")
 print(json.dumps({k: getattr(args, k) for k in keys}))
 """
 
@@ -67,7 +69,8 @@ print(json.dumps({k: getattr(args, k) for k in keys}))
 def test_print_command_is_what_vllm_parses(tiny_verifier_dir, capsys):
     argv = ["serve-vllm", "--verifier", str(tiny_verifier_dir), "--tensor-parallel-size", "8",
             "--enable-expert-parallel", "--gpu-memory-utilization", "0.85", "--max-num-batched-tokens", "16384",
-            "--max-model-len", "8192", "--vllm-device", "cuda", "--trust-remote-code", "--print-command"]
+            "--max-model-len", "8192", "--attention-backend", "FLASHMLA", "--vllm-device", "cuda",
+            "--trust-remote-code", "--print-command"]
     assert cli.main(argv) == 0
     command = capsys.readouterr().out.strip().splitlines()[-1]
     words = shlex.split(command)
@@ -84,7 +87,7 @@ def test_print_command_is_what_vllm_parses(tiny_verifier_dir, capsys):
     assert parsed == {"tensor_parallel_size": 8, "pipeline_parallel_size": 1, "data_parallel_size": 1,
                       "enable_expert_parallel": True, "gpu_memory_utilization": 0.85, "max_num_batched_tokens": 16384,
                       "max_model_len": 8192, "enforce_eager": False, "trust_remote_code": True,
-                      "enable_prefix_caching": False}
+                      "enable_prefix_caching": False, "attention_backend": "FLASHMLA"}
 
 
 def test_max_num_batched_tokens_below_the_context_is_one_line_before_vllm_starts():

@@ -26,6 +26,7 @@ ENGINE_OPTIONS: dict[str, tuple[str, Any]] = {
     "enable_expert_parallel": ("--enable-expert-parallel", False),
     "gpu_memory_utilization": ("--gpu-memory-utilization", None),
     "max_num_batched_tokens": ("--max-num-batched-tokens", None),
+    "attention_backend": ("--attention-backend", None),
     "trust_remote_code": ("--trust-remote-code", False),
 }
 DEVICES = ("auto", "cuda", "cpu")
@@ -71,6 +72,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, title: str | None = No
                             "--max-new-tokens + --k + 1; a server: the verifier's max_position_embeddings). "
                             "`extract` (either --engine) takes samples of at most this - 1 tokens (one position is "
                             "the generated token) and skips and counts longer ones")
+    group.add_argument("--attention-backend", default=None, metavar="NAME",
+                       help="vLLM's attention backend by its name (default: vLLM's choice for the model and device); "
+                            "e.g. CPU_MLA for a DeepSeek-V3/Kimi verifier in float32 on a CPU with AMX, where vLLM "
+                            "picks AMX_MLA, which takes bf16 or fp16 weights only")
     group.add_argument("--vllm-device", choices=DEVICES, default="auto",
                        help="where vLLM runs: cuda (CUDA graphs, stock connector), cpu (enforce_eager, the project's "
                             "connector), auto: cuda when nvidia-smi lists a GPU here")
