@@ -23,7 +23,12 @@ if [[ -z "${LLAMACPP_CUDA:-}" ]]; then
         LLAMACPP_CUDA=1
     fi
 fi
-WANT="llama-cpp-python==$LLAMACPP_PY_VERSION cuda=$LLAMACPP_CUDA $SENTENCEPIECE_SPEC"
+# native, less AMX on x86-64: ggml's AMX kernels (-march=native turns them on where the CPU lists amx_int8) died of an
+# illegal instruction (tilezero) on the first forward of a 2-core Xeon with AMX, 0.3.36; the -mno-amx flags win over
+# -march=native whatever their order (gcc and clang). The CPU's other extensions (AVX-512 among them) stay on.
+NATIVE_FLAGS=""
+[[ "$(uname -m)" == "x86_64" ]] && NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+WANT="llama-cpp-python==$LLAMACPP_PY_VERSION cuda=$LLAMACPP_CUDA $SENTENCEPIECE_SPEC cflags=$NATIVE_FLAGS"
 
 # the converter's one import our venv lacks, for the Python that runs it (CONVERTER_PYTHON: the venv's, from make)
 converter_deps() {
@@ -71,6 +76,7 @@ rm -rf "$ROOT/sdist"
 # no HTTPS (models are local files) and no web UI: its prebuilt assets would be downloaded from the Hub at build time
 CMAKE_ARGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON)
+[[ -n "$NATIVE_FLAGS" ]] && CMAKE_ARGS+=("-DCMAKE_C_FLAGS=$NATIVE_FLAGS" "-DCMAKE_CXX_FLAGS=$NATIVE_FLAGS")
 ((LLAMACPP_CUDA)) && CMAKE_ARGS+=(-DGGML_CUDA=ON)
 echo "building llama-server (cuda=$LLAMACPP_CUDA, $JOBS jobs) in $BUILD"
 cmake -S "$TREE" -B "$BUILD" "${CMAKE_ARGS[@]}" > "$ROOT/cmake.log" 2>&1 || { tail -20 "$ROOT/cmake.log" >&2; exit 1; }
