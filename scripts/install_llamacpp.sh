@@ -27,7 +27,7 @@ fi
 # illegal instruction (tilezero) on the first forward of a 2-core Xeon with AMX, 0.3.36; the -mno-amx flags win over
 # -march=native whatever their order (gcc and clang). The CPU's other extensions (AVX-512 among them) stay on.
 NATIVE_FLAGS=""
-[[ "$(uname -m)" == "x86_64" ]] && NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+[[ "$HOSTTYPE" == "x86_64" ]] && NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 WANT="llama-cpp-python==$LLAMACPP_PY_VERSION cuda=$LLAMACPP_CUDA $SENTENCEPIECE_SPEC cflags=$NATIVE_FLAGS"
 
 # the converter's one import our venv lacks, for the Python that runs it (CONVERTER_PYTHON: the venv's, from make)
