@@ -22,9 +22,10 @@ WARM_ENV = "EAGLE3_HF_VLLM_WARM"
 WARM_IMPORTS = ["vllm", "vllm:LLM", "vllm:SamplingParams", "vllm.inputs:TokensPrompt", "vllm.v1.engine.core",
                 "vllm.entrypoints.openai.api_server"]
 # read by the runners themselves, or by nothing vLLM imports (the search path: by a shell, or `shutil.which`;
-# whether the engine core runs in its own process: by vLLM's settings, read when the engine starts)
+# whether the engine core runs in its own process: by vLLM's settings, read when the engine starts; torchrun's NCCL
+# setting, which a runner started by a rank inherits: by torch when a process group starts)
 RUN_TIME_VARIABLES = ["OMP_NUM_THREADS", "PYTHONPATH", "VLLM_API_KEY", "PATH", "DEMO_*",
-                      "VLLM_ENABLE_V1_MULTIPROCESSING"]
+                      "VLLM_ENABLE_V1_MULTIPROCESSING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
 
 __all__ = ["WARM_ENV", "WarmProcess", "launch", "start_warm"]
 
