@@ -18,9 +18,11 @@ VLLM_VENV ?= $(or $(EAGLE3_HF_VLLM_VENV),$(HOME)/.cache/eagle3_hf/vllm-venv)
 # speculators 0.9.0 in its own venv outside the clone too (its own transformers pin), for the round trip of
 # tests/model/test_speculators_roundtrip.py (and bench/, experiments/ when pointed at it), installed once
 SPECULATORS_VENV ?= $(or $(EAGLE3_HF_SPECULATORS_VENV),$(HOME)/.cache/eagle3_hf/speculators-venv)
-# two workers, one per core; the tests that keep both cores busy are one group, so two of them never run at once
-# (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log; PYTEST_ARGS="-n 0" runs serially
-PYTEST_XDIST := -n 2 --dist loadgroup --durations=25
+# three workers on two cores: the third runs while tests wait on servers, subprocesses and ranks (two workers left
+# about 30 % of the cores' time idle, docs/development.md); the tests that keep both cores busy are one group, so two
+# of them never run at once (tests/helpers/xdist_groups.py); --durations prints the slowest in CI's log;
+# PYTEST_ARGS="-n 0" runs serially
+PYTEST_XDIST := -n 3 --dist loadgroup --durations=25
 
 .PHONY: venv vllm sglang-rope speculators llamacpp vllm-server lint test test-fast demo demo-large demo-vllm demo-dflash constraints clean
 

@@ -1,4 +1,4 @@
-"""The groups `make test` runs its two workers by (tests/conftest.py): every test named as keeping both cores busy
+"""The groups `make test` runs its workers by (tests/conftest.py): every test named as keeping both cores busy
 exists (a renamed one would silently leave the group and run beside another), and the grouping keeps what it must
 together (tests/helpers/xdist_groups.py)."""
 

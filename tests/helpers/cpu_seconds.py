@@ -55,7 +55,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     own1, children1 = _cpu_seconds()
     record = {"test": item.nodeid, "wall": round(time.perf_counter() - wall0, 3), "cpu_own": round(own1 - own0, 3),
               "cpu_children": round(children1 - children0, 3),
-              # which worker ran it and when it ended: how the two workers' last groups line up (the suite's tail)
+              # which worker ran it and when it ended: how the workers' last groups line up (the suite's tail)
               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "ended": round(time.time(), 1)}
     with open(path, "a", encoding="utf-8") as out:  # one short write per line: workers' lines never interleave
         out.write(json.dumps(record) + "\n")

@@ -1,4 +1,4 @@
-"""The groups pytest-xdist runs `make test`'s two workers by (-n 2 --dist loadgroup, one worker per core): each group
+"""The groups pytest-xdist runs `make test`'s three workers by (-n 3 --dist loadgroup, on two cores): each group
 runs on one worker, in order; tests/conftest.py gives xdist the scheduler that reads them.
 
 The tests that keep both cores busy (two or more training, extraction or engine processes at once) are one group, so
