@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,9 @@ class ConversationTurns:
 
 def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, concurrency: int, tick: Callable,
                   max_turns: int | None, skip: Callable[[str, str], None], limits: RejectLimits) -> None:
+    """`concurrency` conversations in flight, the next one sent as one finishes: a run that stops (the server rejects
+    too many, another failure, Ctrl-C) has sent at most `concurrency` requests past the one that stopped it, however
+    far the workers would have run ahead of the results (a whole queue of instant rejections, before)."""
     def one(conv: dict) -> tuple[dict, int]:
         state, tokens = ConversationTurns(conv, max_turns), 0
         while (prompt := state.next_prompt()) is not None:
@@ -125,61 +128,67 @@ def _run_endpoint(todo: list[dict], backend: EndpointBackend, write: Callable, c
             state.accept(completion)
         return state.row(backend.name), tokens
 
+    results = _Results(write, tick, skip, limits, len(todo))
+    queue = iter(todo)
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        futures = {pool.submit(one, conv): conv["id"] for conv in todo}
-        try:
-            _collect(futures, write, tick, skip, limits)
-        except BaseException:  # Ctrl-C: don't wait for the queue, only for requests already in flight
-            for fut in futures:
-                fut.cancel()
-            raise
+        in_flight: dict[Future, str] = {}
+
+        def fill() -> None:
+            while len(in_flight) < max(1, concurrency) and results.failed is None:
+                conv = next(queue, None)
+                if conv is None:
+                    return
+                in_flight[pool.submit(one, conv)] = conv["id"]
+
+        fill()
+        while in_flight:  # Ctrl-C: only the requests in flight are waited for (the pool's exit)
+            finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                results.take(in_flight.pop(fut), fut)
+            fill()
+    if results.failed is not None:
+        conv_id, error = results.failed
+        raise EndpointError(f"conversation {conv_id}: {error} (finished ones are saved; rerun to resume)")
 
 
-def _collect(futures: dict, write: Callable, tick: Callable, skip: Callable[[str, str], None],
-             limits: RejectLimits) -> None:
+class _Results:
     """Write conversations as they finish; skip those the server rejects (recorded by `skip`); on the first other
-    failure, or when the rejections pass `limits` (in a row, or their share), cancel the queue, keep what finished."""
-    failed: tuple[str, BaseException] | None = None
-    answered = rejected = in_a_row = 0
+    failure, or when the rejections pass `limits` (in a row, or their share), stop sending (`failed`), keep what
+    finished."""
 
-    def cancel_all() -> None:
-        for other in futures:
-            other.cancel()
+    def __init__(self, write: Callable, tick: Callable, skip: Callable[[str, str], None], limits: RejectLimits,
+                 total: int) -> None:
+        self.write, self.tick, self.skip, self.limits, self.total = write, tick, skip, limits, total
+        self.failed: tuple[str, BaseException] | None = None
+        self.answered = self.rejected = self.in_a_row = 0
 
-    def stop(why: str, last: str) -> EndpointError:
+    def _stop(self, why: str, last: str) -> EndpointError:
         return EndpointError(f"{why}{last}. Check --model and --max-new-tokens against its context length "
-                             f"({answered} answered, {rejected} rejected, {len(futures) - answered - rejected} "
-                             "not finished)")
+                             f"({self.answered} answered, {self.rejected} rejected, "
+                             f"{self.total - self.answered - self.rejected} not finished)")
 
-    for fut in as_completed(futures):
-        if fut.cancelled():
-            continue
+    def take(self, conv_id: str, fut: Future) -> None:
         try:
             row, tokens = fut.result()
         except RejectedRequest as e:
-            skip(futures[fut], e.reason)
-            rejected += 1
-            in_a_row += 1
-            why = limits.exceeded(answered, rejected, in_a_row) if failed is None else None
+            self.skip(conv_id, e.reason)
+            self.rejected += 1
+            self.in_a_row += 1
+            why = self.limits.exceeded(self.answered, self.rejected, self.in_a_row) if self.failed is None else None
             if why:
-                failed = (futures[fut], stop(why, f"; last: {e}"))
-                cancel_all()
-            continue
+                self.failed = (conv_id, self._stop(why, f"; last: {e}"))
+            return
         except Exception as e:
-            if failed is None:
-                failed = (futures[fut], e)
-                cancel_all()
-            continue
-        write(row)
-        tick(row, tokens)
-        answered += 1
-        in_a_row = 0
-        why = limits.exceeded(answered, rejected, in_a_row) if failed is None else None
+            if self.failed is None:
+                self.failed = (conv_id, e)
+            return
+        self.write(row)
+        self.tick(row, tokens)
+        self.answered += 1
+        self.in_a_row = 0
+        why = self.limits.exceeded(self.answered, self.rejected, self.in_a_row) if self.failed is None else None
         if why:  # the share is first judged at its SHARE_AFTER-th result, which may be an answer
-            failed = (futures[fut], stop(why, ""))
-            cancel_all()
-    if failed is not None:
-        raise EndpointError(f"conversation {failed[0]}: {failed[1]} (finished ones are saved; rerun to resume)")
+            self.failed = (conv_id, self._stop(why, ""))
 
 
 def _run_batched(todo: list[dict], backend: TransformersBackend, write: Callable, batch_size: int,
