@@ -45,6 +45,23 @@ def test_removes_only_directories_whose_reader_and_runner_both_exited(tmp_path):
     assert not both_gone.exists() and runner_alive.exists() and starting.exists() and other.exists()
 
 
+def test_an_extraction_removes_orphans_at_its_end_too(tmp_path, monkeypatch):
+    """A reader killed just before ours started, whose runner was still finishing its last batch then (alive: kept
+    at our start), leaves a directory nobody else removes: our extraction's end sweeps again."""
+    import tempfile
+
+    from eagle3_hf.engines.vllm.vllm_env import VllmExtraction
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    orphan = tmp_path / f"{EXTRACT_PREFIX}orphan"
+    orphan.mkdir()
+    (orphan / "pids").write_text(f"{exited_pid()} {exited_pid()}\n")  # both exited while ours ran
+    ours = VllmExtraction({}, None)
+    ours._tmp, ours._proc = tempfile.TemporaryDirectory(prefix=EXTRACT_PREFIX), None  # as __enter__ leaves them
+    ours.__exit__(None, None, None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_directory_without_pids_is_removed_once_old(tmp_path):
     torn = tmp_path / f"{EXTRACT_PREFIX}torn"
     torn.mkdir()

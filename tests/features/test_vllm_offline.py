@@ -363,7 +363,7 @@ def test_vllm_extraction_killed_resumes_with_nothing_lost_or_duplicated(walk_ext
     assert uninterrupted["samples_compared"] == 12 and uninterrupted["token_mismatch"] == 0
     assert all(s["rel_err_max"] == 0.0 for s in uninterrupted["layers"].values()), uninterrupted["layers"]
     # the orphaned runner removes its directory when it learns its reader is gone, or, if it had finished
-    # before the kill, the resumed run's start removes it; the runner is a process of its own: wait for it
+    # before the kill, the resumed run's start or end removes it; the runner is a process of its own: wait for it
     deadline = time.monotonic() + 120
     while orphaned[0].exists() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -373,3 +373,6 @@ class VllmExtraction:
             self._stop()
         finally:
             self._tmp.cleanup()
+            # and once more at the end: an extraction killed just before this one started, whose runner was still
+            # finishing its last batch then (alive, so kept), has exited by now
+            remove_orphaned_extractions(tempfile.gettempdir())
