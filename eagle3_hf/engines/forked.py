@@ -90,13 +90,11 @@ class WarmProcess:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """The extraction cleanup's rule (a zombie counts as exited), imported only on the rare path that needs it: the
+    warm process died, so nobody may reap its forks."""
+    from .vllm.vllm_extract_runner import process_alive
+
+    return process_alive(pid)
 
 
 def _fd(stream: IO[Any] | int | None, default: int) -> int:
